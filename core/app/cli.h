@@ -1,0 +1,43 @@
+// Internal interface between the `modalities` entry point and its verbs.
+#pragma once
+
+#include <modalities/core/registry.h>
+#include <modalities/core/session.h>
+
+#include <boost/program_options.hpp>
+
+#include <string>
+#include <vector>
+
+namespace modalities::cli {
+
+namespace po = boost::program_options;
+
+/// Exit statuses shared by every verb.
+enum ExitCode : int {
+  kOk = 0,
+  kFailed = 1,       // invalid config, failed build, failed smoke test
+  kUsage = 2,        // bad command line
+  kPluginError = 3,  // plugin problems with --strict-plugins
+};
+
+/// Options every verb that loads plugins accepts.
+po::options_description plugin_options(core::PluginOptions& out);
+
+/// Loads plugins; prints one warning per problem. Returns false if loading
+/// must stop (strict mode and a problem was found).
+bool load_plugins_or_report(core::Registry& registry, core::PluginHost& host, const core::PluginOptions& options);
+
+/// Parses `args` against `desc` (+ positionals). Prints usage and returns
+/// false on errors or --help; `status` then holds the exit code.
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const po::positional_options_description& positional, po::variables_map& vm, const std::string& usage,
+           int& status);
+
+void print_error(const std::string& message);
+void print_warning(const std::string& message);
+
+int run_plugins(const std::vector<std::string>& args);
+int run_config(const std::vector<std::string>& args);
+
+}  // namespace modalities::cli

@@ -1,0 +1,67 @@
+// Option parsing and reporting shared by the verbs.
+#include "cli.h"
+
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <iostream>
+
+namespace modalities::cli {
+
+namespace {
+bool color(int fd) { return isatty(fd) != 0 && std::getenv("NO_COLOR") == nullptr; }
+}  // namespace
+
+void print_error(const std::string& message) {
+  std::cerr << (color(2) ? "\033[1;31merror:\033[0m " : "error: ") << message << "\n";
+}
+
+void print_warning(const std::string& message) {
+  std::cerr << (color(2) ? "\033[1;33mwarning:\033[0m " : "warning: ") << message << "\n";
+}
+
+po::options_description plugin_options(core::PluginOptions& out) {
+  po::options_description d("Plugin options");
+  d.add_options()
+      ("plugin-path", po::value<std::vector<std::string>>()->composing()->notifier([&out](const std::vector<std::string>& v) {
+         for (const auto& p : v) out.extra_paths.emplace_back(p);
+       }),
+       "extra plugin directory or .so file (repeatable); searched after the bundled directory and MODALITIES_PLUGIN_PATH")
+      ("strict-plugins", po::bool_switch(&out.strict), "treat any plugin that fails to load as a fatal error");
+  return d;
+}
+
+bool load_plugins_or_report(core::Registry& registry, core::PluginHost& host, const core::PluginOptions& options) {
+  const auto problems = core::load_plugins(registry, host, options);
+  for (const auto& p : problems) print_warning(fmt::format("plugin {}: {}", p.file.string(), p.reason));
+  if (!problems.empty() && options.strict) {
+    print_error(fmt::format("{} plugin problem(s) and --strict-plugins is set", problems.size()));
+    return false;
+  }
+  return true;
+}
+
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const po::positional_options_description& positional, po::variables_map& vm, const std::string& usage,
+           int& status) {
+  try {
+    po::store(po::command_line_parser(args).options(desc).positional(positional).run(), vm);
+    if (vm.count("help")) {
+      std::cout << usage << "\n" << desc << "\n";
+      status = kOk;
+      return false;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    print_error(fmt::format("{}\n\n{}\n\n{}", e.what(), usage, fmt::format("{}", [&] {
+      std::ostringstream s;
+      s << desc;
+      return s.str();
+    }())));
+    status = kUsage;
+    return false;
+  }
+  return true;
+}
+
+}  // namespace modalities::cli

@@ -1,0 +1,59 @@
+// `modalities`: the host binary. Verbs mirror the Python Modalities CLI
+// (spec §9); each verb lives in its own cli_*.cpp.
+#include "cli.h"
+
+#include <modalities/core/registry.h>
+#include <modalities/sdk/build_info.h>
+
+#include <fmt/core.h>
+
+#include <iostream>
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: modalities <command> [<args>]
+
+Modalities C++: LLM pre-training and research on LibTorch, configured by TOML
+component graphs and extended by plugins.
+
+Commands:
+  plugins list                  list every loaded variant with its plugin file
+  plugins describe <ck>/<vk>    config schema of one variant (types, defaults, help)
+  plugins smoke <file.so>       load one plugin, build its example config, run conformance checks
+  config validate <file.toml>   check a config against the loaded plugins without building it
+  config resolve <file.toml>    print the fully interpolated config as TOML
+  config graph <file.toml>      print the component graph in Graphviz DOT
+  config build <file.toml>      build the component graph and print what each top-level key produced
+
+Options:
+  -h, --help       this help; `modalities <command> --help` for a command's options
+  --version        version and build fingerprint
+
+Plugins are loaded from the bundled directory (<prefix>/lib/modalities/plugins),
+then from MODALITIES_PLUGIN_PATH (colon-separated), then from --plugin-path.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+    std::cout << kUsage;
+    return args.empty() ? modalities::cli::kUsage : modalities::cli::kOk;
+  }
+  if (args[0] == "--version" || args[0] == "version") {
+    fmt::print("modalities {} ({})\n", MODALITIES_SDK_VERSION, modalities::core::host_fingerprint());
+    return modalities::cli::kOk;
+  }
+  const std::string verb = args[0];
+  args.erase(args.begin());
+  try {
+    if (verb == "plugins") return modalities::cli::run_plugins(args);
+    if (verb == "config") return modalities::cli::run_config(args);
+  } catch (const std::exception& e) {
+    modalities::cli::print_error(e.what());
+    return modalities::cli::kFailed;
+  }
+  modalities::cli::print_error(fmt::format("unknown command '{}'\n\n{}", verb, kUsage));
+  return modalities::cli::kUsage;
+}

@@ -1,0 +1,90 @@
+// The component graph of a resolved config: validation before anything is
+// built, then construction by dependency injection in the order of spec §3.2
+// (children before parents, top-level nodes built once and shared through
+// references, inline nodes private), and a DOT rendering.
+#pragma once
+
+#include <modalities/core/config_tree.h>
+#include <modalities/core/registry.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace modalities::core {
+
+/// One top-level key a pipeline needs (spec §4): its name, what it must
+/// produce ("Module", "int", "table", "list<DataLoader>", or "" for anything).
+struct PipelineEntry {
+  std::string key;
+  std::string expects;
+  bool required = true;
+  std::string help;
+};
+
+/// What a command builds from a config: an ordered list of top-level keys.
+/// Top-level keys not listed are built only if something references them.
+struct PipelineProfile {
+  std::string name;
+  std::string description;
+  std::vector<PipelineEntry> entries;
+};
+
+/// Profiles of the commands (training, packing, text_generation, profiling).
+const std::vector<PipelineProfile>& builtin_pipelines();
+const PipelineProfile* find_pipeline(std::string_view name);
+
+struct BuiltGraph {
+  /// Selected top-level keys in build-selection order, with what they built.
+  std::vector<std::pair<std::string, Value>> top_level;
+  const Value* get(std::string_view key) const;
+};
+
+class ComponentGraph {
+ public:
+  /// `profile` null: every top-level key is selected, in document order.
+  ComponentGraph(const Registry& registry, const ConfigNode& resolved_root, const PipelineProfile* profile);
+
+  /// Checks the whole graph without building anything: node shapes, known
+  /// variants, config keys and types (Pending placeholders stand for unbuilt
+  /// components), reference targets and cycles, interfaces of typed fields,
+  /// the pipeline's required keys. Returns errors and warnings.
+  std::vector<Diagnostic> validate();
+
+  /// Validates, then builds. `log` receives one line per built component
+  /// ("Instantiated optimizer/adam_w -> Optimizer: optimizer"). Throws
+  /// ConfigFileError on invalid configs and on factory failures.
+  BuiltGraph build(const std::function<void(const std::string&)>& log);
+
+  /// Graphviz DOT: boxes for top-level nodes, ellipses for inline components,
+  /// solid edges for nesting, dashed edges for references.
+  std::string to_dot();
+
+ private:
+  enum class NodeKind { kComponent, kReference, kTable, kArray, kScalar, kInvalid };
+  NodeKind classify(const ConfigNode& n, const ConfigPath& p);
+  Value dry(const ConfigNode& n, const ConfigPath& p);
+  Value dry_top(const std::string& key, const ConfigNode& referrer, const ConfigPath& referrer_path);
+  Value build_node(const ConfigNode& n, const ConfigPath& p, const std::function<void(const std::string&)>& log);
+  std::vector<std::string> selection();
+  void error(const ConfigNode& at, const ConfigPath& p, std::string message, std::string hint = {},
+             std::string context = {});
+  SourceLocation locate(const ConfigPath& p) const;
+  void map_field_errors(const std::vector<FieldError>& errs, const ConfigPath& config_path,
+                        const RegisteredVariant& v, bool warning);
+
+  const Registry& registry_;
+  const ConfigNode& root_;
+  const PipelineProfile* profile_;
+  std::vector<Diagnostic> diagnostics_;
+  std::map<std::string, bool> reported_;      // path -> already classified with an error
+  std::map<std::string, Value> dry_cache_;    // top-level key -> dry value
+  std::vector<std::string> in_progress_;      // reference chain, for cycles
+  std::map<std::string, Value> built_cache_;  // top-level key -> built value
+};
+
+/// Expected-vs-actual check used by pipelines: does `v` satisfy `expects`?
+bool satisfies(const Value& v, std::string_view expects);
+
+}  // namespace modalities::core

@@ -1,0 +1,387 @@
+// Loading TOML into the ConfigNode tree (document order, strict value kinds,
+// bounded depth) and writing it back as TOML.
+#include <modalities/core/config_tree.h>
+#include <modalities/sdk/schema.h>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+namespace modalities::core {
+
+std::string SourceLocation::str() const {
+  const std::string name = file ? *file : std::string("<config>");
+  if (line == 0) return name;
+  return fmt::format("{}:{}:{}", name, line, column);
+}
+
+const ConfigNode* ConfigNode::find(std::string_view key) const {
+  if (!is_table()) return nullptr;
+  for (const auto& [k, v] : as_table())
+    if (k == key) return &v;
+  return nullptr;
+}
+
+ConfigNode* ConfigNode::find(std::string_view key) {
+  if (!is_table()) return nullptr;
+  for (auto& [k, v] : as_table())
+    if (k == key) return &v;
+  return nullptr;
+}
+
+Value ConfigNode::to_value() const {
+  return std::visit(
+      [](const auto& d) -> Value {
+        using T = std::decay_t<decltype(d)>;
+        if constexpr (std::is_same_v<T, std::monostate>) return Value();
+        else if constexpr (std::is_same_v<T, Array>) {
+          Value::List l;
+          l.reserve(d.size());
+          for (const auto& x : d) l.push_back(x.to_value());
+          return Value(std::move(l));
+        } else if constexpr (std::is_same_v<T, Table>) {
+          Value::Table t;
+          t.reserve(d.size());
+          for (const auto& [k, x] : d) t.emplace_back(k, x.to_value());
+          return Value(std::move(t));
+        } else return Value(d);
+      },
+      data_);
+}
+
+ConfigNode ConfigNode::from_value(const Value& v, const SourceLocation& where) {
+  switch (v.kind()) {
+    case Value::Kind::kNull: return ConfigNode({}, where);
+    case Value::Kind::kBool: return ConfigNode(v.as_bool(), where);
+    case Value::Kind::kInt: return ConfigNode(v.as_int(), where);
+    case Value::Kind::kFloat: return ConfigNode(v.as_float(), where);
+    case Value::Kind::kString: return ConfigNode(v.as_string(), where);
+    case Value::Kind::kList: {
+      Array a;
+      for (const auto& x : v.as_list()) a.push_back(from_value(x, where));
+      return ConfigNode(std::move(a), where);
+    }
+    case Value::Kind::kTable: {
+      Table t;
+      for (const auto& [k, x] : v.as_table()) t.emplace_back(k, from_value(x, where));
+      return ConfigNode(std::move(t), where);
+    }
+    default: throw Error("a resolver returned a component object; resolvers must return plain data");
+  }
+}
+
+std::string ConfigNode::type_name() const {
+  switch (data_.index()) {
+    case 0: return "null";
+    case 1: return "boolean";
+    case 2: return "integer";
+    case 3: return "float";
+    case 4: return "string";
+    case 5: return "array";
+    case 6: return "table";
+  }
+  return "?";
+}
+
+ConfigPath ConfigPath::child(std::string key) const {
+  ConfigPath p = *this;
+  p.segments_.emplace_back(std::move(key));
+  return p;
+}
+
+ConfigPath ConfigPath::index(std::size_t i) const {
+  ConfigPath p = *this;
+  p.segments_.emplace_back(i);
+  return p;
+}
+
+std::string ConfigPath::str() const {
+  std::string s;
+  for (const auto& seg : segments_) {
+    if (const auto* k = std::get_if<std::string>(&seg)) {
+      if (!s.empty()) s += '.';
+      s += *k;
+    } else {
+      s += fmt::format("[{}]", std::get<std::size_t>(seg));
+    }
+  }
+  return s;
+}
+
+std::string Diagnostic::str() const {
+  std::string s = where.str() + ": ";
+  if (warning) s += "warning: ";
+  if (!path.empty()) s += path + ": ";
+  s += message;
+  if (!context.empty()) s += "\n  " + context;
+  if (!hint.empty()) s += "\n  hint: " + hint;
+  return s;
+}
+
+namespace {
+std::string join_diagnostics(const std::vector<Diagnostic>& ds) {
+  std::string s;
+  for (const auto& d : ds) s += (s.empty() ? "" : "\n") + d.str();
+  return s;
+}
+}  // namespace
+
+ConfigFileError::ConfigFileError(std::vector<Diagnostic> diagnostics)
+    : ConfigError("", join_diagnostics(diagnostics)), diagnostics_(std::move(diagnostics)) {}
+
+namespace {
+
+class Converter {
+ public:
+  explicit Converter(std::shared_ptr<const std::string> file) : file_(std::move(file)) {}
+
+  ConfigNode convert(const toml::node& n, const ConfigPath& path, std::size_t depth) {
+    const SourceLocation where = loc(n.source());
+    if (depth > kMaxNestingDepth) {
+      fail(where, path, fmt::format("nesting deeper than {} levels", kMaxNestingDepth));
+      return ConfigNode({}, where);
+    }
+    switch (n.type()) {
+      case toml::node_type::table: {
+        const auto& t = *n.as_table();
+        struct Item {
+          std::uint32_t line, column;
+          std::string key;
+          const toml::node* node;
+        };
+        std::vector<Item> items;
+        for (auto&& [k, v] : t) {
+          // Order by the position of the key (document order), falling back to the value's.
+          auto src = k.source().begin;
+          if (src.line == 0) src = v.source().begin;
+          items.push_back({src.line, src.column, std::string(k.str()), &v});
+        }
+        std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+          return a.line != b.line ? a.line < b.line : a.column < b.column;
+        });
+        ConfigNode::Table out;
+        out.reserve(items.size());
+        for (const auto& it : items) out.emplace_back(it.key, convert(*it.node, path.child(it.key), depth + 1));
+        return ConfigNode(std::move(out), where);
+      }
+      case toml::node_type::array: {
+        ConfigNode::Array out;
+        std::size_t i = 0;
+        for (const auto& v : *n.as_array()) out.push_back(convert(v, path.index(i++), depth + 1));
+        return ConfigNode(std::move(out), where);
+      }
+      case toml::node_type::string: return ConfigNode(std::string(n.as_string()->get()), where);
+      case toml::node_type::integer: return ConfigNode(n.as_integer()->get(), where);
+      case toml::node_type::floating_point: return ConfigNode(n.as_floating_point()->get(), where);
+      case toml::node_type::boolean: return ConfigNode(n.as_boolean()->get(), where);
+      case toml::node_type::date:
+      case toml::node_type::time:
+      case toml::node_type::date_time:
+        fail(where, path, "dates and times are not allowed in Modalities configs", "quote the value to make it a string");
+        return ConfigNode({}, where);
+      default: fail(where, path, "unsupported TOML value"); return ConfigNode({}, where);
+    }
+  }
+
+  void fail(SourceLocation where, const ConfigPath& path, std::string message, std::string hint = {}) {
+    diagnostics_.push_back({std::move(where), path.str(), std::move(message), std::move(hint), {}, false});
+  }
+  std::vector<Diagnostic>& diagnostics() { return diagnostics_; }
+
+ private:
+  SourceLocation loc(const toml::source_region& r) const {
+    return SourceLocation{file_, static_cast<std::uint32_t>(r.begin.line), static_cast<std::uint32_t>(r.begin.column)};
+  }
+  std::shared_ptr<const std::string> file_;
+  std::vector<Diagnostic> diagnostics_;
+};
+
+// TOML++ accepts inline nesting up to its own limit and header nesting
+// without limit; refuse absurd depth before parsing spends time on it.
+void check_inline_depth(std::string_view text, const std::shared_ptr<const std::string>& file) {
+  std::size_t depth = 0, line = 1, col = 0;
+  bool in_string = false;
+  char quote = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    ++col;
+    if (c == '\n') {
+      ++line;
+      col = 0;
+      if (quote != 0 && !in_string) quote = 0;
+    }
+    if (in_string) {
+      if (c == '\\' && quote == '"') ++i;
+      else if (c == quote) in_string = false;
+      continue;
+    }
+    if (c == '#') {
+      while (i < text.size() && text[i] != '\n') ++i;
+      ++line;
+      col = 0;
+      continue;
+    }
+    if (c == '"' || c == '\'') {
+      in_string = true;
+      quote = c;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxNestingDepth)
+        throw ConfigFileError({{SourceLocation{file, static_cast<std::uint32_t>(line), static_cast<std::uint32_t>(col)},
+                                "",
+                                fmt::format("nesting deeper than {} levels", kMaxNestingDepth),
+                                {},
+                                {},
+                                false}});
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
+ConfigNode parse_text(std::string_view text, std::shared_ptr<const std::string> file) {
+  check_inline_depth(text, file);
+  toml::table table;
+  try {
+    table = toml::parse(text, std::string_view(*file));
+  } catch (const toml::parse_error& e) {
+    const auto& b = e.source().begin;
+    throw ConfigFileError({{SourceLocation{file, static_cast<std::uint32_t>(b.line), static_cast<std::uint32_t>(b.column)},
+                            "",
+                            fmt::format("TOML syntax error: {}", e.description()),
+                            {},
+                            {},
+                            false}});
+  }
+  Converter conv(file);
+  ConfigNode root = conv.convert(table, ConfigPath(), 0);
+  root.set_where(SourceLocation{file, 0, 0});
+  if (!conv.diagnostics().empty()) throw ConfigFileError(std::move(conv.diagnostics()));
+  return root;
+}
+
+}  // namespace
+
+ConfigNode load_toml_file(const std::filesystem::path& file) {
+  auto name = std::make_shared<const std::string>(file.string());
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec))
+    throw ConfigFileError({{SourceLocation{name, 0, 0}, "", "config file does not exist", {}, {}, false}});
+  if (std::filesystem::is_directory(file, ec))
+    throw ConfigFileError({{SourceLocation{name, 0, 0}, "", "is a directory, expected a TOML file", {}, {}, false}});
+  std::ifstream in(file, std::ios::binary);
+  if (!in)
+    throw ConfigFileError({{SourceLocation{name, 0, 0}, "", "cannot open config file for reading", {}, {}, false}});
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_text(ss.str(), name);
+}
+
+ConfigNode load_toml_string(std::string_view text, std::string name) {
+  return parse_text(text, std::make_shared<const std::string>(std::move(name)));
+}
+
+const ConfigNode* lookup(const ConfigNode& root, const ConfigPath& path) {
+  const ConfigNode* cur = &root;
+  for (const auto& seg : path.segments()) {
+    if (const auto* k = std::get_if<std::string>(&seg)) {
+      cur = cur->find(*k);
+    } else {
+      const std::size_t i = std::get<std::size_t>(seg);
+      if (!cur->is_array() || i >= cur->as_array().size()) return nullptr;
+      cur = &cur->as_array()[i];
+    }
+    if (cur == nullptr) return nullptr;
+  }
+  return cur;
+}
+
+// --- TOML writer -----------------------------------------------------------------
+
+namespace {
+
+bool is_bare_key(std::string_view k) {
+  if (k.empty()) return false;
+  for (char c : k)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) return false;
+  return true;
+}
+
+std::string toml_string(std::string_view s) {
+  std::string out = "\"";
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      case '$':
+        // A literal "${" must stay literal when the output is loaded again.
+        out += (i + 1 < s.size() && s[i + 1] == '{') ? "\\\\$" : "$";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\u{:04X}", static_cast<int>(c));
+        else out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string key_str(std::string_view k) { return is_bare_key(k) ? std::string(k) : toml_string(k); }
+
+std::string inline_value(const ConfigNode& n) {
+  return std::visit(
+      [](const auto& d) -> std::string {
+        using T = std::decay_t<decltype(d)>;
+        if constexpr (std::is_same_v<T, std::monostate>) return "\"${null:}\"";
+        else if constexpr (std::is_same_v<T, bool>) return d ? "true" : "false";
+        else if constexpr (std::is_same_v<T, std::int64_t>) return fmt::format("{}", d);
+        else if constexpr (std::is_same_v<T, double>) return format_float(d);
+        else if constexpr (std::is_same_v<T, std::string>) return toml_string(d);
+        else if constexpr (std::is_same_v<T, ConfigNode::Array>) {
+          std::string s = "[";
+          for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + inline_value(d[i]);
+          return s + "]";
+        } else {
+          if (d.empty()) return "{}";
+          std::string s = "{ ";
+          for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + key_str(d[i].first) + " = " + inline_value(d[i].second);
+          return s + " }";
+        }
+      },
+      n.data());
+}
+
+bool is_array_of_tables(const ConfigNode& n) {
+  if (!n.is_array() || n.as_array().empty()) return false;
+  for (const auto& x : n.as_array())
+    if (!x.is_table()) return false;
+  return true;
+}
+
+void write_table(std::string& out, const std::string& header, const ConfigNode::Table& t, bool is_array_elem) {
+  if (!header.empty()) out += fmt::format("\n{}{}{}\n", is_array_elem ? "[[" : "[", header, is_array_elem ? "]]" : "]");
+  for (const auto& [k, v] : t)
+    if (!v.is_table() && !is_array_of_tables(v)) out += fmt::format("{} = {}\n", key_str(k), inline_value(v));
+  for (const auto& [k, v] : t) {
+    const std::string sub = header.empty() ? key_str(k) : header + "." + key_str(k);
+    if (v.is_table()) write_table(out, sub, v.as_table(), false);
+    else if (is_array_of_tables(v))
+      for (const auto& e : v.as_array()) write_table(out, sub, e.as_table(), true);
+  }
+}
+
+}  // namespace
+
+std::string to_toml(const ConfigNode& root) {
+  std::string out;
+  if (root.is_table()) write_table(out, "", root.as_table(), false);
+  if (!out.empty() && out.front() == '\n') out.erase(0, 1);
+  return out;
+}
+
+}  // namespace modalities::core

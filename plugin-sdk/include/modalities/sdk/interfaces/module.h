@@ -1,0 +1,203 @@
+// The model interface: what the gym, optimizers, checkpointing and the model
+// wrappers (FSDP, tensor/pipeline parallelism, activation checkpointing,
+// compile) need from a network without knowing its class. A Module owns (or
+// wraps) a torch::nn::Module tree and adds the named-tensor forward plus the
+// metadata Modalities models carry. A wrapper is itself a Module around another
+// one, so wrappers stack without changing this interface.
+#pragma once
+
+#include <modalities/sdk/export.h>
+#include <modalities/sdk/interfaces/batch.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace modalities {
+
+class RemovableHandle;
+
+/// (fully qualified name, tensor) pairs in registration order. A vector, not a
+/// map, because optimizers group parameters in this order.
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// Where a module hook fires.
+enum class HookPoint {
+  kPreForward,  // before a submodule's forward; `inputs` set
+  kForward,     // after it; `inputs` and `outputs` set
+  kBackward,    // when the gradients w.r.t. its outputs are known, before its own
+                // backward runs; `outputs` holds those gradients
+};
+
+/// One hooked submodule call, as seen by a ModuleHook. Views are valid only
+/// during the call.
+struct ModuleHookCall {
+  HookPoint point = HookPoint::kForward;
+  std::string_view fqn;         // "transformer.h.0.attn"; "" for the root
+  std::string_view class_name;  // the name used by submodules_of_class, e.g. "GPT2Block"
+  std::span<const at::Tensor> inputs;
+  std::span<const at::Tensor> outputs;
+};
+
+/// Observes (and may launch side effects around) submodule calls: NaN checks,
+/// tensor statistics, or a sharding wrapper's gather-before / free-after.
+/// Must not replace the tensors it is shown.
+using ModuleHook = std::function<void(const ModuleHookCall&)>;
+
+/// Where a local tensor sits in the full, unsharded tensor: the local tensor
+/// is the block starting at `offsets` with the local tensor's own shape.
+/// Used by checkpoint writers and parameter counting under sharding.
+struct ShardPlacement {
+  std::vector<std::int64_t> global_shape;
+  std::vector<std::int64_t> offsets;
+};
+
+/// A trainable network seen through named tensors, e.g. the GPT-2 decoder.
+///
+/// Built once per run by a `model` variant (or `layer_norm`, `pipeline/selector`)
+/// and then possibly replaced by wrapper variants (`model_initialized`,
+/// `fsdp2_wrapped`, ...) that return a Module around it. The gym calls
+/// train()/forward() from its single thread; hooks registered for kBackward
+/// run on autograd's threads. Accessors may be called at build time by other
+/// components (optimizer grouping, FSDP block discovery).
+///
+/// Only forward() and module() are required. Every other virtual has a default
+/// in the SDK library that works for an unwrapped model whose torch::nn::Module
+/// tree uses the canonical names; wrappers that rename, shard or re-layout
+/// parameters override them so that consumers keep seeing canonical FQNs.
+///
+/// \code
+///   model->train(true);
+///   TensorMap out = model->forward({{model->sample_key(), batch.samples.at("input_ids")}});
+///   at::Tensor logits = out.at(model->prediction_key());  // [B, T, V]
+/// \endcode
+///
+/// Ownership: the host owns the instance (std::shared_ptr); wrappers hold a
+/// shared_ptr to the Module they wrap. Tensors returned by accessors alias the
+/// live parameters. module() references live as long as the instance.
+/// Errors: throw modalities::Error (TORCH_CHECK inside tensor code is fine);
+/// never exit().  Since: SDK 0.1.
+/// ABI: adding, removing or reordering virtuals bumps MODALITIES_PLUGIN_ABI_VERSION.
+class MODALITIES_SDK_API Module {
+ public:
+  static constexpr std::string_view kInterface = "Module";
+  static constexpr std::string_view kComponentKey = "model";
+
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+  virtual ~Module();  // defined in the SDK library: one vtable, one typeinfo
+
+  // --- required ---------------------------------------------------------------
+
+  /// Runs the network. Modalities' convention: inputs under sample_key(),
+  /// outputs under prediction_key(); other models document their keys. A bare
+  /// tensor input (accepted by Modalities models) is not supported: wrap it in
+  /// a one-entry map.
+  virtual TensorMap forward(const TensorMap& inputs) = 0;
+
+  /// The underlying module tree, for traversal (named_modules, named_children),
+  /// submodule lookup and replace_module. Wrappers return the tree they act on.
+  virtual torch::nn::Module& module() = 0;
+  virtual const torch::nn::Module& module() const = 0;
+
+  // --- parameters, state and mode (defaults: delegate to module()) ------------
+
+  /// Parameters by canonical fully qualified name (no wrapper infixes), in
+  /// registration order. Under sharding the tensors are the local shards.
+  /// Used for optimizer construction/grouping, gradient clipping, parameter
+  /// counting and optimizer state keys.
+  virtual NamedTensors named_parameters() const;
+
+  /// The tensors of named_parameters(), same order; e.g. to construct a
+  /// torch::optim optimizer. Not virtual: override named_parameters().
+  std::vector<at::Tensor> parameters() const {
+    std::vector<at::Tensor> out;
+    for (auto& [name, tensor] : named_parameters()) out.push_back(std::move(tensor));
+    return out;
+  }
+
+  /// Parameters and persistent buffers by canonical FQN (local shards under
+  /// sharding; see shard_placements()). What checkpoints store.
+  virtual StateDict state_dict() const;
+
+  /// Copies `state` into the parameters and buffers (no autograd recording).
+  /// strict: every own key must be present and no other key may exist.
+  /// Non-strict loading (one pipeline part of a full checkpoint) skips both.
+  /// A shape mismatch is an error either way.
+  virtual void load_state_dict(const StateDict& state, bool strict);
+
+  /// Training mode on/off (dropout etc.); eval() is train(false).
+  virtual void train(bool on);
+  virtual bool is_training() const;
+  void eval() { train(false); }
+
+  /// Moves parameters and buffers to `device`, and casts floating-point ones
+  /// to `dtype` when given. Used for inference and single-device runs.
+  virtual void to(const c10::Device& device, std::optional<c10::ScalarType> dtype);
+
+  // --- model metadata (defaults: empty) ---------------------------------------
+
+  /// Input/output keys of a language model ("input_ids", "logits"); empty for
+  /// modules that are not LLMs. The pipeline path reads sample_key(); the
+  /// text-inference component and losses are configured with the same keys.
+  virtual std::string sample_key() const;
+  virtual std::string prediction_key() const;
+
+  /// Weight-decay groups: group name -> regexes searched (not fully matched)
+  /// in parameter FQNs, e.g. {"linear": {"attn", "mlp", "lm_head.weight"}, ...}.
+  /// The optimizer's `weight_decay_groups_excluded` refers to these names.
+  virtual std::map<std::string, std::vector<std::string>> weight_decay_groups() const;
+
+  /// FQNs of the repeated blocks, in execution order ("transformer.h.0", ...):
+  /// the units of FSDP sharding, activation checkpointing, compilation and
+  /// pipeline splitting.
+  virtual std::vector<std::string> block_fqns() const;
+
+  /// FQNs (pre-order) of the submodules whose class is `class_name`, the way
+  /// configs name them (`block_names = ["GPT2Block"]`). Empty when none: the
+  /// caller decides whether that is an error. Default: compares
+  /// torch::nn::Module::name() without namespaces and without a trailing
+  /// "Impl" (so GPT2BlockImpl registered via TORCH_MODULE matches "GPT2Block").
+  virtual std::vector<std::string> submodules_of_class(std::string_view class_name) const;
+
+  // --- capabilities for wrappers (defaults: unsupported / nothing sharded) ----
+
+  /// Gives every parameter and buffer its constructor-time value again, on
+  /// whatever device it now lives (norm weights 1, RoPE tables recomputed,
+  /// random init for the rest). Needed after a meta-device model has been
+  /// materialized with uninitialized storage (`model/model_initialized`).
+  /// Default: throws modalities::Error ("not supported").
+  virtual void reset_parameters();
+
+  /// An independent deep copy (same class, same values, own storage), e.g. one
+  /// per local pipeline stage before pruning it (`pipeline/staged`).
+  /// Default: throws modalities::Error ("not supported").
+  virtual std::shared_ptr<Module> clone() const;
+
+  /// Calls `hook` around the forward (and backward) of the submodules named
+  /// in `fqns`, or of every submodule when `fqns` is empty. libtorch has no
+  /// module hooks, so the model's own forward calls them. The hook stays until
+  /// the returned handle's remove(). Used by `model_debugging_hook/*`,
+  /// `debugging_enriched`, and sharding wrappers (gather parameters before a
+  /// block runs, free them after). Default: throws modalities::Error ("not supported").
+  virtual std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns);
+
+  /// Placement of every *sharded* entry of state_dict() in its full tensor,
+  /// by FQN; entries not listed are complete on every rank. Default: empty.
+  virtual std::map<std::string, ShardPlacement> shard_placements() const;
+};
+
+}  // namespace modalities
