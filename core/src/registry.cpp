@@ -6,7 +6,8 @@
 namespace modalities::core {
 
 std::string RegisteredVariant::provenance() const {
-  if (!plugin || plugin->file.empty()) return fmt::format("({} built in)", spec.id());
+  if (!plugin) return fmt::format("({} built in)", spec.id());
+  if (plugin->file.empty()) return fmt::format("({} from {} {})", spec.id(), plugin->name, plugin->version);
   return fmt::format("({} from {} {})", spec.id(), plugin->file.filename().string(), plugin->version);
 }
 
