@@ -4,14 +4,15 @@
 #     [EXAMPLE_CONFIG <toml>]         smallest graph using every variant; embedded in the .so
 #                                     and built by `modalities plugins smoke`
 #     [TORCH]                         the plugin does tensor work: precompile the common LibTorch headers
-#     [LIBRARIES <targets...>])       extra private link dependencies
+#     [LIBRARIES <targets...>]        extra private link dependencies
+#     [NO_INSTALL])                   test fixtures: never installed, built in the current binary dir
 #
 # Creates target modalities_plugin_<name> producing libmodalities_<name>.so. The
 # plugin's source must contain MODALITIES_PLUGIN(<name>, ...).
 include_guard(GLOBAL)
 
 function(modalities_add_plugin name)
-  cmake_parse_arguments(ARG "TORCH" "VERSION;EXAMPLE_CONFIG" "SOURCES;LIBRARIES" ${ARGN})
+  cmake_parse_arguments(ARG "TORCH;NO_INSTALL" "VERSION;EXAMPLE_CONFIG" "SOURCES;LIBRARIES" ${ARGN})
   if(NOT ARG_SOURCES)
     message(FATAL_ERROR "modalities_add_plugin(${name}): SOURCES is required")
   endif()
@@ -22,8 +23,12 @@ function(modalities_add_plugin name)
     PREFIX lib
     CXX_VISIBILITY_PRESET hidden
     VISIBILITY_INLINES_HIDDEN ON)
-  if(MODALITIES_PLUGIN_OUTPUT_DIRECTORY)
-    set_target_properties(${target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${MODALITIES_PLUGIN_OUTPUT_DIRECTORY})
+  if(MODALITIES_PLUGIN_OUTPUT_DIRECTORY AND NOT ARG_NO_INSTALL)
+    # In-tree (bundled) plugin: built and installed where the host looks first.
+    set_target_properties(${target} PROPERTIES
+      LIBRARY_OUTPUT_DIRECTORY ${MODALITIES_PLUGIN_OUTPUT_DIRECTORY}
+      INSTALL_RPATH "$ORIGIN/../..;${MODALITIES_TORCH_DIR}/lib")
+    install(TARGETS ${target} LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/modalities/plugins)
   endif()
   target_compile_features(${target} PRIVATE cxx_std_20)
   target_link_libraries(${target} PRIVATE modalities::sdk ${ARG_LIBRARIES})

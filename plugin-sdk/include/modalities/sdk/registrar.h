@@ -24,7 +24,7 @@
 namespace modalities {
 
 /// What a factory may ask the host while it builds. Implemented by the host.
-/// Since: SDK 0.1. ABI: adding virtuals at the end only.
+/// Since: SDK 0.1. ABI: adding, removing or reordering virtuals bumps MODALITIES_PLUGIN_ABI_VERSION.
 class MODALITIES_SDK_API BuildContext {
  public:
   virtual ~BuildContext();
@@ -102,7 +102,7 @@ constexpr std::string_view value_kind() {
 }  // namespace detail
 
 /// Collects a plugin's registrations. Implemented by the host.
-/// Since: SDK 0.1. ABI: adding virtuals at the end only.
+/// Since: SDK 0.1. ABI: adding, removing or reordering virtuals bumps MODALITIES_PLUGIN_ABI_VERSION.
 class MODALITIES_SDK_API Registrar {
  public:
   virtual ~Registrar();

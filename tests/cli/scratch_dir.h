@@ -1,6 +1,7 @@
-// A temporary plugin directory for the loader tests: each test fills its own
-// with broken files (written at test time) and symlinks to the fixture .so
-// files built by CMake, and it is removed again when the test ends.
+// A temporary directory for the CLI and loader tests, removed again when the
+// test ends. The loader tests fill theirs with broken files (written at test
+// time) and symlinks to the fixture .so files built by CMake; the CLI tests
+// write small TOML configs into theirs.
 #pragma once
 
 #include <unistd.h>
@@ -17,7 +18,7 @@ class ScratchDir {
   ScratchDir() {
     static int counter = 0;
     path_ = std::filesystem::temp_directory_path() /
-            ("modalities_loader_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+            ("modalities_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

@@ -1,0 +1,229 @@
+// The `modalities` command line as a user meets it: the host binary runs as a
+// subprocess with the bundled plugins (layer_norm, number_conversion), and
+// each test checks the exit status (0 ok, 1 failed, 2 usage) and what the
+// messages say: usage text, schemas, did-you-mean hints, and config errors
+// pointing at file:line:col and the dotted config path (style.md §5).
+#include "run_command.h"
+#include "scratch_dir.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace modalities::cli {
+namespace {
+
+using modalities::testing::CommandResult;
+using modalities::testing::run_command;
+using modalities::testing::ScratchDir;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+const std::string kHost = MODALITIES_TEST_HOST_BINARY;
+
+CommandResult modalities(std::vector<std::string> args) {
+  args.insert(args.begin(), kHost);
+  return run_command(args);
+}
+
+// The first line of `text` that starts with `prefix` (after indentation); empty when none does.
+std::string line_starting_with(const std::string& text, const std::string& prefix) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    const auto start = line.find_first_not_of(' ');
+    if (start != std::string::npos && line.compare(start, prefix.size(), prefix) == 0) return line;
+  }
+  return {};
+}
+
+// --- top level ----------------------------------------------------------------------------------
+
+TEST(CliTest, HelpListsEveryCommandAndExitsZero) {
+  const CommandResult r = modalities({"--help"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, StartsWith("usage: modalities <command>")) << r;
+  for (const char* command : {"plugins list", "plugins describe", "plugins smoke", "config validate", "config resolve",
+                              "config graph", "config build"})
+    EXPECT_THAT(r.out, HasSubstr(command)) << r;
+  EXPECT_EQ(r.err, "") << r;
+}
+
+TEST(CliTest, NoArgumentsPrintsUsageAndExitsWithUsageError) {
+  const CommandResult r = modalities({});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.out, StartsWith("usage: modalities <command>")) << r;
+}
+
+TEST(CliTest, UnknownCommandIsNamedAndExitsWithUsageError) {
+  const CommandResult r = modalities({"frobnicate"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, StartsWith("error: unknown command 'frobnicate'")) << r;
+  EXPECT_THAT(r.err, HasSubstr("usage: modalities <command>")) << r;
+  EXPECT_EQ(r.out, "") << r;
+}
+
+TEST(CliTest, VersionShowsTheHostFingerprint) {
+  const CommandResult r = modalities({"--version"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, AllOf(StartsWith("modalities "), HasSubstr("SDK ABI "), HasSubstr("torch "))) << r;
+}
+
+// --- plugins --------------------------------------------------------------------------------------
+
+TEST(CliPluginsTest, PluginsWithoutSubcommandExitsWithUsageError) {
+  const CommandResult r = modalities({"plugins"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.out, HasSubstr("usage: modalities plugins <list|describe|smoke>")) << r;
+}
+
+TEST(CliPluginsTest, ListShowsTheBundledPluginsWithoutWarnings) {
+  const CommandResult r = modalities({"plugins", "list"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_EQ(r.err, "") << r;
+  EXPECT_THAT(line_starting_with(r.out, "layer_norm/rms_norm"), HasSubstr("libmodalities_layer_norm.so 0.1.0")) << r;
+  EXPECT_THAT(line_starting_with(r.out, "number_conversion/num_samples_from_num_tokens"),
+              HasSubstr("libmodalities_number_conversion.so 0.1.0"))
+      << r;
+}
+
+TEST(CliPluginsTest, DescribeRmsNormShowsItsKeysTypesAndDefaults) {
+  const CommandResult r = modalities({"plugins", "describe", "layer_norm/rms_norm"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, StartsWith("layer_norm/rms_norm\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("libmodalities_layer_norm.so")) << r;
+  const std::string ndim = line_starting_with(r.out, "ndim:");
+  EXPECT_THAT(ndim, AllOf(HasSubstr("int"), HasSubstr("(required)"), HasSubstr(">= 1"))) << r;
+  const std::string epsilon = line_starting_with(r.out, "epsilon:");
+  EXPECT_THAT(epsilon, AllOf(HasSubstr("float"), HasSubstr("= 1e-06"), HasSubstr("> 0"))) << r;
+  EXPECT_THAT(line_starting_with(r.out, "bias:"), HasSubstr("= true")) << r;
+}
+
+TEST(CliPluginsTest, DescribeMisspelledVariantSuggestsTheClosestId) {
+  const CommandResult r = modalities({"plugins", "describe", "layer_norm/rms_nrm"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("no loaded plugin registers layer_norm/rms_nrm"),
+                           HasSubstr("did you mean layer_norm/rms_norm")))
+      << r;
+  EXPECT_EQ(r.out, "") << r;
+}
+
+TEST(CliPluginsTest, DescribeWithoutSlashIsAUsageError) {
+  const CommandResult r = modalities({"plugins", "describe", "rms_norm"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("'rms_norm' is not of the form <component_key>/<variant_key>")) << r;
+}
+
+TEST(CliPluginsTest, SmokeOfLayerNormPluginPasses) {
+  const CommandResult r = modalities({"plugins", "smoke", MODALITIES_TEST_LAYER_NORM_PLUGIN});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("plugin layer_norm 0.1.0"), HasSubstr("smoke test passed: 3 variant(s)"))) << r;
+}
+
+TEST(CliPluginsTest, SmokeOfASharedLibraryThatIsNotAPluginFails) {
+  const std::string sdk = MODALITIES_TEST_SDK_LIBRARY;
+  const CommandResult r = modalities({"plugins", "smoke", sdk});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("plugin " + sdk + ": "), HasSubstr("not a Modalities plugin"))) << r;
+  EXPECT_THAT(r.out, Not(HasSubstr("smoke test passed"))) << r;
+}
+
+TEST(CliPluginsTest, SmokeOfAMissingFileFails) {
+  ScratchDir dir;
+  const std::string missing = (dir.path() / "libmodalities_missing.so").string();
+  const CommandResult r = modalities({"plugins", "smoke", missing});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, AllOf(HasSubstr(missing), HasSubstr("does not exist"))) << r;
+}
+
+// --- config validate -------------------------------------------------------------------------
+
+class CliConfigValidateTest : public ::testing::Test {
+ protected:
+  std::string write(const std::string& name, const std::string& toml) { return dir.write(name, toml).string(); }
+  ScratchDir dir;
+};
+
+TEST_F(CliConfigValidateTest, ValidConfigUsingBothBundledPluginsExitsZero) {
+  const std::string file = write("valid.toml", R"([norm]
+component_key = "layer_norm"
+variant_key = "rms_norm"
+config = { ndim = 8 }
+
+[num_samples]
+component_key = "number_conversion"
+variant_key = "num_samples_from_num_tokens"
+config = { num_tokens = 1024, sequence_length = 128 }
+)");
+  const CommandResult r = modalities({"config", "validate", file});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_EQ(r.out, file + ": valid\n") << r;
+}
+
+TEST_F(CliConfigValidateTest, UnknownVariantPointsAtTheKeyAndSuggestsTheClosest) {
+  const std::string file = write("unknown_variant.toml", R"([x]
+component_key = "layer_norm"
+variant_key = "rms_nrm"
+config = { ndim = 8 }
+)");
+  const CommandResult r = modalities({"config", "validate", file});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  // line 3, column 15: where the value "rms_nrm" starts.
+  EXPECT_THAT(r.err, HasSubstr(file + ":3:15: x.variant_key: unknown variant 'rms_nrm'")) << r;
+  EXPECT_THAT(r.err, HasSubstr("did you mean 'rms_norm'?")) << r;
+  EXPECT_THAT(r.err, HasSubstr("error: " + file + ": 1 error(s)")) << r;
+}
+
+TEST_F(CliConfigValidateTest, FloatForAnIntegerKeyPointsAtTheKeyAndNamesBothTypes) {
+  const std::string file = write("type_error.toml", R"([x]
+component_key = "layer_norm"
+variant_key = "layer_norm"
+
+[x.config]
+normalized_shape = 1.5
+)");
+  const CommandResult r = modalities({"config", "validate", file});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr(file + ":6:20: x.config.normalized_shape: expected an integer, got float 1.5")) << r;
+  EXPECT_THAT(r.err, HasSubstr("layer_norm/layer_norm from libmodalities_layer_norm.so 0.1.0")) << r;
+}
+
+TEST_F(CliConfigValidateTest, MissingRequiredKeyIsReportedWithItsPath) {
+  const std::string file = write("missing_key.toml", R"([x]
+component_key = "layer_norm"
+variant_key = "rms_norm"
+config = { epsilon = 1e-5 }
+)");
+  const CommandResult r = modalities({"config", "validate", file});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr(file + ":4:10: x.config.ndim: missing required key")) << r;
+}
+
+TEST_F(CliConfigValidateTest, UnknownOptionIsAUsageError) {
+  const std::string file = write("valid.toml", "");
+  const CommandResult r = modalities({"config", "validate", file, "--no-such-flag"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("--no-such-flag"), HasSubstr("usage: modalities config validate"))) << r;
+  EXPECT_THAT(r.out, IsEmpty()) << r;
+}
+
+TEST_F(CliConfigValidateTest, MissingConfigFileIsNamed) {
+  const std::string file = (dir.path() / "nope.toml").string();
+  const CommandResult r = modalities({"config", "validate", file});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr(file + ": config file does not exist")) << r;
+}
+
+TEST_F(CliConfigValidateTest, WithoutAFileIsAUsageError) {
+  const CommandResult r = modalities({"config", "validate"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("config_file_path")) << r;
+}
+
+}  // namespace
+}  // namespace modalities::cli
