@@ -65,8 +65,11 @@ DescriptorRead read_descriptor(const fs::path& file) {
   if (eh.e_type != ET_DYN) return {std::nullopt, "ELF file is not a shared library"};
   if (eh.e_machine != EM_X86_64 && eh.e_machine != EM_AARCH64)
     return {std::nullopt, fmt::format("ELF file is for another machine type ({})", eh.e_machine)};
-  const std::uint64_t sh_end = eh.e_shoff + static_cast<std::uint64_t>(eh.e_shnum) * eh.e_shentsize;
-  if (eh.e_shnum == 0 || eh.e_shentsize != sizeof(Elf64_Shdr) || sh_end > bytes.size() || eh.e_shstrndx >= eh.e_shnum)
+  // Every (offset, length) pair comes from the file: check without overflow.
+  const std::uint64_t size = bytes.size();
+  auto within = [size](std::uint64_t offset, std::uint64_t length) { return offset <= size && length <= size - offset; };
+  if (eh.e_shnum == 0 || eh.e_shentsize != sizeof(Elf64_Shdr) ||
+      !within(eh.e_shoff, static_cast<std::uint64_t>(eh.e_shnum) * sizeof(Elf64_Shdr)) || eh.e_shstrndx >= eh.e_shnum)
     return {std::nullopt, "ELF section table is missing or truncated"};
   auto section = [&](std::size_t i) {
     Elf64_Shdr sh;
@@ -74,14 +77,14 @@ DescriptorRead read_descriptor(const fs::path& file) {
     return sh;
   };
   const Elf64_Shdr names = section(eh.e_shstrndx);
-  if (names.sh_offset + names.sh_size > bytes.size()) return {std::nullopt, "ELF section names are truncated"};
+  if (!within(names.sh_offset, names.sh_size)) return {std::nullopt, "ELF section names are truncated"};
   for (std::size_t i = 0; i < eh.e_shnum; ++i) {
     const Elf64_Shdr sh = section(i);
     if (sh.sh_name >= names.sh_size) continue;
     const char* name = bytes.data() + names.sh_offset + sh.sh_name;
     const std::size_t max_len = names.sh_size - sh.sh_name;
     if (field(name, max_len) != MODALITIES_PLUGIN_SECTION) continue;
-    if (sh.sh_size < sizeof(modalities_plugin_descriptor) || sh.sh_offset + sh.sh_size > bytes.size())
+    if (sh.sh_size < sizeof(modalities_plugin_descriptor) || !within(sh.sh_offset, sh.sh_size))
       return {std::nullopt, "plugin descriptor section is truncated"};
     modalities_plugin_descriptor d;
     std::memcpy(&d, bytes.data() + sh.sh_offset, sizeof d);

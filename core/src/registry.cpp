@@ -87,9 +87,16 @@ std::optional<std::string> Registry::register_plugin(PluginInfo info,
       return fmt::format("variant {} registered twice: {} and {}", spec.id(), owner, who);
     }
   }
-  for (const auto& r : staging.resolvers)
+  std::map<std::string, bool> seen_resolvers;
+  for (const auto& r : staging.resolvers) {
+    if (seen_resolvers[r.name]) return fmt::format("resolver '{}' is registered twice by {}", r.name, who);
+    seen_resolvers[r.name] = true;
+    if (r.name == "cuda_env" || r.name == "modalities_env" || r.name == "node_env" || r.name == "null" ||
+        r.name == "warmstart_env")
+      return fmt::format("resolver '{}' is built into the host and cannot be replaced by {}", r.name, who);
     if (auto it = resolver_owner_.find(r.name); it != resolver_owner_.end())
       return fmt::format("resolver '{}' registered twice: {} and {}", r.name, it->second, who);
+  }
 
   info.example_config = std::move(staging.example);
   for (const auto& spec : staging.variants) info.variants.push_back(spec.id());

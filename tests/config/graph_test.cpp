@@ -330,3 +330,29 @@ TEST_F(GraphTest, RegistryOverrideIsScoped) {
 
 }  // namespace
 }  // namespace modalities::core
+
+namespace modalities::core {
+namespace {
+
+TEST(RegistryTest, PluginResolversCannotShadowBuiltInsOrEachOther) {
+  Registry r;
+  auto resolver = [](std::string name) {
+    return [name](Registrar& reg) { reg.resolver(name, "test", [](std::string_view) { return Value(1); }); };
+  };
+  EXPECT_THAT(r.register_plugin(PluginInfo{"shadow", "1", {}, {}, {}}, resolver("cuda_env")).value_or(""),
+              HasSubstr("resolver 'cuda_env' is built into the host"));
+  EXPECT_FALSE(r.register_plugin(PluginInfo{"first", "1", {}, {}, {}}, resolver("my_env")));
+  EXPECT_THAT(r.register_plugin(PluginInfo{"second", "2", {}, {}, {}}, resolver("my_env")).value_or(""),
+              HasSubstr("resolver 'my_env' registered twice: first and second"));
+  EXPECT_THAT(r.register_plugin(PluginInfo{"twice", "1", {}, {}, {}},
+                                [](Registrar& reg) {
+                                  reg.resolver("x_env", "a", [](std::string_view) { return Value(1); });
+                                  reg.resolver("x_env", "b", [](std::string_view) { return Value(2); });
+                                })
+                  .value_or(""),
+              HasSubstr("resolver 'x_env' is registered twice by twice"));
+  EXPECT_EQ(r.plugin_resolvers().size(), 1u);
+}
+
+}  // namespace
+}  // namespace modalities::core
