@@ -150,9 +150,27 @@ ComponentGraph::NodeKind ComponentGraph::classify(const ConfigNode& n, const Con
 
 void ComponentGraph::map_field_errors(const std::vector<FieldError>& errs, const ConfigPath& config_path,
                                       const RegisteredVariant& v, bool warning) {
+  map_errors(errs, config_path, v.provenance(), warning);
+}
+
+void ComponentGraph::map_errors(const std::vector<FieldError>& errs, const ConfigPath& base, const std::string& context,
+                                bool warning) {
   for (const auto& e : errs) {
-    const ConfigPath full = e.path.empty() ? config_path : parse_relative(config_path, e.path);
-    diagnostics_.push_back({locate(full), full.str(), e.message, e.hint, v.provenance(), warning});
+    const ConfigPath full = e.path.empty() ? base : parse_relative(base, e.path);
+    diagnostics_.push_back({locate(full), full.str(), e.message, e.hint, context, warning});
+  }
+}
+
+void ComponentGraph::run_entry_checks(const std::string& key, const Value& v, bool dry_run) {
+  if (profile_ == nullptr) return;
+  for (const auto& e : profile_->entries) {
+    if (e.key != key || !e.check) continue;
+    std::vector<FieldError> errors, warnings;
+    ParseContext ctx(dry_run, &errors, &warnings);
+    e.check(v, ctx);
+    const std::string context = fmt::format("(pipeline '{}')", profile_->name);
+    map_errors(errors, ConfigPath().child(key), context, false);
+    map_errors(warnings, ConfigPath().child(key), context, true);
   }
 }
 
@@ -268,6 +286,7 @@ std::vector<Diagnostic> ComponentGraph::validate() {
       in_progress_.pop_back();
       dry_cache_[key] = v;
     }
+    run_entry_checks(key, v, /*dry_run=*/true);
     if (profile_ != nullptr) {
       for (const auto& e : profile_->entries)
         if (e.key == key && !satisfies(v, e.expects))
@@ -349,6 +368,22 @@ BuiltGraph ComponentGraph::build(const std::function<void(const std::string&)>& 
   diagnostics_.clear();
   BuiltGraph out;
   for (const auto& key : selection()) out.top_level.emplace_back(key, build_node(*root_.find(key), ConfigPath().child(key), log));
+  // The pipeline's checks again, now on built values (placeholders skipped them before).
+  for (const auto& [key, value] : out.top_level) run_entry_checks(key, value, /*dry_run=*/false);
+  if (profile_ != nullptr && profile_->check_built) {
+    std::vector<FieldError> errors, warnings;
+    ParseContext ctx(false, &errors, &warnings);
+    profile_->check_built(out, ctx);
+    const std::string context = fmt::format("(pipeline '{}')", profile_->name);
+    map_errors(errors, ConfigPath(), context, false);
+    map_errors(warnings, ConfigPath(), context, true);
+  }
+  std::vector<Diagnostic> build_errors;
+  for (auto& d : diagnostics_) {
+    if (!d.warning) build_errors.push_back(d);
+    else if (log) log(d.str());
+  }
+  if (!build_errors.empty()) throw ConfigFileError(std::move(build_errors));
   return out;
 }
 

@@ -1,6 +1,7 @@
 // The pipeline profiles of the commands (spec §4): which top-level keys each
 // command builds, in which order, and what each must produce.
 #include <modalities/core/graph.h>
+#include <modalities/core/training_settings.h>
 
 namespace modalities::core {
 
@@ -9,7 +10,8 @@ const std::vector<PipelineProfile>& builtin_pipelines() {
       {"training",
        "`modalities run` / `warmstart` (spec §4.1)",
        {
-           {"settings", "table", true, "run settings: paths, intervals, step profile, training target and progress"},
+           {"settings", "table", true, "run settings: paths, intervals, step profile, training target and progress",
+            check_training_settings},
            {"app_state", "AppState", true, "model parts, optimizer and optional LR scheduler"},
            {"loss_fn", "Loss", true, "training loss"},
            {"train_dataset", "Dataset", true, "used for the token-budget check"},
@@ -24,7 +26,8 @@ const std::vector<PipelineProfile>& builtin_pipelines() {
            {"mfu_calculator", "MFUCalculator", false, "model FLOPs utilisation"},
            {"scheduled_pipeline", "Pipeline", false, "enables the pipeline-parallel path"},
            {"device_mesh", "DeviceMesh", false, "parallelism layout; without it DP degree = world size"},
-       }},
+       },
+       check_training_set},
       {"packing",
        "`modalities data pack_encoded_data` (spec §4.2)",
        {

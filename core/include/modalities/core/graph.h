@@ -6,6 +6,7 @@
 
 #include <modalities/core/config_tree.h>
 #include <modalities/core/registry.h>
+#include <modalities/sdk/schema.h>
 
 #include <functional>
 #include <map>
@@ -16,11 +17,16 @@ namespace modalities::core {
 
 /// One top-level key a pipeline needs (spec §4): its name, what it must
 /// produce ("Module", "int", "table", "list<DataLoader>", or "" for anything).
+struct BuiltGraph;
+
 struct PipelineEntry {
   std::string key;
   std::string expects;
   bool required = true;
   std::string help;
+  /// Optional schema check of the entry's value (e.g. the training Settings):
+  /// run on placeholders before building and on the built value after.
+  std::function<void(const Value&, ParseContext&)> check = {};
 };
 
 /// What a command builds from a config: an ordered list of top-level keys.
@@ -29,6 +35,9 @@ struct PipelineProfile {
   std::string name;
   std::string description;
   std::vector<PipelineEntry> entries;
+  /// Cross-entry checks over the built set (e.g. enough tokens in train_dataset).
+  /// Report with ctx.fail("<top-level key>.<path>", ...).
+  std::function<void(const BuiltGraph&, ParseContext&)> check_built = {};
 };
 
 /// Profiles of the commands (training, packing, text_generation, profiling).
@@ -73,6 +82,8 @@ class ComponentGraph {
   SourceLocation locate(const ConfigPath& p) const;
   void map_field_errors(const std::vector<FieldError>& errs, const ConfigPath& config_path,
                         const RegisteredVariant& v, bool warning);
+  void map_errors(const std::vector<FieldError>& errs, const ConfigPath& base, const std::string& context, bool warning);
+  void run_entry_checks(const std::string& key, const Value& v, bool dry_run);
 
   const Registry& registry_;
   const ConfigNode& root_;

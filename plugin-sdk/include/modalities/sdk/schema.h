@@ -475,6 +475,10 @@ class Schema {
     return b;
   }
 
+  /// Unknown keys are ignored instead of reported (Modalities' Settings
+  /// schemas behave like this; component configs never do).
+  void ignore_unknown_keys() { ignore_unknown_ = true; }
+
   /// A rule over several fields, run after every field parsed cleanly.
   /// Report with ctx.fail("<key>", "...") naming the key that should change.
   void rule(std::function<void(const C&, ParseContext&)> check) { rules_.push_back(std::move(check)); }
@@ -525,7 +529,7 @@ class Schema {
           ctx.warn(join_path(path, key), fmt::format("'{}' is a deprecated alias of '{}'", key, info.name));
         given[i] = &item;
       }
-      if (!matched) {
+      if (!matched && !ignore_unknown_) {
         std::string hint;
         if (auto near = closest_match(key, known); !near.empty()) hint = fmt::format("did you mean '{}'?", near);
         else if (!known.empty()) hint = "valid keys: " + quoted_list(known);
@@ -546,7 +550,7 @@ class Schema {
       status[i] = records_[i].parse(*given[i], out, fpath, ctx);
       any_pending = any_pending || status[i] == Parsed::kPending;
     }
-    if (ctx.error_count() != errors_before) return Parsed::kError;
+    // Constraints of every field that parsed, even if others failed: all errors at once.
     for (std::size_t i = 0; i < records_.size(); ++i) {
       if (status[i] != Parsed::kOk || given[i] == nullptr) continue;  // defaults are trusted
       for (const auto& check : records_[i].checks) check(out, join_path(path, records_[i].info.name), ctx);
@@ -554,10 +558,11 @@ class Schema {
     if (ctx.error_count() != errors_before) return Parsed::kError;
     if (any_pending) return Parsed::kPending;  // rules need every value
     for (const auto& rule : rules_) {
-      std::vector<FieldError> local;
-      ParseContext rule_ctx(ctx.dry_run(), &local);
+      std::vector<FieldError> local, local_warnings;
+      ParseContext rule_ctx(ctx.dry_run(), &local, &local_warnings);
       rule(out, rule_ctx);
       for (auto& e : local) ctx.fail(join_path(path, e.path), std::move(e.message), std::move(e.hint));
+      for (auto& w : local_warnings) ctx.warn(join_path(path, w.path), std::move(w.message));
     }
     return ctx.error_count() != errors_before ? Parsed::kError : Parsed::kOk;
   }
@@ -596,6 +601,7 @@ class Schema {
 
   std::vector<Record> records_;
   std::vector<std::function<void(const C&, ParseContext&)>> rules_;
+  bool ignore_unknown_ = false;
 };
 
 /// Nested plain structs (e.g. `attention_config`) are tables with their own schema.
