@@ -3,6 +3,7 @@
 // and one negative test per validator with the config path in the message.
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/testing/harness.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -8,13 +8,19 @@
 #include <modalities/sdk/export.h>
 
 #include <c10/util/intrusive_ptr.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
+
+// Forward declaration keeps this header light (ProcessGroup.hpp pulls in all
+// of ATen); code that calls into a process group includes
+// <torch/csrc/distributed/c10d/ProcessGroup.hpp> itself.
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
 
 namespace modalities {
 
