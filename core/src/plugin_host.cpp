@@ -16,7 +16,6 @@
 #include <modalities/core/registry.h>
 #include <modalities/sdk/plugin.h>
 
-#define BOOST_DLL_USE_STD_FS
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 #include <fmt/format.h>

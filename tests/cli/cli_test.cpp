@@ -225,5 +225,77 @@ TEST_F(CliConfigValidateTest, WithoutAFileIsAUsageError) {
   EXPECT_THAT(r.err, HasSubstr("config_file_path")) << r;
 }
 
+// --- config resolve | graph | build ------------------------------------------------------------
+
+constexpr const char* kInterpolated = R"([settings]
+seq = 128
+root = "/exp"
+
+[num_samples]
+component_key = "number_conversion"
+variant_key = "num_samples_from_num_tokens"
+config = { num_tokens = 1024, sequence_length = "${settings.seq}" }
+
+[norm]
+component_key = "layer_norm"
+variant_key = "pytorch_rms_norm"
+config = { normalized_shape = "${num_samples.config.sequence_length}" }
+
+[paths]
+out = "${settings.root}/run_${settings.seq}"
+literal = "\\${kept}"
+)";
+
+TEST_F(CliConfigValidateTest, ResolvePrintsInterpolatedTomlThatLoadsBackTheSame) {
+  const std::string file = write("interp.toml", kInterpolated);
+  const CommandResult r = modalities({"config", "resolve", file});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("[num_samples.config]\nnum_tokens = 1024\nsequence_length = 128\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("[norm.config]\nnormalized_shape = 128\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("out = \"/exp/run_128\"")) << r;
+  const std::string again = write("again.toml", r.out);
+  const CommandResult r2 = modalities({"config", "resolve", again});
+  EXPECT_EQ(r2.exit_code, 0) << r2;
+  EXPECT_EQ(r2.out, r.out);
+}
+
+TEST_F(CliConfigValidateTest, GraphPrintsDotWithOneNodePerComponent) {
+  const std::string file = write("graph.toml", kInterpolated);
+  const CommandResult r = modalities({"config", "graph", file});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, StartsWith("digraph modalities {")) << r;
+  EXPECT_THAT(r.out, HasSubstr("number_conversion/num_samples_from_num_tokens")) << r;
+  EXPECT_THAT(r.out, HasSubstr("layer_norm/pytorch_rms_norm")) << r;
+}
+
+TEST_F(CliConfigValidateTest, BuildPrintsWhatEachTopLevelKeyProducedAndLogsProgress) {
+  const std::string file = write("build.toml", kInterpolated);
+  const CommandResult r = modalities({"config", "build", file});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("num_samples = 8\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("norm = <Module from layer_norm/pytorch_rms_norm>")) << r;
+  EXPECT_THAT(r.err, HasSubstr("Instantiated layer_norm/pytorch_rms_norm -> Module: norm")) << r;
+}
+
+TEST_F(CliConfigValidateTest, BundledTokenBudgetConfigBuildsTheSpecValues) {
+  // The README's main job: 1 300 samples of lorem_ipsum_long.pbin // (4 * 2) = 162 steps.
+  const std::string file = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/token_budget.toml";
+  const CommandResult r = modalities({"config", "build", file});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("num_target_tokens = 331776\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("num_target_steps = 162\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("document_steps = 62\n")) << r;
+}
+
+TEST_F(CliConfigValidateTest, TrainingPipelineNamesEveryMissingKey) {
+  const std::string file = write("not_training.toml", kInterpolated);
+  const CommandResult r = modalities({"config", "validate", file, "--pipeline", "training"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("missing top-level key 'model_raw' required by pipeline 'training'")) << r;
+  const CommandResult bad = modalities({"config", "validate", file, "--pipeline", "trainng"});
+  EXPECT_EQ(bad.exit_code, 2) << bad;
+  EXPECT_THAT(bad.err, HasSubstr("unknown pipeline 'trainng'")) << bad;
+}
+
 }  // namespace
 }  // namespace modalities::cli

@@ -66,4 +66,10 @@ if(MODALITIES_WITH_CUDA)
     "${MODALITIES_TORCH_DIR}/lib/libc10_cuda.so"
     CUDA::cudart)
   target_compile_definitions(modalities_torch INTERFACE MODALITIES_WITH_CUDA=1 USE_C10D_NCCL)
+  # libtorch_cuda.so needs the CUDA libraries of the torch wheel's dependencies
+  # (cuDNN, NCCL, cuSPARSELt, NVSHMEM, ...), found at run time through its RPATH
+  # ($ORIGIN/../../nvidia/*/lib in a pip installation). A system CUDA toolkit
+  # lacks some of them, so do not require them at link time; run CUDA builds
+  # with MODALITIES_TORCH_DIR pointing at an installed torch (site-packages/torch).
+  target_link_options(modalities_torch INTERFACE -Wl,--allow-shlib-undefined)
 endif()
