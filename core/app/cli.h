@@ -26,7 +26,7 @@ po::options_description plugin_options(core::PluginOptions& out);
 
 /// Loads plugins; prints one warning per problem. Returns false if loading
 /// must stop (strict mode and a problem was found).
-bool load_plugins_or_report(core::Registry& registry, core::PluginHost& host, const core::PluginOptions& options);
+bool load_plugins_or_report(core::PluginHost& host, const core::PluginOptions& options);
 
 /// Parses `args` against `desc` (+ positionals). Prints usage and returns
 /// false on errors or --help; `status` then holds the exit code.

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <iostream>
+#include <sstream>
 
 namespace modalities::cli {
 
@@ -31,8 +32,8 @@ po::options_description plugin_options(core::PluginOptions& out) {
   return d;
 }
 
-bool load_plugins_or_report(core::Registry& registry, core::PluginHost& host, const core::PluginOptions& options) {
-  const auto problems = core::load_plugins(registry, host, options);
+bool load_plugins_or_report(core::PluginHost& host, const core::PluginOptions& options) {
+  const auto problems = core::load_plugins(host, options);
   for (const auto& p : problems) print_warning(fmt::format("plugin {}: {}", p.file.string(), p.reason));
   if (!problems.empty() && options.strict) {
     print_error(fmt::format("{} plugin problem(s) and --strict-plugins is set", problems.size()));
@@ -47,17 +48,15 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
   try {
     po::store(po::command_line_parser(args).options(desc).positional(positional).run(), vm);
     if (vm.count("help")) {
-      std::cout << usage << "\n" << desc << "\n";
+      std::cout << usage << "\n\n" << desc << "\n";
       status = kOk;
       return false;
     }
     po::notify(vm);
   } catch (const po::error& e) {
-    print_error(fmt::format("{}\n\n{}\n\n{}", e.what(), usage, fmt::format("{}", [&] {
-      std::ostringstream s;
-      s << desc;
-      return s.str();
-    }())));
+    std::ostringstream options;
+    options << desc;
+    print_error(fmt::format("{}\n\n{}\n\n{}", e.what(), usage, options.str()));
     status = kUsage;
     return false;
   }

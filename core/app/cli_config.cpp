@@ -92,7 +92,7 @@ int run_config(const std::vector<std::string>& args) {
   }
   core::Registry registry;
   core::PluginHost host(registry);
-  if (!load_plugins_or_report(registry, host, popts)) return kPluginError;
+  if (!load_plugins_or_report(host, popts)) return kPluginError;
   try {
     const core::ConfigNode root = core::load_resolved(a.file, registry, env_of(a));
     if (verb == "resolve") {

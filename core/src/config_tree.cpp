@@ -86,6 +86,41 @@ std::string ConfigNode::type_name() const {
   return "?";
 }
 
+ConfigPath ConfigPath::parse(std::string_view dotted) {
+  ConfigPath p;
+  std::string cur;
+  auto malformed = [&] { return Error(fmt::format("malformed config path '{}'", dotted)); };
+  for (std::size_t i = 0; i < dotted.size(); ++i) {
+    const char c = dotted[i];
+    if (c == '.') {
+      if (!cur.empty()) p = p.child(std::move(cur));
+      else if (i == 0 || dotted[i - 1] != ']') throw malformed();
+      cur.clear();
+    } else if (c == '[') {
+      if (!cur.empty()) p = p.child(std::move(cur));
+      cur.clear();
+      const auto close = dotted.find(']', i);
+      if (close == std::string_view::npos || close == i + 1) throw malformed();
+      const std::string_view num = dotted.substr(i + 1, close - i - 1);
+      if (!std::all_of(num.begin(), num.end(), [](char d) { return d >= '0' && d <= '9'; })) throw malformed();
+      p = p.index(std::stoul(std::string(num)));
+      i = close;
+    } else {
+      cur += c;
+    }
+  }
+  if (!cur.empty()) p = p.child(std::move(cur));
+  else if (!dotted.empty() && dotted.back() == '.') throw malformed();
+  if (p.empty()) throw malformed();
+  return p;
+}
+
+ConfigPath ConfigPath::operator/(const ConfigPath& tail) const {
+  ConfigPath p = *this;
+  p.segments_.insert(p.segments_.end(), tail.segments_.begin(), tail.segments_.end());
+  return p;
+}
+
 ConfigPath ConfigPath::child(std::string key) const {
   ConfigPath p = *this;
   p.segments_.emplace_back(std::move(key));
@@ -199,50 +234,9 @@ class Converter {
   std::vector<Diagnostic> diagnostics_;
 };
 
-// TOML++ accepts inline nesting up to its own limit and header nesting
-// without limit; refuse absurd depth before parsing spends time on it.
-void check_inline_depth(std::string_view text, const std::shared_ptr<const std::string>& file) {
-  std::size_t depth = 0, line = 1, col = 0;
-  bool in_string = false;
-  char quote = 0;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    ++col;
-    if (c == '\n') {
-      ++line;
-      col = 0;
-      if (quote != 0 && !in_string) quote = 0;
-    }
-    if (in_string) {
-      if (c == '\\' && quote == '"') ++i;
-      else if (c == quote) in_string = false;
-      continue;
-    }
-    if (c == '#') {
-      while (i < text.size() && text[i] != '\n') ++i;
-      ++line;
-      col = 0;
-      continue;
-    }
-    if (c == '"' || c == '\'') {
-      in_string = true;
-      quote = c;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxNestingDepth)
-        throw ConfigFileError({{SourceLocation{file, static_cast<std::uint32_t>(line), static_cast<std::uint32_t>(col)},
-                                "",
-                                fmt::format("nesting deeper than {} levels", kMaxNestingDepth),
-                                {},
-                                {},
-                                false}});
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-}
-
+// Depth: TOML++ refuses inline nesting beyond 256 levels itself (a syntax
+// error); Converter refuses anything deeper than kMaxNestingDepth, headers included.
 ConfigNode parse_text(std::string_view text, std::shared_ptr<const std::string> file) {
-  check_inline_depth(text, file);
   toml::table table;
   try {
     table = toml::parse(text, std::string_view(*file));
@@ -309,29 +303,7 @@ bool is_bare_key(std::string_view k) {
   return true;
 }
 
-std::string toml_string(std::string_view s) {
-  std::string out = "\"";
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    const char c = s[i];
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      case '$':
-        // A literal "${" must stay literal when the output is loaded again.
-        out += (i + 1 < s.size() && s[i + 1] == '{') ? "\\\\$" : "$";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\u{:04X}", static_cast<int>(c));
-        else out += c;
-    }
-  }
-  return out + "\"";
-}
-
-std::string key_str(std::string_view k) { return is_bare_key(k) ? std::string(k) : toml_string(k); }
+std::string key_str(std::string_view k) { return is_bare_key(k) ? std::string(k) : toml_quote(k); }
 
 std::string inline_value(const ConfigNode& n) {
   return std::visit(
@@ -341,7 +313,7 @@ std::string inline_value(const ConfigNode& n) {
         else if constexpr (std::is_same_v<T, bool>) return d ? "true" : "false";
         else if constexpr (std::is_same_v<T, std::int64_t>) return fmt::format("{}", d);
         else if constexpr (std::is_same_v<T, double>) return format_float(d);
-        else if constexpr (std::is_same_v<T, std::string>) return toml_string(d);
+        else if constexpr (std::is_same_v<T, std::string>) return toml_quote(d, /*escape_interpolation=*/true);
         else if constexpr (std::is_same_v<T, ConfigNode::Array>) {
           std::string s = "[";
           for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + inline_value(d[i]);

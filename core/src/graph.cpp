@@ -30,30 +30,6 @@ class NodeBuildContext final : public BuildContext {
   const std::function<void(const std::string&)>& log_;
 };
 
-// Parses "a.b[1].c" relative paths reported by schemas into segments.
-ConfigPath parse_relative(const ConfigPath& base, std::string_view rel) {
-  ConfigPath p = base;
-  std::string cur;
-  for (std::size_t i = 0; i < rel.size(); ++i) {
-    const char c = rel[i];
-    if (c == '.') {
-      if (!cur.empty()) p = p.child(cur);
-      cur.clear();
-    } else if (c == '[') {
-      if (!cur.empty()) p = p.child(cur);
-      cur.clear();
-      const auto close = rel.find(']', i);
-      if (close == std::string_view::npos) break;
-      p = p.index(std::stoul(std::string(rel.substr(i + 1, close - i - 1))));
-      i = close;
-    } else {
-      cur += c;
-    }
-  }
-  if (!cur.empty()) p = p.child(cur);
-  return p;
-}
-
 std::string_view pass_type_hint() { return "write { instance_key = \"<top-level key>\", pass_type = \"BY_REFERENCE\" }"; }
 
 }  // namespace
@@ -156,7 +132,7 @@ void ComponentGraph::map_field_errors(const std::vector<FieldError>& errs, const
 void ComponentGraph::map_errors(const std::vector<FieldError>& errs, const ConfigPath& base, const std::string& context,
                                 bool warning) {
   for (const auto& e : errs) {
-    const ConfigPath full = e.path.empty() ? base : parse_relative(base, e.path);
+    const ConfigPath full = e.path.empty() ? base : base / ConfigPath::parse(e.path);
     diagnostics_.push_back({locate(full), full.str(), e.message, e.hint, context, warning});
   }
 }
@@ -188,7 +164,7 @@ Value ComponentGraph::dry(const ConfigNode& n, const ConfigPath& p) {
       for (const auto& [k, v] : n.as_table()) t.emplace_back(k, dry(v, p.child(k)));
       return t;
     }
-    case NodeKind::kReference: return dry_top(n.find("instance_key")->as_string(), n, p);
+    case NodeKind::kReference: return dry_top(n.find("instance_key")->as_string(), &n, p);
     case NodeKind::kComponent: break;
   }
   const std::string& ck = n.find("component_key")->as_string();
@@ -224,14 +200,16 @@ Value ComponentGraph::dry(const ConfigNode& n, const ConfigPath& p) {
   return Pending{variant->spec.produces, variant->spec.id()};
 }
 
-Value ComponentGraph::dry_top(const std::string& key, const ConfigNode& referrer, const ConfigPath& referrer_path) {
+// `referrer` is the reference node that led here, or null for the top-level pass
+// (which only visits existing keys and starts with nothing in progress).
+Value ComponentGraph::dry_top(const std::string& key, const ConfigNode* referrer, const ConfigPath& referrer_path) {
   if (auto it = dry_cache_.find(key); it != dry_cache_.end()) return it->second;
   const ConfigNode* target = root_.find(key);
   if (target == nullptr) {
     std::vector<std::string> keys;
     for (const auto& [k, v] : root_.as_table()) keys.push_back(k);
     const std::string near = closest_match(key, keys);
-    error(*referrer.find("instance_key"), referrer_path.child("instance_key"),
+    error(*referrer->find("instance_key"), referrer_path.child("instance_key"),
           fmt::format("reference to missing top-level key '{}'", key),
           near.empty() ? "references can only name top-level keys" : fmt::format("did you mean '{}'?", near));
     return Pending{"", key};
@@ -239,7 +217,7 @@ Value ComponentGraph::dry_top(const std::string& key, const ConfigNode& referrer
   if (auto it = std::find(in_progress_.begin(), in_progress_.end(), key); it != in_progress_.end()) {
     std::string chain;
     for (; it != in_progress_.end(); ++it) chain += *it + " -> ";
-    error(referrer, referrer_path, fmt::format("reference cycle: {}{}", chain, key));
+    error(*referrer, referrer_path, fmt::format("reference cycle: {}{}", chain, key));
     return Pending{"", key};
   }
   in_progress_.push_back(key);
@@ -277,15 +255,7 @@ std::vector<Diagnostic> ComponentGraph::validate() {
   }
   for (const auto& key : selection()) {
     const ConfigNode& node = *root_.find(key);
-    Value v;
-    if (auto it = dry_cache_.find(key); it != dry_cache_.end()) {
-      v = it->second;
-    } else {
-      in_progress_.push_back(key);
-      v = dry(node, ConfigPath().child(key));
-      in_progress_.pop_back();
-      dry_cache_[key] = v;
-    }
+    const Value v = dry_top(key, nullptr, ConfigPath());
     run_entry_checks(key, v, /*dry_run=*/true);
     if (profile_ != nullptr) {
       for (const auto& e : profile_->entries)

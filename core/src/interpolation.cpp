@@ -50,65 +50,17 @@ std::vector<Part> split_parts(std::string_view s) {
   return parts;
 }
 
-// "a.b[2].c" / "a.b.2.c" -> segments; integers index arrays.
-ConfigPath parse_target(std::string_view expr) {
-  ConfigPath p;
-  std::string cur;
-  auto flush = [&] {
-    if (cur.empty()) throw Error(fmt::format("malformed interpolation path '{}'", expr));
-    p = p.child(cur);
-    cur.clear();
-  };
-  for (std::size_t i = 0; i < expr.size(); ++i) {
-    const char c = expr[i];
-    if (c == '.') {
-      if (!cur.empty()) flush();
-      else if (i == 0 || expr[i - 1] != ']') throw Error(fmt::format("malformed interpolation path '{}'", expr));
-    } else if (c == '[') {
-      if (!cur.empty()) flush();
-      const auto close = expr.find(']', i);
-      if (close == std::string_view::npos) throw Error(fmt::format("malformed interpolation path '{}'", expr));
-      const std::string num(expr.substr(i + 1, close - i - 1));
-      if (num.empty() || !std::all_of(num.begin(), num.end(), ::isdigit))
-        throw Error(fmt::format("malformed index '[{}]' in interpolation path '{}'", num, expr));
-      p = p.index(std::stoul(num));
-      i = close;
-    } else {
-      cur += c;
-    }
-  }
-  if (!cur.empty()) flush();
-  if (p.empty()) throw Error(fmt::format("malformed interpolation path '{}'", expr));
-  return p;
-}
-
 class Interpolator {
  public:
   Interpolator(ConfigNode& root, const ResolverTable& resolvers) : root_(root), resolvers_(resolvers) {}
 
   void run() {
-    visit(ConfigPath());
+    ensure_subtree_resolved(ConfigPath());
     if (!diagnostics_.empty()) throw ConfigFileError(std::move(diagnostics_));
   }
 
  private:
   ConfigNode& node_at(const ConfigPath& p) { return *const_cast<ConfigNode*>(lookup(root_, p)); }
-
-  // Walks the tree in document order and resolves every string that needs it.
-  void visit(const ConfigPath& p) {
-    ConfigNode* n = const_cast<ConfigNode*>(lookup(root_, p));
-    if (n == nullptr) return;
-    if (n->is_string()) {
-      if (needs_resolution(p, *n)) resolve_at(p);
-    } else if (n->is_table()) {
-      std::vector<std::string> keys;
-      for (const auto& [k, v] : n->as_table()) keys.push_back(k);
-      for (const auto& k : keys) visit(p.child(k));
-    } else if (n->is_array()) {
-      const std::size_t size = n->as_array().size();
-      for (std::size_t i = 0; i < size; ++i) visit(p.index(i));
-    }
-  }
 
   bool needs_resolution(const ConfigPath& p, const ConfigNode& n) const {
     return n.is_string() && has_interpolation(n.as_string()) && !final_.contains(p.str());
@@ -205,7 +157,7 @@ class Interpolator {
       }
       return ConfigNode::from_value(v, where);
     }
-    const ConfigPath target = parse_target(expr);
+    const ConfigPath target = ConfigPath::parse(expr);
     ConfigPath walked;
     for (const auto& seg : target.segments()) {
       ensure_resolved(walked);
@@ -241,6 +193,7 @@ class Interpolator {
     if (n != nullptr && needs_resolution(p, *n)) resolve_at(p);
   }
 
+  // Resolves every string under `p`, in document order.
   void ensure_subtree_resolved(const ConfigPath& p) {
     const ConfigNode* n = lookup(root_, p);
     if (n == nullptr) return;

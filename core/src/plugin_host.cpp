@@ -28,7 +28,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 
 namespace modalities::core {
 
@@ -48,45 +47,58 @@ struct DescriptorRead {
   std::string error;
 };
 
+// Bounded reads from a file whose content is untrusted: every (offset, length)
+// pair is checked against the file size without overflow before it is read.
+class UntrustedFile {
+ public:
+  explicit UntrustedFile(const fs::path& file) : in_(file, std::ios::binary) {
+    if (in_) {
+      in_.seekg(0, std::ios::end);
+      size_ = static_cast<std::uint64_t>(in_.tellg());
+    }
+  }
+  bool is_open() const { return static_cast<bool>(in_); }
+  std::uint64_t size() const { return size_; }
+  bool within(std::uint64_t offset, std::uint64_t length) const { return offset <= size_ && length <= size_ - offset; }
+  // Reads [offset, offset + length); false when out of bounds or on I/O errors.
+  bool read(std::uint64_t offset, std::uint64_t length, void* out) {
+    if (!within(offset, length)) return false;
+    in_.seekg(static_cast<std::streamoff>(offset));
+    in_.read(static_cast<char*>(out), static_cast<std::streamsize>(length));
+    return static_cast<bool>(in_);
+  }
+
+ private:
+  std::ifstream in_;
+  std::uint64_t size_ = 0;
+};
+
 DescriptorRead read_descriptor(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return {std::nullopt, fmt::format("cannot open for reading: {}", std::strerror(errno))};
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string bytes = ss.str();
-  if (bytes.empty()) return {std::nullopt, "file is empty, not a shared library"};
-  if (bytes.size() < sizeof(Elf64_Ehdr) || std::memcmp(bytes.data(), ELFMAG, SELFMAG) != 0)
-    return {std::nullopt, "not an ELF file (bad magic number)"};
+  UntrustedFile f(file);
+  if (!f.is_open()) return {std::nullopt, fmt::format("cannot open for reading: {}", std::strerror(errno))};
+  if (f.size() == 0) return {std::nullopt, "file is empty, not a shared library"};
   Elf64_Ehdr eh;
-  std::memcpy(&eh, bytes.data(), sizeof eh);
+  if (!f.read(0, sizeof eh, &eh) || std::memcmp(eh.e_ident, ELFMAG, SELFMAG) != 0)
+    return {std::nullopt, "not an ELF file (bad magic number)"};
   if (eh.e_ident[EI_CLASS] != ELFCLASS64 || eh.e_ident[EI_DATA] != ELFDATA2LSB)
     return {std::nullopt, "not a 64-bit little-endian ELF file"};
   if (eh.e_type != ET_DYN) return {std::nullopt, "ELF file is not a shared library"};
   if (eh.e_machine != EM_X86_64 && eh.e_machine != EM_AARCH64)
     return {std::nullopt, fmt::format("ELF file is for another machine type ({})", eh.e_machine)};
-  // Every (offset, length) pair comes from the file: check without overflow.
-  const std::uint64_t size = bytes.size();
-  auto within = [size](std::uint64_t offset, std::uint64_t length) { return offset <= size && length <= size - offset; };
-  if (eh.e_shnum == 0 || eh.e_shentsize != sizeof(Elf64_Shdr) ||
-      !within(eh.e_shoff, static_cast<std::uint64_t>(eh.e_shnum) * sizeof(Elf64_Shdr)) || eh.e_shstrndx >= eh.e_shnum)
+  std::vector<Elf64_Shdr> sections(eh.e_shnum);
+  if (eh.e_shnum == 0 || eh.e_shentsize != sizeof(Elf64_Shdr) || eh.e_shstrndx >= eh.e_shnum ||
+      !f.read(eh.e_shoff, sections.size() * sizeof(Elf64_Shdr), sections.data()))
     return {std::nullopt, "ELF section table is missing or truncated"};
-  auto section = [&](std::size_t i) {
-    Elf64_Shdr sh;
-    std::memcpy(&sh, bytes.data() + eh.e_shoff + i * sizeof(Elf64_Shdr), sizeof sh);
-    return sh;
-  };
-  const Elf64_Shdr names = section(eh.e_shstrndx);
-  if (!within(names.sh_offset, names.sh_size)) return {std::nullopt, "ELF section names are truncated"};
-  for (std::size_t i = 0; i < eh.e_shnum; ++i) {
-    const Elf64_Shdr sh = section(i);
-    if (sh.sh_name >= names.sh_size) continue;
-    const char* name = bytes.data() + names.sh_offset + sh.sh_name;
-    const std::size_t max_len = names.sh_size - sh.sh_name;
-    if (field(name, max_len) != MODALITIES_PLUGIN_SECTION) continue;
-    if (sh.sh_size < sizeof(modalities_plugin_descriptor) || !within(sh.sh_offset, sh.sh_size))
-      return {std::nullopt, "plugin descriptor section is truncated"};
+  const Elf64_Shdr& names_header = sections[eh.e_shstrndx];
+  std::string names(f.within(names_header.sh_offset, names_header.sh_size) ? names_header.sh_size : 0, '\0');
+  if (names.empty() || !f.read(names_header.sh_offset, names.size(), names.data()))
+    return {std::nullopt, "ELF section names are truncated"};
+  for (const Elf64_Shdr& sh : sections) {
+    if (sh.sh_name >= names.size() || field(names.data() + sh.sh_name, names.size() - sh.sh_name) != MODALITIES_PLUGIN_SECTION)
+      continue;
     modalities_plugin_descriptor d;
-    std::memcpy(&d, bytes.data() + sh.sh_offset, sizeof d);
+    if (sh.sh_size < sizeof d || !f.within(sh.sh_offset, sh.sh_size) || !f.read(sh.sh_offset, sizeof d, &d))
+      return {std::nullopt, "plugin descriptor section is truncated"};
     if (field(d.magic, sizeof d.magic) != MODALITIES_PLUGIN_MAGIC) return {std::nullopt, "plugin descriptor has a bad magic"};
     return {d, {}};
   }

@@ -5,14 +5,13 @@ namespace modalities::core {
 
 namespace fs = std::filesystem;
 
-std::vector<PluginProblem> load_plugins(Registry& registry, PluginHost& host, const PluginOptions& options) {
+std::vector<PluginProblem> load_plugins(PluginHost& host, const PluginOptions& options) {
   std::vector<PluginProblem> problems;
   std::vector<fs::path> paths = PluginHost::search_path(options.extra_paths);
   if (!options.bundled) {
     const fs::path bundled = PluginHost::bundled_plugin_dir();
     std::erase(paths, bundled);
   }
-  (void)registry;
   for (const auto& p : paths) {
     auto found = host.load_path(p);
     problems.insert(problems.end(), found.begin(), found.end());

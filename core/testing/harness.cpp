@@ -26,62 +26,49 @@ void Harness::set_config_text(const std::string& toml, const std::string& name) 
 }
 
 namespace {
-core::ConfigNode* walk(core::ConfigNode& root, const std::string& dotted, bool create, std::string* last) {
-  // Split "a.b[1].c" into steps; the last step is returned in *last (a key) or as index.
-  std::vector<std::string> steps;
-  std::string cur;
-  for (char c : dotted) {
-    if (c == '.' || c == '[') {
-      if (!cur.empty()) steps.push_back(cur);
-      cur = c == '[' ? "[" : "";
-    } else if (c == ']') {
-      steps.push_back(cur + "]");
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  if (!cur.empty()) steps.push_back(cur);
+// The parent of the node at `path` (creating missing tables when `create`), or null.
+core::ConfigNode* parent_of(core::ConfigNode& root, const core::ConfigPath& path, bool create) {
   core::ConfigNode* node = &root;
-  for (std::size_t i = 0; i + 1 < steps.size(); ++i) {
-    const std::string& s = steps[i];
-    if (s.front() == '[') {
-      node = &node->as_array().at(std::stoul(s.substr(1, s.size() - 2)));
-    } else {
-      core::ConfigNode* next = node->find(s);
+  const auto& segs = path.segments();
+  for (std::size_t i = 0; i + 1 < segs.size(); ++i) {
+    if (const auto* key = std::get_if<std::string>(&segs[i])) {
+      core::ConfigNode* next = node->find(*key);
       if (next == nullptr) {
         if (!create) return nullptr;
-        node->as_table().emplace_back(s, core::ConfigNode(core::ConfigNode::Table{}, node->where()));
+        node->as_table().emplace_back(*key, core::ConfigNode(core::ConfigNode::Table{}, node->where()));
         next = &node->as_table().back().second;
       }
       node = next;
+    } else {
+      node = &node->as_array().at(std::get<std::size_t>(segs[i]));
     }
   }
-  *last = steps.back();
   return node;
 }
 }  // namespace
 
 void Harness::set(const std::string& dotted_path, Value value) {
-  std::string last;
-  core::ConfigNode* parent = walk(root_, dotted_path, true, &last);
+  const core::ConfigPath path = core::ConfigPath::parse(dotted_path);
+  core::ConfigNode* parent = parent_of(root_, path, /*create=*/true);
   core::ConfigNode v = core::ConfigNode::from_value(value, parent->where());
-  if (last.front() == '[') {
-    parent->as_array().at(std::stoul(last.substr(1, last.size() - 2))) = std::move(v);
-  } else if (core::ConfigNode* existing = parent->find(last)) {
+  const auto& last = path.segments().back();
+  if (const auto* i = std::get_if<std::size_t>(&last)) {
+    parent->as_array().at(*i) = std::move(v);
+  } else if (core::ConfigNode* existing = parent->find(std::get<std::string>(last))) {
     v.set_where(existing->where());
     *existing = std::move(v);
   } else {
-    parent->as_table().emplace_back(last, std::move(v));
+    parent->as_table().emplace_back(std::get<std::string>(last), std::move(v));
   }
   built_.reset();
 }
 
 void Harness::erase(const std::string& dotted_path) {
-  std::string last;
-  core::ConfigNode* parent = walk(root_, dotted_path, false, &last);
-  if (parent == nullptr || !parent->is_table()) return;
-  std::erase_if(parent->as_table(), [&](const auto& e) { return e.first == last; });
+  const core::ConfigPath path = core::ConfigPath::parse(dotted_path);
+  core::ConfigNode* parent = parent_of(root_, path, /*create=*/false);
+  const auto* key = std::get_if<std::string>(&path.segments().back());
+  if (parent == nullptr || key == nullptr || !parent->is_table()) return;
+  std::erase_if(parent->as_table(), [&](const auto& e) { return e.first == *key; });
   built_.reset();
 }
 

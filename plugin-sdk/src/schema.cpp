@@ -62,6 +62,27 @@ std::string format_float(double x) {
   return s;
 }
 
+std::string toml_quote(std::string_view s, bool escape_interpolation) {
+  std::string out = "\"";
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      case '$':
+        out += (escape_interpolation && i + 1 < s.size() && s[i + 1] == '{') ? "\\\\$" : "$";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\u{:04X}", static_cast<int>(c));
+        else out += c;
+    }
+  }
+  return out + "\"";
+}
+
 BuildContext::~BuildContext() = default;
 Registrar::~Registrar() = default;
 

@@ -34,29 +34,13 @@ std::string Value::type_name() const {
   return std::string(kind_name(kind()));
 }
 
-namespace {
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default: out += c;
-    }
-  }
-  return out + "\"";
-}
-}  // namespace
-
 std::string Value::repr() const {
   switch (kind()) {
     case Kind::kNull: return "null";
     case Kind::kBool: return as_bool() ? "true" : "false";
     case Kind::kInt: return fmt::format("{}", as_int());
     case Kind::kFloat: return format_float(as_float());
-    case Kind::kString: return quote(as_string());
+    case Kind::kString: return toml_quote(as_string());
     case Kind::kList: {
       std::string s = "[";
       for (std::size_t i = 0; i < as_list().size(); ++i) s += (i ? ", " : "") + as_list()[i].repr();

@@ -70,6 +70,8 @@ TEST(TomlLoaderTest, RejectsDatesAndTimesWithTheirPath) {
 TEST(TomlLoaderTest, RejectsAbsurdNesting) {
   std::string deep = "a = " + std::string(200, '[') + std::string(200, ']') + "\n";
   EXPECT_THAT(error_of(deep), HasSubstr("nesting deeper than"));
+  const std::string absurd = "a = " + std::string(100000, '[') + std::string(100000, ']') + "\n";
+  EXPECT_THAT(error_of(absurd), HasSubstr("maximum nested value depth"));
   std::string header = "[";
   for (int i = 0; i < 100; ++i) header += (i ? ".k" : "k") + std::to_string(i);
   EXPECT_THAT(error_of(header + "]\nx = 1\n"), HasSubstr("nesting deeper than"));

@@ -39,7 +39,8 @@ std::vector<Diagnostic> validate_settings(const std::string& toml) {
   // Only `settings`: the other required keys need plugins that do not exist yet.
   PipelineProfile p = *find_pipeline("training");
   std::erase_if(p.entries, [](const PipelineEntry& e) { return e.key != "settings"; });
-  ComponentGraph g(Registry{}, root, &p);
+  const Registry registry;  // outlives the graph, which keeps a reference
+  ComponentGraph g(registry, root, &p);
   return g.validate();
 }
 
@@ -121,7 +122,8 @@ TEST(TrainingSettingsTest, WarmstartPathsHaveOneOfTwoShapes) {
 
 TEST(TrainingSettingsTest, ProfileListsEveryRequiredTopLevelKey) {
   ConfigNode root = load_toml_string(settings_toml(), "train.toml");
-  ComponentGraph g(Registry{}, root, find_pipeline("training"));
+  const Registry registry;
+  ComponentGraph g(registry, root, find_pipeline("training"));
   const std::string errors = all_text(g.validate(), false);
   for (const char* key : {"app_state", "loss_fn", "train_dataset", "train_dataloader", "eval_dataloaders",
                           "progress_subscriber", "evaluation_subscriber", "checkpoint_saving", "gradient_clipper", "model_raw"})

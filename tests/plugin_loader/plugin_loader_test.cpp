@@ -284,12 +284,29 @@ TEST_F(PluginLoaderTest, DirectoryNamedLikeAPluginIsReported) {
 }
 
 TEST_F(PluginLoaderTest, FileWithoutReadPermissionIsReported) {
-  if (::geteuid() == 0) GTEST_SKIP() << "running as root, which can read a mode-000 file";
   const fs::path file = dir.write("libmodalities_unreadable.so", read_bytes(kOtherPlugin));
   fs::permissions(file, fs::perms::none);
-  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_unreadable.so"),
-              AllOf(HasSubstr("cannot open for reading"), HasSubstr("Permission denied")));
-  expect_neighbours_loaded();
+  if (::geteuid() != 0) {
+    EXPECT_THAT(load_expecting_one_problem_about("libmodalities_unreadable.so"),
+                AllOf(HasSubstr("cannot open for reading"), HasSubstr("Permission denied")));
+    expect_neighbours_loaded();
+    return;
+  }
+  // Root reads a mode-000 file, so the check runs in a child that drops to the
+  // unprivileged user `nobody` (the directory itself stays traversable for it).
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec);
+  EXPECT_EXIT(
+      {
+        if (::setgid(65534) != 0 || ::setuid(65534) != 0) std::exit(2);
+        Registry r;
+        PluginHost h(r);
+        const std::optional<PluginProblem> problem = h.load_file(file);
+        const bool ok = problem && problem->reason.find("cannot open for reading: Permission denied") != std::string::npos;
+        std::exit(ok ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "")
+      << "expected 'cannot open for reading: Permission denied' for " << file << " as user nobody";
 }
 
 TEST_F(PluginLoaderTest, DescriptorWithoutRegisterSymbolIsReported) {
@@ -368,14 +385,14 @@ TEST_F(PluginLoaderTest, MatchingDescriptorInAFileThatCannotBeLoadedIsReported) 
   expect_neighbours_loaded();
 }
 
-// Bug: the bounds checks in read_descriptor() (core/src/plugin_host.cpp) add two
+// Regression: the bounds checks in read_descriptor() (core/src/plugin_host.cpp) used to add two
 // untrusted 64-bit values from the file, `offset + size > bytes.size()`, and
 // the sum can wrap around to a small number. These files make it wrap: the host
 // then reads outside the file's bytes, before the buffer (section table) or far
-// past it (section names, descriptor: SIGSEGV). Disabled until the checks read
-// `offset > size || length > size - offset`; run them with
-// --gtest_also_run_disabled_tests. The load runs in a child process, so a crash
-// fails the test instead of ending the test binary.
+// past it (section names, descriptor: SIGSEGV). Fixed: the checks now read
+// `offset <= size && length <= size - offset`. These tests keep it fixed; the
+// load runs in a child process, so a crash fails the test instead of ending the
+// test binary.
 void expect_reported_without_crash(const fs::path& file, const std::string& reason) {
   EXPECT_EXIT(
       {
@@ -517,7 +534,7 @@ TEST(PluginSearchPathTest, MissingEntryInPluginPathIsReportedAndTheOtherEntriesL
   Registry registry;
   PluginHost host(registry);
   const std::vector<PluginProblem> problems =
-      load_plugins(registry, host, PluginOptions{.extra_paths = {}, .strict = false, .bundled = false});
+      load_plugins(host, PluginOptions{.extra_paths = {}, .strict = false, .bundled = false});
   ASSERT_EQ(problems.size(), 1u) << describe(problems);
   EXPECT_EQ(problems[0].file, missing);
   EXPECT_THAT(problems[0].str(), AllOf(HasSubstr("no_such_dir"), HasSubstr("plugin path does not exist")));
@@ -532,7 +549,7 @@ TEST(PluginSearchPathTest, BundledPluginsLoadBeforePluginPathEntries) {
   EnvVarGuard env("MODALITIES_PLUGIN_PATH", dir.path().string());
   Registry registry;
   PluginHost host(registry);
-  const std::vector<PluginProblem> problems = load_plugins(registry, host, PluginOptions{});
+  const std::vector<PluginProblem> problems = load_plugins(host, PluginOptions{});
   EXPECT_TRUE(problems.empty()) << describe(problems);
   EXPECT_NE(registry.find("layer_norm", "rms_norm"), nullptr);
   EXPECT_NE(registry.find("number_conversion", "num_samples_from_num_tokens"), nullptr);

@@ -70,8 +70,13 @@ class ConfigPath {
  public:
   using Segment = std::variant<std::string, std::size_t>;
   ConfigPath() = default;
+  /// Parses "a.b[1].c" (also "a.b.1.c": a numeric key indexes an array when
+  /// the path is looked up). Throws modalities::Error when malformed.
+  static ConfigPath parse(std::string_view dotted);
   ConfigPath child(std::string key) const;
   ConfigPath index(std::size_t i) const;
+  /// This path followed by `tail`.
+  ConfigPath operator/(const ConfigPath& tail) const;
   const std::vector<Segment>& segments() const { return segments_; }
   bool empty() const { return segments_.empty(); }
   std::size_t size() const { return segments_.size(); }

@@ -54,6 +54,9 @@ class ComponentGraph {
  public:
   /// `profile` null: every top-level key is selected, in document order.
   ComponentGraph(const Registry& registry, const ConfigNode& resolved_root, const PipelineProfile* profile);
+  // The graph keeps references to the registry and the tree: no temporaries.
+  ComponentGraph(Registry&&, const ConfigNode&, const PipelineProfile*) = delete;
+  ComponentGraph(const Registry&, ConfigNode&&, const PipelineProfile*) = delete;
 
   /// Checks the whole graph without building anything: node shapes, known
   /// variants, config keys and types (Pending placeholders stand for unbuilt
@@ -74,7 +77,7 @@ class ComponentGraph {
   enum class NodeKind { kComponent, kReference, kTable, kArray, kScalar, kInvalid };
   NodeKind classify(const ConfigNode& n, const ConfigPath& p);
   Value dry(const ConfigNode& n, const ConfigPath& p);
-  Value dry_top(const std::string& key, const ConfigNode& referrer, const ConfigPath& referrer_path);
+  Value dry_top(const std::string& key, const ConfigNode* referrer, const ConfigPath& referrer_path);
   Value build_node(const ConfigNode& n, const ConfigPath& p, const std::function<void(const std::string&)>& log);
   std::vector<std::string> selection();
   void error(const ConfigNode& at, const ConfigPath& p, std::string message, std::string hint = {},

@@ -21,7 +21,7 @@ struct PluginOptions {
 };
 
 /// Loads plugins into `registry`; returns the problems found (not thrown).
-std::vector<PluginProblem> load_plugins(Registry& registry, PluginHost& host, const PluginOptions& options);
+std::vector<PluginProblem> load_plugins(PluginHost& host, const PluginOptions& options);
 
 /// modalities_env for a config file: config_file_path and config_folder_path.
 ModalitiesEnv env_for_config(const std::filesystem::path& config_file);

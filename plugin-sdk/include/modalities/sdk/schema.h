@@ -47,6 +47,9 @@ MODALITIES_SDK_API std::string closest_match(std::string_view word, std::span<co
 MODALITIES_SDK_API std::string quoted_list(std::span<const std::string> items);
 /// Formats a double the way TOML would show it (shortest round trip, always with '.' or 'e').
 MODALITIES_SDK_API std::string format_float(double x);
+/// A TOML basic string literal for `s`. With `escape_interpolation`, a literal
+/// "${" is written as "\\${" so that loading the text back keeps it literal.
+MODALITIES_SDK_API std::string toml_quote(std::string_view s, bool escape_interpolation = false);
 
 /// Static description of one config key, for `plugins describe`, docs and
 /// did-you-mean hints. Filled from the Schema declaration.
