@@ -16,3 +16,17 @@ include(ModalitiesLibTorch)
 # fmt: LibTorch's include directory ships fmt (12.x) and, being on every include
 # path, would shadow a system fmt. We therefore use exactly that copy, header-only,
 # everywhere (see ModalitiesLibTorch.cmake), and do not use Debian's libfmt.
+
+# Data pipeline libraries (Debian packages, see versions.env):
+#   simdjson::simdjson  JSON parsing (JSONL validation, jq paths, tokenizer.json)
+#   modalities::pcre2   PCRE2 8-bit with JIT and Unicode properties (pre-tokenizer regexes)
+#   modalities::utf8proc  Unicode normalisation (NFC/NFKC normalizers)
+#   modalities::sentencepiece  SentencePiece models
+find_package(simdjson 3 REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(MODALITIES_PCRE2 REQUIRED IMPORTED_TARGET GLOBAL libpcre2-8)
+pkg_check_modules(MODALITIES_UTF8PROC REQUIRED IMPORTED_TARGET GLOBAL libutf8proc)
+pkg_check_modules(MODALITIES_SENTENCEPIECE REQUIRED IMPORTED_TARGET GLOBAL sentencepiece)
+add_library(modalities::pcre2 ALIAS PkgConfig::MODALITIES_PCRE2)
+add_library(modalities::utf8proc ALIAS PkgConfig::MODALITIES_UTF8PROC)
+add_library(modalities::sentencepiece ALIAS PkgConfig::MODALITIES_SENTENCEPIECE)
