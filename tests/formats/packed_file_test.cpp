@@ -1,0 +1,201 @@
+// The memory-mapped .pbin reader against the real Modalities files of
+// shared/fixtures/modalities (expected values from its README / spec data.md
+// §4, §6.2) and against broken files written into a scratch directory.
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/formats/packed_file.h>
+
+#include "../cli/scratch_dir.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace modalities::formats {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+
+// A .pbin built in memory: header, tokens of width `token_size`, pickled index.
+std::string make_pbin(std::uint32_t token_size, const std::vector<std::uint64_t>& tokens,
+                      const std::vector<IndexEntry>& index, std::uint64_t data_len_override = ~0ULL) {
+  std::string out;
+  const std::uint64_t data_len = data_len_override != ~0ULL ? data_len_override : tokens.size() * token_size;
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((data_len >> (8 * i)) & 0xff));
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((token_size >> (8 * i)) & 0xff));
+  for (std::uint64_t t : tokens)
+    for (std::uint32_t i = 0; i < token_size; ++i) out.push_back(static_cast<char>((t >> (8 * i)) & 0xff));
+  return out + pickle_index(index);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PackedFileTest, ReadsLoremIpsum) {
+  PackedFile f(kFixtures / "data/lorem_ipsum.pbin");
+  EXPECT_EQ(f.header().data_len, 15978u);
+  EXPECT_EQ(f.header().file_size, 16095u);
+  EXPECT_EQ(f.token_size(), 2u);
+  EXPECT_EQ(f.num_tokens(), 7989u);
+  EXPECT_EQ(f.data().size(), 15978u);
+  EXPECT_EQ(f.index_bytes().size(), 105u);
+  EXPECT_THAT(f.tokens(0, 4), ElementsAre(15, 15639, 76, 220));
+  EXPECT_EQ(f.token(1), 15639u);
+  ASSERT_EQ(f.num_documents(), 12u);
+  EXPECT_FALSE(f.legacy());
+  EXPECT_EQ(f.index()[0], (IndexEntry{0, 3276}));
+  EXPECT_EQ(f.index()[1], (IndexEntry{3276, 1966}));
+  EXPECT_EQ(f.index()[2], (IndexEntry{5242, 48}));
+  std::uint64_t total = 0;
+  for (std::uint64_t k = 0; k < f.num_documents(); ++k) {
+    const auto doc = f.document(k);
+    ASSERT_FALSE(doc.empty());
+    EXPECT_EQ(doc.back(), 50256) << "document " << k;
+    total += doc.size();
+  }
+  EXPECT_EQ(total, 7989u);
+}
+
+TEST(PackedFileTest, ReadsLoremIpsumLongAtTheSpecSample) {
+  PackedFile f(kFixtures / "data/lorem_ipsum_long.pbin");
+  EXPECT_EQ(f.num_tokens(), 332875u);
+  EXPECT_EQ(f.num_documents(), 500u);
+  // Continuous dataset, S = 256: sample 642 starts at token 164 352 (spec §6.2).
+  EXPECT_THAT(f.tokens(164352, 6), ElementsAre(2797, 3384, 2248, 382, 2123, 288));
+  EXPECT_EQ(f.token(f.num_tokens() - 1), 50256u);
+}
+
+TEST(PackedFileTest, ReadsTinyDocuments) {
+  PackedFile f(kFixtures / "derived/tiny/tiny.pbin");
+  EXPECT_EQ(f.index(), (std::vector<IndexEntry>{{0, 4}, {4, 6}}));
+  EXPECT_THAT(f.document(0), ElementsAre(15496, 50256));
+  EXPECT_THAT(f.document(1), ElementsAre(10603, 0, 50256));
+  EXPECT_THAT(error_of([&] { f.document(2); }), HasSubstr("document 2 is out of range"));
+}
+
+TEST(PackedFileTest, WidensOneAndFourByteTokens) {
+  testing::ScratchDir dir;
+  PackedFile one(dir.write("one.pbin", make_pbin(1, {0, 7, 255}, {{0, 3}})));
+  EXPECT_THAT(one.tokens(0, 3), ElementsAre(0, 7, 255));
+  PackedFile four(dir.write("four.pbin", make_pbin(4, {1, 65536, 4294967295ULL}, {{0, 8}, {8, 4}})));
+  EXPECT_THAT(four.tokens(0, 3), ElementsAre(1, 65536, 4294967295LL));
+  EXPECT_THAT(four.document(1), ElementsAre(4294967295LL));
+}
+
+TEST(PackedFileTest, ConvertsLegacyAbsoluteOffsets) {
+  testing::ScratchDir dir;
+  // tiny.pbin written before Modalities PR #164: offsets count from the file start.
+  PackedFile f(dir.write("legacy.pbin", make_pbin(2, {15496, 50256, 10603, 0, 50256}, {{12, 4}, {16, 6}})));
+  EXPECT_TRUE(f.legacy());
+  EXPECT_EQ(f.index(), (std::vector<IndexEntry>{{0, 4}, {4, 6}}));
+  EXPECT_THAT(f.document(1), ElementsAre(10603, 0, 50256));
+}
+
+TEST(PackedFileTest, AcceptsAnEmptyFileAsWrittenByModalities) {
+  testing::ScratchDir dir;
+  PackedFile f(dir.write("empty.pbin", make_pbin(2, {}, {})));  // the 17-byte "nothing written" file
+  EXPECT_EQ(f.header().file_size, 17u);
+  EXPECT_EQ(f.num_tokens(), 0u);
+  EXPECT_EQ(f.num_documents(), 0u);
+  EXPECT_FALSE(f.legacy());
+}
+
+TEST(PackedFileTest, RejectsEmptyAndTruncatedHeaders) {
+  testing::ScratchDir dir;
+  const fs::path empty = dir.write("empty.pbin", "");
+  EXPECT_THAT(error_of([&] { PackedFile f(empty); }),
+              AllOf(HasSubstr("empty.pbin"), HasSubstr("0 bytes is too short")));
+  const fs::path shorty = dir.write("short.pbin", std::string("\x0a\x00\x00\x00\x00", 5));
+  EXPECT_THAT(error_of([&] { PackedFile f(shorty); }),
+              AllOf(HasSubstr("short.pbin"), HasSubstr("5 bytes is too short")));
+  EXPECT_THAT(error_of([&] { PackedFile f(dir.path() / "missing.pbin"); }),
+              AllOf(HasSubstr("missing.pbin"), HasSubstr("cannot open")));
+}
+
+TEST(PackedFileTest, RejectsTokenSizeThree) {
+  testing::ScratchDir dir;
+  const fs::path p = dir.write("ts3.pbin", make_pbin(3, {1, 2}, {{0, 6}}));
+  EXPECT_THAT(error_of([&] { PackedFile f(p); }),
+              AllOf(HasSubstr("ts3.pbin"), HasSubstr("token size 3"), HasSubstr("not 1, 2 or 4")));
+}
+
+TEST(PackedFileTest, RejectsDataLengthBeyondTheFile) {
+  testing::ScratchDir dir;
+  const fs::path p = dir.write("long.pbin", make_pbin(2, {1, 2}, {{0, 4}}, /*data_len=*/1000));
+  EXPECT_THAT(error_of([&] { PackedFile f(p); }),
+              AllOf(HasSubstr("long.pbin"), HasSubstr("header says 1000 data bytes"), HasSubstr("truncated")));
+}
+
+TEST(PackedFileTest, RejectsDataLengthNotAMultipleOfTheTokenSize) {
+  testing::ScratchDir dir;
+  const fs::path p = dir.write("odd.pbin", make_pbin(2, {1, 2}, {{0, 4}}, /*data_len=*/3));
+  EXPECT_THAT(error_of([&] { PackedFile f(p); }),
+              AllOf(HasSubstr("odd.pbin"), HasSubstr("data length 3 is not a multiple of the token size 2")));
+}
+
+TEST(PackedFileTest, CorruptIndexFailsOnlyWhenTheIndexIsRead) {
+  testing::ScratchDir dir;
+  std::string bytes = make_pbin(2, {5, 6, 7}, {});
+  bytes.resize(12 + 6);
+  bytes += "\x80\x04\x63garbage";  // GLOBAL opcode: never executed
+  PackedFile f(dir.write("corrupt.pbin", bytes));
+  EXPECT_THAT(f.tokens(0, 3), ElementsAre(5, 6, 7));  // continuous access does not need the index
+  EXPECT_THAT(error_of([&] { f.index(); }),
+              AllOf(HasSubstr("corrupt.pbin"), HasSubstr("index pickle"), HasSubstr("opcode 0x63")));
+  // A failed load is not cached as success.
+  EXPECT_THAT(error_of([&] { f.num_documents(); }), HasSubstr("index pickle"));
+
+  std::string no_index = make_pbin(2, {5, 6, 7}, {});
+  no_index.resize(12 + 6);
+  PackedFile g(dir.write("noindex.pbin", no_index));
+  EXPECT_EQ(g.num_tokens(), 3u);
+  EXPECT_THAT(error_of([&] { g.index(); }), AllOf(HasSubstr("noindex.pbin"), HasSubstr("no index segment")));
+}
+
+TEST(PackedFileTest, RejectsIndexEntriesOutsideTheDataOrMisaligned) {
+  testing::ScratchDir dir;
+  PackedFile outside(dir.write("outside.pbin", make_pbin(2, {1, 2, 3}, {{0, 2}, {2, 6}})));
+  EXPECT_THAT(error_of([&] { outside.index(); }),
+              AllOf(HasSubstr("outside.pbin"), HasSubstr("document 1"), HasSubstr("outside the data section")));
+  PackedFile misaligned(dir.write("misaligned.pbin", make_pbin(2, {1, 2, 3}, {{0, 3}, {3, 3}})));
+  EXPECT_THAT(error_of([&] { misaligned.index(); }),
+              AllOf(HasSubstr("misaligned.pbin"), HasSubstr("document 0"), HasSubstr("multiples of the token size")));
+}
+
+TEST(PackedFileTest, RangeChecksTokenAccess) {
+  PackedFile f(kFixtures / "derived/tiny/tiny.pbin");
+  EXPECT_THAT(error_of([&] { f.token(5); }), AllOf(HasSubstr("tiny.pbin"), HasSubstr("token 5 is out of range")));
+  EXPECT_THAT(error_of([&] { f.tokens(3, 3); }), HasSubstr("tokens [3, 6) are out of range"));
+  EXPECT_TRUE(f.tokens(5, 0).empty());
+  PackedFile closed;
+  EXPECT_FALSE(closed.is_open());
+  EXPECT_THAT(error_of([&] { closed.num_tokens(); }), HasSubstr("no file is open"));
+}
+
+TEST(PackedFileTest, MovesAndLoadsTheIndexOnceAcrossThreads) {
+  PackedFile f(kFixtures / "data/lorem_ipsum_long.pbin");
+  PackedFile g = std::move(f);
+  EXPECT_FALSE(f.is_open());  // NOLINT(bugprone-use-after-move): moved-from state is specified
+  std::vector<std::thread> threads;
+  std::vector<std::size_t> sizes(8);
+  for (int t = 0; t < 8; ++t) threads.emplace_back([&, t] { sizes[t] = g.index().size(); });
+  for (auto& t : threads) t.join();
+  for (auto s : sizes) EXPECT_EQ(s, 500u);
+}
+
+}  // namespace
+}  // namespace modalities::formats
