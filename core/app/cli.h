@@ -39,5 +39,12 @@ void print_warning(const std::string& message);
 
 int run_plugins(const std::vector<std::string>& args);
 int run_config(const std::vector<std::string>& args);
+int run_data(const std::vector<std::string>& args);
+
+/// The `modalities data` verbs that rewrite packed or JSONL files (merge,
+/// shuffles, chunks; cli_data_tools.cpp). Returns -1 if `verb` is not one of them.
+int run_data_tools(const std::string& verb, const std::vector<std::string>& args);
+/// One line per verb of run_data_tools for `modalities data --help`.
+extern const char* const kDataToolsHelp;
 
 }  // namespace modalities::cli

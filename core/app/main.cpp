@@ -24,6 +24,8 @@ Commands:
   config resolve <file.toml>    print the fully interpolated config as TOML
   config graph <file.toml>      print the component graph in Graphviz DOT
   config build <file.toml>      build the component graph and print what each top-level key produced
+  data <command>                prepare training data: create_raw_index, pack_encoded_data, merge_packed_data,
+                                shuffles, chunks, inspect_packed_data (`modalities data --help`)
 
 Options:
   -h, --help       this help; `modalities <command> --help` for a command's options
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
   try {
     if (verb == "plugins") return modalities::cli::run_plugins(args);
     if (verb == "config") return modalities::cli::run_config(args);
+    if (verb == "data") return modalities::cli::run_data(args);
   } catch (const std::exception& e) {
     modalities::cli::print_error(e.what());
     return modalities::cli::kFailed;

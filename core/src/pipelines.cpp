@@ -1,6 +1,7 @@
 // The pipeline profiles of the commands (spec §4): which top-level keys each
 // command builds, in which order, and what each must produce.
 #include <modalities/core/graph.h>
+#include <modalities/core/data/packing.h>
 #include <modalities/core/training_settings.h>
 
 namespace modalities::core {
@@ -32,7 +33,8 @@ const std::vector<PipelineProfile>& builtin_pipelines() {
        "`modalities data pack_encoded_data` (spec §4.2)",
        {
            {"tokenizer", "Tokenizer", true, "tokenizer used to encode the documents"},
-           {"settings", "table", true, "src_path, dst_path, index_path, jq_pattern, num_cpus, eod_token, ..."},
+           {"settings", "table", true, "src_path, dst_path, index_path, jq_pattern, num_cpus, eod_token, ...",
+            data::check_packing_settings},
        }},
       {"text_generation",
        "`modalities generate_text` (spec §4.3)",

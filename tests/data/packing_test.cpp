@@ -1,0 +1,1 @@
+// Placeholder: packing tests follow once the tokenizer plugin lands.
