@@ -1,0 +1,18 @@
+// The datasets plugin: every `dataset/*` variant of Modalities except the
+// broken `packed_mem_map_dataset_megatron` (spec data.md §6.3, quirk Q6),
+// plus the new `weighted_mixture`. See README.md for the config keys.
+#include "datasets.h"
+
+#include <modalities/sdk/plugin.h>
+
+namespace modalities::plugins::datasets {
+
+void register_components(Registrar& r) {
+  register_packed(r);
+  register_mem_map(r);
+  register_composite(r);
+}
+
+}  // namespace modalities::plugins::datasets
+
+MODALITIES_PLUGIN(datasets, "0.1.0", modalities::plugins::datasets::register_components)
