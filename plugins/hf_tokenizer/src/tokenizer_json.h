@@ -1,0 +1,94 @@
+// A Hugging Face `tokenizer.json` (byte-level BPE family) loaded into an
+// immutable, thread-safe encoder/decoder that reproduces the `tokenizers`
+// library's ids exactly: added-token splitting, Unicode normalizers,
+// ByteLevel/Split/Digits pre-tokenizers, the BPE model and the template
+// post-processors. Everything else is refused by name when loading.
+// Used by hf_tokenizer.cpp (the transformers-like wrapper) and the benchmark.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace modalities::plugins::hf_tokenizer {
+
+/// One entry of the added vocabulary (tokenizer.json "added_tokens", or
+/// tokens registered later as special tokens).
+struct AddedToken {
+  std::string content;
+  bool single_word = false;
+  bool lstrip = false;
+  bool rstrip = false;
+  bool normalized = true;
+  bool special = false;
+  bool operator==(const AddedToken&) const = default;
+};
+
+class TokenizerJson {
+ public:
+  /// Parses `file`. Throws modalities::Error naming the file and the JSON path of
+  /// anything malformed or unsupported. Non-fatal findings (e.g. an added token
+  /// whose id in the file differs from the id the library would assign) go to
+  /// `warnings()`.
+  explicit TokenizerJson(const std::filesystem::path& file);
+  ~TokenizerJson();
+  TokenizerJson(const TokenizerJson&) = delete;
+  TokenizerJson& operator=(const TokenizerJson&) = delete;
+
+  // ---- Setup (single-threaded, before the first encode) -------------------
+
+  /// `AddedVocabulary::add_tokens`: known contents keep their id (added map,
+  /// then model vocabulary), new ones get the next free id. Returns how many
+  /// were new or changed.
+  std::size_t add_tokens(std::span<const AddedToken> tokens);
+  /// Overrides `add_prefix_space` of a top-level ByteLevel pre-tokenizer
+  /// (what transformers' PreTrainedTokenizerFast does when loading). Returns
+  /// false when the top-level pre-tokenizer is not ByteLevel.
+  bool set_top_level_add_prefix_space(bool value);
+  bool top_level_add_prefix_space() const;
+
+  // ---- Queries (thread-safe) ---------------------------------------------
+
+  /// Ids of `text` after added-token splitting, normalization,
+  /// pre-tokenization and the model; no template tokens. Appends to `out`.
+  void encode_sequence(std::string_view text, std::vector<std::int64_t>& out) const;
+  /// Template tokens the post-processor puts before and after a single sequence.
+  const std::vector<std::int64_t>& template_prefix() const { return prefix_; }
+  const std::vector<std::int64_t>& template_suffix() const { return suffix_; }
+  /// `encode(text, add_special_tokens=true).ids` without truncation or padding.
+  std::vector<std::int64_t> encode(std::string_view text) const;
+
+  /// `Tokenizer::decode(ids, skip_special_tokens=false)`. Unknown ids throw.
+  std::string decode(std::span<const std::int64_t> ids) const;
+
+  /// Added vocabulary first, then the model vocabulary.
+  std::optional<std::int64_t> token_to_id(std::string_view token) const;
+  std::optional<std::string> id_to_token(std::int64_t id) const;
+  /// Number of entries in the model vocabulary (transformers' `vocab_size`).
+  std::size_t model_vocab_size() const;
+  /// Model vocabulary plus added tokens, counted by distinct string (`len(get_vocab())`).
+  std::size_t full_vocab_size() const;
+  const std::vector<std::pair<std::int64_t, AddedToken>>& added_tokens() const;
+  std::optional<std::string> unk_token() const;
+
+  const std::vector<std::string>& warnings() const { return warnings_; }
+  const std::filesystem::path& file() const { return file_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::vector<std::int64_t> prefix_, suffix_;
+  std::vector<std::string> warnings_;
+  std::filesystem::path file_;
+};
+
+/// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
+/// becomes one U+FFFD.
+std::string utf8_lossy(std::string_view bytes);
+
+}  // namespace modalities::plugins::hf_tokenizer

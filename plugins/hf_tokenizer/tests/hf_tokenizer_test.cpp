@@ -1,0 +1,553 @@
+// tokenizer/pretrained_hf_tokenizer against the real Hugging Face libraries:
+// every line of data/multilingual/multilingual.jsonl with the GPT-2 fixture
+// and the Llama-3- and Qwen2-style test tokenizers (ids and decodes from
+// `tokenizers`/`transformers`, see scripts/reference/make_tokenizer_reference.py),
+// pipeline variants (split behaviours, normalizers, BPE options), the
+// Modalities padding/truncation/special_tokens matrix, the shipped GPT-2 .pbin
+// files, concurrency, and one test per refused input with its message.
+#include "tokenizer_json.h"
+
+#include <modalities/sdk/formats/packed_data.h>
+#include <modalities/sdk/interfaces/tokenizer.h>
+#include <modalities/sdk/schema.h>
+#include <modalities/testing/harness.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include <unistd.h>
+
+namespace modalities::plugins::hf_tokenizer {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+namespace dom = simdjson::dom;
+
+const fs::path kPluginDir = MODALITIES_TEST_PLUGIN_SOURCE_DIR;
+const fs::path kData = kPluginDir / "tests" / "data";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kCorpus = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl";
+
+fs::path folder_of(const std::string& name) {
+  if (name == "gpt2") return kFixtures / "data" / "tokenizer" / "hf_gpt2";
+  return kData / name;
+}
+
+std::vector<std::string> lines_of(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  EXPECT_TRUE(in) << file;
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// The "text" field of each JSONL line.
+std::vector<std::string> texts_of(const fs::path& jsonl) {
+  std::vector<std::string> out;
+  dom::parser parser;
+  for (const auto& line : lines_of(jsonl)) {
+    std::string_view s;
+    EXPECT_EQ(parser.parse(line)["text"].get_string().get(s), simdjson::SUCCESS) << jsonl;
+    out.emplace_back(s);
+  }
+  return out;
+}
+
+// Named handles: GCC 12 warns (falsely) about range-for over simdjson temporaries.
+dom::array array_of(dom::element e) {
+  dom::array a;
+  EXPECT_EQ(e.get_array().get(a), simdjson::SUCCESS);
+  return a;
+}
+dom::object object_of(dom::element e) {
+  dom::object o;
+  EXPECT_EQ(e.get_object().get(o), simdjson::SUCCESS);
+  return o;
+}
+
+std::vector<std::int64_t> ids_of(dom::element e) {
+  std::vector<std::int64_t> out;
+  const dom::array a = array_of(e);
+  for (dom::element x : a) out.push_back(x.get_int64().value());
+  return out;
+}
+
+std::optional<std::string> string_field(dom::element obj, std::string_view key) {
+  std::string_view s;
+  if (obj[key].get_string().get(s) != simdjson::SUCCESS) return std::nullopt;
+  return std::string(s);
+}
+
+std::string show(std::span<const std::int64_t> ids) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s + "]";
+}
+
+// A tokenizer built through the registry from an inline config table.
+struct Built {
+  std::unique_ptr<testing::Harness> harness;
+  std::shared_ptr<Tokenizer> tok;
+  std::string error;
+};
+
+Built build(const std::string& config_inline) {
+  Built b;
+  b.harness = std::make_unique<testing::Harness>(MODALITIES_TEST_PLUGIN);
+  b.harness->set_config_text("[tok]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\nconfig = " +
+                             config_inline + "\n");
+  b.error = b.harness->build_error();
+  if (b.error.empty()) b.tok = b.harness->get<Tokenizer>("tok");
+  return b;
+}
+
+std::string folder_config(const fs::path& folder, const std::string& extra = "") {
+  return "{ pretrained_model_name_or_path = " + toml_quote(folder.string()) + (extra.empty() ? "" : ", " + extra) + " }";
+}
+
+std::shared_ptr<Tokenizer> build_ok(const fs::path& folder, const std::string& extra = "") {
+  Built b = build(folder_config(folder, extra));
+  EXPECT_EQ(b.error, "") << folder;
+  static std::vector<std::unique_ptr<testing::Harness>> keep_alive;  // plugins stay loaded with their harness
+  keep_alive.push_back(std::move(b.harness));
+  return b.tok;
+}
+
+std::string build_error(const fs::path& folder, const std::string& extra = "") {
+  return build(folder_config(folder, extra)).error;
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(HfTokenizerTest, BuildsFromExampleConfig) {
+  const fs::path cwd = fs::current_path();
+  fs::current_path(MODALITIES_TEST_SOURCE_ROOT);  // the example names a repository-relative folder
+  testing::Harness h{MODALITIES_TEST_PLUGIN, kPluginDir / "configs" / "example.toml"};
+  auto tok = h.get<Tokenizer>("tokenizer");
+  fs::current_path(cwd);
+  ASSERT_NE(tok, nullptr) << h.build_error();
+  const auto ids = tok->tokenize("Hello world");
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids.front(), tok->token_id("<|begin_of_text|>"));
+  EXPECT_EQ(tok->decode(std::vector<std::int64_t>(ids.begin() + 1, ids.end())), "Hello world");
+}
+
+class CorpusTest : public ::testing::TestWithParam<std::string> {};
+
+// Every corpus line: ids as transformers produces them (= `tokenizers` encode),
+// decode of the text's ids (`tokenizers`, no clean-up) and transformers' decode.
+TEST_P(CorpusTest, MatchesHuggingFaceOnEveryLine) {
+  const std::string name = GetParam();
+  const auto texts = texts_of(kCorpus);
+  const auto expected = lines_of(kData / "expected" / (name + ".jsonl"));
+  ASSERT_EQ(texts.size(), expected.size());
+  auto tok = build_ok(folder_of(name));
+  ASSERT_NE(tok, nullptr);
+  TokenizerJson engine(folder_of(name) / "tokenizer.json");
+  const std::size_t n_template = engine.template_prefix().size();
+
+  dom::parser parser;
+  std::size_t id_mismatches = 0, decode_mismatches = 0, hf_decode_mismatches = 0;
+  for (std::size_t i = 0; i < texts.size(); ++i) {
+    dom::element row = parser.parse(expected[i]).value();
+    const auto want = ids_of(row["ids"].value());
+    const auto got = tok->tokenize(texts[i]);
+    if (got != want && id_mismatches++ < 5)
+      ADD_FAILURE() << name << " line " << i + 1 << " ids differ\n  text: " << texts[i] << "\n  want: " << show(want)
+                    << "\n  got:  " << show(got);
+    const std::span<const std::int64_t> content(want.begin() + static_cast<std::ptrdiff_t>(n_template), want.end());
+    const std::string decoded = engine.decode(content);
+    const std::string want_decoded = string_field(row, "decoded").value_or(texts[i]);
+    if (decoded != want_decoded && decode_mismatches++ < 5)
+      ADD_FAILURE() << name << " line " << i + 1 << " decode differs\n  want: " << want_decoded << "\n  got:  " << decoded;
+    const std::string full = engine.decode(std::span<const std::int64_t>(want.data(), n_template)) + want_decoded;
+    const std::string want_hf = string_field(row, "decoded_hf").value_or(full);
+    if (tok->decode(want) != want_hf && hf_decode_mismatches++ < 5)
+      ADD_FAILURE() << name << " line " << i + 1 << " transformers decode differs\n  want: " << want_hf
+                    << "\n  got:  " << tok->decode(want);
+  }
+  EXPECT_EQ(id_mismatches, 0u) << "of " << texts.size() << " lines";
+  EXPECT_EQ(decode_mismatches, 0u);
+  EXPECT_EQ(hf_decode_mismatches, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, CorpusTest, ::testing::Values("gpt2", "llama3_style", "qwen2_style"));
+
+TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
+  // data/tokenizer/tokenizer_gpt2.json: no model "type", ByteLevel without use_regex, "a b" merges.
+  TokenizerJson old_json(kFixtures / "data" / "tokenizer" / "tokenizer_gpt2.json");
+  const auto texts = texts_of(kCorpus);
+  const auto expected = lines_of(kData / "expected" / "gpt2.jsonl");
+  dom::parser parser;
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < texts.size(); ++i)
+    mismatches += old_json.encode(texts[i]) != ids_of(parser.parse(expected[i])["ids"].value());
+  EXPECT_EQ(mismatches, 0u);
+}
+
+// Hand-written strings for the added-token rules (lstrip, rstrip, single_word,
+// normalized) and other corners, through the engine (`tokenizers` encode/decode).
+TEST(HfTokenizerTest, ProbeStringsMatchTokenizers) {
+  dom::parser parser;
+  dom::element root = parser.load((kData / "probes.json").string()).value();
+  const dom::object by_name = object_of(root);
+  for (auto [name, list] : by_name) {
+    TokenizerJson engine(folder_of(std::string(name)) / "tokenizer.json");
+    const dom::array probes = array_of(list);
+    for (dom::element probe : probes) {
+      const std::string text(probe["text"].get_string().value());
+      const auto want = ids_of(probe["ids"].value());
+      EXPECT_EQ(show(engine.encode(text)), show(want)) << name << ": '" << text << "'";
+      EXPECT_EQ(engine.decode(want), std::string(probe["decoded"].get_string().value())) << name << ": '" << text << "'";
+    }
+  }
+}
+
+// Split behaviours, invert, Digits, String patterns, empty regex matches,
+// ByteLevel with prefix space, normalizers and the BPE options (unk, fuse_unk,
+// byte_fallback, subword prefix / word suffix, character-level models).
+TEST(HfTokenizerTest, PipelineVariantsMatchTokenizers) {
+  dom::parser parser;
+  dom::element root = parser.load((kData / "variants" / "expected.json").string()).value();
+  std::vector<std::string> texts;
+  const dom::array text_list = array_of(root["texts"].value());
+  for (dom::element t : text_list) texts.emplace_back(t.get_string().value());
+  std::size_t checked = 0;
+  const dom::object by_name = object_of(root["expected"].value());
+  for (auto [name, rows] : by_name) {
+    TokenizerJson engine(kData / "variants" / (std::string(name) + ".json"));
+    std::size_t mismatches = 0, i = 0;
+    const dom::array row_list = array_of(rows);
+    for (dom::element row : row_list) {
+      const std::string& text = texts.at(i++);
+      const auto want = ids_of(row["ids"].value());
+      const auto got = engine.encode(text);
+      if (got != want && mismatches++ < 3)
+        ADD_FAILURE() << name << ": '" << text << "'\n  want: " << show(want) << "\n  got:  " << show(got);
+      EXPECT_EQ(engine.decode(want), string_field(row, "decoded").value_or(text)) << name << ": '" << text << "'";
+      ++checked;
+    }
+    EXPECT_EQ(mismatches, 0u) << name;
+  }
+  EXPECT_GT(checked, 1000u);
+}
+
+// transformers-level behaviour that Modalities relies on (its
+// tests/test_tokenization.py matrix and more), from wrapper_cases.json.
+TEST(HfTokenizerTest, PaddingTruncationAndSpecialTokensMatchTransformers) {
+  dom::parser parser;
+  dom::element root = parser.load((kData / "wrapper_cases.json").string()).value();
+  const dom::array cases = array_of(root["cases"].value());
+  for (dom::element c : cases) {
+    const std::string name(c["tokenizer"].get_string().value());
+    std::string extra;
+    const dom::object config = object_of(c["config"].value());
+    for (auto [key, value] : config) {
+      std::string v;
+      if (value.is_null()) continue;
+      if (value.is_bool()) v = value.get_bool().value() ? "true" : "false";
+      else if (value.is_int64()) v = std::to_string(value.get_int64().value());
+      else if (value.is_string()) v = toml_quote(std::string(value.get_string().value()));
+      else {
+        v = "{ ";
+        bool first = true;
+        const dom::object table = object_of(value);
+        for (auto [k, x] : table) {
+          v += (first ? "" : ", ") + std::string(k) + " = ";
+          if (x.is_string()) v += toml_quote(std::string(x.get_string().value()));
+          else {
+            v += "[";
+            bool f2 = true;
+            const dom::array strings = array_of(x);
+            for (dom::element s : strings) {
+              v += (f2 ? "" : ", ") + toml_quote(std::string(s.get_string().value()));
+              f2 = false;
+            }
+            v += "]";
+          }
+          first = false;
+        }
+        v += " }";
+      }
+      extra += (extra.empty() ? "" : ", ") + std::string(key) + " = " + v;
+    }
+    auto tok = build_ok(folder_of(name), extra);
+    ASSERT_NE(tok, nullptr) << extra;
+    const std::string text(c["text"].get_string().value());
+    const auto want = ids_of(c["ids"].value());
+    const auto got = tok->tokenize(text);
+    EXPECT_EQ(got.size(), want.size()) << name << " {" << extra << "} '" << text.substr(0, 40) << "'";
+    EXPECT_EQ(show(got), show(want)) << name << " {" << extra << "}";
+  }
+  const dom::object tokenizers = object_of(root["tokenizers"].value());
+  for (auto [name, facts] : tokenizers) {
+    auto tok = build_ok(folder_of(std::string(name)));
+    ASSERT_NE(tok, nullptr);
+    EXPECT_EQ(tok->vocab_size(), facts["vocab_size"].get_int64().value()) << name;
+    const auto special = ids_of(facts["special_ids"].value());
+    for (std::int64_t id : special) EXPECT_TRUE(tok->is_special_token_id(id)) << name << " id " << id;
+    std::size_t n_special = 0;
+    for (std::int64_t id = 0; id < tok->vocab_size() + 64; ++id) n_special += tok->is_special_token_id(id);
+    EXPECT_EQ(n_special, special.size()) << name;
+    const dom::object token_ids = object_of(facts["token_ids"].value());
+    for (auto [token, id] : token_ids)
+      EXPECT_EQ(tok->token_id(token), id.get_int64().value()) << name << " '" << token << "'";
+  }
+}
+
+TEST(HfTokenizerTest, Gpt2Facts) {
+  auto tok = build_ok(folder_of("gpt2"));
+  EXPECT_EQ(tok->vocab_size(), 50257);
+  EXPECT_EQ(tok->token_id("<|endoftext|>"), 50256);
+  EXPECT_TRUE(tok->is_special_token_id(50256));
+  EXPECT_FALSE(tok->is_special_token_id(15496));
+  EXPECT_EQ(tok->tokenize("Hello"), (std::vector<std::int64_t>{15496}));
+  EXPECT_EQ(tok->tokenize("World!"), (std::vector<std::int64_t>{10603, 0}));
+  EXPECT_EQ(tok->tokenize(""), std::vector<std::int64_t>{});
+  // clean_up_tokenization_spaces = true in its tokenizer_config.json (as transformers decodes).
+  EXPECT_EQ(tok->decode(tok->tokenize("Hello , world . isn 't it ?")), "Hello, world. isn 't it?");
+}
+
+// Packs like Modalities (tokenize, append EOD 50256 unless present) and
+// compares with the shipped/derived GPT-2 .pbin files, document by document.
+void expect_same_as_pbin(const fs::path& jsonl, const fs::path& pbin) {
+  auto tok = build_ok(folder_of("gpt2"));
+  const auto header = formats::read_packed_header(pbin);
+  ASSERT_EQ(header.token_size, 2u);
+  std::ifstream in(pbin, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto index = formats::unpickle_index(
+      std::as_bytes(std::span(bytes).subspan(formats::kPackedHeaderSize + header.data_len)), pbin.string());
+  const auto texts = texts_of(jsonl);
+  ASSERT_EQ(texts.size(), index.size()) << pbin;
+  const std::int64_t eod = tok->token_id("<|endoftext|>");
+  std::size_t mismatches = 0;
+  for (std::size_t d = 0; d < texts.size(); ++d) {
+    auto ids = tok->tokenize(texts[d]);
+    if (ids.empty() || ids.back() != eod) ids.push_back(eod);
+    const auto [offset, length] = index[d];
+    std::vector<std::int64_t> want(length / 2);
+    for (std::size_t t = 0; t < want.size(); ++t) {
+      const std::size_t at = formats::kPackedHeaderSize + offset + 2 * t;
+      want[t] = static_cast<unsigned char>(bytes[at]) | (static_cast<unsigned char>(bytes[at + 1]) << 8);
+    }
+    if (ids != want && mismatches++ < 3)
+      ADD_FAILURE() << pbin.filename() << " document " << d << ": " << ids.size() << " vs " << want.size() << " tokens";
+  }
+  EXPECT_EQ(mismatches, 0u) << pbin;
+}
+
+TEST(HfTokenizerTest, ReproducesTheShippedGpt2PackedFiles) {
+  expect_same_as_pbin(kFixtures / "data" / "lorem_ipsum.jsonl", kFixtures / "data" / "lorem_ipsum.pbin");
+  expect_same_as_pbin(kFixtures / "data" / "lorem_ipsum_long.jsonl", kFixtures / "data" / "lorem_ipsum_long.pbin");
+  const fs::path datasets = kFixtures / "tests" / "data" / "datasets";
+  const fs::path derived = kFixtures / "derived" / "tests" / "data" / "datasets";
+  expect_same_as_pbin(datasets / "danish_test_dataset.jsonl", derived / "danish_test_dataset.gpt2_eod50256.pbin");
+  expect_same_as_pbin(datasets / "lorem_ipsum_without_last_newline.jsonl",
+                      derived / "lorem_ipsum_without_last_newline.gpt2_eod50256.pbin");
+}
+
+TEST(HfTokenizerTest, OneInstanceIsSafeToUseFromManyThreads) {
+  for (const std::string name : {"gpt2", "qwen2_style"}) {
+    auto tok = build_ok(folder_of(name));
+    const auto texts = texts_of(kCorpus);
+    std::vector<std::vector<std::int64_t>> serial;
+    for (const auto& t : texts) serial.push_back(tok->tokenize(t));
+    std::vector<std::size_t> mismatches(4, 0);
+    std::vector<std::thread> threads;
+    for (std::size_t w = 0; w < 4; ++w)
+      threads.emplace_back([&, w] {
+        for (std::size_t round = 0; round < 2; ++round)
+          for (std::size_t i = w; i < texts.size(); i += (round == 0 ? 1 : 3))
+            mismatches[w] += tok->tokenize(texts[i]) != serial[i];
+      });
+    for (auto& t : threads) t.join();
+    for (std::size_t w = 0; w < 4; ++w) EXPECT_EQ(mismatches[w], 0u) << name << " thread " << w;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Refused inputs, with their messages.
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() /
+            ("hf_tokenizer_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+  void write(const std::string& name, const std::string& text) const {
+    std::ofstream(path_ / name, std::ios::binary) << text;
+  }
+
+ private:
+  fs::path path_;
+  static inline int counter_ = 0;
+};
+
+// A minimal valid byte-level BPE tokenizer.json whose parts can be swapped.
+std::string tiny_json(const std::string& normalizer = "null", const std::string& pre = R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true})",
+                      const std::string& model_extra = "", const std::string& post = "null",
+                      const std::string& decoder = R"({"type":"ByteLevel"})") {
+  std::string vocab;
+  // The 256 byte-level characters of 'a', 'b' and a few others would suffice; use all via escapes.
+  std::map<int, std::string> chars;
+  int n = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool direct = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int cp = direct ? b : 256 + n++;
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "\\u%04x", cp);
+    vocab += (b ? "," : "") + std::string("\"") + buf + "\":" + std::to_string(b);
+  }
+  vocab += R"(,"ab":256)";
+  return R"({"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":)" + normalizer +
+         R"(,"pre_tokenizer":)" + pre + R"(,"post_processor":)" + post + R"(,"decoder":)" + decoder +
+         R"(,"model":{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":null,)"
+         R"("end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false)" +
+         model_extra + R"(,"vocab":{)" + vocab + R"(},"merges":["a b"]}})";
+}
+
+std::string engine_error(const std::string& json) {
+  TempDir dir;
+  dir.write("tokenizer.json", json);
+  try {
+    TokenizerJson t(dir.path() / "tokenizer.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(HfTokenizerTest, TinyJsonLoadsAndMerges) {
+  TempDir dir;
+  dir.write("tokenizer.json", tiny_json());
+  dir.write("tokenizer_config.json", R"({"tokenizer_class": "PreTrainedTokenizerFast"})");
+  auto tok = build_ok(dir.path());
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->tokenize("ab a"), (std::vector<std::int64_t>{256, 32, 97}));  // "ab", then " " and "a"
+}
+
+TEST(HfTokenizerTest, RejectsMissingFolderAndHubNames) {
+  EXPECT_THAT(build_error("/nonexistent/folder"), HasSubstr("not a local folder; downloads are not supported"));
+  EXPECT_THAT(build_error("gpt2"), HasSubstr("tok.config.pretrained_model_name_or_path"));
+  EXPECT_THAT(build_error("openai-community/gpt2"), HasSubstr("downloads are not supported, give a local folder"));
+}
+
+TEST(HfTokenizerTest, RejectsFolderWithoutTokenizerJson) {
+  TempDir dir;
+  dir.write("vocab.json", "{}");
+  EXPECT_THAT(build_error(dir.path()), HasSubstr("has no tokenizer.json"));
+}
+
+TEST(HfTokenizerTest, RejectsMalformedJson) {
+  TempDir dir;
+  dir.write("tokenizer.json", R"({"version": "1.0", "model": {"type": "BPE", )");
+  EXPECT_THAT(build_error(dir.path()), HasSubstr("malformed JSON"));
+  TempDir dir2;
+  dir2.write("tokenizer.json", tiny_json());
+  dir2.write("tokenizer_config.json", "{ not json");
+  EXPECT_THAT(build_error(dir2.path()), HasSubstr("tokenizer_config.json: malformed JSON"));
+}
+
+TEST(HfTokenizerTest, RejectsOtherModelTypesByName) {
+  TempDir dir;
+  dir.write("tokenizer.json", R"({"version":"1.0","added_tokens":[],"normalizer":null,"pre_tokenizer":null,)"
+                              R"("post_processor":null,"decoder":null,"model":{"type":"WordPiece","unk_token":"[UNK]",)"
+                              R"("continuing_subword_prefix":"##","max_input_chars_per_word":100,)"
+                              R"("vocab":{"[UNK]":0,"a":1,"##b":2}}})");
+  const std::string e = build_error(dir.path());
+  EXPECT_THAT(e, HasSubstr("model 'WordPiece' is not supported"));
+  EXPECT_THAT(e, HasSubstr("supported: BPE"));
+  EXPECT_THAT(e, HasSubstr("model.type"));
+}
+
+TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
+  EXPECT_THAT(engine_error(tiny_json(R"({"type":"Lowercase"})")), HasSubstr("normalizer 'Lowercase' is not supported"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Metaspace","replacement":"_","prepend_scheme":"always","split":true})")),
+              HasSubstr("pre-tokenizer 'Metaspace' is not supported"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"Digits","individual_digits":true}]})")),
+              HasSubstr("ByteLevel must come last"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"ByteLevel"})", "", R"({"type":"Whatever"})")),
+              HasSubstr("post-processor 'Whatever' is not supported"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"ByteLevel"})", "", "null", R"({"type":"WordPiece","prefix":"##"})")),
+              HasSubstr("decoder 'WordPiece' is not supported"));
+  std::string dropout = tiny_json();
+  dropout.replace(dropout.find(R"("dropout":null)"), 14, R"("dropout":0.1)");
+  EXPECT_THAT(engine_error(dropout), HasSubstr("dropout 0.1 is not supported"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Split","pattern":{"Regex":"[a-z&&[^aeiou]]"},"behavior":"Isolated","invert":false})")),
+              HasSubstr("character class intersection"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Split","pattern":{"Regex":"(unclosed"},"behavior":"Isolated","invert":false})")),
+              HasSubstr("does not compile"));
+  std::string bad_merge = tiny_json();
+  bad_merge.replace(bad_merge.find(R"(["a b"])"), 7, R"(["a zz"])");
+  EXPECT_THAT(engine_error(bad_merge), HasSubstr("merge token 'zz' is not in the vocabulary"));
+}
+
+TEST(HfTokenizerTest, RejectsUnsupportedTokenizerClass) {
+  TempDir dir;
+  dir.write("tokenizer.json", tiny_json());
+  dir.write("tokenizer_config.json", R"({"tokenizer_class": "BertTokenizer"})");
+  EXPECT_THAT(build_error(dir.path()), HasSubstr("tokenizer_class 'BertTokenizer' is not supported"));
+}
+
+TEST(HfTokenizerTest, TokenIdRefusesStringsNotInTheVocabulary) {
+  auto tok = build_ok(folder_of("gpt2"));
+  EXPECT_EQ(tok->token_id("Hello"), 15496);
+  try {
+    tok->token_id("<|endoftext|> ");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("token '<|endoftext|> ' is not in the vocabulary"));
+  }
+}
+
+TEST(HfTokenizerTest, SpecialTokensMustAlreadyBeInTheVocabulary) {
+  const std::string e = build_error(folder_of("gpt2"), R"(special_tokens = { pad_token = "[PAD]" })");
+  EXPECT_THAT(e, HasSubstr("tok.config.special_tokens"));
+  EXPECT_THAT(e, HasSubstr("pad_token = '[PAD]' not in the vocabulary"));
+  EXPECT_THAT(build_error(folder_of("gpt2"), R"(special_tokens = { pad_tokn = "x" })"), HasSubstr("did you mean 'pad_token'"));
+}
+
+TEST(HfTokenizerTest, RejectsBadPaddingAndLengthSettings) {
+  EXPECT_THAT(build_error(folder_of("gpt2"), R"(padding = "max_length", max_length = 8)"),
+              HasSubstr("padding needs a pad token"));
+  EXPECT_THAT(build_error(folder_of("gpt2"), R"(padding = true)"), HasSubstr("tok.config.padding"));
+  EXPECT_THAT(build_error(folder_of("gpt2"), R"(padding = "sideways")"), HasSubstr("\"max_length\""));
+  EXPECT_THAT(build_error(folder_of("gpt2"), R"(max_length = -1)"), HasSubstr("tok.config.max_length"));
+  EXPECT_THAT(build_error(folder_of("llama3_style"), R"(truncation = true, max_length = 0)"),
+              HasSubstr("leaves no room for the 1 template tokens"));
+}
+
+TEST(HfTokenizerTest, RejectsInvalidUtf8AndUnknownIds) {
+  auto tok = build_ok(folder_of("gpt2"));
+  EXPECT_THROW(tok->tokenize(std::string("ab\xff", 3)), Error);
+  try {
+    tok->tokenize(std::string("ab\xc3", 3));
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not valid UTF-8 (first bad byte at offset 2"));
+  }
+  EXPECT_THROW(tok->decode(std::vector<std::int64_t>{15496, 99999}), Error);
+  EXPECT_THROW(tok->decode(std::vector<std::int64_t>{-1}), Error);
+}
+
+TEST(HfTokenizerTest, Utf8LossyReplacesMaximalInvalidSubsequences) {
+  EXPECT_EQ(utf8_lossy("abc"), "abc");
+  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), "\xEF\xBF\xBD");              // truncated 4-byte sequence: one U+FFFD
+  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98x"), "\xEF\xBF\xBDx");
+  EXPECT_EQ(utf8_lossy("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");      // overlong: two
+  EXPECT_EQ(utf8_lossy("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate: three
+  EXPECT_EQ(utf8_lossy("\xE2\x82\xAC\xFF"), "\xE2\x82\xAC\xEF\xBF\xBD");
+}
+
+}  // namespace
+}  // namespace modalities::plugins::hf_tokenizer
