@@ -1,0 +1,242 @@
+// The `collate_fn` variants of Modalities (spec data.md §8):
+//   gpt_2_llm_collator          stack, then inputs = X[:, :-1], targets = X[:, 1:]
+//   mask_loss_collator_wrapper  wrap another collator; keep only target tokens strictly
+//                               between a begin and an end marker (instruction tuning)
+//   coca_collator               stack several keys; split the text key like GPT-2
+// Token tensors come out as int64 whatever the dataset's dtype (quirk Q12).
+// Shape legend: b = batch size, B = tokens per sample.
+#include <modalities/sdk/interfaces/collate_fn.h>
+#include <modalities/sdk/interfaces/tokenizer.h>
+#include <modalities/sdk/plugin.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::collators {
+namespace {
+
+// Stacks samples[i][key] along a new dim 0: b x [...] -> [b, ...]. Errors name the key and sample.
+at::Tensor stack_key(std::span<const Sample> samples, const std::string& key, const char* who) {
+  MODALITIES_CHECK(!samples.empty(), "{}: cannot collate an empty batch", who);
+  std::vector<at::Tensor> parts;
+  parts.reserve(samples.size());
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    auto it = samples[i].find(key);
+    if (it == samples[i].end()) {
+      std::string keys;
+      for (const auto& [k, v] : samples[i]) keys += (keys.empty() ? "'" : ", '") + k + "'";
+      throw Error(fmt::format("{}: sample {} of the batch has no key '{}' (it has {})", who, i, key,
+                              keys.empty() ? "no keys" : keys));
+    }
+    if (!parts.empty() && it->second.sizes() != parts.front().sizes())
+      throw Error(fmt::format("{}: sample {} of the batch has '{}' of shape {}, but sample 0 has {}", who, i, key,
+                              c10::str(it->second.sizes()), c10::str(parts.front().sizes())));
+    parts.push_back(it->second);
+  }
+  return at::stack(parts);
+}
+
+// --- gpt_2_llm_collator ------------------------------------------------------------
+
+struct Gpt2CollatorConfig {
+  std::string sample_key;
+  std::string target_key;
+  static void describe(Schema<Gpt2CollatorConfig>& s) {
+    s.field("sample_key", &Gpt2CollatorConfig::sample_key, "Key of the token array in samples and model inputs.")
+        .required();
+    s.field("target_key", &Gpt2CollatorConfig::target_key, "Key of the shifted targets.").required();
+  }
+};
+
+class Gpt2Collator final : public CollateFn {
+ public:
+  explicit Gpt2Collator(Gpt2CollatorConfig c) : c_(std::move(c)) {}
+  DatasetBatch collate(std::span<const Sample> samples) const override {
+    const at::Tensor x = stack_key(samples, c_.sample_key, "gpt_2_llm_collator").to(at::kLong);  // [b, B]
+    MODALITIES_CHECK(x.dim() == 2 && x.size(1) >= 2,
+                     "gpt_2_llm_collator: '{}' must be 1-D token arrays of at least 2 tokens, got shape {}",
+                     c_.sample_key, c10::str(x.sizes()));
+    DatasetBatch batch;
+    batch.samples[c_.sample_key] = x.slice(1, 0, -1).contiguous();  // [b, B-1]
+    batch.targets[c_.target_key] = x.slice(1, 1).contiguous();      // [b, B-1]
+    return batch;
+  }
+
+ private:
+  Gpt2CollatorConfig c_;
+};
+
+// --- mask_loss_collator_wrapper --------------------------------------------------------
+
+struct MaskTokens {
+  std::string b_include_to_loss_token;
+  std::string e_include_to_loss_token;
+  static void describe(Schema<MaskTokens>& s) {
+    s.field("b_include_to_loss_token", &MaskTokens::b_include_to_loss_token,
+            "Token after which targets count (itself excluded).")
+        .required();
+    s.field("e_include_to_loss_token", &MaskTokens::e_include_to_loss_token,
+            "Token at which counting stops (itself excluded).")
+        .required();
+  }
+};
+
+struct MaskLossConfig {
+  Ref<CollateFn> wrapped_collate_fn;
+  std::vector<std::string> target_keys_to_mask;
+  std::int64_t loss_ignore_index = 0;
+  MaskTokens mask_tokens;
+  Ref<Tokenizer> tokenizer;
+  static void describe(Schema<MaskLossConfig>& s) {
+    s.field("wrapped_collate_fn", &MaskLossConfig::wrapped_collate_fn, "Collator whose targets are masked.").required();
+    s.field("target_keys_to_mask", &MaskLossConfig::target_keys_to_mask, "Target keys to mask.").required();
+    s.field("loss_ignore_index", &MaskLossConfig::loss_ignore_index, "Value of masked targets (typically -100).")
+        .required();
+    s.field("mask_tokens", &MaskLossConfig::mask_tokens, "The begin and end marker tokens.").required();
+    s.field("tokenizer", &MaskLossConfig::tokenizer, "Tokenizer that maps the marker tokens to ids.").required();
+  }
+};
+
+class MaskLossCollator final : public CollateFn {
+ public:
+  MaskLossCollator(const MaskLossConfig& c, std::int64_t begin_id, std::int64_t end_id)
+      : wrapped_(c.wrapped_collate_fn.shared()), keys_(c.target_keys_to_mask), ignore_(c.loss_ignore_index),
+        begin_(begin_id), end_(end_id) {}
+
+  DatasetBatch collate(std::span<const Sample> samples) const override {
+    DatasetBatch batch = wrapped_->collate(samples);
+    for (const auto& key : keys_) {
+      auto it = batch.targets.find(key);
+      if (it == batch.targets.end()) {
+        std::string keys;
+        for (const auto& [k, v] : batch.targets) keys += (keys.empty() ? "'" : ", '") + k + "'";
+        throw Error(fmt::format("mask_loss_collator_wrapper: the wrapped collator produced no target '{}' (it has {})",
+                                key, keys.empty() ? "none" : keys));
+      }
+      it->second = mask(it->second);
+    }
+    return batch;
+  }
+
+  // Spec §8.2, exactly as Modalities' _mask_target: y: [b, L] -> [b, L].
+  at::Tensor mask(const at::Tensor& y) const {
+    MODALITIES_CHECK(y.dim() == 2, "mask_loss_collator_wrapper: targets must be [batch, length], got shape {}",
+                     c10::str(y.sizes()));
+    if (!y.eq(begin_).any().item<bool>()) return skip(y, "begin", begin_);
+    if (!y.eq(end_).any().item<bool>()) return skip(y, "end", end_);
+    at::Tensor m = at::zeros_like(y);
+    // The begin marker opens the span one position later, so it is itself excluded.
+    m.slice(1, 1).add_(y.slice(1, 0, -1).eq(begin_).to(m.scalar_type()));
+    m.sub_(y.eq(end_).to(m.scalar_type()));
+    const at::Tensor include = m.cumsum(-1);
+    if (include.lt(0).any().item<bool>() || include.gt(1).any().item<bool>())
+      throw Error(
+          "mask_loss_collator_wrapper: end mask token indicator is before begin mask token indicator in the target "
+          "(or two begin markers without an end). This is not supported by the loss-masking collator (as in "
+          "Modalities); make sure every block starts outside an assistant span, e.g. by padding and truncating "
+          "for the continuous dataset with reuse_last_target = false");
+    return at::where(include.to(at::kBool), y, at::scalar_tensor(ignore_, y.options()));
+  }
+
+ private:
+  at::Tensor skip(const at::Tensor& y, const char* which, std::int64_t id) const {
+    if (!warned_.exchange(true))
+      std::fprintf(stderr,
+                   "warning: mask_loss_collator_wrapper: the %s mask token (id %lld) does not occur in the batch's "
+                   "targets; the whole batch is excluded from the loss (further occurrences are not reported). Check "
+                   "how the tokenizer splits the marker (' <token>' and '<token>' differ) and whether the context "
+                   "is long enough.\n",
+                   which, static_cast<long long>(id));
+    return at::full_like(y, ignore_);
+  }
+
+  std::shared_ptr<CollateFn> wrapped_;
+  std::vector<std::string> keys_;
+  std::int64_t ignore_, begin_, end_;
+  mutable std::atomic<bool> warned_{false};
+};
+
+std::shared_ptr<CollateFn> make_mask_loss(const MaskLossConfig& c) {
+  auto id_of = [&](const std::string& token, const char* key) {
+    try {
+      return c.tokenizer->token_id(token);
+    } catch (const std::exception& e) {
+      throw ConfigError(fmt::format("mask_tokens.{}", key), e.what());
+    }
+  };
+  const std::int64_t b = id_of(c.mask_tokens.b_include_to_loss_token, "b_include_to_loss_token");
+  const std::int64_t e = id_of(c.mask_tokens.e_include_to_loss_token, "e_include_to_loss_token");
+  if (b == e)
+    throw ConfigError("mask_tokens", fmt::format("b_mask_token_id and e_mask_token_id must be different, both are {} "
+                                                 "('{}' and '{}')",
+                                                 b, c.mask_tokens.b_include_to_loss_token,
+                                                 c.mask_tokens.e_include_to_loss_token));
+  return std::make_shared<MaskLossCollator>(c, b, e);
+}
+
+// --- coca_collator ---------------------------------------------------------------------
+
+struct CocaCollatorConfig {
+  std::vector<std::string> sample_keys;
+  std::vector<std::string> target_keys;
+  std::string text_sample_key;
+  std::string text_target_key;
+  static void describe(Schema<CocaCollatorConfig>& s) {
+    s.field("sample_keys", &CocaCollatorConfig::sample_keys, "Keys stacked into the model inputs.").required();
+    s.field("target_keys", &CocaCollatorConfig::target_keys, "Keys stacked into the targets.").required();
+    s.field("text_sample_key", &CocaCollatorConfig::text_sample_key, "Text key; inputs get all but its last token.")
+        .required();
+    s.field("text_target_key", &CocaCollatorConfig::text_target_key,
+            "Target key receiving the text shifted by one token.")
+        .required();
+    s.rule([](const CocaCollatorConfig& c, ParseContext& ctx) {
+      if (std::find(c.sample_keys.begin(), c.sample_keys.end(), c.text_sample_key) == c.sample_keys.end())
+        ctx.fail("text_sample_key", fmt::format("'{}' must be one of sample_keys", c.text_sample_key));
+      if (std::find(c.target_keys.begin(), c.target_keys.end(), c.text_target_key) != c.target_keys.end())
+        ctx.fail("text_target_key", fmt::format("'{}' must not be one of target_keys", c.text_target_key));
+    });
+  }
+};
+
+class CocaCollator final : public CollateFn {
+ public:
+  explicit CocaCollator(CocaCollatorConfig c) : c_(std::move(c)) {}
+  DatasetBatch collate(std::span<const Sample> samples) const override {
+    DatasetBatch batch;
+    for (const auto& k : c_.sample_keys) batch.samples[k] = stack_key(samples, k, "coca_collator");
+    for (const auto& k : c_.target_keys) batch.targets[k] = stack_key(samples, k, "coca_collator");
+    at::Tensor text = batch.samples[c_.text_sample_key].to(at::kLong);  // [b, B]
+    MODALITIES_CHECK(text.dim() == 2 && text.size(1) >= 2,
+                     "coca_collator: '{}' must be 1-D token arrays of at least 2 tokens", c_.text_sample_key);
+    batch.targets[c_.text_target_key] = text.slice(1, 1).contiguous();
+    batch.samples[c_.text_sample_key] = text.slice(1, 0, -1).contiguous();
+    return batch;
+  }
+
+ private:
+  CocaCollatorConfig c_;
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<CollateFn, Gpt2CollatorConfig>(
+      "gpt_2_llm_collator", "Stacks token arrays; inputs = all but the last token, targets = all but the first.",
+      [](const Gpt2CollatorConfig& c) { return std::make_shared<Gpt2Collator>(c); });
+  r.add<CollateFn, MaskLossConfig>(
+      "mask_loss_collator_wrapper",
+      "Keeps only target tokens strictly between begin and end markers; the rest become loss_ignore_index.",
+      [](const MaskLossConfig& c) { return make_mask_loss(c); });
+  r.add<CollateFn, CocaCollatorConfig>(
+      "coca_collator", "Stacks several keys; the text key is split into inputs and shifted targets.",
+      [](const CocaCollatorConfig& c) { return std::make_shared<CocaCollator>(c); });
+}
+
+}  // namespace modalities::plugins::collators
+
+MODALITIES_PLUGIN(collators, "0.1.0", modalities::plugins::collators::register_components)
