@@ -19,6 +19,7 @@ tests compare against, without needing Python in CI:
   plugins/sp_tokenizer/tests/data/
     tiny_bpe.model                   a small SentencePiece model trained here on the corpus
     expected/<name>.jsonl            {"ids": [...]} per corpus line (+ "decoded" when != text)
+    facts.json                       piece count, control ids, PieceToId of some pieces
 
 Names: gpt2 = <shared>/modalities/data/tokenizer/hf_gpt2 (the Modalities fixture),
 en32k = <shared>/modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model.
@@ -363,11 +364,35 @@ def tiny_char_base(texts, **trainer_args):
     return json.loads(tok.to_str())
 
 
-def variants(texts):
+def variants(texts, retrain):
     """Small tokenizers, each changing one part of the pipeline, and their ids."""
     out_dir = HF_DATA / "variants"
     out_dir.mkdir(parents=True, exist_ok=True)
     sample = PROBES + texts[::VARIANT_SAMPLE_EVERY]
+    existing = sorted(p for p in out_dir.glob("*.json") if p.name != "expected.json")
+    if existing and not retrain:  # BPE training is not fully deterministic: keep the committed files
+        specs = {p.stem: p.read_text(encoding="utf-8") for p in existing}
+    else:
+        specs = {name: json.dumps(spec, ensure_ascii=False) for name, spec in variant_specs(texts).items()}
+        for name, text in specs.items():
+            (out_dir / f"{name}.json").write_text(text, encoding="utf-8")
+    expected = {}
+    for name, text in specs.items():
+        tok = Tokenizer.from_str(text)
+        rows = []
+        for t in sample:
+            ids = tok.encode(t).ids
+            row = {"ids": ids}
+            decoded = tok.decode(ids, skip_special_tokens=False)
+            if decoded != t:
+                row["decoded"] = decoded
+            rows.append(row)
+        expected[name] = rows
+    write_rows_json(out_dir / "expected.json", {"texts": sample, "expected": expected})
+    print(f"variants: {len(specs)} tokenizers x {len(sample)} texts")
+
+
+def variant_specs(texts):
     bl = tiny_byte_level_base(texts)
     ch = tiny_char_base(texts)
     ch_affix = tiny_char_base(texts, continuing_subword_prefix="##", end_of_word_suffix="</w>")
@@ -457,7 +482,6 @@ def variants(texts):
         im["model"]["vocab"].setdefault(w, len(im["model"]["vocab"]))
     specs["bl_ignore_merges"] = im
 
-    expected = {}
     for name, spec in specs.items():
         ids_of = {}
         for i, t in enumerate(spec.get("added_tokens") or []):
@@ -468,24 +492,19 @@ def variants(texts):
                 post[key][1] = ids_of[post[key][0]]
         for entry in post.get("special_tokens", {}).values():
             entry["ids"] = [ids_of[t] for t in entry["tokens"]]
-        text = json.dumps(spec, ensure_ascii=False)
-        tok = Tokenizer.from_str(text)
-        (out_dir / f"{name}.json").write_text(text, encoding="utf-8")
-        rows = []
-        for t in sample:
-            ids = tok.encode(t).ids
-            row = {"ids": ids}
-            decoded = tok.decode(ids, skip_special_tokens=False)
-            if decoded != t:
-                row["decoded"] = decoded
-            rows.append(row)
-        expected[name] = rows
-    write_rows_json(out_dir / "expected.json", {"texts": sample, "expected": expected})
-    print(f"variants: {len(specs)} tokenizers x {len(sample)} texts")
+    return specs
 
 
-def sp_expected(name, model, texts):
+def sp_expected(name, model, texts, facts):
     sp = spm.SentencePieceProcessor(model_file=str(model))
+    pieces = ["<unk>", "<s>", "</s>", "<pad>", "<eod>", "<ctl>", "▁the", "▁The", "abc123", "▁", "e", "<0x41>"]
+    facts[name] = {
+        "vocab_size": sp.get_piece_size(),
+        "unk_id": sp.unk_id(),
+        "control_ids": [i for i in range(sp.get_piece_size()) if sp.is_control(i)],
+        "piece_ids": {p: sp.piece_to_id(p) for p in pieces if sp.piece_to_id(p) != sp.unk_id()},
+        "unknown_pieces": [p for p in pieces if sp.piece_to_id(p) == sp.unk_id()],
+    }
     rows = []
     for text in texts:
         ids = sp.encode(text)
@@ -524,10 +543,13 @@ def main():
         hf_expected(name, folder, texts)
     print(f"llama3_style: ignore_merges changes {ignore_merges_effect(folders['llama3_style'], texts)} lines")
     probes(folders)
-    variants(texts)
+    variants(texts, args.retrain)
     wrapper_cases(folders)
-    sp_expected("en32k", args.shared / "modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model", texts)
-    sp_expected("tiny_bpe", tiny, texts)
+    sp_facts = {}
+    sp_expected("en32k", args.shared / "modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model", texts,
+                sp_facts)
+    sp_expected("tiny_bpe", tiny, texts, sp_facts)
+    write_json(SP_DATA / "facts.json", sp_facts)
 
 
 if __name__ == "__main__":
