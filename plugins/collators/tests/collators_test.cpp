@@ -225,5 +225,38 @@ TEST_F(CollatorsTest, CocaCollatorValidatorsNameTheConfigPath) {
               HasSubstr("coca_collate_fn.config.text_target_key: 'target_ids' must not be one of target_keys"));
 }
 
+TEST(MaskLossGpt2Test, ResolvesMarkersWithTheGpt2Tokenizer) {
+  const std::filesystem::path gpt2 =
+      std::filesystem::path(MODALITIES_TEST_SHARED_DIR) / "fixtures/modalities/data/tokenizer/hf_gpt2";
+  testing::Harness h{MODALITIES_TEST_PLUGIN};
+  h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
+  h.set_config_text(fmt::format(R"(
+[tokenizer]
+component_key = "tokenizer"
+variant_key = "pretrained_hf_tokenizer"
+config = {{ pretrained_model_name_or_path = "{}" }}
+
+[collate_fn]
+component_key = "collate_fn"
+variant_key = "mask_loss_collator_wrapper"
+
+[collate_fn.config]
+wrapped_collate_fn = {{ component_key = "collate_fn", variant_key = "gpt_2_llm_collator", config = {{ sample_key = "input_ids", target_key = "target_ids" }} }}
+target_keys_to_mask = ["target_ids"]
+loss_ignore_index = -100
+mask_tokens = {{ b_include_to_loss_token = "^", e_include_to_loss_token = "<|endoftext|>" }}
+tokenizer = {{ instance_key = "tokenizer", pass_type = "BY_REFERENCE" }}
+)",
+                                gpt2.string()));
+  auto c = h.get<CollateFn>("collate_fn");
+  ASSERT_NE(c, nullptr);
+  // "^" = 61, "<|endoftext|>" = 50256 in the GPT-2 vocabulary.
+  const DatasetBatch b = c->collate(std::vector<Sample>{tokens({0, 7, 61, 9, 9, 50256, 8})});
+  EXPECT_THAT(row(b.targets.at("target_ids"), 0), ElementsAre(-100, -100, 9, 9, -100, -100));
+  h.set("collate_fn.config.mask_tokens.b_include_to_loss_token", Value("<|endoftext|>"));
+  EXPECT_THAT(h.build_error(), HasSubstr("collate_fn.config.mask_tokens: b_mask_token_id and e_mask_token_id must be "
+                                         "different, both are 50256"));
+}
+
 }  // namespace
 }  // namespace modalities::plugins::collators

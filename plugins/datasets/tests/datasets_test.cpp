@@ -9,6 +9,7 @@
 #include <modalities/sdk/interfaces/dataset.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/sdk/formats/packed_data.h>
+#include <modalities/sdk/formats/packed_file.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
@@ -373,6 +374,35 @@ TEST_F(MemMapDatasetTest, ValidatorsNameTheConfigPath) {
   h.erase("jsonl_dataset.config.index_path");
   h.set("jsonl_dataset.config.tokenizer", Value(7));
   EXPECT_THAT(h.build_error(), HasSubstr("jsonl_dataset.config.tokenizer: expected a Tokenizer"));
+}
+
+TEST(MemMapDatasetGpt2Test, TokensEqualThePackedDocumentsWithoutTheirEod) {
+  // lorem_ipsum.pbin = GPT-2 tokens of each lorem_ipsum.jsonl line + EOD 50256 (fixture README).
+  testing::Harness h{MODALITIES_TEST_PLUGIN};
+  h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
+  h.set_config_text(fmt::format(R"(
+[tokenizer]
+component_key = "tokenizer"
+variant_key = "pretrained_hf_tokenizer"
+config = {{ pretrained_model_name_or_path = "{}", padding = false, truncation = false }}
+
+[jsonl_dataset]
+component_key = "dataset"
+variant_key = "mem_map_dataset"
+config = {{ raw_data_path = "{}", tokenizer = {{ instance_key = "tokenizer", pass_type = "BY_REFERENCE" }}, jq_pattern = ".text", sample_key = "input_ids" }}
+)",
+                                (kFixtures / "data/tokenizer/hf_gpt2").string(),
+                                (kFixtures / "data/lorem_ipsum.jsonl").string()));
+  auto ds = h.get<Dataset>("jsonl_dataset");
+  ASSERT_NE(ds, nullptr);
+  const formats::PackedFile packed(kFixtures / "data/lorem_ipsum.pbin");
+  ASSERT_EQ(ds->size(), static_cast<std::int64_t>(packed.num_documents()));
+  for (std::int64_t k = 0; k < ds->size(); ++k) {
+    std::vector<std::int64_t> doc = packed.document(static_cast<std::uint64_t>(k));
+    ASSERT_EQ(doc.back(), 50256);
+    doc.pop_back();
+    EXPECT_EQ(values(ds->get(k).at("input_ids")), doc) << "document " << k;
+  }
 }
 
 }  // namespace
