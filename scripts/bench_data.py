@@ -200,7 +200,7 @@ print(json.dumps({"hf_s": t_hf, "tiktoken_s": t_tt, "hf_tokens": n_hf, "tiktoken
 import json, sys, time, random
 from pathlib import Path
 from modalities.dataloader.dataset import PackedMemMapDatasetContinuous
-ds = PackedMemMapDatasetContinuous(Path(sys.argv[1]), sample_key="input_ids", block_size=1025)
+ds = PackedMemMapDatasetContinuous(Path(sys.argv[1]), sample_key="input_ids", block_size=1025, reuse_last_target=True)
 rng = random.Random(0); n = len(ds); k = 20000
 idx = [rng.randrange(n) for _ in range(k)]
 t0 = time.perf_counter()
