@@ -133,6 +133,126 @@ const ByteLevelAlphabet& alphabet() {
   return a;
 }
 
+// Note [Normalization fast path]
+// Running utf8proc on every segment dominates NFC pipelines, while most text is
+// already normalized. A segment is left alone when every character is known to
+// be unchanged by the form and unable to interact with its neighbours: for BMP
+// characters a per-form table computed once with utf8proc (NF(c) == c, combining
+// class 0, not the second element of any composition, not a Hangul jamo), for
+// astral ones the property check (no decomposition at all, class 0, not a
+// second element). Anything else takes the full utf8proc path.
+constexpr utf8proc_uint16_t kNoIndex = 0xFFFF;
+
+bool is_hangul_jamo(char32_t c) {
+  return (c >= 0x1100 && c <= 0x11FF) || (c >= 0xA960 && c <= 0xA97F) || (c >= 0xD7B0 && c <= 0xD7FF);
+}
+
+bool stable_by_properties(char32_t c, bool compose) {
+  const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
+  if (p->combining_class != 0 || p->decomp_seqindex != kNoIndex || is_hangul_jamo(c)) return false;
+  return !(compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000);
+}
+
+class StableTable {
+ public:
+  explicit StableTable(int options) : bits_(0x10000, false) {
+    const bool compose = (options & UTF8PROC_COMPOSE) != 0;
+    for (char32_t c = 0x80; c < 0x10000; ++c) {
+      if (c >= 0xD800 && c <= 0xDFFF) continue;
+      const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
+      if (p->combining_class != 0 || is_hangul_jamo(c)) continue;
+      if (compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
+      std::string one;
+      append_utf8(one, c);
+      utf8proc_uint8_t* dst = nullptr;
+      const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(one.data()),
+                                              static_cast<utf8proc_ssize_t>(one.size()), &dst,
+                                              static_cast<utf8proc_option_t>(options));
+      if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one)
+        bits_[c] = true;
+      std::free(dst);
+    }
+  }
+  bool stable(char32_t c) const { return bits_[c]; }
+
+ private:
+  std::vector<bool> bits_;
+};
+
+const StableTable& stable_table(int options) {
+  static const StableTable nfc(UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+  static const StableTable nfd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE);
+  static const StableTable nfkc(UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+  static const StableTable nfkd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
+  if (options & UTF8PROC_COMPAT) return (options & UTF8PROC_COMPOSE) ? nfkc : nfkd;
+  return (options & UTF8PROC_COMPOSE) ? nfc : nfd;
+}
+
+// Whether `c` is unchanged by the form and cannot interact with its neighbours.
+bool is_stable(char32_t c, int options, const StableTable*& table) {
+  if (c >= 0x10000) return stable_by_properties(c, (options & UTF8PROC_COMPOSE) != 0);
+  if (table == nullptr) table = &stable_table(options);
+  return table->stable(c);
+}
+
+std::string utf8proc_normalize(std::string_view s, int options) {
+  utf8proc_uint8_t* dst = nullptr;
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
+                                          static_cast<utf8proc_ssize_t>(s.size()), &dst,
+                                          static_cast<utf8proc_option_t>(options));
+  if (n < 0) throw Error(fmt::format("Unicode normalization failed: {}", utf8proc_errmsg(n)));
+  std::string out(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
+  std::free(dst);
+  return out;
+}
+
+// Normalizes `s` into `out` and returns true, or returns false (leaving `out`
+// alone) when `s` is already normalized. A boundary before a stable character
+// is a safe split point, so only the regions around unstable characters (from
+// the last stable character before them to the next stable one) go through
+// utf8proc. See Note [Normalization fast path].
+bool normalize_form(std::string_view s, int options, std::string& out) {
+  const StableTable* table = nullptr;
+  std::size_t copied = 0, last_stable = 0;
+  bool changed = false;
+  for (std::size_t i = 0; i < s.size();) {
+    if (static_cast<unsigned char>(s[i]) < 0x80) {
+      last_stable = i++;
+      continue;
+    }
+    std::size_t len;
+    const char32_t c = decode_at(s, i, &len);
+    if (is_stable(c, options, table)) {
+      last_stable = i;
+      i += len;
+      continue;
+    }
+    const std::size_t region = std::max(copied, last_stable);
+    std::size_t j = i + len;
+    while (j < s.size()) {
+      if (static_cast<unsigned char>(s[j]) < 0x80) break;
+      std::size_t l;
+      if (is_stable(decode_at(s, j, &l), options, table)) break;
+      j += l;
+    }
+    const std::string normalized = utf8proc_normalize(s.substr(region, j - region), options);
+    if (!changed && normalized == s.substr(region, j - region)) {
+      i = j;  // this region happened to be normalized already; nothing to copy yet
+      continue;
+    }
+    if (!changed) {
+      out.clear();
+      changed = true;
+    }
+    out.append(s, copied, region - copied);
+    out += normalized;
+    copied = j;
+    i = j;
+  }
+  if (changed) out.append(s, copied, std::string_view::npos);
+  return changed;
+}
+
 // ---------------------------------------------------------------------------
 // Errors and JSON access
 
@@ -648,7 +768,7 @@ struct TokenizerJson::Impl {
   void rebuild_tries();
 
   // ---- encoding ----
-  void normalize(std::string_view in, std::string& out) const;
+  bool normalize(std::string_view in, std::string& out) const;
   void encode(std::string_view text, std::vector<std::int64_t>& out) const;
   void encode_normalizable(std::string_view segment, std::vector<std::int64_t>& out) const;
   template <class F>
@@ -969,7 +1089,7 @@ void TokenizerJson::Impl::rebuild_tries() {
   for (std::size_t i : order) {
     const AddedToken& t = added[i].second;
     if (t.normalized) {
-      normalize(t.content, normalized_patterns[i]);
+      if (!normalize(t.content, normalized_patterns[i])) normalized_patterns[i] = t.content;
       if (!normalized_patterns[i].empty()) normalized_trie.insert(normalized_patterns[i], static_cast<std::int32_t>(i));
     } else {
       raw_trie.insert(t.content, static_cast<std::int32_t>(i));
@@ -980,19 +1100,17 @@ void TokenizerJson::Impl::rebuild_tries() {
 // ---------------------------------------------------------------------------
 // Encoding
 
-void TokenizerJson::Impl::normalize(std::string_view in, std::string& out) const {
-  out.assign(in);
-  if (normalizers.empty()) return;
-  if (std::all_of(in.begin(), in.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; })) return;
+// Applies the normalizers; returns false when `in` is unchanged (then `out` is not written).
+bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out) const {
+  bool changed = false;
+  std::string next;
   for (int options : normalizers) {
-    utf8proc_uint8_t* dst = nullptr;
-    const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(out.data()),
-                                            static_cast<utf8proc_ssize_t>(out.size()), &dst,
-                                            static_cast<utf8proc_option_t>(options));
-    if (n < 0) throw Error(fmt::format("Unicode normalization failed: {}", utf8proc_errmsg(n)));
-    out.assign(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
-    std::free(dst);
+    if (normalize_form(changed ? std::string_view(out) : in, options, next)) {
+      out.swap(next);
+      changed = true;
+    }
   }
+  return changed;
 }
 
 // AddedVocabulary::find_matches: leftmost-longest tokens, then the
@@ -1065,10 +1183,7 @@ void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t
 void TokenizerJson::Impl::encode_normalizable(std::string_view segment, std::vector<std::int64_t>& out) const {
   std::string normalized;
   std::string_view view = segment;
-  if (!normalizers.empty()) {
-    normalize(segment, normalized);
-    view = normalized;
-  }
+  if (!normalizers.empty() && normalize(segment, normalized)) view = normalized;
   split_added(view, normalized_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
     if (index >= 0) out.push_back(added[index].first);
     else if (e > b) pre_tokenize(view.substr(b, e - b), 0, out);
@@ -1360,6 +1475,17 @@ std::size_t TokenizerJson::full_vocab_size() const {
 const std::vector<std::pair<std::int64_t, AddedToken>>& TokenizerJson::added_tokens() const { return impl_->added; }
 
 std::optional<std::string> TokenizerJson::unk_token() const { return impl_->unk_token; }
+
+std::string unicode_normalize(std::string_view text, std::string_view form) {
+  int options = UTF8PROC_STABLE;
+  if (form == "NFC") options |= UTF8PROC_COMPOSE;
+  else if (form == "NFD") options |= UTF8PROC_DECOMPOSE;
+  else if (form == "NFKC") options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+  else if (form == "NFKD") options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+  else throw Error(fmt::format("unknown normalization form '{}'", form));
+  std::string out;
+  return normalize_form(text, options, out) ? out : std::string(text);
+}
 
 std::string utf8_lossy(std::string_view in) {
   std::string out;

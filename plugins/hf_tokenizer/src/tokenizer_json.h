@@ -87,6 +87,11 @@ class TokenizerJson {
   std::filesystem::path file_;
 };
 
+/// `text` in Unicode normalization form `form` ("NFC", "NFD", "NFKC", "NFKD"),
+/// computed as the normalizers do it (fast path for text known to be stable,
+/// utf8proc otherwise). Exposed for tests.
+std::string unicode_normalize(std::string_view text, std::string_view form);
+
 /// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
 /// becomes one U+FFFD.
 std::string utf8_lossy(std::string_view bytes);

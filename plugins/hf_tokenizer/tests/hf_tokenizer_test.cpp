@@ -22,6 +22,7 @@
 #include <thread>
 
 #include <unistd.h>
+#include <utf8proc.h>
 
 namespace modalities::plugins::hf_tokenizer {
 namespace {
@@ -538,6 +539,77 @@ TEST(HfTokenizerTest, RejectsInvalidUtf8AndUnknownIds) {
   }
   EXPECT_THROW(tok->decode(std::vector<std::int64_t>{15496, 99999}), Error);
   EXPECT_THROW(tok->decode(std::vector<std::int64_t>{-1}), Error);
+}
+
+// The normalization fast path (Note [Normalization fast path]) must never skip
+// a change: every BMP character alone, after 'e'/'A'/a Hangul syllable and
+// before combining marks and jamo, in all four forms, against utf8proc itself.
+TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
+  auto utf8 = [](char32_t c) {
+    utf8proc_uint8_t buf[4];
+    const auto n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(c), buf);
+    return std::string(reinterpret_cast<const char*>(buf), static_cast<std::size_t>(n));
+  };
+  const std::pair<const char*, int> forms[] = {
+      {"NFC", UTF8PROC_STABLE | UTF8PROC_COMPOSE},
+      {"NFD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE},
+      {"NFKC", UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT},
+      {"NFKD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT}};
+  const std::vector<std::string> before = {"", "e", "A", utf8(0xAC00), utf8(0x0B47), utf8(0x1100)};
+  const std::vector<std::string> after = {"", utf8(0x0301), utf8(0x0345), utf8(0x1161), utf8(0x11A8), utf8(0x0B3E),
+                                          utf8(0x3099), "x"};
+  std::size_t checked = 0, mismatches = 0;
+  for (const auto& [form, options] : forms) {
+    for (char32_t c = 0x20; c < 0x10000; ++c) {
+      if (c >= 0xD800 && c <= 0xDFFF) continue;
+      for (const auto& b : before)
+        for (const auto& a : after) {
+          if ((c & 0xFF) != 0x41 && b.size() + a.size() > 0 && !(b.empty() || a.empty())) continue;  // sample pairs
+          const std::string text = b + utf8(c) + a;
+          utf8proc_uint8_t* dst = nullptr;
+          const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                      static_cast<utf8proc_ssize_t>(text.size()), &dst,
+                                      static_cast<utf8proc_option_t>(options));
+          const std::string want(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
+          std::free(dst);
+          if (unicode_normalize(text, form) != want && mismatches++ < 5)
+            ADD_FAILURE() << form << " U+" << std::hex << static_cast<std::uint32_t>(c) << " in '" << text << "'";
+          ++checked;
+        }
+    }
+    for (const char32_t c : {0x1F600u, 0x1F44Du, 0x1D400u, 0x2F800u, 0x1F3FBu, 0x20000u, 0x1D15Eu, 0x11099u}) {
+      const std::string text = "a" + utf8(c) + utf8(0x0301);
+      utf8proc_uint8_t* dst = nullptr;
+      const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                  static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
+      EXPECT_EQ(unicode_normalize(text, form), std::string(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)))
+          << form << " U+" << std::hex << static_cast<std::uint32_t>(c);
+      std::free(dst);
+    }
+  }
+  // Random mixtures of characters that compose, decompose, reorder or combine across neighbours.
+  const std::vector<char32_t> pool = {'a', 'e', 'A', ' ', 0x00E9, 0x0301, 0x0300, 0x0323, 0x0345, 0x0327, 0x1100,
+                                      0x1161, 0x11A8, 0xAC00, 0xAC01, 0x0B47, 0x0B3E, 0x0B57, 0x212B, 0x2126, 0xFB01,
+                                      0x00C5, 0x030A, 0x3099, 0x304B, 0x00A0, 0x1E9B, 0x0F73, 0x0344, 0x00BD, 0x1F600};
+  std::uint64_t state = 12345;
+  for (const auto& [form, options] : forms)
+    for (int k = 0; k < 20000; ++k) {
+      std::string text;
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      const int n = 1 + static_cast<int>((state >> 33) % 8);
+      for (int m = 0; m < n; ++m) {
+        state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+        text += utf8(pool[(state >> 33) % pool.size()]);
+      }
+      utf8proc_uint8_t* dst = nullptr;
+      const auto len = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                    static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
+      const std::string want(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(len));
+      std::free(dst);
+      if (unicode_normalize(text, form) != want && mismatches++ < 10) ADD_FAILURE() << form << " '" << text << "'";
+      ++checked;
+    }
+  EXPECT_EQ(mismatches, 0u) << "of " << checked;
 }
 
 TEST(HfTokenizerTest, Utf8LossyReplacesMaximalInvalidSubsequences) {

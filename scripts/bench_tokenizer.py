@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Single-thread tokenizer throughput of the Python reference libraries.
+
+Counterpart of plugins/hf_tokenizer/tests/hf_tokenizer_bench.cpp (Google Benchmark,
+built with -DMODALITIES_BUILD_BENCHMARKS=ON): the same text, data/multilingual/
+multilingual.jsonl repeated to about 20 MB, through
+  * Hugging Face `tokenizers` (Rust core) with one thread: `encode_batch` under
+    RAYON_NUM_THREADS=1 and a plain loop of `encode` calls;
+  * tiktoken with the GPT-2 ranks built offline from the fixture's vocabulary
+    (tiktoken.get_encoding("gpt2") would download them); its ids are checked
+    against `tokenizers` first.
+Prints tokens/s and MB/s. Usage (venv .deps/pyref with tokenizers and tiktoken):
+
+    .deps/pyref/bin/python scripts/bench_tokenizer.py <shared-fixtures-dir> [--repeat 3]
+"""
+
+import os
+
+os.environ["RAYON_NUM_THREADS"] = "1"  # must precede the import of tokenizers
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tokenizers import Tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_BYTES = 20 << 20
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def corpus():
+    lines = [json.loads(l)["text"] for l in open(ROOT / "data/multilingual/multilingual.jsonl", encoding="utf-8")]
+    out, size = [], 0
+    while size < TARGET_BYTES:
+        for line in lines:
+            out.append(line)
+            size += len(line.encode("utf-8"))
+    return out, size
+
+
+def best_of(repeat, fn):
+    best, result = None, None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        elapsed = time.perf_counter() - start
+        best = elapsed if best is None else min(best, elapsed)
+    return best, result
+
+
+def report(label, seconds, tokens, size):
+    print(f"{label:<44} {tokens / seconds / 1e6:8.2f} M tokens/s {size / seconds / 1e6:8.2f} MB/s ({seconds:.2f} s)")
+
+
+def gpt2_tiktoken(tokenizer_json):
+    import tiktoken
+
+    state = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    # Invert GPT-2's bytes_to_unicode to get each token's raw bytes; ranks = ids.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    char_to_byte = {chr(c): b for b, c in zip(bs, cs)}
+    ranks = {bytes(char_to_byte[ch] for ch in tok): i for tok, i in state["model"]["vocab"].items()
+             if tok != "<|endoftext|>"}
+    return tiktoken.Encoding("gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shared", type=Path, help="directory holding modalities/data/...")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    texts, size = corpus()
+    print(f"{len(texts)} texts, {size / 1e6:.1f} MB, one thread")
+    files = {
+        "gpt2": args.shared / "modalities/data/tokenizer/hf_gpt2/tokenizer.json",
+        "llama3_style": ROOT / "plugins/hf_tokenizer/tests/data/llama3_style/tokenizer.json",
+        "qwen2_style": ROOT / "plugins/hf_tokenizer/tests/data/qwen2_style/tokenizer.json",
+    }
+    for name, file in files.items():
+        tok = Tokenizer.from_file(str(file))
+        seconds, encs = best_of(args.repeat, lambda: tok.encode_batch(texts))
+        report(f"tokenizers {name} encode_batch", seconds, sum(len(e.ids) for e in encs), size)
+        seconds, n = best_of(args.repeat, lambda: sum(len(tok.encode(t).ids) for t in texts))
+        report(f"tokenizers {name} encode loop", seconds, n, size)
+
+    try:
+        enc = gpt2_tiktoken(files["gpt2"])
+    except Exception as e:  # tiktoken missing or unusable
+        print(f"tiktoken: not available ({e})")
+        return
+    ref = Tokenizer.from_file(str(files["gpt2"]))
+    unique = list(dict.fromkeys(texts))
+    diff = sum(enc.encode(t, allowed_special="all") != ref.encode(t).ids for t in unique)
+    print(f"tiktoken gpt2 (offline ranks) differs from tokenizers on {diff} of {len(unique)} distinct texts")
+    seconds, n = best_of(args.repeat, lambda: sum(len(x) for x in enc.encode_ordinary_batch(texts, num_threads=1)))
+    report("tiktoken gpt2 encode_ordinary_batch", seconds, n, size)
+    seconds, n = best_of(args.repeat, lambda: sum(len(enc.encode_ordinary(t)) for t in texts))
+    report("tiktoken gpt2 encode_ordinary loop", seconds, n, size)
+
+
+if __name__ == "__main__":
+    main()
