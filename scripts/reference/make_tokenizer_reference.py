@@ -14,6 +14,8 @@ tests compare against, without needing Python in CI:
                                      "decoded_hf" (transformers decode, i.e. with clean-up) when it
                                      differs from the `tokenizers` decode of all ids
     probes.json                      ids of hand-written strings that exercise added-token rules
+    variants/                        27 small tokenizers (one pipeline feature each) + expected.json
+    regex_classes.json               code points matched by \s, \w, \p{L}, ... in Oniguruma
     wrapper_cases.json               Modalities-level behaviour: padding/truncation/special_tokens
                                      matrices, vocab sizes, special ids, token ids
   plugins/sp_tokenizer/tests/data/
@@ -495,6 +497,33 @@ def variant_specs(texts):
     return specs
 
 
+# Character classes of the regexes, as Oniguruma (inside `tokenizers`) sees them: for each
+# pattern, the code points it matches, as [first, last] ranges.
+REGEX_CLASSES = [r"\s", r"\S", r"\w", r"\W", r"\d", r"\D", r"\h", r"\p{L}", r"\p{N}", r"\p{P}", r"\p{M}",
+                 r"[^\s\p{L}\p{N}]", r"[^\r\n\p{L}\p{N}]", r"(?i:'s|k)"]
+
+
+def regex_classes():
+    cps = [c for c in range(1, 0x110000) if not (0xD800 <= c <= 0xDFFF)]
+    text = "".join(chr(c) for c in cps)
+    out = {}
+    for pattern in REGEX_CLASSES:
+        kept = bytearray(len(cps))  # pieces left by a Removed split are the non-matches (char offsets)
+        for _, (a, b) in pre_tokenizers.Split(Regex(pattern), "removed").pre_tokenize_str(text):
+            kept[a:b] = b"\x01" * (b - a)
+        ranges = []
+        for i, c in enumerate(cps):
+            if kept[i]:
+                continue
+            if ranges and ranges[-1][1] + 1 == c:
+                ranges[-1][1] = c
+            else:
+                ranges.append([c, c])
+        out[pattern] = ranges
+    write_rows_json(HF_DATA / "regex_classes.json", out)
+    print(f"regex classes: {len(out)} patterns over {len(cps)} code points")
+
+
 def sp_expected(name, model, texts, facts):
     sp = spm.SentencePieceProcessor(model_file=str(model))
     pieces = ["<unk>", "<s>", "</s>", "<pad>", "<eod>", "<ctl>", "▁the", "▁The", "abc123", "▁", "e", "<0x41>"]
@@ -544,6 +573,7 @@ def main():
     print(f"llama3_style: ignore_merges changes {ignore_merges_effect(folders['llama3_style'], texts)} lines")
     probes(folders)
     variants(texts, args.retrain)
+    regex_classes()
     wrapper_cases(folders)
     sp_facts = {}
     sp_expected("en32k", args.shared / "modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model", texts,

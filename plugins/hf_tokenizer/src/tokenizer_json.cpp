@@ -325,10 +325,13 @@ struct Json {
 
 constexpr std::string_view kSpaceItems =
     "\\x{09}-\\x{0D}\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
-constexpr std::string_view kWordItems = "\\p{L}\\p{M}\\p{N}\\p{Pc}";
+// Oniguruma's Unicode \w: Alphabetic, marks, decimal digits, connectors, plus the
+// Latin-1 digits-like characters ² ³ ¹ ¼ ½ ¾ (checked against `tokenizers` on
+// every code point, see regex_classes.json in the tests).
+constexpr std::string_view kWordItems = "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{B2}\\x{B3}\\x{B9}\\x{BC}-\\x{BE}";
 
 // Rewrites the Oniguruma constructs whose PCRE2 meaning differs: \s (Unicode
-// White_Space), \w (letters, marks, numbers, connectors), \d (Nd), \h (hex
+// White_Space), \w (see kWordItems), \d (Nd), \h (hex
 // digit), \uHHHH, and (?m) (dot-all in Ruby). Set operations and nested
 // classes have no PCRE2 equivalent and are refused.
 std::string translate_pattern(std::string_view p, const std::function<void(std::string_view)>& refuse) {
@@ -1475,6 +1478,13 @@ std::size_t TokenizerJson::full_vocab_size() const {
 const std::vector<std::pair<std::int64_t, AddedToken>>& TokenizerJson::added_tokens() const { return impl_->added; }
 
 std::optional<std::string> TokenizerJson::unk_token() const { return impl_->unk_token; }
+
+std::vector<std::pair<std::size_t, std::size_t>> regex_matches(const std::string& pattern, std::string_view text) {
+  const Regex re(pattern, "<pattern>", "regex_matches");
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
+  return out;
+}
 
 std::string unicode_normalize(std::string_view text, std::string_view form) {
   int options = UTF8PROC_STABLE;

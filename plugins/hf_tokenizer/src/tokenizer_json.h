@@ -87,6 +87,11 @@ class TokenizerJson {
   std::filesystem::path file_;
 };
 
+/// Matches of an Oniguruma `pattern` (as written in tokenizer.json) in `text`,
+/// as [begin, end) byte ranges, with the iteration rules of `tokenizers`.
+/// Exposed for tests of the regex translation.
+std::vector<std::pair<std::size_t, std::size_t>> regex_matches(const std::string& pattern, std::string_view text);
+
 /// `text` in Unicode normalization form `form` ("NFC", "NFD", "NFKC", "NFKD"),
 /// computed as the normalizers do it (fast path for text known to be stable,
 /// utf8proc otherwise). Exposed for tests.

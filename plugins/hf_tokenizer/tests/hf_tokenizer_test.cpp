@@ -541,6 +541,59 @@ TEST(HfTokenizerTest, RejectsInvalidUtf8AndUnknownIds) {
   EXPECT_THROW(tok->decode(std::vector<std::int64_t>{-1}), Error);
 }
 
+// The Oniguruma -> PCRE2 translation, class by class over every code point:
+// the only differences allowed are characters that PCRE2's Unicode 14 tables do
+// not assign yet (Oniguruma in `tokenizers` knows Unicode 16).
+TEST(HfTokenizerTest, RegexClassesMatchOnigurumaOnEveryCodePoint) {
+  std::vector<char32_t> cps;
+  std::string text;
+  std::vector<std::size_t> offsets;
+  for (char32_t c = 1; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    cps.push_back(c);
+    offsets.push_back(text.size());
+    utf8proc_uint8_t buf[4];
+    text.append(reinterpret_cast<const char*>(buf),
+                static_cast<std::size_t>(utf8proc_encode_char(static_cast<utf8proc_int32_t>(c), buf)));
+  }
+  auto matched = [&](const std::string& pattern) {
+    std::vector<bool> in(0x110000, false);
+    for (const auto& [b, e] : regex_matches(pattern, text)) {
+      std::size_t i = static_cast<std::size_t>(std::lower_bound(offsets.begin(), offsets.end(), b) - offsets.begin());
+      for (; i < offsets.size() && offsets[i] < e; ++i) in[cps[i]] = true;
+    }
+    return in;
+  };
+  const auto unassigned = matched("\\p{Cn}");
+  dom::parser parser;
+  dom::element root = parser.load((kData / "regex_classes.json").string()).value();
+  const dom::object classes = object_of(root);
+  std::size_t patterns = 0;
+  for (auto [pattern, ranges] : classes) {
+    std::vector<bool> want(0x110000, false);
+    const dom::array list = array_of(ranges);
+    for (dom::element r : list) {
+      const dom::array pair = array_of(r);
+      for (std::int64_t c = pair.at(0).get_int64().value(); c <= pair.at(1).get_int64().value(); ++c) want[c] = true;
+    }
+    const auto got = matched(std::string(pattern));
+    std::size_t differences = 0, unicode_version = 0;
+    for (char32_t c = 1; c < 0x110000; ++c) {
+      if (want[c] == got[c]) continue;
+      if (unassigned[c]) {
+        ++unicode_version;
+      } else if (differences++ < 5) {
+        ADD_FAILURE() << pattern << ": U+" << std::hex << static_cast<std::uint32_t>(c) << " is "
+                      << (want[c] ? "" : "not ") << "matched by Oniguruma";
+      }
+    }
+    EXPECT_EQ(differences, 0u) << pattern << " (" << unicode_version << " newer-Unicode code points differ)";
+    EXPECT_LT(unicode_version, 10000u) << pattern;
+    ++patterns;
+  }
+  EXPECT_EQ(patterns, 14u);
+}
+
 // The normalization fast path (Note [Normalization fast path]) must never skip
 // a change: every BMP character alone, after 'e'/'A'/a Hangul syllable and
 // before combining marks and jamo, in all four forms, against utf8proc itself.
