@@ -497,6 +497,67 @@ def variant_specs(texts):
     return specs
 
 
+# transformers' loading rules on synthetic folders: the tokenizer.json of variants/bl_gpt2_regex.json
+# with different tokenizer_config.json / special_tokens_map.json files.
+CONFIG_TEXTS = ["Hello world", "ab er ab", "x</s>   y <s>z", "the Ġthe er", "a<x>b <x> c", "<|endoftext|>!",
+                "word " * 12]
+CONFIG_FOLDERS = {
+    "legacy_special_tokens_map": {
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "model_max_length": "HUGE"},
+        "special_tokens_map.json": {"bos_token": "<s>",
+                                    "eos_token": {"content": "</s>", "lstrip": False, "normalized": False,
+                                                  "rstrip": True, "single_word": False},
+                                    "pad_token": "er", "additional_special_tokens": ["ab"]},
+    },
+    "gpt2_class_defaults": {
+        "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True,
+                                  "model_max_length": 8, "truncation_side": "left"},
+    },
+    "qwen2_class_decoder": {
+        "tokenizer_config.json": {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 6, "padding_side": "left",
+                                  "added_tokens_decoder": {"420": {"content": "<x>", "lstrip": True, "normalized": False,
+                                                                   "rstrip": False, "single_word": False,
+                                                                   "special": True}},
+                                  "eos_token": "<x>", "bos_token": None},
+    },
+}
+
+
+def config_cases():
+    base = HF_DATA / "variants" / "bl_gpt2_regex.json"
+    out = {}
+    import tempfile
+    for name, files in CONFIG_FOLDERS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            state = json.loads(base.read_text(encoding="utf-8"))
+            if name == "qwen2_class_decoder":  # tokenizer.json knows <x> with other flags
+                state["added_tokens"] = [dict(id=420, content="<x>", single_word=False, lstrip=False, rstrip=False,
+                                              normalized=False, special=False)]
+            (folder / "tokenizer.json").write_text(json.dumps(state, ensure_ascii=False), encoding="utf-8")
+            texts = {}
+            for fname, content in files.items():
+                text = json.dumps(content, ensure_ascii=False).replace('"HUGE"', "1000000000000000019884624838656")
+                (folder / fname).write_text(text, encoding="utf-8")
+                texts[fname] = text
+            tok = AutoTokenizer.from_pretrained(str(folder))
+            pad = tok.pad_token is not None
+            out[name] = {
+                "files": texts,
+                "tokenizer_json_added_tokens": state.get("added_tokens", []),
+                "ids": [tok(t)["input_ids"] for t in CONFIG_TEXTS],
+                "ids_truncated": [tok(t, truncation=True)["input_ids"] for t in CONFIG_TEXTS],
+                "ids_padded": [tok(t, padding="max_length", truncation=True)["input_ids"] for t in CONFIG_TEXTS] if pad and tok.model_max_length < 1e20 else None,
+                "decoded": [tok.decode(tok(t)["input_ids"]) for t in CONFIG_TEXTS],
+                "vocab_size": tok.vocab_size,
+                "full_vocab_size": len(tok.get_vocab()),
+                "special_ids": sorted(set(i for i in tok.all_special_ids if i is not None)),
+            }
+    write_json(HF_DATA / "config_cases.json", {"texts": CONFIG_TEXTS, "folders": out})
+    print(f"config cases: {len(out)} folders")
+
+
 # Character classes of the regexes, as Oniguruma (inside `tokenizers`) sees them: for each
 # pattern, the code points it matches, as [first, last] ranges.
 REGEX_CLASSES = [r"\s", r"\S", r"\w", r"\W", r"\d", r"\D", r"\h", r"\p{L}", r"\p{N}", r"\p{P}", r"\p{M}",
@@ -574,6 +635,7 @@ def main():
     probes(folders)
     variants(texts, args.retrain)
     regex_classes()
+    config_cases()
     wrapper_cases(folders)
     sp_facts = {}
     sp_expected("en32k", args.shared / "modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model", texts,

@@ -125,6 +125,24 @@ std::string build_error(const fs::path& folder, const std::string& extra = "") {
   return build(folder_config(folder, extra)).error;
 }
 
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() /
+            ("hf_tokenizer_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+  void write(const std::string& name, const std::string& text) const {
+    std::ofstream(path_ / name, std::ios::binary) << text;
+  }
+
+ private:
+  fs::path path_;
+  static inline int counter_ = 0;
+};
+
 // ---------------------------------------------------------------------------
 
 TEST(HfTokenizerTest, BuildsFromExampleConfig) {
@@ -303,6 +321,58 @@ TEST(HfTokenizerTest, PaddingTruncationAndSpecialTokensMatchTransformers) {
   }
 }
 
+// transformers' loading rules (legacy special_tokens_map.json, class defaults,
+// add_prefix_space override, added_tokens_decoder re-adds, model_max_length of
+// int(1e30), truncation/padding sides) on synthetic folders, from config_cases.json.
+TEST(HfTokenizerTest, LoadsConfigFilesLikeTransformers) {
+  dom::parser parser;
+  dom::element root = parser.load((kData / "config_cases.json").string()).value();
+  std::vector<std::string> texts;
+  const dom::array text_list = array_of(root["texts"].value());
+  for (dom::element t : text_list) texts.emplace_back(t.get_string().value());
+  const std::string base = testing::read_file(kData / "variants" / "bl_gpt2_regex.json");
+  const dom::object folders = object_of(root["folders"].value());
+  for (auto [name, c] : folders) {
+    TempDir dir;
+    std::string json = base;
+    const dom::array added = array_of(c["tokenizer_json_added_tokens"].value());
+    if (added.size() > 0) {
+      const std::string entries = simdjson::minify(c["tokenizer_json_added_tokens"].value());
+      const std::string empty = "\"added_tokens\": []";
+      json.replace(json.find(empty), empty.size(), "\"added_tokens\": " + entries);
+    }
+    dir.write("tokenizer.json", json);
+    const dom::object files = object_of(c["files"].value());
+    for (auto [file, text] : files) dir.write(std::string(file), std::string(text.get_string().value()));
+    auto check = [&](const std::string& extra, std::string_view key) {
+      auto tok = build_ok(dir.path(), extra);
+      ASSERT_NE(tok, nullptr) << name << " " << extra;
+      const dom::array rows = array_of(c[key].value());
+      std::size_t i = 0;
+      for (dom::element row : rows) {
+        EXPECT_EQ(show(tok->tokenize(texts[i])), show(ids_of(row))) << name << " " << key << " '" << texts[i] << "'";
+        ++i;
+      }
+    };
+    check("", "ids");
+    check("truncation = true", "ids_truncated");
+    if (!c["ids_padded"].is_null()) check("truncation = true, padding = \"max_length\"", "ids_padded");
+    auto tok = build_ok(dir.path());
+    EXPECT_EQ(tok->vocab_size(), c["vocab_size"].get_int64().value()) << name;
+    const auto special = ids_of(c["special_ids"].value());
+    std::size_t n_special = 0;
+    for (std::int64_t id = 0; id < 500; ++id) n_special += tok->is_special_token_id(id);
+    EXPECT_EQ(n_special, special.size()) << name;
+    for (std::int64_t id : special) EXPECT_TRUE(tok->is_special_token_id(id)) << name << " " << id;
+    const dom::array decoded = array_of(c["decoded"].value());
+    std::size_t i = 0;
+    for (dom::element d : decoded) {
+      EXPECT_EQ(tok->decode(tok->tokenize(texts[i])), std::string(d.get_string().value())) << name;
+      ++i;
+    }
+  }
+}
+
 TEST(HfTokenizerTest, Gpt2Facts) {
   auto tok = build_ok(folder_of("gpt2"));
   EXPECT_EQ(tok->vocab_size(), 50257);
@@ -376,24 +446,6 @@ TEST(HfTokenizerTest, OneInstanceIsSafeToUseFromManyThreads) {
 
 // ---------------------------------------------------------------------------
 // Refused inputs, with their messages.
-
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("hf_tokenizer_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-  void write(const std::string& name, const std::string& text) const {
-    std::ofstream(path_ / name, std::ios::binary) << text;
-  }
-
- private:
-  fs::path path_;
-  static inline int counter_ = 0;
-};
 
 // A minimal valid byte-level BPE tokenizer.json whose parts can be swapped.
 std::string tiny_json(const std::string& normalizer = "null", const std::string& pre = R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true})",
