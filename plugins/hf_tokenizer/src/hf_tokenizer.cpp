@@ -299,6 +299,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
   }
 
   std::vector<std::int64_t> tokenize(std::string_view text) const override {
+    if (!content_limit_ && !pad_to_) return tok_->encode(text);  // the packing path: no copies
     std::vector<std::int64_t> content;
     content.reserve(text.size() / 3 + 8);
     tok_->encode_sequence(text, content);
