@@ -113,12 +113,17 @@ std::string folder_config(const fs::path& folder, const std::string& extra = "")
   return "{ pretrained_model_name_or_path = " + toml_quote(folder.string()) + (extra.empty() ? "" : ", " + extra) + " }";
 }
 
+// The returned pointer keeps its harness (and so the plugin) alive; the tokenizer goes first.
 std::shared_ptr<Tokenizer> build_ok(const fs::path& folder, const std::string& extra = "") {
   Built b = build(folder_config(folder, extra));
   EXPECT_EQ(b.error, "") << folder;
-  static std::vector<std::unique_ptr<testing::Harness>> keep_alive;  // plugins stay loaded with their harness
-  keep_alive.push_back(std::move(b.harness));
-  return b.tok;
+  if (!b.tok) return nullptr;
+  struct Holder {
+    std::unique_ptr<testing::Harness> harness;
+    std::shared_ptr<Tokenizer> tok;
+  };
+  auto holder = std::make_shared<Holder>(Holder{std::move(b.harness), std::move(b.tok)});
+  return std::shared_ptr<Tokenizer>(holder, holder->tok.get());
 }
 
 std::string build_error(const fs::path& folder, const std::string& extra = "") {
