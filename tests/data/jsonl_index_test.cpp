@@ -59,7 +59,8 @@ TEST(JqPath, ParsesSupportedSubsetAndRefusesTheRest) {
   EXPECT_EQ(JqPath::parse(".a.b").steps().at(1).key, "b");
   EXPECT_EQ(JqPath::parse(".[\"my key\"]").steps().at(0).key, "my key");
   EXPECT_EQ(JqPath::parse(".messages[-1].content").steps().at(1).index, -1);
-  for (const char* bad : {"text", ".", ".a | .b", ".[]", ".a[1:2]", "select(.x)", ".a,.b"}) {
+  EXPECT_TRUE(JqPath::parse(".").steps().empty());
+  for (const char* bad : {"text", "..", ".a | .b", ".[]", ".a[1:2]", "select(.x)", ".a,.b"}) {
     try {
       (void)JqPath::parse(bad);
       ADD_FAILURE() << bad << " parsed";
@@ -73,6 +74,7 @@ TEST(JqPath, ExtractsLikeJq) {
   JsonLineParser p;
   EXPECT_EQ(p.extract_string(R"({"text": "H\u00e9llo\n"})", JqPath::parse(".text")), "H\xC3\xA9llo\n");
   EXPECT_EQ(p.extract_string(R"({"m": [{"c": "x"}, {"c": "y"}]})", JqPath::parse(".m[-1].c")), "y");
+  EXPECT_EQ(p.extract_string(R"("a bare string line")", JqPath::parse(".")), "a bare string line");
   EXPECT_EQ(p.extract_string(R"({"text": "ok", "score": NaN, "n": 1e999})", JqPath::parse(".text")), "ok");
   auto error_of = [&](std::string_view line, std::string_view jq) {
     try {
@@ -85,7 +87,7 @@ TEST(JqPath, ExtractsLikeJq) {
   EXPECT_THAT(error_of(R"({"txt": "a"})", ".text"), HasSubstr("the key \"text\" is missing"));
   EXPECT_THAT(error_of(R"({"text": null})", ".text"), HasSubstr("selects null"));
   EXPECT_THAT(error_of(R"({"text": 5})", ".text"), HasSubstr("selects a number, not a string"));
-  EXPECT_THAT(error_of(R"(["a"])", ".text"), HasSubstr("cannot index a array"));
+  EXPECT_THAT(error_of(R"(["a"])", ".text"), HasSubstr("cannot index an array"));
   EXPECT_THAT(error_of(R"({"text": "a"} junk)", ".text"), HasSubstr("invalid JSON"));
   EXPECT_THAT(error_of(R"({"text": "\ud800"})", ".text"), HasSubstr("lone UTF-16 surrogate"));
 }

@@ -4,19 +4,18 @@
 // ids, which no collator accepts; here the item is {sample_key: int64 ids}.
 // No EOD token is appended, as in Modalities.
 //
-// Only the jq subset that Modalities' configs use is supported: `.`, `.key`,
-// `.a.b`, `.["key"]` (and mixtures); anything else is rejected when the
-// config is built. Lines are read with pread (thread-safe, no shared cursor)
-// and parsed with simdjson, which also rejects invalid UTF-8 as Modalities'
-// strict decoding does.
+// The jq paths and JSON rules are the packer's (modalities/sdk/formats/jsonl.h):
+// key paths and array indices, anything else rejected when the config is
+// built; Python json.loads acceptance; invalid UTF-8 rejected as Modalities'
+// strict decoding does. Lines are read with pread (thread-safe, no shared cursor).
 #include "datasets.h"
 
+#include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/interfaces/dataset.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
 
 #include <ATen/ATen.h>
-#include <simdjson.h>
 
 #include <cerrno>
 #include <cstring>
@@ -30,53 +29,6 @@
 
 namespace modalities::plugins::datasets {
 namespace {
-
-/// A parsed jq path: the keys to follow from the top-level value.
-std::vector<std::string> parse_jq_path(const std::string& program) {
-  auto unsupported = [&](const std::string& why) {
-    return ConfigError("jq_pattern", fmt::format("unsupported jq program '{}': {}", program, why),
-                       "supported: '.', '.key', '.a.b', '.[\"key\"]'");
-  };
-  std::vector<std::string> keys;
-  std::size_t i = 0;
-  const std::size_t n = program.size();
-  auto ident_char = [](char ch, bool first) {
-    return std::isalpha(static_cast<unsigned char>(ch)) || ch == '_' || (!first && std::isdigit(static_cast<unsigned char>(ch)));
-  };
-  if (n == 0 || program[0] != '.') throw unsupported("it must start with '.'");
-  if (program == ".") return keys;
-  while (i < n) {
-    bool dotted = false;
-    if (program[i] == '.') {
-      dotted = true;
-      ++i;
-    }
-    if (i < n && program[i] == '[') {
-      // ["key"]: a JSON string literal without escapes other than \" and \\.
-      if (i + 1 >= n || program[i + 1] != '"') throw unsupported("only string keys are allowed in brackets");
-      std::string key;
-      std::size_t k = i + 2;
-      for (; k < n && program[k] != '"'; ++k) {
-        if (program[k] == '\\') {
-          if (k + 1 >= n || (program[k + 1] != '"' && program[k + 1] != '\\')) throw unsupported("unsupported escape");
-          ++k;
-        }
-        key.push_back(program[k]);
-      }
-      if (k + 1 >= n || program[k] != '"' || program[k + 1] != ']') throw unsupported("unterminated [\"...\"]");
-      keys.push_back(key);
-      i = k + 2;
-    } else if (dotted && i < n && ident_char(program[i], true)) {
-      std::size_t k = i;
-      while (k < n && ident_char(program[k], false)) ++k;
-      keys.push_back(program.substr(i, k - i));
-      i = k;
-    } else {
-      throw unsupported(fmt::format("unexpected character at position {}", i));
-    }
-  }
-  return keys;
-}
 
 struct MemMapDatasetConfig {
   std::filesystem::path raw_data_path;
@@ -99,8 +51,12 @@ struct MemMapDatasetConfig {
 class MemMapDataset final : public Dataset {
  public:
   explicit MemMapDataset(const MemMapDatasetConfig& c)
-      : path_(c.raw_data_path), tokenizer_(c.tokenizer.shared()), jq_(c.jq_pattern), key_(c.sample_key) {
-    keys_ = parse_jq_path(c.jq_pattern);
+      : path_(c.raw_data_path), tokenizer_(c.tokenizer.shared()), key_(c.sample_key) {
+    try {
+      jq_ = formats::JqPath::parse(c.jq_pattern);
+    } catch (const Error& e) {
+      throw ConfigError("jq_pattern", e.what());
+    }
     const std::filesystem::path index =
         c.index_path ? *c.index_path : path_.parent_path() / (path_.stem().string() + ".idx");
     try {
@@ -150,30 +106,18 @@ class MemMapDataset final : public Dataset {
 
  private:
   std::string select_text(const std::string& line, std::int64_t index) const {
-    simdjson::dom::parser parser;  // per call: parsers are not thread-safe
-    simdjson::dom::element e;
-    if (auto err = parser.parse(line).get(e))
-      throw Error(fmt::format("{}: line {} is not valid JSON: {}", path_.string(), index, simdjson::error_message(err)));
-    for (const auto& key : keys_) {
-      simdjson::dom::object obj;
-      if (e.get(obj))
-        throw Error(fmt::format("{}: line {}: jq '{}': cannot index a non-object with \"{}\"", path_.string(), index,
-                                jq_, key));
-      if (obj[key].get(e))
-        throw Error(fmt::format("{}: line {}: jq '{}' gives null (key \"{}\" is missing)", path_.string(), index, jq_,
-                                key));
+    thread_local formats::JsonLineParser parser;  // parsers own buffers: one per thread
+    try {
+      return std::string(parser.extract_string(line, jq_));
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}:{}: {} (sample {})", path_.string(), index + 1, e.what(), index));
     }
-    std::string_view s;
-    if (e.get(s))
-      throw Error(fmt::format("{}: line {}: jq '{}' selects a {} value, expected a string", path_.string(), index, jq_,
-                              e.is_null() ? "null" : "non-string"));
-    return std::string(s);
   }
 
   std::filesystem::path path_;
   std::shared_ptr<Tokenizer> tokenizer_;
-  std::string jq_, key_;
-  std::vector<std::string> keys_;
+  formats::JqPath jq_;
+  std::string key_;
   std::vector<formats::IndexEntry> index_;
   int fd_ = -1;
 };
