@@ -171,6 +171,7 @@ TEST(PackEncodedData, DefaultPathsPoliciesAndSummary) {
 // and line, exit status 1, and nothing under the destination name.
 struct BadCase {
   std::string name, line, message;
+  friend void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
 };
 
 class PackBadInput : public ::testing::TestWithParam<BadCase> {};
