@@ -3,6 +3,8 @@
 // §4, §6.2) and against broken files written into a scratch directory.
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_file.h>
+#include <modalities/sdk/formats/packed_writer.h>
+#include <modalities/testing/harness.h>
 
 #include "../cli/scratch_dir.h"
 
@@ -195,6 +197,42 @@ TEST(PackedFileTest, MovesAndLoadsTheIndexOnceAcrossThreads) {
   for (int t = 0; t < 8; ++t) threads.emplace_back([&, t] { sizes[t] = g.index().size(); });
   for (auto& t : threads) t.join();
   for (auto s : sizes) EXPECT_EQ(s, 500u);
+}
+
+// The writer reproduces the worked example of spec §4.4 (tiny.pbin) from its
+// documents, one at a time and as one block, and refuses inconsistent input.
+TEST(PackedWriterTest, WritesTheWorkedExampleAndChecksItsInput) {
+  modalities::testing::ScratchDir dir;
+  const std::vector<std::uint16_t> doc0 = {15496, 50256}, doc1 = {10603, 0, 50256};
+  auto bytes = [](const std::vector<std::uint16_t>& d) { return std::as_bytes(std::span(d)); };
+  {
+    PackedWriter w(dir.path() / "a.pbin", 2);
+    w.add_document(bytes(doc0));
+    w.add_document(bytes(doc1));
+    EXPECT_EQ(w.num_documents(), 2u);
+    EXPECT_EQ(w.data_len(), 10u);
+    w.commit();
+  }
+  const std::string expected = modalities::testing::read_file(kFixtures / "derived" / "tiny" / "tiny.pbin");
+  EXPECT_EQ(modalities::testing::read_file(dir.path() / "a.pbin"), expected);
+
+  std::vector<std::uint16_t> both = doc0;
+  both.insert(both.end(), doc1.begin(), doc1.end());
+  {
+    PackedWriter w(dir.path() / "b.pbin", 2);
+    const std::uint64_t lengths[] = {4, 6};
+    w.append(bytes(both), lengths);
+    w.commit();
+  }
+  EXPECT_EQ(modalities::testing::read_file(dir.path() / "b.pbin"), expected);
+
+  PackedWriter bad(dir.path() / "c.pbin", 2);
+  const std::uint64_t wrong[] = {4, 4};
+  EXPECT_THAT([&] { bad.append(bytes(both), wrong); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("document lengths sum to 8 but 10 bytes given")));
+  EXPECT_THAT([&] { PackedWriter(dir.path() / "d.pbin", 3); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("token size 3 is not 1, 2 or 4")));
+  EXPECT_FALSE(fs::exists(dir.path() / "c.pbin"));  // never committed
 }
 
 }  // namespace

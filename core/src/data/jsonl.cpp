@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
 
 namespace modalities::core::data {
@@ -20,8 +21,10 @@ RawIndexResult index_jsonl(const std::filesystem::path& src, const RawIndexOptio
 
   unsigned threads = options.num_threads != 0 ? options.num_threads : std::max(1u, std::thread::hardware_concurrency());
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(1, lines.size() / 64)));
-  std::vector<std::uint8_t> ok(lines.size(), 1);
-  std::vector<std::string> reasons(lines.size());  // filled only for bad lines
+  // Only bad lines are recorded (line number, reason), so memory stays at the
+  // index itself however large the file is.
+  std::mutex bad_mutex;
+  std::vector<std::pair<std::size_t, std::string>> bad;
   std::atomic<std::size_t> first_bad{lines.size()};
   std::atomic<std::uint64_t> bytes_done{0};
   std::atomic<std::size_t> next_chunk{0};
@@ -30,6 +33,7 @@ RawIndexResult index_jsonl(const std::filesystem::path& src, const RawIndexOptio
 
   auto work = [&] {
     JsonLineParser parser;
+    std::string why;
     while (true) {
       const std::size_t c = next_chunk.fetch_add(1);
       if (c >= chunks) return;
@@ -39,48 +43,53 @@ RawIndexResult index_jsonl(const std::filesystem::path& src, const RawIndexOptio
       for (std::size_t i = begin; i < end; ++i) {
         const auto [off, len] = lines[i];
         bytes += len + 1;
-        if (!parser.valid(text.substr(off, len), &reasons[i])) {
-          ok[i] = 0;
-          std::size_t prev = first_bad.load();
-          while (i < prev && !first_bad.compare_exchange_weak(prev, i)) {
-          }
-          if (!options.drop_faulty_entries) break;
+        if (parser.valid(text.substr(off, len), &why)) continue;
+        {
+          std::lock_guard lock(bad_mutex);
+          bad.emplace_back(i, why);
         }
+        std::size_t prev = first_bad.load();
+        while (i < prev && !first_bad.compare_exchange_weak(prev, i)) {
+        }
+        if (!options.drop_faulty_entries) break;
       }
       bytes_done += bytes;
     }
   };
   std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
-  if (options.progress && threads > 1) {
-    while (next_chunk.load() < chunks) {
+  if (threads == 1) {
+    work();
+  } else {
+    for (unsigned t = 0; t < threads; ++t) pool.emplace_back(work);
+    while (options.progress && next_chunk.load() < chunks) {  // the calling thread only reports
       options.progress(bytes_done.load(), text.size());
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+    for (auto& t : pool) t.join();
   }
-  work();
-  for (auto& t : pool) t.join();
   if (options.progress) options.progress(text.size(), text.size());
 
   RawIndexResult result;
-  if (first_bad.load() == lines.size()) {
+  if (bad.empty()) {
     result.entries = std::move(lines);
     return result;
   }
-  if (!options.drop_faulty_entries) {
-    const std::size_t i = first_bad.load();
+  std::sort(bad.begin(), bad.end());
+  if (!options.drop_faulty_entries)
     throw Error(fmt::format("{}:{}: {}; every line of a JSONL file must be one JSON value (no index was written)",
-                            src.string(), i + 1, reasons[i]));
-  }
-  result.entries.reserve(lines.size());
+                            src.string(), bad.front().first + 1, bad.front().second));
+  result.entries.reserve(lines.size() - bad.size());
+  std::size_t next_bad = 0;
   for (std::size_t i = 0; i < lines.size(); ++i) {
-    if (ok[i]) {
-      result.entries.push_back(lines[i]);
-    } else {
-      ++result.dropped;
-      if (options.warn) options.warn(fmt::format("{}:{}: {}; line dropped from the index", src.string(), i + 1, reasons[i]));
+    if (next_bad < bad.size() && bad[next_bad].first == i) {
+      if (options.warn)
+        options.warn(fmt::format("{}:{}: {}; line dropped from the index", src.string(), i + 1, bad[next_bad].second));
+      ++next_bad;
+      continue;
     }
+    result.entries.push_back(lines[i]);
   }
+  result.dropped = bad.size();
   return result;
 }
 

@@ -1,9 +1,9 @@
 #include <modalities/core/data/jsonl.h>
 #include <modalities/core/data/packing.h>
 #include <modalities/core/progress.h>
-#include <modalities/sdk/atomic_file.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_data.h>
+#include <modalities/sdk/formats/packed_writer.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
 
 #include <algorithm>
@@ -203,12 +203,7 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
     }
   };
 
-  AtomicFile out(dst);
-  {
-    char header[formats::kPackedHeaderSize] = {};
-    std::memcpy(header + 8, &width, 4);  // data_len patched at the end
-    out.write(std::string_view(header, sizeof(header)));
-  }
+  formats::PackedWriter out(dst, width);
 
   ProgressBar bar(fmt::format("packing {}", src.filename().string()), index.size(), "docs");
   const bool show = hooks.progress && bar.enabled();
@@ -228,9 +223,7 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
   PackingResult result;
   result.dst = dst;
   result.token_size = width;
-  std::vector<formats::IndexEntry> entries;
-  entries.reserve(index.size());
-  std::uint64_t offset = 0, lines_done = 0;
+  std::uint64_t lines_done = 0;
   std::vector<std::pair<std::uint64_t, std::string>> skipped;
   try {
     while (next_write < num_items) {
@@ -250,11 +243,7 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
                                 idx_path.string(), dst.string(),
                                 settings.skip_invalid_documents ? "" : " (set settings.skip_invalid_documents = true "
                                                                         "to skip such documents)"));
-      out.write(item.bytes);
-      for (const std::uint64_t len : item.lengths) {
-        entries.emplace_back(offset, len);
-        offset += len;
-      }
+      out.append(std::as_bytes(std::span(item.bytes)), item.lengths);
       result.tokens += item.tokens;
       lines_done = std::min<std::uint64_t>(index.size(), next_write * batch);
       for (auto& s : item.skipped) skipped.push_back(std::move(s));
@@ -269,18 +258,15 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
   }
   join_all();
 
-  result.documents = entries.size();
+  result.documents = out.num_documents();
   result.skipped = skipped.size();
   if (hooks.warn) {
     constexpr std::size_t kShown = 20;
     for (std::size_t i = 0; i < std::min(kShown, skipped.size()); ++i)
       hooks.warn(fmt::format("{}:{}: skipped: {}", src.string(), skipped[i].first + 1, skipped[i].second));
     if (skipped.size() > kShown) hooks.warn(fmt::format("... and {} more skipped documents", skipped.size() - kShown));
-    if (entries.empty()) hooks.warn(fmt::format("no document was packed; '{}' holds an empty dataset", dst.string()));
+    if (result.documents == 0) hooks.warn(fmt::format("no document was packed; '{}' holds an empty dataset", dst.string()));
   }
-  out.write(formats::pickle_index(entries));
-  const std::uint64_t data_len = offset;
-  out.write_at(0, std::as_bytes(std::span(&data_len, 1)));
   out.commit();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (show)

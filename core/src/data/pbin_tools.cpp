@@ -10,6 +10,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/formats/packed_file.h>
+#include <modalities/sdk/formats/packed_writer.h>
 
 #include <fmt/core.h>
 #include <openssl/evp.h>
@@ -31,13 +32,6 @@ namespace {
 constexpr std::uint64_t kProgressEvery = 4096;  // documents between progress updates
 
 std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
-
-std::string header_bytes(std::uint64_t data_len, std::uint32_t token_size) {
-  std::string h(formats::kPackedHeaderSize, '\0');
-  for (int i = 0; i < 8; ++i) h[i] = static_cast<char>((data_len >> (8 * i)) & 0xff);
-  for (int i = 0; i < 4; ++i) h[8 + i] = static_cast<char>((token_size >> (8 * i)) & 0xff);
-  return h;
-}
 
 void require_input_file(const fs::path& p, std::string_view what) {
   std::error_code ec;
@@ -147,30 +141,27 @@ ToolResult merge_packed_data(std::span<const fs::path> sources, const fs::path& 
     data_len += f.header().data_len;
   }
 
-  std::vector<formats::IndexEntry> index;
-  AtomicFile out(target);
-  out.write(header_bytes(data_len, files.front().token_size()));
+  formats::PackedWriter out(target, files.front().token_size());
   ProgressBar bar(fmt::format("merging {} files", files.size()), data_len, "bytes");
-  std::uint64_t shift = 0;
   constexpr std::size_t kBlock = std::size_t{64} << 20;
   for (auto& f : files) {
     // The index is read (and checked) before the data is copied so that a
     // damaged input fails early; it is freed with the file right after.
     const auto& entries = f.index();
     if (f.legacy()) ++result.legacy_inputs;
-    for (const auto& [off, len] : entries) index.emplace_back(off + shift, len);
     const auto data = f.data();
-    for (std::size_t pos = 0; pos < data.size(); pos += kBlock) {
-      out.write(data.subspan(pos, std::min(kBlock, data.size() - pos)));
-      bar.update(shift + pos);
+    const std::uint64_t start = out.data_len();
+    // In 64 MiB pieces for the progress bar; the index is relative to the first piece.
+    for (std::size_t pos = 0; pos == 0 || pos < data.size(); pos += kBlock) {
+      const auto piece = data.subspan(pos, std::min(kBlock, data.size() - pos));
+      out.append_block(piece, pos == 0 ? std::span<const formats::IndexEntry>(entries) : std::span<const formats::IndexEntry>());
+      bar.update(start + pos);
     }
-    shift += data.size();
     f.close();
   }
-  out.write(formats::pickle_index(index));
   out.commit();
   bar.finish();
-  result.documents = index.size();
+  result.documents = out.num_documents();
   result.bytes = out.size();
   return result;
 }
@@ -190,27 +181,17 @@ ToolResult shuffle_tokenized_data(const fs::path& input, const fs::path& output,
   if (in.legacy()) ++result.legacy_inputs;
   CPythonRandom(seed).shuffle(order);
 
-  std::uint64_t data_len = 0;
-  for (const auto& e : order) data_len += e.second;
-  AtomicFile out(output);
-  out.write(header_bytes(data_len, in.token_size()));
+  formats::PackedWriter out(output, in.token_size());
   const auto data = in.data();
-  std::vector<formats::IndexEntry> index;
-  index.reserve(order.size());
   ProgressBar bar(fmt::format("shuffling {}", short_name(input)), order.size(), "docs");
-  std::uint64_t pos = 0;
   for (std::size_t k = 0; k < order.size(); ++k) {
-    const auto [off, len] = order[k];
-    out.write(data.subspan(off, len));
-    index.emplace_back(pos, len);
-    pos += len;
+    out.add_document(data.subspan(order[k].first, order[k].second));
     if (k % kProgressEvery == 0) bar.update(k);
   }
   order = {};
-  out.write(formats::pickle_index(index));
   out.commit();
   bar.finish();
-  result.documents = index.size();
+  result.documents = out.num_documents();
   result.bytes = out.size();
   return result;
 }
@@ -409,26 +390,17 @@ ToolResult create_shuffled_dataset_chunk(const ChunkJob& job) {
     if (files.back().header().data_len != data_lens[i] || files.back().token_size() != token_size)
       throw Error(fmt::format("'{}' changed while the chunk was being written", job.inputs[i].string()));
   }
-  std::uint64_t data_len = 0;
-  for (const auto& s : samples) data_len += s.length;
-  AtomicFile out(job.output);
-  out.write(header_bytes(data_len, token_size));
-  std::vector<formats::IndexEntry> index;
-  index.reserve(samples.size());
+  formats::PackedWriter out(job.output, token_size);
   ProgressBar bar(fmt::format("writing chunk {}", job.chunk_id), samples.size(), "docs");
-  std::uint64_t pos = 0;
   for (std::size_t k = 0; k < samples.size(); ++k) {
     const SampleRef& s = samples[k];
-    out.write(files[s.file].data().subspan(s.offset, s.length));
-    index.emplace_back(pos, s.length);
-    pos += s.length;
+    out.add_document(files[s.file].data().subspan(s.offset, s.length));
     if (k % kProgressEvery == 0) bar.update(k);
   }
   samples = {};
-  out.write(formats::pickle_index(index));
   out.commit();
   bar.finish();
-  result.documents = index.size();
+  result.documents = out.num_documents();
   result.bytes = out.size();
   return result;
 }
