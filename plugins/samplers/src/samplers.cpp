@@ -83,6 +83,21 @@ constexpr const char* kDropLastHelp =
     "Drop the tail that does not divide evenly among the replicas. Modalities only accepts true; "
     "false pads by repeating the start of the (shuffled) order, like the Python class.";
 
+// The order fields shared by the two resumable samplers (spec §7.1, §7.2).
+template <class C>
+void describe_resumable_order(Schema<C>& s) {
+    s.field("epoch", &C::epoch, "Added to the seed (shuffle generator seed = seed + epoch).").non_negative();
+    s.field("shuffle", &C::shuffle, "Shuffle with torch.randperm (null means false).");
+    s.field("seed", &C::seed, "Shuffle seed.");
+    s.field("drop_last", &C::drop_last, kDropLastHelp);
+    s.field("skip_num_global_samples", &C::skip_num_global_samples,
+            "Samples of the global (shuffled) order already consumed, e.g. on a warm start.")
+        .non_negative();
+  s.rule([](const C& c, ParseContext& ctx) {
+    if (c.shuffle.value_or(false) && !c.seed) ctx.fail("seed", "must be an integer when shuffle is true");
+  });
+}
+
 struct ResumableDistributedSamplerConfig {
   Ref<Dataset> dataset;
   std::int64_t rank = 0;
@@ -98,22 +113,14 @@ struct ResumableDistributedSamplerConfig {
     s.field("dataset", &C::dataset, "Dataset whose indices are sampled.").required();
     s.field("rank", &C::rank, "This replica's data-parallel rank.").required().non_negative();
     s.field("num_replicas", &C::num_replicas, "Number of data-parallel replicas.").required().positive();
-    s.field("epoch", &C::epoch, "Added to the seed (shuffle generator seed = seed + epoch).").non_negative();
-    s.field("shuffle", &C::shuffle, "Shuffle with torch.randperm (null means false).");
-    s.field("seed", &C::seed, "Shuffle seed.");
-    s.field("drop_last", &C::drop_last, kDropLastHelp);
-    s.field("skip_num_global_samples", &C::skip_num_global_samples,
-            "Samples of the global (shuffled) order already consumed, e.g. on a warm start.")
-        .non_negative();
-    s.rule(check_rank_and_seed<C>);
+    describe_resumable_order(s);
+    s.rule([](const C& c, ParseContext& ctx) { check_rank(c, ctx); });
   }
 
   template <class C>
-  static void check_rank_and_seed(const C& c, ParseContext& ctx) {
+  static void check_rank(const C& c, ParseContext& ctx) {
     if (c.rank >= c.num_replicas)
       ctx.fail("rank", fmt::format("must be < num_replicas ({}), got {}", c.num_replicas, c.rank));
-    if (std::optional<bool>(c.shuffle).value_or(false) && !c.seed)
-      ctx.fail("seed", "must be an integer when shuffle is true");
   }
 };
 
@@ -133,7 +140,10 @@ struct DistributedSamplerConfig {
     s.field("dataset", &C::dataset, "Dataset whose indices are sampled.").required();
     s.field("seed", &C::seed, "Shuffle seed.");
     s.field("drop_last", &C::drop_last, kDropLastHelp);
-    s.rule(ResumableDistributedSamplerConfig::check_rank_and_seed<C>);
+    s.rule([](const C& c, ParseContext& ctx) {
+      ResumableDistributedSamplerConfig::check_rank(c, ctx);
+      if (c.shuffle && !c.seed) ctx.fail("seed", "must be an integer when shuffle is true");
+    });
   }
 };
 
@@ -155,16 +165,7 @@ struct MultiDimSamplerConfig {
             "Mesh dimension that splits the data: rank = coordinate along it, replicas = its size.")
         .required()
         .one_of({"dp_replicate", "dp_shard", "cp", "tp", "pp"});
-    s.field("epoch", &C::epoch, "Added to the seed (shuffle generator seed = seed + epoch).").non_negative();
-    s.field("shuffle", &C::shuffle, "Shuffle with torch.randperm (null means false).");
-    s.field("seed", &C::seed, "Shuffle seed.");
-    s.field("drop_last", &C::drop_last, kDropLastHelp);
-    s.field("skip_num_global_samples", &C::skip_num_global_samples,
-            "Samples of the global (shuffled) order already consumed, e.g. on a warm start.")
-        .non_negative();
-    s.rule([](const C& c, ParseContext& ctx) {
-      if (c.shuffle.value_or(false) && !c.seed) ctx.fail("seed", "must be an integer when shuffle is true");
-    });
+    describe_resumable_order(s);
   }
 };
 
