@@ -228,6 +228,10 @@ TEST_F(GraphTest, TypesAreStrict) {
   EXPECT_THAT(tuned("flag = 1"), HasSubstr("x.config.flag: expected a boolean"));
   EXPECT_THAT(tuned("lr = \"0.1\""), HasSubstr("x.config.lr: expected a number, got string"));
   EXPECT_EQ(tuned("lr = 1"), "");  // an integer is a valid float
+  const std::string null_error = tuned("small = \"${null:}\"");
+  EXPECT_THAT(null_error, HasSubstr("x.config.small: expected an integer, got null"));
+  EXPECT_THAT(null_error, HasSubstr("an unset environment variable (${cuda_env:NAME}) or ${null:} gives null"));
+  EXPECT_THAT(null_error, ::testing::Not(HasSubstr("null null")));
 }
 
 TEST_F(GraphTest, ConstraintsNameTheElement) {

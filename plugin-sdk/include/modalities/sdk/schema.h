@@ -136,7 +136,11 @@ struct Codec;
 namespace detail {
 
 inline Parsed type_error(const Value& v, std::string_view expected, const std::string& path, ParseContext& ctx) {
-  ctx.fail(path, fmt::format("expected {}, got {} {}", expected, v.type_name(), v.repr()));
+  if (v.is_null())  // "null null" says nothing; null usually comes from an unset variable
+    ctx.fail(path, fmt::format("expected {}, got null", expected),
+             "an unset environment variable (${cuda_env:NAME}) or ${null:} gives null");
+  else
+    ctx.fail(path, fmt::format("expected {}, got {} {}", expected, v.type_name(), v.repr()));
   return Parsed::kError;
 }
 
