@@ -235,6 +235,14 @@ void Module::to(const c10::Device& device, std::optional<c10::ScalarType> dtype)
   for (auto& item : module().named_buffers(/*recurse=*/true)) move(item.value());
 }
 
+void Module::set_param_dtype(std::optional<c10::ScalarType> dtype) {
+  if (!dtype) return;
+  throw Error(fmt::format("model '{}' does not support mixed precision (set_param_dtype({}))", module().name(),
+                          c10::toString(*dtype)));
+}
+
+std::optional<c10::ScalarType> Module::param_dtype() const { return std::nullopt; }
+
 std::string Module::sample_key() const { return {}; }
 
 std::string Module::prediction_key() const { return {}; }

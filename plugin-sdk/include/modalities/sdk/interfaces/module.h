@@ -148,6 +148,18 @@ class MODALITIES_SDK_API Module {
   /// to `dtype` when given. Used for inference and single-device runs.
   virtual void to(const c10::Device& device, std::optional<c10::ScalarType> dtype);
 
+  /// Mixed precision the way FSDP2 applies it (training.md §11.3): parameters
+  /// keep their storage dtype (the fp32 master weights that optimizers,
+  /// clippers and checkpoints see) and forward() computes with copies cast to
+  /// `dtype` at each use, so activations, logits and the loss are in `dtype`
+  /// while autograd casts every micro-batch's gradient back and accumulates it
+  /// in fp32. Buffers (e.g. RoPE inv_freq) are not cast; floating-point inputs
+  /// are. std::nullopt (or the storage dtype) turns it off. Set by
+  /// `model/mixed_precision` and, later, the sharding wrappers.
+  /// Default: throws modalities::Error ("not supported") for any dtype.
+  virtual void set_param_dtype(std::optional<c10::ScalarType> dtype);
+  virtual std::optional<c10::ScalarType> param_dtype() const;
+
   // --- model metadata (defaults: empty) ---------------------------------------
 
   /// Input/output keys of a language model ("input_ids", "logits"); empty for
