@@ -40,6 +40,10 @@ void print_warning(const std::string& message);
 int run_plugins(const std::vector<std::string>& args);
 int run_config(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
+/// `modalities run` (warmstart = false) and `modalities warmstart` (cli_run.cpp).
+int run_training(const std::vector<std::string>& args, bool warmstart);
+/// `modalities generate_text` (cli_run.cpp).
+int run_generate_text(const std::vector<std::string>& args);
 
 /// The `modalities data` verbs that rewrite packed or JSONL files (merge,
 /// shuffles, chunks; cli_data_tools.cpp). Returns -1 if `verb` is not one of them.

@@ -17,6 +17,9 @@ Modalities C++: LLM pre-training and research on LibTorch, configured by TOML
 component graphs and extended by plugins.
 
 Commands:
+  run                           train a model described by a config (`modalities run --help`)
+  warmstart                     continue a run from its last checkpoint
+  generate_text                 generate text from a trained checkpoint
   plugins list                  list every loaded variant with its plugin file
   plugins describe <ck>/<vk>    config schema of one variant (types, defaults, help)
   plugins smoke <file.so>       load one plugin, build its example config, run conformance checks
@@ -53,6 +56,9 @@ int main(int argc, char** argv) {
     if (verb == "plugins") return modalities::cli::run_plugins(args);
     if (verb == "config") return modalities::cli::run_config(args);
     if (verb == "data") return modalities::cli::run_data(args);
+    if (verb == "run") return modalities::cli::run_training(args, /*warmstart=*/false);
+    if (verb == "warmstart") return modalities::cli::run_training(args, /*warmstart=*/true);
+    if (verb == "generate_text") return modalities::cli::run_generate_text(args);
   } catch (const std::exception& e) {
     modalities::cli::print_error(e.what());
     return modalities::cli::kFailed;

@@ -1,0 +1,375 @@
+// `modalities run`, `modalities warmstart` and `modalities generate_text`
+// (spec training.md §1, §17): load plugins and the config, create the
+// experiment folder, build the component graph, hand it to the gym.
+#include "cli.h"
+
+#include <modalities/core/data/pbin_tools.h>
+#include <modalities/core/graph.h>
+#include <modalities/core/gym.h>
+#include <modalities/sdk/atomic_file.h>
+#include <modalities/sdk/interfaces/app_state.h>
+#include <modalities/sdk/interfaces/message_subscriber.h>
+#include <modalities/sdk/interfaces/text_inference_component.h>
+#include <modalities/sdk/run_context.h>
+
+#include <ATen/Context.h>
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+#include <simdjson.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace modalities::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int signal) {
+  if (g_stop_signal.exchange(signal) != 0) {
+    // Second signal: give up immediately (nothing half-written survives: writes are atomic).
+    std::signal(signal, SIG_DFL);
+    std::raise(signal);
+  }
+}
+
+/// Restores the previous handlers when the run ends.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    old_int_ = std::signal(SIGINT, on_stop_signal);
+    old_term_ = std::signal(SIGTERM, on_stop_signal);
+  }
+  ~StopSignals() {
+    std::signal(SIGINT, old_int_);
+    std::signal(SIGTERM, old_term_);
+  }
+
+ private:
+  void (*old_int_)(int) = SIG_DFL;
+  void (*old_term_)(int) = SIG_DFL;
+};
+
+/// Single-process runs need no launcher: default the launcher variables.
+void default_launcher_env() {
+  if (std::getenv("WORLD_SIZE") == nullptr && std::getenv("RANK") == nullptr) {
+    setenv("WORLD_SIZE", "1", 0);
+    setenv("RANK", "0", 0);
+    setenv("LOCAL_RANK", "0", 0);
+  } else if (std::getenv("LOCAL_RANK") == nullptr) {
+    setenv("LOCAL_RANK", "0", 0);
+  }
+}
+
+/// "<YYYY-MM-DD__HH-MM-SS>_<first 16 hex of SHA-256 of the config path>" (spec §1.2).
+std::string default_experiment_id(const std::string& config_file_path) {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  return fmt::format("{:%Y-%m-%d__%H-%M-%S}_{}", tm, core::data::sha256_hex(config_file_path).substr(0, 16));
+}
+
+Value json_to_value(simdjson::dom::element e) {
+  using T = simdjson::dom::element_type;
+  switch (e.type()) {
+    case T::OBJECT: {
+      Value::Table table;
+      for (auto [k, v] : e.get_object()) table.emplace_back(std::string(k), json_to_value(v));
+      return Value(std::move(table));
+    }
+    case T::ARRAY: {
+      Value::List list;
+      for (auto v : e.get_array()) list.push_back(json_to_value(v));
+      return Value(std::move(list));
+    }
+    case T::STRING: return Value(std::string(e.get_string().value()));
+    case T::INT64: return Value(e.get_int64().value());
+    case T::UINT64: return Value(static_cast<std::int64_t>(e.get_uint64().value()));
+    case T::DOUBLE: return Value(e.get_double().value());
+    case T::BOOL: return Value(e.get_bool().value());
+    case T::NULL_VALUE: return Value();
+  }
+  return Value();
+}
+
+/// The `warmstart_env` resolver: `${warmstart_env:checkpoint_paths}` is the
+/// JSON object of last_checkpoint_info.json (spec §1.1, §10.4).
+ResolverSpec warmstart_resolver(const fs::path& info_file) {
+  return {"warmstart_env",
+          "Warm start facts (modalities warmstart only): checkpoint_paths = the object in "
+          "--last_checkpoint_info_file_path.",
+          [info_file](std::string_view name) -> Value {
+            if (name != "checkpoint_paths")
+              throw Error(fmt::format("unknown warmstart_env variable '{}' (available: checkpoint_paths)", name));
+            simdjson::dom::parser parser;
+            simdjson::dom::element doc;
+            if (auto error = parser.load(info_file.string()).get(doc))
+              throw Error(fmt::format("{}: not a readable JSON file ({})", info_file.string(),
+                                      simdjson::error_message(error)));
+            if (!doc.is_object())
+              throw Error(fmt::format("{}: expected a JSON object like {{\"checkpoint_folder_path\": \"...\"}}",
+                                      info_file.string()));
+            return json_to_value(doc);
+          }};
+}
+
+struct RunArgs {
+  std::string config_file_path;
+  std::string experiments_root_path;
+  std::string experiment_id;
+  std::string error_log_folder;
+  std::string last_checkpoint_info_file_path;
+  bool test_comm = false;
+  bool checkpoint_on_interrupt = false;
+  bool verbose = false;
+};
+
+po::options_description run_options(RunArgs& a, bool warmstart) {
+  po::options_description d(warmstart ? "Warm-start options" : "Run options");
+  d.add_options()("help,h", "this help")
+      ("config_file_path", po::value(&a.config_file_path)->required(), "the training config (TOML)")
+      ("experiments_root_path", po::value(&a.experiments_root_path)->required(),
+       "folder that receives <experiment_id>/ (config copy, resolved config, results, checkpoints)");
+  if (warmstart) {
+    d.add_options()("last_checkpoint_info_file_path", po::value(&a.last_checkpoint_info_file_path)->required(),
+                    "last_checkpoint_info.json of the run to continue; its object is "
+                    "${warmstart_env:checkpoint_paths} in the config");
+  }
+  d.add_options()("experiment_id", po::value(&a.experiment_id),
+                  "run id (default: <date>__<time>_<hash of the config path>)")
+      ("error_log_folder", po::value(&a.error_log_folder),
+       "on failure, also write the error as JSON to <folder>/error_logs_<host>_<local_rank>.log")
+      ("checkpoint_on_interrupt", po::bool_switch(&a.checkpoint_on_interrupt),
+       "on SIGINT/SIGTERM, finish the step and write a checkpoint before stopping")
+      ("test_comm", po::bool_switch(&a.test_comm), "accepted for compatibility; single-process runs have no "
+                                                   "communication to test")
+      ("verbose,v", po::bool_switch(&a.verbose), "print every component as it is built");
+  return d;
+}
+
+std::string json_escape(std::string_view s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20) out += fmt::format("\\u{:04x}", static_cast<int>(ch));
+        else out += ch;
+    }
+  }
+  return out;
+}
+
+void write_error_log(const std::string& folder, const std::string& type, const std::string& message) {
+  if (folder.empty()) return;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  const std::string json = fmt::format(
+      "{{\"environment\": {{\"rank\": {}, \"local_rank\": {}, \"world_size\": {}, \"hostname\": \"{}\"}}, "
+      "\"error\": {{\"error\": \"{}\", \"type\": \"{}\", \"stacktrace\": \"\"}}}}\n",
+      rank ? rank : "0", local_rank ? local_rank : "0", world ? world : "1", json_escape(host), json_escape(message),
+      json_escape(type));
+  try {
+    fs::create_directories(folder);
+    write_file_atomically(fs::path(folder) / fmt::format("error_logs_{}_{}.log", host, local_rank ? local_rank : "0"),
+                          json);
+  } catch (const std::exception& e) {
+    print_warning(fmt::format("could not write the error log into {}: {}", folder, e.what()));
+  }
+}
+
+void choose_device(const core::ConfigNode& root) {
+  if (const char* env = std::getenv("MODALITIES_DEVICE")) {
+    set_run_device(parse_run_device(env, "MODALITIES_DEVICE"));
+    return;
+  }
+  const core::ConfigNode* settings = root.find("settings");
+  const core::ConfigNode* device = settings && settings->is_table() ? settings->find("device") : nullptr;
+  if (device != nullptr && device->is_string()) set_run_device(parse_run_device(device->as_string(), "settings.device"));
+  else set_run_device(parse_run_device("auto", "settings.device"));
+}
+
+void record_plugin_versions(const core::Registry& registry) {
+  std::map<std::string, std::string> versions;
+  for (const auto& p : registry.plugins()) versions[p->name] = p->version;
+  set_loaded_plugin_versions(std::move(versions));
+}
+
+/// Creates <root>/<id>/, copies the config and writes the resolved config next to it.
+fs::path prepare_experiment_folder(const RunArgs& a, const core::ConfigNode& resolved) {
+  const fs::path folder = fs::path(a.experiments_root_path) / a.experiment_id;
+  fs::create_directories(folder);
+  const fs::path config = fs::absolute(a.config_file_path);
+  const fs::path copy = folder / config.filename();
+  std::error_code ec;
+  if (!fs::equivalent(config, copy, ec)) {
+    std::ifstream in(config, std::ios::binary);
+    std::ostringstream bytes;
+    bytes << in.rdbuf();
+    write_file_atomically(copy, bytes.str());
+  }
+  write_file_atomically(folder / (config.stem().string() + ".resolved.toml"), core::to_toml(resolved));
+  return folder;
+}
+
+std::string human_seconds(double s) {
+  if (s < 120) return fmt::format("{:.1f} s", s);
+  if (s < 7200) return fmt::format("{:.1f} min", s / 60);
+  return fmt::format("{:.2f} h", s / 3600);
+}
+
+int train(const RunArgs& a, const core::PluginOptions& popts, bool warmstart) {
+  default_launcher_env();
+  core::Registry registry;
+  core::PluginHost host(registry);
+  if (!load_plugins_or_report(host, popts)) return kPluginError;
+  record_plugin_versions(registry);
+  try {
+    core::ModalitiesEnv env = core::env_for_config(a.config_file_path);
+    env.values["experiments_root_path"] = fs::absolute(a.experiments_root_path).string();
+    env.values["experiment_id"] = a.experiment_id;
+    core::ResolverTable resolvers = core::resolvers_for(registry, env);
+    if (warmstart) {
+      if (!fs::is_regular_file(a.last_checkpoint_info_file_path))
+        throw Error(fmt::format("--last_checkpoint_info_file_path {}: no such file", a.last_checkpoint_info_file_path));
+      resolvers.add(warmstart_resolver(a.last_checkpoint_info_file_path));
+    }
+    core::ConfigNode root = core::load_toml_file(a.config_file_path);
+    core::resolve_interpolations(root, resolvers);
+    choose_device(root);
+    const fs::path folder = prepare_experiment_folder(a, root);
+    std::cerr << fmt::format("experiment {} in {} (device {})\n", a.experiment_id, folder.string(),
+                             run_device().str());
+
+    core::ComponentGraph graph(registry, root, core::find_pipeline("training"));
+    for (const auto& d : graph.validate())
+      if (d.warning) std::cerr << d.str() << "\n";
+    const core::BuiltGraph built = graph.build([&](const std::string& line) {
+      if (a.verbose) std::cerr << line << "\n";
+    });
+    core::GymComponents components = core::GymComponents::from(built);
+    const core::i64 num_parameters = core::count_trainable_parameters(*components.app_state);
+    components.evaluation_subscriber->consume_dict({{"No. parameters", DictValue(num_parameters)}});
+    if (components.settings.cuda_env.global_rank == 0)
+      std::cout << core::training_report(components, num_parameters) << std::flush;
+
+    StopSignals signals;
+    core::GymOptions options;
+    options.device = run_device();
+    options.stop_request = &g_stop_signal;
+    options.checkpoint_on_stop = a.checkpoint_on_interrupt;
+    const core::GymSummary s = core::run_gym(components, options);
+    const double tokens_per_s =
+        s.seconds > 0 ? static_cast<double>(s.steps_done * components.settings.step_profile.local_train_micro_batch_size *
+                                             components.settings.step_profile.sequence_length *
+                                             components.settings.step_profile.gradient_accumulation_steps) /
+                            s.seconds
+                      : 0.0;
+    std::cout << fmt::format(
+        "{} after {} steps ({} in this run) and {} tokens in {} ({:.0f} tokens/s){}. Results: {}\n",
+        s.stopped_on_request ? "Stopped on request" : "Training finished", s.steps_total, s.steps_done,
+        s.tokens_total, human_seconds(s.seconds), tokens_per_s,
+        std::isnan(s.last_train_loss) ? std::string() : fmt::format(", last train loss avg {:.4f}", s.last_train_loss),
+        folder.string());
+    if (s.stopped_on_request)
+      std::cout << (s.checkpoint_written_on_stop ? "A checkpoint of the last step was written.\n"
+                                                 : "No checkpoint was written for the last step "
+                                                   "(use --checkpoint_on_interrupt).\n");
+    return s.stopped_on_request ? 128 + g_stop_signal.load() : kOk;
+  } catch (const core::ConfigFileError& e) {
+    for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
+    write_error_log(a.error_log_folder, "ConfigFileError", e.what());
+    print_error(fmt::format("{}: invalid training config", a.config_file_path));
+    return kFailed;
+  } catch (const core::NonFiniteLossError& e) {
+    write_error_log(a.error_log_folder, "NonFiniteLossError", e.what());
+    print_error(e.what());
+    return kFailed;
+  } catch (const std::exception& e) {
+    write_error_log(a.error_log_folder, "Error", e.what());
+    print_error(e.what());
+    return kFailed;
+  }
+}
+
+}  // namespace
+
+int run_training(const std::vector<std::string>& args, bool warmstart) {
+  RunArgs a;
+  core::PluginOptions popts;
+  po::options_description desc = run_options(a, warmstart);
+  desc.add(plugin_options(popts));
+  po::variables_map vm;
+  int status = kOk;
+  const std::string usage =
+      warmstart ? "usage: modalities warmstart --config_file_path F --experiments_root_path R "
+                  "--last_checkpoint_info_file_path J [options]\n\n"
+                  "Continues a run from its last checkpoint: the config reads the checkpoint through\n"
+                  "${warmstart_env:checkpoint_paths} (see configs/quickstart/warmstart.toml)."
+                : "usage: modalities run --config_file_path F --experiments_root_path R [options]\n\n"
+                  "Trains the model described by the config on CPU or one GPU (settings.device or\n"
+                  "MODALITIES_DEVICE). Writes <R>/<experiment_id>/ with the config, its resolved form,\n"
+                  "results and checkpoints. Ctrl-C finishes the current step and stops.";
+  if (!parse(args, desc, {}, vm, usage, status)) return status;
+  if (a.experiment_id.empty()) a.experiment_id = default_experiment_id(a.config_file_path);
+  return train(a, popts, warmstart);
+}
+
+int run_generate_text(const std::vector<std::string>& args) {
+  std::string config_file_path;
+  core::PluginOptions popts;
+  po::options_description desc("Text generation options");
+  desc.add_options()("help,h", "this help")(
+      "config_file_path", po::value(&config_file_path)->required(),
+      "text generation config with a top-level text_inference_component (spec §4.3)");
+  desc.add(plugin_options(popts));
+  po::variables_map vm;
+  int status = kOk;
+  if (!parse(args, desc, {}, vm,
+             "usage: modalities generate_text --config_file_path F\n\n"
+             "Generates text from a trained checkpoint. Prompts for each {placeholder} of the\n"
+             "prompt template on stdin (pipe the answers in for non-interactive use).",
+             status))
+    return status;
+  default_launcher_env();
+  core::Registry registry;
+  core::PluginHost host(registry);
+  if (!load_plugins_or_report(host, popts)) return kPluginError;
+  record_plugin_versions(registry);
+  try {
+    const core::ConfigNode root = core::load_resolved(config_file_path, registry, core::env_for_config(config_file_path));
+    choose_device(root);
+    core::ComponentGraph graph(registry, root, core::find_pipeline("text_generation"));
+    const core::BuiltGraph built = graph.build([](const std::string&) {});
+    const Value* v = built.get("text_inference_component");
+    if (v == nullptr || !v->is_object() || v->as_object().interface != TextInferenceComponent::kInterface)
+      throw Error("text_inference_component must produce a TextInferenceComponent");
+    std::static_pointer_cast<TextInferenceComponent>(v->as_object().ptr)->run(std::cin, std::cout);
+    return kOk;
+  } catch (const core::ConfigFileError& e) {
+    for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
+    print_error(fmt::format("{}: invalid text generation config", config_file_path));
+    return kFailed;
+  } catch (const std::exception& e) {
+    print_error(e.what());
+    return kFailed;
+  }
+}
+
+}  // namespace modalities::cli

@@ -1,0 +1,488 @@
+// The training loop of spec training.md §5 on the SDK interfaces.
+//
+// Deliberate differences from Modalities (README "Training"):
+//  * no host synchronisation per micro-batch: losses, gradient norms and the
+//    first non-finite step are accumulated on the device and read at log,
+//    evaluation and checkpoint steps (Modalities calls loss.item() on every
+//    micro-batch);
+//  * a NaN/inf loss or gradient norm stops the run with the step named, and no
+//    checkpoint is written after it;
+//  * SIGINT/SIGTERM finish the current optimizer step and stop cleanly
+//    (optionally checkpointing);
+//  * a train loader that runs out before the target is reported.
+#include <modalities/core/graph.h>
+#include <modalities/core/gym.h>
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/app_state.h>
+#include <modalities/sdk/interfaces/checkpoint_saving.h>
+#include <modalities/sdk/interfaces/data_loader.h>
+#include <modalities/sdk/interfaces/dataset.h>
+#include <modalities/sdk/interfaces/gradient_clipper.h>
+#include <modalities/sdk/interfaces/loss.h>
+#include <modalities/sdk/interfaces/lr_scheduler.h>
+#include <modalities/sdk/interfaces/message_subscriber.h>
+#include <modalities/sdk/interfaces/mfu_calculator.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/interfaces/steppable_profiler.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#ifdef MODALITIES_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <iostream>
+#include <limits>
+#include <set>
+#include <unordered_set>
+
+namespace modalities::core {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <class T>
+std::shared_ptr<T> object_of(const BuiltGraph& built, std::string_view key, bool required) {
+  const Value* v = built.get(key);
+  if (v == nullptr || v->is_null()) {
+    if (required) throw Error(fmt::format("the training config has no top-level '{}' ({})", key, T::kInterface));
+    return nullptr;
+  }
+  if (!v->is_object() || v->as_object().interface != T::kInterface)
+    throw Error(fmt::format("top-level '{}' must produce a {}, got {}", key, T::kInterface, v->type_name()));
+  return std::static_pointer_cast<T>(v->as_object().ptr);
+}
+
+/// Python's round(x, d) followed by repr(): round on the exact binary value
+/// (printf rounds exactly, half to even), then print the shortest repr.
+std::string python_round_repr(double x, int decimals) {
+  if (!std::isfinite(x)) return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
+  const double r = std::strtod(fmt::format("{:.{}f}", x, decimals).c_str(), nullptr);
+  std::string s = fmt::format("{}", r);
+  if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string format_item(const ResultItem& item) {
+  const double v = item.value.to(at::kDouble).mean().item<double>();
+  if (item.decimal_places) return python_round_repr(v, *item.decimal_places);
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
+  return s;
+}
+
+/// "step: n | k: v | ... | " (spec §4.1; the dataloader tag never appears, as in Modalities).
+std::string result_text(const EvaluationResultBatch& r) {
+  std::string s = fmt::format("step: {} | ", r.num_train_steps_done);
+  for (const auto* group : {&r.throughput_metrics, &r.losses, &r.metrics})
+    for (const auto& [k, item] : *group) s += fmt::format("{}: {} | ", k, format_item(item));
+  return s;
+}
+
+std::string now_iso() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  return fmt::format("{:%Y-%m-%dT%H:%M:%S}", tm);
+}
+
+double peak_memory_mb(const c10::Device& device) {
+#ifdef MODALITIES_WITH_CUDA
+  if (device.is_cuda()) {
+    namespace alloc = c10::cuda::CUDACachingAllocator;
+    const auto stats = alloc::getDeviceStats(device.index());
+    const double mb = static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0);
+    alloc::resetPeakStats(device.index());
+    return mb;
+  }
+#endif
+  (void)device;
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return -1;
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
+
+class Gym {
+ public:
+  Gym(GymComponents& c, const GymOptions& o) : c_(c), o_(o), out_(o.out ? *o.out : std::cout) {}
+
+  GymSummary run() {
+    const auto& s = c_.settings;
+    const auto& sp = s.step_profile;
+    if (s.cuda_env.world_size != 1)
+      throw Error(fmt::format("settings.cuda_env.world_size = {}: this version trains in one process only; "
+                              "multi-process data parallelism comes with the sharding wrappers",
+                              s.cuda_env.world_size));
+    G_ = sp.gradient_accumulation_steps;
+    S0_ = s.training_progress.num_seen_steps;
+    K0_ = s.training_progress.global_num_seen_tokens;
+    dp_ = 1;
+    tokens_per_step_ = sp.local_train_micro_batch_size * sp.sequence_length * G_ * sp.dp_degree;
+    parts_ = c_.app_state->model_parts();
+    optimizer_ = c_.app_state->optimizer();
+    scheduler_ = c_.app_state->lr_scheduler();
+    for (auto& part : parts_) part->to(o_.device, std::nullopt);
+
+    // §5.1 setup.
+    for (auto& part : parts_) part->train(true);
+    const auto fopts = at::TensorOptions().dtype(at::kFloat).device(o_.device);
+    loss_sum_ = at::zeros({}, fopts);
+    loss_count_ = 0;
+    last_loss_ = at::zeros({}, fopts);
+    first_bad_step_ = at::full({}, -1, at::TensorOptions().dtype(at::kLong).device(o_.device));
+    log_timer_ = Clock::now();
+    const auto run_start = Clock::now();
+
+    TrainingProgress progress;
+    progress.num_seen_steps_previous_run = S0_;
+    progress.num_seen_tokens_previous_run = K0_;
+    progress.num_target_steps = s.training_target.num_target_steps;
+    progress.num_target_tokens = s.training_target.num_target_tokens;
+
+    if (S0_ > 0 && S0_ % s.intervals.evaluation_interval_in_steps == 0) evaluate(S0_);
+    if (S0_ > 0 && S0_ % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
+
+    const i64 num_batches_todo = (s.training_target.num_target_steps - S0_) * G_;
+    if (c_.profiler) c_.profiler->enter();
+    c_.train_dataloader->begin(0);
+    const std::string tag = c_.train_dataloader->tag();
+    GymSummary summary;
+    i64 i = 0;
+    bool step_performed = false;
+    for (; i < num_batches_todo; ++i) {
+      std::optional<DatasetBatch> batch = c_.train_dataloader->next();
+      if (!batch) {
+        std::cerr << fmt::format(
+            "warning: train_dataloader '{}' ran out after {} micro-batches; the target needed {} "
+            "(steps {} of {}). Check the dataset size and settings.training_target.\n",
+            tag, i, num_batches_todo, S0_ + i / G_, s.training_target.num_target_steps);
+        break;
+      }
+      const std::int64_t batch_size = batch->size();
+      batch->to(o_.device, /*non_blocking=*/o_.device.is_cuda());
+      const i64 step_number = S0_ + i / G_ + 1;  // 1-based step this micro-batch belongs to
+
+      // 1. forward / backward.
+      InferenceResultBatch result;
+      result.targets = std::move(batch->targets);
+      result.predictions = forward(batch->samples);
+      at::Tensor loss = c_.loss_fn->compute(result);
+      (loss / static_cast<double>(G_)).backward();
+      const at::Tensor loss_f = loss.detach().to(at::kFloat);
+      mark_non_finite(loss_f, step_number);
+
+      // 2. step boundary.
+      step_performed = (i + 1) % G_ == 0;
+      if (step_performed) {
+        at::Tensor norm = c_.gradient_clipper->clip_gradients().detach().to(at::kDouble);
+        mark_non_finite(norm, step_number);
+        optimizer_->step();
+        if (scheduler_) scheduler_->step();
+        optimizer_->zero_grad(true);
+        grad_norms_.push_back(norm);
+      }
+      // 3-6. progress and statistics.
+      progress.num_seen_steps_current_run = (i + 1) / G_;
+      progress.num_seen_tokens_current_run = tokens_per_step_ * progress.num_seen_steps_current_run;
+      loss_sum_.add_(loss_f);
+      ++loss_count_;
+      last_loss_ = loss_f;
+      local_samples_ += batch_size;
+      // 7. progress message.
+      publish_progress(progress.num_seen_steps_total(), ExperimentStatus::kTrain, tag);
+      if (step_performed) {
+        const i64 steps_total = progress.num_seen_steps_total();
+        // 8. training log.
+        if (steps_total % s.intervals.training_log_interval_in_steps == 0) log_training(progress, tag);
+        // 9. evaluation and checkpoint callbacks.
+        if (steps_total > 0 && steps_total % s.intervals.evaluation_interval_in_steps == 0) evaluate(steps_total);
+        if (steps_total > 0 && steps_total % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
+        if (o_.stop_request != nullptr && o_.stop_request->load() != 0) {
+          summary.stopped_on_request = true;
+          if (o_.checkpoint_on_stop && steps_total % s.intervals.checkpointing_interval_in_steps != 0) {
+            checkpoint(progress);
+            summary.checkpoint_written_on_stop = true;
+          }
+          ++i;
+          break;
+        }
+      }
+      // 10. profiler.
+      if (c_.profiler) c_.profiler->step();
+    }
+    if (c_.profiler) c_.profiler->exit();
+    check_finite();
+
+    summary.micro_batches = i;
+    summary.steps_done = progress.num_seen_steps_current_run;
+    summary.steps_total = progress.num_seen_steps_total();
+    summary.tokens_total = progress.num_seen_tokens_total();
+    summary.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+    summary.last_train_loss = last_logged_loss_;
+    return summary;
+  }
+
+ private:
+  TensorMap forward(const TensorMap& samples) {
+    if (parts_.size() != 1)
+      throw Error(fmt::format("app_state has {} model parts; several parts need a pipeline schedule "
+                              "(scheduled_pipeline), which this version does not run",
+                              parts_.size()));
+    return parts_.front()->forward(samples);
+  }
+
+  // Records the first step whose loss or norm is not finite, on the device.
+  void mark_non_finite(const at::Tensor& value, i64 step) {
+    const at::Tensor bad = at::logical_not(at::isfinite(value)).logical_and(first_bad_step_.lt(0));
+    first_bad_step_ = at::where(bad, at::scalar_tensor(step, first_bad_step_.options()), first_bad_step_);
+  }
+
+  void check_finite() {
+    const i64 bad = first_bad_step_.item<i64>();
+    if (bad < 0) return;
+    throw NonFiniteLossError(
+        fmt::format("the training loss or gradient norm became NaN/inf at step {}; training stopped. Nothing was "
+                    "checkpointed after that step: warm start from the last checkpoint (last_checkpoint_info.json) "
+                    "with a lower learning rate, stronger clipping or fp32",
+                    bad),
+        bad);
+  }
+
+  void publish_progress(i64 steps, ExperimentStatus status, const std::string& tag) {
+    if (!c_.progress_subscriber) return;
+    Message m;
+    m.message_type = MessageType::kBatchProgressUpdate;
+    m.payload = ProgressUpdate{steps, status, tag};
+    m.global_rank = c_.settings.cuda_env.global_rank;
+    m.local_rank = c_.settings.cuda_env.local_rank;
+    c_.progress_subscriber->consume_message(m);
+  }
+
+  void publish_result(const EvaluationResultBatch& r) {
+    Message m;
+    m.message_type = MessageType::kEvaluationResult;
+    m.payload = r;
+    m.global_rank = c_.settings.cuda_env.global_rank;
+    m.local_rank = c_.settings.cuda_env.local_rank;
+    if (c_.evaluation_subscriber) c_.evaluation_subscriber->consume_message(m);
+    // The progress bar shows the latest loss, lr and throughput (plugins/subscribers README).
+    if (c_.progress_subscriber && c_.progress_subscriber != c_.evaluation_subscriber)
+      c_.progress_subscriber->consume_message(m);
+  }
+
+  // §5.5.
+  void log_training(const TrainingProgress& progress, const std::string& tag) {
+    check_finite();
+    const auto now = Clock::now();
+    const double dt = std::chrono::duration<double>(now - log_timer_).count();
+    log_timer_ = now;
+    const double global_samples = static_cast<double>(local_samples_ * dp_);
+    local_samples_ = 0;
+    const double samples_per_s = dt > 0 ? global_samples / dt : 0.0;
+
+    EvaluationResultBatch r;
+    r.dataloader_tag = tag;
+    r.num_train_steps_done = progress.num_seen_steps_total();
+    const double loss_avg = loss_sum_.item<double>() / static_cast<double>(std::max<i64>(loss_count_, 1));
+    last_logged_loss_ = loss_avg;
+    r.losses.push_back({"train loss avg", {scalar(loss_avg), 2}});
+    r.losses.push_back({"train loss last", {last_loss_.to(at::kDouble).cpu(), 2}});
+    r.metrics.push_back({"consumed tokens", {scalar(static_cast<double>(progress.num_seen_tokens_total())), 0}});
+    const at::Tensor norms = grad_norms_.empty() ? at::zeros({1}, at::kDouble) : at::stack(grad_norms_).cpu();
+    r.metrics.push_back({"grad norm avg", {norms.mean(), 2}});
+    r.metrics.push_back({"grad norm last", {norms[-1], 2}});
+    r.throughput_metrics.push_back(
+        {"train samples/s", {at::scalar_tensor(static_cast<float>(samples_per_s), at::kFloat), 1}});
+    const double mfu = c_.mfu_calculator ? c_.mfu_calculator->compute(samples_per_s) : -1.0;
+    r.throughput_metrics.push_back({"train mfu (16-bit)", {scalar(mfu), 2}});
+    const std::vector<double> lrs = scheduler_ ? scheduler_->last_lrs() : optimizer_->learning_rates();
+    double lr_mean = 0;
+    for (double lr : lrs) lr_mean += lr;
+    lr_mean /= static_cast<double>(std::max<std::size_t>(lrs.size(), 1));
+    r.throughput_metrics.push_back({"lr mean", {scalar(lr_mean), std::nullopt}});
+    r.throughput_metrics.push_back({"peak memory rank 0 (MB)", {scalar(peak_memory_mb(o_.device)), 2}});
+
+    if (c_.settings.cuda_env.global_rank == 0) out_ << now_iso() << " | " << result_text(r) << std::endl;
+    publish_result(r);
+    loss_sum_.zero_();
+    loss_count_ = 0;
+    grad_norms_.clear();
+  }
+
+  // §5.6.
+  void evaluate(i64 step) {
+    if (c_.eval_dataloaders.empty()) return;
+    check_finite();
+    for (auto& part : parts_) part->train(false);
+    for (auto& loader : c_.eval_dataloaders) {
+      const std::string tag = loader->tag();
+      publish_progress(0, ExperimentStatus::kEvaluation, tag);
+      at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o_.device));
+      i64 count = 0, samples = 0;
+      const auto start = Clock::now();
+      {
+        at::NoGradGuard no_grad;
+        loader->begin(0);
+        i64 batch_id = 0;
+        while (std::optional<DatasetBatch> batch = loader->next()) {
+          samples += batch->size();
+          batch->to(o_.device, o_.device.is_cuda());
+          InferenceResultBatch result;
+          result.targets = std::move(batch->targets);
+          result.predictions = forward(batch->samples);
+          sum.add_(c_.loss_fn->compute(result).to(at::kFloat));
+          ++count;
+          publish_progress(++batch_id, ExperimentStatus::kEvaluation, tag);
+        }
+      }
+      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+      EvaluationResultBatch r;
+      r.dataloader_tag = tag;
+      r.num_train_steps_done = step;
+      const double loss = count > 0 ? sum.item<double>() / static_cast<double>(count)
+                                    : std::numeric_limits<double>::quiet_NaN();
+      r.losses.push_back({c_.loss_fn->tag(), {scalar(loss), 2}});
+      r.throughput_metrics.push_back(
+          {"evaluation_num_samples_per_second",
+           {scalar(elapsed > 0 ? static_cast<double>(samples * dp_) / elapsed : 0.0), 1}});
+      if (c_.settings.cuda_env.global_rank == 0)
+        out_ << now_iso() << " | " << tag << " | " << result_text(r) << std::endl;
+      publish_result(r);
+    }
+    for (auto& part : parts_) part->train(true);
+  }
+
+  void checkpoint(const TrainingProgress& progress) {
+    check_finite();  // never write a state that has seen a NaN
+    c_.checkpoint_saving->save_checkpoint(progress, nullptr, *c_.app_state, false);
+  }
+
+  GymComponents& c_;
+  const GymOptions& o_;
+  std::ostream& out_;
+  i64 G_ = 1, S0_ = 0, K0_ = 0, dp_ = 1, tokens_per_step_ = 0;
+  std::vector<std::shared_ptr<Module>> parts_;
+  std::shared_ptr<Optimizer> optimizer_;
+  std::shared_ptr<LRScheduler> scheduler_;
+  at::Tensor loss_sum_, last_loss_, first_bad_step_;
+  i64 loss_count_ = 0;
+  i64 local_samples_ = 0;
+  std::vector<at::Tensor> grad_norms_;
+  Clock::time_point log_timer_;
+  double last_logged_loss_ = std::numeric_limits<double>::quiet_NaN();
+};
+
+}  // namespace
+
+GymComponents GymComponents::from(const BuiltGraph& built) {
+  GymComponents c;
+  const Value* settings = built.get("settings");
+  if (settings == nullptr) throw Error("the training config has no top-level 'settings' table");
+  c.settings = parse_training_settings(*settings);
+  c.app_state = object_of<AppState>(built, "app_state", true);
+  c.loss_fn = object_of<Loss>(built, "loss_fn", true);
+  c.train_dataset = object_of<Dataset>(built, "train_dataset", false);
+  c.train_dataloader = object_of<DataLoader>(built, "train_dataloader", true);
+  if (const Value* evals = built.get("eval_dataloaders"); evals != nullptr && evals->is_list()) {
+    std::size_t index = 0;
+    for (const Value& v : evals->as_list()) {
+      if (!v.is_object() || v.as_object().interface != DataLoader::kInterface)
+        throw Error(fmt::format("eval_dataloaders[{}] must be a DataLoader, got {}", index, v.type_name()));
+      c.eval_dataloaders.push_back(std::static_pointer_cast<DataLoader>(v.as_object().ptr));
+      ++index;
+    }
+  }
+  c.progress_subscriber = object_of<MessageSubscriber>(built, "progress_subscriber", true);
+  c.evaluation_subscriber = object_of<MessageSubscriber>(built, "evaluation_subscriber", true);
+  c.checkpoint_saving = object_of<CheckpointSaving>(built, "checkpoint_saving", true);
+  c.gradient_clipper = object_of<GradientClipper>(built, "gradient_clipper", true);
+  c.mfu_calculator = object_of<MFUCalculator>(built, "mfu_calculator", false);
+  c.profiler = object_of<SteppableProfiler>(built, "profiler", false);
+  return c;
+}
+
+GymSummary run_gym(GymComponents& components, const GymOptions& options) {
+  return Gym(components, options).run();
+}
+
+i64 count_trainable_parameters(const AppState& app_state) {
+  std::unordered_set<const void*> seen;
+  i64 n = 0;
+  for (const auto& part : app_state.model_parts()) {
+    const auto placements = part->shard_placements();
+    for (const auto& [name, t] : part->named_parameters()) {
+      if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      if (auto it = placements.find(name); it != placements.end()) {
+        i64 global = 1;
+        for (i64 d : it->second.global_shape) global *= d;
+        n += global;
+      } else {
+        n += t.numel();
+      }
+    }
+  }
+  return n;
+}
+
+std::string training_report(const GymComponents& c, i64 num_parameters) {
+  const auto& s = c.settings;
+  const auto& sp = s.step_profile;
+  const auto& t = s.training_target;
+  const auto& p = s.training_progress;
+  const auto& iv = s.intervals;
+  const auto& ce = s.consistency_enforcement;
+  std::string r = "Training Report\n";
+  r += fmt::format("  experiment id:        {}\n", s.experiment_id);
+  r += fmt::format("  trainable parameters: {}\n", num_parameters);
+  r += fmt::format("  training target:      {} steps, {} tokens\n", t.num_target_steps, t.num_target_tokens);
+  r += fmt::format("  training progress:    {} steps, {} tokens, {} samples seen (last step {})\n", p.num_seen_steps,
+                   p.global_num_seen_tokens, p.num_seen_samples, p.last_step);
+  r += fmt::format("  step profile:         micro batch {} x sequence {} x grad. accumulation {} x dp {} = {} "
+                   "tokens/step\n",
+                   sp.local_train_micro_batch_size, sp.sequence_length, sp.gradient_accumulation_steps, sp.dp_degree,
+                   sp.local_train_micro_batch_size * sp.sequence_length * sp.gradient_accumulation_steps *
+                       sp.dp_degree);
+  r += fmt::format("  intervals:            log every {}, evaluate every {}, checkpoint every {} steps\n",
+                   iv.training_log_interval_in_steps, iv.evaluation_interval_in_steps,
+                   iv.checkpointing_interval_in_steps);
+  r += fmt::format("  cuda env:             rank {} (local {}) of {}\n", s.cuda_env.global_rank,
+                   s.cuda_env.local_rank, s.cuda_env.world_size);
+  r += fmt::format("  consistency checks:   tokens/step {}, last step logged {}, evaluated {}, checkpointed {}, "
+                   "enough tokens {}\n",
+                   ce.enforce_tokens_per_step_consistency, ce.enforce_last_step_logged,
+                   ce.enforce_last_step_evaluated, ce.enforce_last_step_checkpointed,
+                   ce.enforce_enough_tokens_in_dataset);
+  // Warnings (spec §2.3; uses world size like Modalities).
+  std::vector<std::string> warnings;
+  const double num_tokens = static_cast<double>(sp.local_train_micro_batch_size * sp.sequence_length *
+                                                sp.gradient_accumulation_steps * s.cuda_env.world_size *
+                                                t.num_target_steps);
+  if (num_tokens != static_cast<double>(t.num_target_tokens))
+    warnings.push_back(fmt::format("Missing {:.2f}% of target tokens",
+                                   (1.0 - num_tokens / static_cast<double>(t.num_target_tokens)) * 100.0));
+  if (c.train_dataset) {
+    const double in_dataset = static_cast<double>(c.train_dataset->size() * sp.sequence_length);
+    if (num_tokens < in_dataset)
+      warnings.push_back(fmt::format("Not all tokens of the dataset are used: {:.2f}% unused",
+                                     (1.0 - num_tokens / in_dataset) * 100.0));
+  }
+  const i64 left = t.num_target_steps - p.num_seen_steps;
+  if (left % iv.training_log_interval_in_steps != 0) warnings.emplace_back("the last step will not be logged");
+  if (left % iv.evaluation_interval_in_steps != 0) warnings.emplace_back("the last step will not be evaluated");
+  if (left % iv.checkpointing_interval_in_steps != 0) warnings.emplace_back("the last step will not be checkpointed");
+  for (const auto& w : warnings) r += fmt::format("  warning: {}\n", w);
+  return r;
+}
+
+}  // namespace modalities::core
