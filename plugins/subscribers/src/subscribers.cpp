@@ -1,0 +1,494 @@
+// The logging-broker subscribers of Modalities (training.md §9.3, catalogue
+// §8.22, §8.23): `progress_subscriber/{dummy,rich}` and
+// `results_subscriber/{dummy,to_disc,rich}`.
+//   progress rich  a live progress bar on rank 0 (stderr): step/target, the
+//                  latest train loss, lr, tokens/s and ETA; one line per eval pass
+//   results to_disc  Modalities' JSONL results file, byte for byte
+//   results rich   Modalities' console line "<time> | step: n | k: v | ... | "
+// (`results_subscriber/wandb` needs the network and is not provided.)
+#include "python_format.h"
+
+#include <modalities/sdk/interfaces/data_loader.h>
+#include <modalities/sdk/interfaces/message_subscriber.h>
+#include <modalities/sdk/plugin.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::subscribers {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// dummy (both components)
+
+struct EmptyConfig {
+  static void describe(Schema<EmptyConfig>&) {}
+};
+
+class DummySubscriber final : public MessageSubscriber {
+ public:
+  void consume_message(const Message&) override {}
+  void consume_dict(const std::map<std::string, DictValue>&) override {}
+};
+
+// ---------------------------------------------------------------------------
+// Text form of a result (batch.py EvaluationResultBatch.__str__, training.md §4.1)
+
+// "k: v" items of one group joined by " | ", then " | " (also after an empty group).
+std::string group_text(const ResultItems& items) {
+  std::string s;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const auto& [key, item] = items[i];
+    if (i > 0) s += " | ";
+    // Without decimal places Modalities formats the 0-d mean tensor, and
+    // Tensor.__format__ prints a 0-d tensor as its item(): the float's repr.
+    const double mean = py::mean_as_float(item.value);
+    s += key + ": " + py::float_repr(item.decimal_places ? py::round(mean, *item.decimal_places) : mean);
+  }
+  return s + " | ";
+}
+
+std::string result_text(const EvaluationResultBatch& r) {
+  return fmt::format("step: {} | ", r.num_train_steps_done) + group_text(r.throughput_metrics) +
+         group_text(r.losses) + group_text(r.metrics);
+}
+
+// datetime.now().isoformat(timespec="seconds"): local time, no zone.
+std::string iso_timestamp() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &local);
+  return buf;
+}
+
+// str() of a run fact as Python would print it.
+std::string dict_value_text(const DictValue& v) {
+  if (const auto* b = std::get_if<bool>(&v)) return *b ? "True" : "False";
+  if (const auto* i = std::get_if<std::int64_t>(&v)) return fmt::format("{}", *i);
+  if (const auto* d = std::get_if<double>(&v)) return py::float_repr(*d);
+  return std::get<std::string>(v);
+}
+
+// Note [Sharing the terminal]
+// The progress bar redraws its line on stderr in place. A results line printed
+// to the same terminal would land after the bar's text, so the console printer
+// first clears the current line ("\r\033[K") when stdout is a terminal; the bar
+// redraws itself on the next line at its next update.
+void print_line(const std::string& line) {
+  static const bool tty = ::isatty(1) != 0;
+  std::string out = tty ? "\r\033[K" : "";
+  out += line;
+  out += '\n';
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  std::fflush(stdout);
+}
+
+// ---------------------------------------------------------------------------
+// results_subscriber/rich
+
+struct RichResultsConfig {
+  std::int64_t num_ranks = 0;
+  std::int64_t global_rank = 0;
+  bool show_dataloader_tag = false;
+
+  static void describe(Schema<RichResultsConfig>& s) {
+    s.field("num_ranks", &RichResultsConfig::num_ranks,
+            "Number of ranks (Modalities shows steps x ranks in its panel title; unused by the line format).")
+        .required()
+        .at_least(1);
+    s.field("global_rank", &RichResultsConfig::global_rank, "This process's rank; only rank 0 prints.")
+        .required()
+        .non_negative();
+    s.field("show_dataloader_tag", &RichResultsConfig::show_dataloader_tag,
+            "Start each line with 'Dataloader: <tag> | ' (Modalities builds that prefix and drops it). Our addition.");
+  }
+};
+
+class RichResultsSubscriber final : public MessageSubscriber {
+ public:
+  explicit RichResultsSubscriber(bool show_tag) : show_tag_(show_tag) {}
+
+  void consume_message(const Message& m) override {
+    const auto* r = std::get_if<EvaluationResultBatch>(&m.payload);
+    if (r == nullptr) return;
+    std::string line = iso_timestamp() + " | ";
+    if (show_tag_) line += "Dataloader: " + r->dataloader_tag + " | ";
+    print_line(line + result_text(*r));
+  }
+
+  // Modalities raises NotImplementedError here, which ends every training
+  // run on rank 0 (quirk 12); we print the facts instead.
+  void consume_dict(const std::map<std::string, DictValue>& values) override {
+    if (values.empty()) return;
+    std::string line = iso_timestamp() + " | ";
+    for (const auto& [key, value] : values) line += key + ": " + dict_value_text(value) + " | ";
+    print_line(line);
+  }
+
+ private:
+  bool show_tag_;
+};
+
+// ---------------------------------------------------------------------------
+// results_subscriber/to_disc
+
+struct ToDiscConfig {
+  fs::path output_file_path;
+
+  static void describe(Schema<ToDiscConfig>& s) {
+    s.field("output_file_path", &ToDiscConfig::output_file_path,
+            "JSONL file that rank 0 appends one line per result to (parent folders are created).")
+        .required()
+        .non_empty();
+  }
+};
+
+class ToDiscSubscriber final : public MessageSubscriber {
+ public:
+  explicit ToDiscSubscriber(fs::path file) : file_(std::move(file)) {
+    const fs::path parent = file_.parent_path();
+    std::error_code ec;
+    if (!parent.empty()) fs::create_directories(parent, ec);
+    if (ec)
+      throw Error(fmt::format("cannot create the folder '{}' for output_file_path: {}", parent.string(), ec.message()));
+  }
+
+  // One line per result on rank 0 (Modalities asks torch.distributed for the
+  // rank; the publisher stamps it on every message).
+  void consume_message(const Message& m) override {
+    const auto* r = std::get_if<EvaluationResultBatch>(&m.payload);
+    if (r == nullptr || m.global_rank != 0) return;
+    const std::string line = json_line(*r);
+    std::FILE* f = std::fopen(file_.c_str(), "ab");
+    if (f == nullptr) throw Error(fmt::format("cannot open '{}' for appending: {}", file_.string(), std::strerror(errno)));
+    const bool written = std::fwrite(line.data(), 1, line.size(), f) == line.size();
+    const bool closed = std::fclose(f) == 0;  // flushes: every line is on disk when the call returns
+    if (!written || !closed)
+      throw Error(fmt::format("cannot write a result line to '{}': {}", file_.string(), std::strerror(errno)));
+  }
+
+  void consume_dict(const std::map<std::string, DictValue>&) override {}
+
+  // json.dumps(record) + "\n" with the dataclass fields in declaration order
+  // and the metric dicts in insertion order.
+  static std::string json_line(const EvaluationResultBatch& r) {
+    auto dict = [](const ResultItems& items) {
+      std::string s = "{";
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        if (i > 0) s += ", ";
+        s += py::json_string(items[i].first) + ": " + py::json_tensor(items[i].second.value);
+      }
+      return s + "}";
+    };
+    return fmt::format(
+        "{{\"dataloader_tag\": {}, \"num_train_steps_done\": {}, \"losses\": {}, \"metrics\": {}, "
+        "\"throughput_metrics\": {}}}\n",
+        py::json_string(r.dataloader_tag), r.num_train_steps_done, dict(r.losses), dict(r.metrics),
+        dict(r.throughput_metrics));
+  }
+
+ private:
+  fs::path file_;
+};
+
+// ---------------------------------------------------------------------------
+// progress_subscriber/rich
+
+struct RichProgressConfig {
+  std::vector<Ref<DataLoader>> eval_dataloaders;
+  std::string train_dataloader_tag;
+  std::int64_t num_seen_steps = 0;
+  std::int64_t num_target_steps = 0;
+  std::int64_t global_rank = 0;
+  double log_every_percent = 10.0;
+  double log_interval_s = 30.0;
+
+  static void describe(Schema<RichProgressConfig>& s) {
+    s.field("eval_dataloaders", &RichProgressConfig::eval_dataloaders,
+            "Evaluation loaders; each gets a bar whose total is its number of batches.");
+    s.field("train_dataloader_tag", &RichProgressConfig::train_dataloader_tag,
+            "Tag of the training loader (results with this tag feed loss, lr and tokens/s).")
+        .required();
+    s.field("num_seen_steps", &RichProgressConfig::num_seen_steps, "Steps done before this run (warm start).")
+        .required()
+        .non_negative();
+    s.field("num_target_steps", &RichProgressConfig::num_target_steps, "Total steps of the run (the bar's 100%).")
+        .required()
+        .positive();
+    s.field("global_rank", &RichProgressConfig::global_rank, "This process's rank; only rank 0 shows bars.")
+        .required()
+        .non_negative();
+    s.field("log_every_percent", &RichProgressConfig::log_every_percent,
+            "Without a terminal: print a training line whenever this share of the steps has passed. Our addition.")
+        .in_closed(0.01, 100.0);
+    s.field("log_interval_s", &RichProgressConfig::log_interval_s,
+            "Without a terminal: also print a line after this many seconds without one. Our addition.")
+        .positive();
+  }
+};
+
+std::string human_count(double v) {
+  const double a = std::fabs(v);
+  if (a >= 1e9) return fmt::format("{:.2f}G", v / 1e9);
+  if (a >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
+  if (a >= 1e4) return fmt::format("{:.1f}k", v / 1e3);
+  return fmt::format("{:.0f}", v);
+}
+
+std::string human_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<long long>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+const at::Tensor* find_item(const ResultItems& items, std::string_view key) {
+  for (const auto& [k, item] : items)
+    if (k == key) return &item.value;
+  return nullptr;
+}
+
+/// One bar (the training run, or one pass over an eval loader) on stderr.
+/// Terminal: one line redrawn in place, at most 10 times a second. Otherwise
+/// (CI logs, files): plain lines, see should_log().
+class RichProgressSubscriber final : public MessageSubscriber {
+ public:
+  enum class Mode { kTerminal, kPlain, kOff };
+
+  explicit RichProgressSubscriber(const RichProgressConfig& c)
+      : every_percent_(c.log_every_percent), interval_s_(c.log_interval_s), mode_(mode_from_environment()) {
+    train_.tag = c.train_dataloader_tag;
+    train_.total = c.num_target_steps;
+    train_.done = c.num_seen_steps;
+    for (const auto& loader : c.eval_dataloaders) eval_sizes_[loader->tag()] = loader->size();
+  }
+
+  ~RichProgressSubscriber() override {
+    if (mode_ == Mode::kTerminal && line_open_) std::fputs("\n", stderr);
+  }
+
+  void consume_message(const Message& m) override {
+    if (mode_ == Mode::kOff) return;
+    if (const auto* p = std::get_if<ProgressUpdate>(&m.payload)) {
+      if (p->experiment_status == ExperimentStatus::kTrain) on_train(p->num_steps_done);
+      else on_eval(p->dataloader_tag, p->num_steps_done);
+    } else if (const auto* r = std::get_if<EvaluationResultBatch>(&m.payload)) {
+      on_result(*r);
+    }
+  }
+
+  void consume_dict(const std::map<std::string, DictValue>&) override {}
+
+ private:
+  struct Bar {
+    bool train = true;
+    std::string tag;
+    std::int64_t total = 0;  // 0: unknown
+    std::int64_t done = 0;
+    std::int64_t first_done = 0;  // the rate counts from here (a warm start's steps do not count)
+    Clock::time_point start, last_draw;
+    bool finished = false;
+  };
+
+  static Mode mode_from_environment() {
+    const char* env = std::getenv("MODALITIES_PROGRESS");
+    const std::string v = env ? env : "";
+    if (v == "0") return Mode::kOff;
+    if (v == "tty") return Mode::kTerminal;
+    if (v == "plain") return Mode::kPlain;
+    return ::isatty(2) != 0 ? Mode::kTerminal : Mode::kPlain;
+  }
+
+  void on_train(std::int64_t step) {
+    if (eval_) end_eval();
+    const auto now = Clock::now();
+    if (!train_started_) {
+      train_started_ = true;
+      train_.start = train_.last_draw = now;
+      train_.first_done = step;
+    }
+    if (!train_active_) {
+      train_active_ = true;
+      line_drawn_ = false;
+    }
+    train_.done = step;
+    const bool last = step >= train_.total;
+    if (mode_ == Mode::kTerminal) {
+      if (last || !line_drawn_ || seconds_between(train_.last_draw, now) >= 0.1) draw(train_, now, last);
+    } else {
+      const auto bucket = static_cast<std::int64_t>(
+          std::floor(100.0 * static_cast<double>(step) / static_cast<double>(train_.total) / every_percent_));
+      if (bucket > last_bucket_ || seconds_between(train_.last_draw, now) >= interval_s_ || (last && !train_.finished)) {
+        last_bucket_ = bucket;
+        draw(train_, now, last);
+      }
+    }
+    train_.finished = last;
+  }
+
+  void on_eval(const std::string& tag, std::int64_t n) {
+    const auto now = Clock::now();
+    if (train_active_) {  // the training line stays on screen as it was
+      end_line();
+      train_active_ = false;
+    }
+    if (eval_ && (eval_->tag != tag || n == 0)) end_eval();
+    if (!eval_) {
+      auto it = eval_sizes_.find(tag);
+      eval_ = Bar{.train = false, .tag = tag, .total = it != eval_sizes_.end() ? it->second : 0, .done = n,
+                  .first_done = n, .start = now, .last_draw = now};
+      line_drawn_ = false;
+    }
+    eval_->done = n;
+    const bool last = eval_->total > 0 && n >= eval_->total;
+    if (mode_ == Mode::kTerminal) {
+      if (last || !line_drawn_ || seconds_between(eval_->last_draw, now) >= 0.1) draw(*eval_, now, last);
+    } else if (last || seconds_between(eval_->last_draw, now) >= interval_s_) {
+      draw(*eval_, now, last);  // one line per pass (plus one per interval for long passes)
+    }
+    if (last) {
+      eval_->finished = true;
+      end_eval();
+    }
+  }
+
+  void on_result(const EvaluationResultBatch& r) {
+    if (r.dataloader_tag != train_.tag) return;
+    const auto now = Clock::now();
+    const at::Tensor* loss = find_item(r.losses, "train loss avg");
+    if (loss == nullptr && !r.losses.empty()) loss = &r.losses.front().second.value;
+    if (loss != nullptr) loss_ = py::mean_as_float(*loss);
+    if (const at::Tensor* lr = find_item(r.throughput_metrics, "lr mean")) lr_ = py::mean_as_float(*lr);
+    if (const at::Tensor* tokens = find_item(r.metrics, "consumed tokens")) {
+      const double t = tokens->detach().to(at::kDouble).mean().item<double>();
+      if (last_tokens_ && t > *last_tokens_ && now > last_tokens_at_)
+        tokens_per_s_ = (t - *last_tokens_) / seconds_between(last_tokens_at_, now);
+      last_tokens_ = t;
+      last_tokens_at_ = now;
+    }
+    // Terminal: show the new numbers at once. Plain lines pick them up at their next line.
+    if (mode_ == Mode::kTerminal && train_active_ && !train_.finished) draw(train_, now, false);
+  }
+
+  // Leaves the eval bar: its last state stays on screen (terminal); a pass of
+  // unknown length gets its one line now (plain).
+  void end_eval() {
+    if (!eval_->finished && (mode_ == Mode::kTerminal || eval_->total == 0)) draw(*eval_, Clock::now(), true);
+    end_line();
+    eval_.reset();
+  }
+
+  void end_line() {
+    if (mode_ == Mode::kTerminal && line_open_) std::fputs("\n", stderr);
+    std::fflush(stderr);
+    line_open_ = false;
+  }
+
+  void draw(Bar& b, Clock::time_point now, bool final) {
+    b.last_draw = now;
+    line_drawn_ = true;
+    const char* unit = b.train ? "steps" : "batches";
+    std::string line = b.tag;
+    if (b.total > 0) {
+      const double frac = std::clamp(static_cast<double>(b.done) / static_cast<double>(b.total), 0.0, 1.0);
+      constexpr int kWidth = 24;
+      const int filled = static_cast<int>(frac * kWidth);
+      line += fmt::format(" [{}{}] {:3.0f}% {}/{} {}", std::string(filled, '#'), std::string(kWidth - filled, '-'),
+                          frac * 100, b.done, b.total, unit);
+    } else {
+      line += fmt::format(" {} {}", b.done, unit);
+    }
+    if (b.train) {
+      if (loss_) line += fmt::format(" | loss {:.4f}", *loss_);
+      if (lr_) line += fmt::format(" | lr {:.2e}", *lr_);
+      if (tokens_per_s_) line += fmt::format(" | {} tok/s", human_count(*tokens_per_s_));
+    }
+    const double elapsed = seconds_between(b.start, now);
+    const double rate = elapsed > 0 ? static_cast<double>(b.done - b.first_done) / elapsed : 0.0;
+    if (rate > 0) line += fmt::format(" | {:.2f} {}/s", rate, unit);
+    if (final) {
+      line += fmt::format(" | {} elapsed", human_duration(elapsed));
+    } else if (b.total > 0 && rate > 0) {
+      const double left = static_cast<double>(std::max<std::int64_t>(b.total - b.done, 0));
+      line += fmt::format(" | ETA {}", human_duration(left / rate));
+    }
+    if (mode_ == Mode::kTerminal) {
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      line_open_ = true;
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+    std::fflush(stderr);
+  }
+
+  double every_percent_, interval_s_;
+  Mode mode_;
+  std::map<std::string, std::int64_t> eval_sizes_;
+
+  Bar train_;
+  bool train_started_ = false;  // a training update has arrived
+  bool train_active_ = false;   // the training bar is the current line
+  std::int64_t last_bucket_ = -1;
+  std::optional<Bar> eval_;
+  bool line_open_ = false;   // terminal: the cursor is at the end of a bar's line
+  bool line_drawn_ = false;  // the current line has been drawn since it became current
+
+  std::optional<double> loss_, lr_, tokens_per_s_, last_tokens_;
+  Clock::time_point last_tokens_at_;
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  constexpr std::string_view kProgress = "progress_subscriber";
+  constexpr std::string_view kResults = "results_subscriber";
+  r.add<MessageSubscriber, EmptyConfig>(kProgress, "dummy", "Ignores every progress update.",
+                                        [](const EmptyConfig&) { return std::make_shared<DummySubscriber>(); });
+  r.add<MessageSubscriber, RichProgressConfig>(
+      kProgress, "rich",
+      "Rank 0: a live progress bar on stderr (step/target, loss, lr, tokens/s, ETA; one bar per eval pass). "
+      "Other ranks: dummy.",
+      [](const RichProgressConfig& c) -> std::shared_ptr<MessageSubscriber> {
+        if (c.global_rank != 0) return std::make_shared<DummySubscriber>();
+        return std::make_shared<RichProgressSubscriber>(c);
+      });
+  r.add<MessageSubscriber, EmptyConfig>(kResults, "dummy", "Ignores every result.",
+                                        [](const EmptyConfig&) { return std::make_shared<DummySubscriber>(); });
+  r.add<MessageSubscriber, ToDiscConfig>(
+      kResults, "to_disc", "Rank 0 appends each result as one JSON line (Modalities' evaluation_results.jsonl layout).",
+      [](const ToDiscConfig& c) { return std::make_shared<ToDiscSubscriber>(c.output_file_path); });
+  r.add<MessageSubscriber, RichResultsConfig>(
+      kResults, "rich",
+      "Rank 0 prints each result as Modalities' log line '<time> | step: n | k: v | ... | ' and the run facts. "
+      "Other ranks: dummy.",
+      [](const RichResultsConfig& c) -> std::shared_ptr<MessageSubscriber> {
+        if (c.global_rank != 0) return std::make_shared<DummySubscriber>();
+        return std::make_shared<RichResultsSubscriber>(c.show_dataloader_tag);
+      });
+}
+
+}  // namespace modalities::plugins::subscribers
+
+MODALITIES_PLUGIN(subscribers, "0.1.0", modalities::plugins::subscribers::register_components)
