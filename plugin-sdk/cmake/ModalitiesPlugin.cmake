@@ -18,6 +18,7 @@ function(modalities_add_plugin name)
   endif()
   set(target modalities_plugin_${name})
   add_library(${target} MODULE ${ARG_SOURCES})
+  set_property(GLOBAL APPEND PROPERTY MODALITIES_PLUGIN_TARGETS ${target})
   set_target_properties(${target} PROPERTIES
     OUTPUT_NAME modalities_${name}
     PREFIX lib

@@ -1,0 +1,239 @@
+// End-to-end training through the `modalities` binary, on the shipped
+// quickstart config shrunk to a few seconds (1 layer, sequence 32, 8 steps):
+//  * exact resume: steps 5-8 of a warm start from the step-4 checkpoint have
+//    bit-identical losses and gradient norms, and the final model and
+//    optimizer state are bit-identical to the uninterrupted run (CPU, fp32);
+//  * faults: NaN loss stops with the step named and no checkpoint after it;
+//    a checkpoint from a different model shape and a corrupted checkpoint are
+//    refused with clear messages.
+#include "run_command.h"
+#include "scratch_dir.h"
+
+#include <modalities/sdk/formats/safetensors.h>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace modalities::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+const std::string kHost = MODALITIES_TEST_HOST_BINARY;
+const fs::path kRoot = MODALITIES_TEST_SOURCE_ROOT;
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void replace_line(std::string& text, const std::string& from, const std::string& to) {
+  const auto pos = text.find(from);
+  ASSERT_NE(pos, std::string::npos) << "the quickstart config no longer contains: " << from;
+  text.replace(pos, from.size(), to);
+}
+
+/// configs/quickstart/<name> shrunk to a seconds-long run.
+std::string tiny_config(const std::string& name, const std::map<std::string, std::string>& extra = {}) {
+  std::string t = read_file(kRoot / "configs/quickstart" / name);
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"n_layer = 2", "n_layer = 1"},
+      {"sequence_length = 128", "sequence_length = 32"},
+      {"num_target_steps = 80", "num_target_steps = 8"},
+      {"training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1"},
+      {"checkpointing_interval_in_steps = 20", "checkpointing_interval_in_steps = 4"},
+      {"evaluation_interval_in_steps = 20", "evaluation_interval_in_steps = 4"},
+      {"config = { k = 2 }", "config = { k = -1 }"},
+      {"warmup_steps = 10", "warmup_steps = 2"},
+      {"variant_key = \"rich\"", "variant_key = \"dummy\""},
+      {"train_dataset_path = \"${modalities_env:config_folder_path}/../../data/lorem_ipsum/lorem_ipsum_long.pbin\"",
+       "train_dataset_path = \"" + (kRoot / "data/lorem_ipsum/lorem_ipsum_long.pbin").string() + "\""},
+  };
+  for (const auto& [from, to] : edits) replace_line(t, from, to);
+  // The dummy progress subscriber takes an empty config.
+  const auto begin = t.find("[progress_subscriber.config]");
+  const auto end = t.find("[evaluation_subscriber]");
+  if (begin != std::string::npos && end != std::string::npos) t.replace(begin, end - begin, "");
+  replace_line(t, "variant_key = \"dummy\"\n", "variant_key = \"dummy\"\nconfig = {}\n");
+  for (const auto& [from, to] : extra) replace_line(t, from, to);
+  return t;
+}
+
+CommandResult modalities(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {kHost};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+}
+
+/// One JSON line of evaluation_results.jsonl, flattened to "key" -> raw number text.
+std::vector<std::map<std::string, std::string>> read_results(const fs::path& file) {
+  std::vector<std::map<std::string, std::string>> out;
+  std::istringstream in(read_file(file));
+  const std::regex item("\"([^\"]+)\": (-?[0-9.eE+-]+|NaN|Infinity|-Infinity|\"[^\"]*\")");
+  for (std::string line; std::getline(in, line);) {
+    std::map<std::string, std::string> m;
+    for (auto it = std::sregex_iterator(line.begin(), line.end(), item); it != std::sregex_iterator(); ++it)
+      m[(*it)[1]] = (*it)[2];
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+std::vector<std::map<std::string, std::string>> train_results(const fs::path& file) {
+  std::vector<std::map<std::string, std::string>> out;
+  for (auto& r : read_results(file))
+    if (r["dataloader_tag"] == "\"train\"") out.push_back(r);
+  return out;
+}
+
+fs::path checkpoint_folder(const fs::path& checkpoints, int step) {
+  for (const auto& e : fs::directory_iterator(checkpoints))
+    if (e.is_directory() && e.path().filename().string().find("-seen_steps_" + std::to_string(step) + "-") !=
+                                std::string::npos)
+      return e.path();
+  return {};
+}
+
+class TrainingRunTest : public ::testing::Test {
+ protected:
+  ScratchDir dir_;
+};
+
+TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit) {
+  const fs::path train = dir_.write("train.toml", tiny_config("train.toml"));
+  const fs::path warm = dir_.write("warmstart.toml", tiny_config("warmstart.toml"));
+  const fs::path experiments = dir_.path() / "experiments";
+
+  const CommandResult full = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                         experiments.string(), "--experiment_id", "full"});
+  ASSERT_EQ(full.exit_code, 0) << full;
+  EXPECT_THAT(full.out, HasSubstr("Training Report"));
+  EXPECT_THAT(full.out, HasSubstr("Training finished after 8 steps"));
+  const auto full_results = train_results(experiments / "full/evaluation_results.jsonl");
+  ASSERT_EQ(full_results.size(), 8u);
+  EXPECT_TRUE(fs::exists(experiments / "full/train.toml"));
+  EXPECT_TRUE(fs::exists(experiments / "full/train.resolved.toml"));
+
+  // The loss falls over the eight steps.
+  EXPECT_LT(std::stod(full_results[7].at("train loss avg")), std::stod(full_results[0].at("train loss avg")));
+
+  const fs::path step4 = checkpoint_folder(experiments / "full/checkpoints", 4);
+  ASSERT_FALSE(step4.empty()) << "no step-4 checkpoint in " << (experiments / "full/checkpoints");
+  const fs::path info = dir_.write("info.json", "{\"checkpoint_folder_path\": \"" + step4.string() + "\"}");
+
+  const CommandResult resumed =
+      modalities({"warmstart", "--config_file_path", warm.string(), "--experiments_root_path", experiments.string(),
+                  "--experiment_id", "resumed", "--last_checkpoint_info_file_path", info.string()});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed;
+  EXPECT_THAT(resumed.out, HasSubstr("Training finished after 8 steps (4 in this run)"));
+  const auto resumed_results = train_results(experiments / "resumed/evaluation_results.jsonl");
+  ASSERT_EQ(resumed_results.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    const auto& a = full_results[4 + i];
+    const auto& b = resumed_results[i];
+    EXPECT_EQ(a.at("num_train_steps_done"), b.at("num_train_steps_done"));
+    for (const char* key : {"train loss avg", "train loss last", "grad norm last", "consumed tokens", "lr mean"})
+      EXPECT_EQ(a.at(key), b.at(key)) << key << " at step " << a.at("num_train_steps_done");
+  }
+
+  // Final state: model, optimizer and scheduler tensors bit-identical.
+  const fs::path end_full = checkpoint_folder(experiments / "full/checkpoints", 8);
+  const fs::path end_resumed = checkpoint_folder(experiments / "resumed/checkpoints", 8);
+  ASSERT_FALSE(end_full.empty());
+  ASSERT_FALSE(end_resumed.empty());
+  const StateDict a = read_safetensors(end_full / "app_state.safetensors");
+  const StateDict b = read_safetensors(end_resumed / "app_state.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  std::size_t compared = 0;
+  for (const auto& [key, tensor] : a) {
+    ASSERT_TRUE(b.contains(key)) << key;
+    EXPECT_TRUE(at::equal(tensor, b.at(key))) << key << " differs after the warm start";
+    ++compared;
+  }
+  EXPECT_GT(compared, 10u);
+}
+
+TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
+  const fs::path train = dir_.write(
+      "train.toml", tiny_config("train.toml", {{"lr = 3e-3", "lr = 1e30"}, {"max_lr = 3e-3", "max_lr = 1e30"},
+                                              {"max_norm = 1.0", "max_norm = 1e30"}}));
+  const fs::path experiments = dir_.path() / "experiments";
+  const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                      experiments.string(), "--experiment_id", "nan"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m, std::regex("became NaN/inf at step ([0-9]+)"))) << r;
+  const int bad_step = std::stoi(m[1]);
+  const fs::path checkpoints = experiments / "nan/checkpoints";
+  if (fs::exists(checkpoints))
+    for (const auto& e : fs::directory_iterator(checkpoints)) {
+      std::smatch s;
+      const std::string name = e.path().filename().string();
+      if (std::regex_search(name, s, std::regex("seen_steps_([0-9]+)-")))
+        EXPECT_LT(std::stoi(s[1]), bad_step) << "checkpoint written at or after the NaN step: " << name;
+    }
+}
+
+class WarmStartFaultTest : public TrainingRunTest {
+ protected:
+  void SetUp() override {
+    const fs::path train = dir_.write("train.toml", tiny_config("train.toml"));
+    experiments_ = dir_.path() / "experiments";
+    const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                        experiments_.string(), "--experiment_id", "base"});
+    ASSERT_EQ(r.exit_code, 0) << r;
+    step4_ = checkpoint_folder(experiments_ / "base/checkpoints", 4);
+    ASSERT_FALSE(step4_.empty());
+    info_ = dir_.write("info.json", "{\"checkpoint_folder_path\": \"" + step4_.string() + "\"}");
+  }
+  CommandResult warm_start(const std::map<std::string, std::string>& edits) {
+    const fs::path warm = dir_.write("warmstart.toml", tiny_config("warmstart.toml", edits));
+    return modalities({"warmstart", "--config_file_path", warm.string(), "--experiments_root_path",
+                       experiments_.string(), "--experiment_id", "warm", "--last_checkpoint_info_file_path",
+                       info_.string()});
+  }
+  fs::path experiments_, step4_, info_;
+};
+
+TEST_F(WarmStartFaultTest, CheckpointOfADifferentModelShapeIsRefusedByName) {
+  const CommandResult r = warm_start({{"n_embd = 128", "n_embd = 256"}});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("transformer.")) << r;
+  EXPECT_THAT(r.err, HasSubstr("256")) << r;
+}
+
+TEST_F(WarmStartFaultTest, CorruptedCheckpointIsRefused) {
+  const fs::path file = step4_ / "app_state.safetensors";
+  std::string bytes = read_file(file);
+  ASSERT_GT(bytes.size(), 4096u);
+  for (std::size_t i = bytes.size() - 2048; i < bytes.size() - 1024; ++i) bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+  std::ofstream(file, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const CommandResult r = warm_start({});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr(step4_.filename().string())) << r;
+}
+
+TEST_F(TrainingRunTest, MissingDatasetIsNamed) {
+  const fs::path train = dir_.write(
+      "train.toml", tiny_config("train.toml", {{(kRoot / "data/lorem_ipsum/lorem_ipsum_long.pbin").string(),
+                                                (dir_.path() / "nowhere.pbin").string()}}));
+  const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                      (dir_.path() / "experiments").string(), "--experiment_id", "missing"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("nowhere.pbin")) << r;
+}
+
+}  // namespace
+}  // namespace modalities::testing
