@@ -73,7 +73,8 @@ std::string python_round_repr(double x, int decimals) {
 }
 
 std::string format_item(const ResultItem& item) {
-  const double v = item.value.to(at::kDouble).mean().item<double>();
+  // Modalities: value.float().mean(), a float32 mean widened to a Python float.
+  const double v = item.value.to(at::kFloat).mean().item<double>();
   if (item.decimal_places) return python_round_repr(v, *item.decimal_places);
   std::string s = fmt::format("{}", v);
   if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
@@ -82,9 +83,13 @@ std::string format_item(const ResultItem& item) {
 
 /// "step: n | k: v | ... | " (spec §4.1; the dataloader tag never appears, as in Modalities).
 std::string result_text(const EvaluationResultBatch& r) {
+  // Each group is joined with " | " and followed by " | ", also when empty (as Modalities prints it).
   std::string s = fmt::format("step: {} | ", r.num_train_steps_done);
-  for (const auto* group : {&r.throughput_metrics, &r.losses, &r.metrics})
-    for (const auto& [k, item] : *group) s += fmt::format("{}: {} | ", k, format_item(item));
+  for (const auto* group : {&r.throughput_metrics, &r.losses, &r.metrics}) {
+    for (std::size_t i = 0; i < group->size(); ++i)
+      s += fmt::format("{}{}: {}", i == 0 ? "" : " | ", (*group)[i].first, format_item((*group)[i].second));
+    s += " | ";
+  }
   return s;
 }
 
