@@ -1,0 +1,1119 @@
+// The GPT-2 family decoder of Modalities (`model/gpt2`, spec model.md) and a
+// single-process stand-in for FSDP2's mixed precision (`model/mixed_precision`).
+// The torch::nn::Module tree reproduces Modalities' GPT2LLM names and
+// registration order exactly (model.md §2), so state dicts and checkpoints
+// interchange with Modalities; the forward follows model.md §3 op for op, so
+// logits match Modalities to float rounding (see tests/gpt2_test.cpp).
+//
+// Shape legend: B batch, T sequence length, d = n_embd, V = vocab_size,
+// Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/plugin.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/dropout.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace modalities::plugins::gpt2 {
+namespace {
+
+// ===================================================================================
+// Configuration (spec config-and-components.md §8.1, model.md §1)
+// ===================================================================================
+
+enum class NormKind { kLayerNorm, kRmsLayerNorm, kTorchRmsNorm };
+
+// The three norm config schemas of the `layer_norm` component (§8.24).
+struct LayerNormFields {
+  std::int64_t normalized_shape = 0;
+  double eps = 1e-6;
+  bool elementwise_affine = true;
+  bool bias = true;
+  static void describe(Schema<LayerNormFields>& s) {
+    s.field("normalized_shape", &LayerNormFields::normalized_shape, "Size of the normalised (last) dimension.")
+        .required()
+        .at_least(1);
+    s.field("eps", &LayerNormFields::eps,
+            "Added to the variance. Effective default: 1e-5 unless elementwise_affine or bias is given, "
+            "then 1e-6 (Modalities' config-union resolution, model.md §1.2).")
+        .positive();
+    s.field("elementwise_affine", &LayerNormFields::elementwise_affine, "Learn a per-feature weight (and bias).");
+    s.field("bias", &LayerNormFields::bias, "Learn a per-feature bias (only with elementwise_affine).");
+  }
+};
+
+struct RmsLayerNormFields {
+  std::int64_t ndim = 0;
+  double epsilon = 1e-6;
+  bool bias = true;
+  static void describe(Schema<RmsLayerNormFields>& s) {
+    s.field("ndim", &RmsLayerNormFields::ndim, "Size of the normalised (last) dimension.").required().at_least(1);
+    s.field("epsilon", &RmsLayerNormFields::epsilon, "Added to the mean square.").positive();
+    s.field("bias", &RmsLayerNormFields::bias, "Learn a per-feature bias.");
+  }
+};
+
+struct TorchRmsNormFields {
+  std::int64_t normalized_shape = 0;
+  double eps = 1e-5;
+  static void describe(Schema<TorchRmsNormFields>& s) {
+    s.field("normalized_shape", &TorchRmsNormFields::normalized_shape, "Size of the normalised (last) dimension.")
+        .required()
+        .at_least(1);
+    s.field("eps", &TorchRmsNormFields::eps, "Added to the mean square.").positive();
+  }
+};
+
+/// `{norm_type, config}` (Modalities' LayerNormWrapperConfig), resolved to what
+/// the norm module needs. The config schema is chosen by norm_type.
+struct NormWrapperConfig {
+  std::string norm_type;
+  NormKind kind = NormKind::kLayerNorm;
+  std::int64_t size = 0;
+  double eps = 1e-5;
+  bool weight = true;
+  bool bias = true;
+  std::string size_key;  // the config key holding `size` ("normalized_shape" or "ndim"), for messages
+};
+
+struct RotaryFields {
+  std::int64_t n_embd = 0;
+  std::int64_t n_head = 0;
+  std::int64_t seq_length_dim = -2;
+  std::int64_t base_freq = 10000;
+  static void describe(Schema<RotaryFields>& s) {
+    s.field("n_embd", &RotaryFields::n_embd, "Model width; must equal the model's n_embd.").required().at_least(0);
+    s.field("n_head", &RotaryFields::n_head, "Query head count; must equal n_head_q (head dim = n_embd / n_head).")
+        .required()
+        .at_least(0);
+    s.field("seq_length_dim", &RotaryFields::seq_length_dim, "Sequence dimension of [B, H, T, hd]: -2 (or 2).")
+        .required();
+    s.field("base_freq", &RotaryFields::base_freq, "RoPE theta.").required().at_least(10000);
+  }
+};
+
+struct IdentityFields {
+  static void describe(Schema<IdentityFields>&) {}
+};
+
+/// One entry of attention_config.qkv_transforms: `{type_hint, config}`.
+struct QkvTransformConfig {
+  std::string type_hint;
+  bool rotary = false;
+  RotaryFields rope;
+};
+
+const std::vector<std::string> kNormTypes = {"layer_norm", "rms_norm", "pytorch_rms_norm"};
+const std::vector<std::string> kTransformTypes = {"IdentityTransform", "RotaryTransform"};
+
+// Checks a `{<tag_key> = "...", config = {...}}` table: known keys only, the tag
+// one of `tags`. On success `tag` and `config` are set.
+Parsed parse_tagged(const Value& v, const std::string& tag_key, const std::vector<std::string>& tags,
+                    const std::string& path, ParseContext& ctx, std::string& tag, const Value*& config) {
+  if (!v.is_table())
+    return detail::type_error(v, fmt::format("a table {{ {} = \"...\", config = {{ ... }} }}", tag_key), path, ctx);
+  const std::size_t before = ctx.error_count();
+  const std::vector<std::string> known = {tag_key, "config"};
+  for (const auto& [key, item] : v.as_table()) {
+    if (key == tag_key || key == "config") continue;
+    const std::string near = closest_match(key, known);
+    ctx.fail(join_path(path, key), "unknown key",
+             near.empty() ? "valid keys: " + quoted_list(known) : fmt::format("did you mean '{}'?", near));
+  }
+  const Value* t = v.find(tag_key);
+  config = v.find("config");
+  const std::string tpath = join_path(path, tag_key);
+  if (t == nullptr) {
+    ctx.fail(tpath, fmt::format("missing required key (one of {})", quoted_list(tags)));
+  } else if (!t->is_string()) {
+    detail::type_error(*t, "a string", tpath, ctx);
+  } else if (std::find(tags.begin(), tags.end(), t->as_string()) == tags.end()) {
+    const std::string near = closest_match(t->as_string(), tags);
+    ctx.fail(tpath, fmt::format("must be one of {}, got '{}'", quoted_list(tags), t->as_string()),
+             near.empty() ? std::string{} : fmt::format("did you mean '{}'?", near));
+  } else {
+    tag = t->as_string();
+  }
+  if (config == nullptr) ctx.fail(join_path(path, "config"), "missing required key (table: settings of the chosen type)");
+  return ctx.error_count() == before ? Parsed::kOk : Parsed::kError;
+}
+
+FieldInfo schema_as_field(std::string name, std::string help, std::vector<FieldInfo> children) {
+  FieldInfo f;
+  f.name = std::move(name);
+  f.type = "table";
+  f.help = std::move(help);
+  f.children = std::move(children);
+  return f;
+}
+
+}  // namespace
+}  // namespace modalities::plugins::gpt2
+
+namespace modalities {
+
+template <>
+struct Codec<plugins::gpt2::NormWrapperConfig> {
+  using T = plugins::gpt2::NormWrapperConfig;
+  static std::string type_name() { return "table {norm_type, config}"; }
+  static std::string repr(const T&) { return "{...}"; }
+  static void annotate(FieldInfo& info) {
+    using namespace plugins::gpt2;
+    FieldInfo type;
+    type.name = "norm_type";
+    type.type = "string";
+    type.help = "Norm module: layer_norm (LayerNorm), rms_norm (Modalities' RMSLayerNorm, deprecated), "
+                "pytorch_rms_norm (RMSNorm).";
+    type.required = true;
+    type.constraints.push_back("one of " + quoted_list(kNormTypes));
+    FieldInfo config;
+    config.name = "config";
+    config.type = "table";
+    config.required = true;
+    config.help = "Settings; the schema depends on norm_type.";
+    config.children = {
+        schema_as_field("(layer_norm)", "config for norm_type = layer_norm", Schema<LayerNormFields>::instance().fields()),
+        schema_as_field("(rms_norm)", "config for norm_type = rms_norm", Schema<RmsLayerNormFields>::instance().fields()),
+        schema_as_field("(pytorch_rms_norm)", "config for norm_type = pytorch_rms_norm",
+                        Schema<TorchRmsNormFields>::instance().fields())};
+    info.children = {type, config};
+  }
+  static Parsed parse(const Value& v, T& out, const std::string& path, ParseContext& ctx) {
+    using namespace plugins::gpt2;
+    std::string tag;
+    const Value* cfg = nullptr;
+    if (parse_tagged(v, "norm_type", kNormTypes, path, ctx, tag, cfg) != Parsed::kOk) return Parsed::kError;
+    const std::string cpath = join_path(path, "config");
+    out.norm_type = tag;
+    Parsed r = Parsed::kOk;
+    if (tag == "layer_norm") {
+      LayerNormFields f;
+      r = Schema<LayerNormFields>::instance().parse(*cfg, f, cpath, ctx);
+      out.kind = NormKind::kLayerNorm;
+      out.size = f.normalized_shape;
+      out.size_key = "normalized_shape";
+      // Note [layer_norm eps default]: Modalities parses the config with a pydantic
+      // union tried as (RMSNorm config, RMSLayerNorm config, LayerNorm config); a table
+      // giving neither elementwise_affine nor bias is taken by the RMSNorm config class,
+      // whose eps default is 1e-5. Only with one of them present does the LayerNorm
+      // class (default 1e-6) win. model.md §1.2.
+      const bool layer_norm_class = cfg->find("elementwise_affine") != nullptr || cfg->find("bias") != nullptr;
+      out.eps = cfg->find("eps") != nullptr ? f.eps : (layer_norm_class ? 1e-6 : 1e-5);
+      out.weight = f.elementwise_affine;
+      out.bias = f.elementwise_affine && f.bias;
+    } else if (tag == "rms_norm") {
+      RmsLayerNormFields f;
+      r = Schema<RmsLayerNormFields>::instance().parse(*cfg, f, cpath, ctx);
+      out.kind = NormKind::kRmsLayerNorm;
+      out.size = f.ndim;
+      out.size_key = "ndim";
+      out.eps = f.epsilon;
+      out.weight = true;
+      out.bias = f.bias;
+      ctx.warn(join_path(path, "norm_type"),
+               "rms_norm (Modalities' RMSLayerNorm) is deprecated in Modalities; prefer pytorch_rms_norm");
+    } else {
+      TorchRmsNormFields f;
+      r = Schema<TorchRmsNormFields>::instance().parse(*cfg, f, cpath, ctx);
+      out.kind = NormKind::kTorchRmsNorm;
+      out.size = f.normalized_shape;
+      out.size_key = "normalized_shape";
+      out.eps = f.eps;
+      out.weight = true;
+      out.bias = false;
+    }
+    return r;
+  }
+};
+
+template <>
+struct Codec<plugins::gpt2::QkvTransformConfig> {
+  using T = plugins::gpt2::QkvTransformConfig;
+  static std::string type_name() { return "table {type_hint, config}"; }
+  static std::string repr(const T&) { return "{...}"; }
+  static void annotate(FieldInfo& info) {
+    using namespace plugins::gpt2;
+    FieldInfo type;
+    type.name = "type_hint";
+    type.type = "string";
+    type.required = true;
+    type.help = "Transform class applied to (q, k, v) after the head split.";
+    type.constraints.push_back("one of " + quoted_list(kTransformTypes));
+    FieldInfo config;
+    config.name = "config";
+    config.type = "table";
+    config.required = true;
+    config.help = "IdentityTransform: {}; RotaryTransform: the fields below.";
+    config.children = {schema_as_field("(RotaryTransform)", "config for type_hint = RotaryTransform",
+                                       Schema<RotaryFields>::instance().fields())};
+    info.children = {type, config};
+  }
+  static Parsed parse(const Value& v, T& out, const std::string& path, ParseContext& ctx) {
+    using namespace plugins::gpt2;
+    std::string tag;
+    const Value* cfg = nullptr;
+    if (parse_tagged(v, "type_hint", kTransformTypes, path, ctx, tag, cfg) != Parsed::kOk) return Parsed::kError;
+    out.type_hint = tag;
+    out.rotary = tag == "RotaryTransform";
+    const std::string cpath = join_path(path, "config");
+    if (out.rotary) return Schema<RotaryFields>::instance().parse(*cfg, out.rope, cpath, ctx);
+    IdentityFields none;
+    return Schema<IdentityFields>::instance().parse(*cfg, none, cpath, ctx);
+  }
+};
+
+}  // namespace modalities
+
+namespace modalities::plugins::gpt2 {
+namespace {
+
+struct AttentionConfig {
+  std::vector<QkvTransformConfig> qkv_transforms;
+  std::optional<NormWrapperConfig> qk_norm_config;
+  static void describe(Schema<AttentionConfig>& s) {
+    s.field("qkv_transforms", &AttentionConfig::qkv_transforms,
+            "Transforms applied in order to (q, k, v) after the head split: IdentityTransform or RotaryTransform "
+            "(RoPE, half-split convention).")
+        .required();
+    s.field("qk_norm_config", &AttentionConfig::qk_norm_config,
+            "Optional norm applied per head (size = head dim) to q and k after the transforms.");
+  }
+};
+
+std::int64_t swiglu_hidden(std::int64_t ffn_hidden, std::int64_t multiple) {
+  // Python: int(2 * ffn_hidden / 3) (float division, truncation), then round up to `multiple`.
+  const auto a = static_cast<std::int64_t>(2.0 * static_cast<double>(ffn_hidden) / 3.0);
+  return ((a + multiple - 1) / multiple) * multiple;
+}
+
+struct GPT2Config {
+  std::string sample_key;
+  std::string prediction_key;
+  std::optional<bool> use_meta_device = false;
+  std::string poe_type;
+  std::int64_t sequence_length = 0;
+  std::int64_t vocab_size = 0;
+  std::int64_t n_layer = 0;
+  std::int64_t n_head_q = 0;
+  std::int64_t n_head_kv = 0;
+  std::int64_t n_embd = 0;
+  std::int64_t ffn_hidden = 0;
+  double dropout = 0.0;
+  bool bias = false;
+  AttentionConfig attention_config;
+  std::string attention_implementation;
+  std::string activation_type;
+  NormWrapperConfig attention_norm_config;
+  NormWrapperConfig ffn_norm_config;
+  NormWrapperConfig lm_head_norm_config;
+  bool use_weight_tying = false;
+  std::optional<std::int64_t> seed;
+  std::int64_t enforce_swiglu_hidden_dim_multiple_of = 256;
+
+  std::int64_t head_dim() const { return n_embd / n_head_q; }
+
+  static void describe(Schema<GPT2Config>& s) {
+    s.field("sample_key", &GPT2Config::sample_key, "Key of the token-id tensor [B, T] in the input map.").required();
+    s.field("prediction_key", &GPT2Config::prediction_key, "Key of the logits [B, T, V] in the output map.").required();
+    s.field("use_meta_device", &GPT2Config::use_meta_device,
+            "Build parameters on the meta device (no storage); materialize with to(device) and initialize with "
+            "model/model_initialized. Not allowed with use_weight_tying.");
+    s.field("poe_type", &GPT2Config::poe_type,
+            "Position encoding: ABSOLUTE (learned table wpe[sequence_length, n_embd]) or NOPE (none; use RoPE).")
+        .required()
+        .one_of({"ABSOLUTE", "NOPE"});
+    s.field("sequence_length", &GPT2Config::sequence_length, "Maximum input length T.").required().at_least(1);
+    s.field("vocab_size", &GPT2Config::vocab_size, "Vocabulary size; divisible by 128.").required().at_least(1);
+    s.field("n_layer", &GPT2Config::n_layer, "Number of GPT2Block layers.").required().at_least(1);
+    s.field("n_head_q", &GPT2Config::n_head_q, "Query heads; n_embd must be divisible by it.").required().at_least(1);
+    s.field("n_head_kv", &GPT2Config::n_head_kv,
+            "Key/value heads (grouped-query attention); must divide n_head_q (equal: multi-head attention).")
+        .required()
+        .at_least(1);
+    s.field("n_embd", &GPT2Config::n_embd, "Model width d; divisible by 128.").required().at_least(1);
+    s.field("ffn_hidden", &GPT2Config::ffn_hidden,
+            "MLP hidden size (GELU uses it as is; SwiGLU uses ceil_to_multiple(int(2*ffn_hidden/3), "
+            "enforce_swiglu_hidden_dim_multiple_of)); divisible by 128.")
+        .required()
+        .at_least(1);
+    s.field("dropout", &GPT2Config::dropout,
+            "Dropout probability: embeddings, attention probabilities (in every mode, as in Modalities), residual "
+            "after c_proj, GELU-MLP output.")
+        .required()
+        .in_closed(0.0, 1.0);
+    s.field("bias", &GPT2Config::bias, "Bias on every attention and MLP linear layer (lm_head never has one).")
+        .required();
+    s.field("attention_config", &GPT2Config::attention_config, "qkv_transforms and optional qk_norm_config.")
+        .required();
+    s.field("attention_implementation", &GPT2Config::attention_implementation,
+            "manual (explicit softmax(q k^T / sqrt(hd)) v) or pytorch_flash (at::scaled_dot_product_attention); "
+            "dao_flash is not available in this build.")
+        .required()
+        .one_of({"manual", "pytorch_flash", "dao_flash"});
+    s.field("activation_type", &GPT2Config::activation_type, "MLP: gelu (c_fc, GELU, c_proj) or swiglu (W, V, W_2).")
+        .required()
+        .one_of({"gelu", "swiglu"});
+    s.field("attention_norm_config", &GPT2Config::attention_norm_config, "Norm before attention (size n_embd).")
+        .required();
+    s.field("ffn_norm_config", &GPT2Config::ffn_norm_config, "Norm before the MLP (size n_embd).").required();
+    s.field("lm_head_norm_config", &GPT2Config::lm_head_norm_config, "Final norm before lm_head (size n_embd).")
+        .required();
+    s.field("use_weight_tying", &GPT2Config::use_weight_tying,
+            "Share transformer.wte.weight with transformer.lm_head.weight.")
+        .required();
+    s.field("seed", &GPT2Config::seed, "If set, the global RNG is seeded with it before the modules are created.");
+    s.field("enforce_swiglu_hidden_dim_multiple_of", &GPT2Config::enforce_swiglu_hidden_dim_multiple_of,
+            "SwiGLU hidden size is rounded up to a multiple of this.")
+        .at_least(1);
+    s.rule(validate);
+  }
+
+  static void check_norm(const NormWrapperConfig& n, const std::string& key, std::int64_t expected,
+                         const std::string& what, ParseContext& ctx) {
+    if (n.size != expected)
+      ctx.fail(fmt::format("{}.config.{}", key, n.size_key),
+               fmt::format("must equal {} ({}), got {}", what, expected, n.size));
+  }
+
+  static void validate(const GPT2Config& c, ParseContext& ctx) {
+    for (const auto& [value, key] : {std::pair{c.vocab_size, "vocab_size"}, std::pair{c.n_embd, "n_embd"},
+                                     std::pair{c.ffn_hidden, "ffn_hidden"}})
+      if (value % 128 != 0)
+        ctx.fail(key, fmt::format("must be divisible by 128 (for efficient training, as in Modalities), got {}", value));
+    const bool heads_ok = c.n_embd % c.n_head_q == 0;
+    if (!heads_ok)
+      ctx.fail("n_head_q", fmt::format("n_embd ({}) must be divisible by n_head_q ({})", c.n_embd, c.n_head_q));
+    if (c.n_head_q % c.n_head_kv != 0)
+      ctx.fail("n_head_kv", fmt::format("n_head_q ({}) must be divisible by n_head_kv ({})", c.n_head_q, c.n_head_kv));
+    if (c.use_meta_device.value_or(false) && c.use_weight_tying)
+      ctx.fail("use_meta_device",
+               "must be false when use_weight_tying is true (weight tying is not supported on the meta device, "
+               "as in Modalities)");
+    if (c.attention_implementation == "dao_flash")
+      ctx.fail("attention_implementation",
+               "'dao_flash' (the flash-attn library) is not available in this build, use 'pytorch_flash'");
+    for (std::size_t j = 0; j < c.attention_config.qkv_transforms.size(); ++j) {
+      const QkvTransformConfig& t = c.attention_config.qkv_transforms[j];
+      if (!t.rotary) continue;
+      const std::string base = fmt::format("attention_config.qkv_transforms[{}]", j);
+      if (c.poe_type != "NOPE")
+        ctx.fail(base + ".type_hint",
+                 fmt::format("RotaryTransform requires poe_type = \"NOPE\", got \"{}\"", c.poe_type));
+      if (t.rope.n_head != c.n_head_q)
+        ctx.fail(base + ".config.n_head",
+                 fmt::format("must equal n_head_q ({}) (RoPE's head dim is n_embd / n_head), got {}", c.n_head_q,
+                             t.rope.n_head));
+      if (t.rope.n_embd != c.n_embd)
+        ctx.fail(base + ".config.n_embd", fmt::format("must equal n_embd ({}), got {}", c.n_embd, t.rope.n_embd));
+      if (t.rope.seq_length_dim != -2 && t.rope.seq_length_dim != 2)
+        ctx.fail(base + ".config.seq_length_dim",
+                 fmt::format("must be -2 (the T dimension of [B, H, T, hd]), got {}", t.rope.seq_length_dim));
+      if (heads_ok && c.head_dim() % 2 != 0)
+        ctx.fail(base, fmt::format("RoPE needs an even head dim, got n_embd / n_head_q = {}", c.head_dim()));
+    }
+    check_norm(c.attention_norm_config, "attention_norm_config", c.n_embd, "n_embd", ctx);
+    check_norm(c.ffn_norm_config, "ffn_norm_config", c.n_embd, "n_embd", ctx);
+    check_norm(c.lm_head_norm_config, "lm_head_norm_config", c.n_embd, "n_embd", ctx);
+    if (c.attention_config.qk_norm_config && heads_ok)
+      check_norm(*c.attention_config.qk_norm_config, "attention_config.qk_norm_config", c.head_dim(),
+                 "the head dim n_embd / n_head_q", ctx);
+    if (c.ffn_hidden != 4 * c.n_embd)
+      ctx.warn("ffn_hidden", fmt::format("expected 4 * n_embd ({}), got {} (allowed; Modalities warns too)",
+                                         4 * c.n_embd, c.ffn_hidden));
+  }
+};
+
+// ===================================================================================
+// Modules
+// ===================================================================================
+
+// Mixed precision: parameters keep their storage dtype; every use casts to `Dt`
+// when set (FSDP2's param_dtype, training.md §11.3). See Module::set_param_dtype.
+using Dt = std::optional<c10::ScalarType>;
+
+at::Tensor cast(const at::Tensor& t, Dt dt) {
+  if (!dt || !t.defined() || t.scalar_type() == *dt) return t;
+  return t.to(*dt);
+}
+
+using Remap = std::function<at::Tensor(const at::Tensor&)>;
+
+// Note [Replacing registered tensors]
+// libtorch's Module::to() moves tensors with set_data(), which cannot turn a meta
+// tensor into a real one (their TensorImpls are not shallow-copy compatible), and
+// libtorch has no to_empty(). Materializing a meta model and clone() therefore swap
+// the registered tensors themselves: parameters through the protected `parameters_`
+// dict, the single buffer of RotaryTransform through the slot that register_buffer
+// returned (stable: it is that module's only buffer, so the dict never grows after).
+// Every module with parameters or buffers is a Leaf.
+class Leaf : public torch::nn::Module {
+ public:
+  explicit Leaf(std::string name) : torch::nn::Module(std::move(name)) {}
+  /// Constructor-time values again (model.md §6.1), on whatever device the tensors live.
+  virtual void reset() = 0;
+  /// Replaces every own parameter and buffer by f(old).
+  virtual void remap(const Remap& f) {
+    for (auto& item : parameters_) item.value() = f(item.value());
+    sync();
+  }
+
+ protected:
+  /// Refreshes the typed member handles from the registered tensors.
+  virtual void sync() {}
+  at::Tensor registered(const std::string& name) const {
+    const at::Tensor* t = parameters_.find(name);
+    return t != nullptr ? *t : at::Tensor();
+  }
+};
+
+class LinearImpl final : public Leaf {
+ public:
+  LinearImpl(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o) : Leaf("Linear"), in_(in) {
+    register_parameter("weight", at::empty({out, in}, o));
+    if (bias) register_parameter("bias", at::empty({out}, o));
+    sync();
+  }
+  void reset() override {
+    // torch.nn.Linear.reset_parameters: Kaiming-uniform (a = sqrt(5)) = U(+-1/sqrt(fan_in)) for both.
+    torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (bias.defined()) {
+      const double bound = in_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_)) : 0.0;
+      bias.uniform_(-bound, bound);
+    }
+  }
+  // x: [..., in] -> [..., out]
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return at::linear(x, cast(weight, dt), cast(bias, dt)); }
+
+  at::Tensor weight, bias;
+
+ private:
+  void sync() override {
+    weight = registered("weight");
+    bias = registered("bias");
+  }
+  std::int64_t in_;
+};
+
+class EmbeddingImpl final : public Leaf {
+ public:
+  EmbeddingImpl(std::int64_t num, std::int64_t dim, const at::TensorOptions& o) : Leaf("Embedding") {
+    register_parameter("weight", at::empty({num, dim}, o));
+    sync();
+  }
+  void reset() override { weight.normal_(0.0, 1.0); }
+  /// Weight tying: this embedding uses `shared` (lm_head's weight) from now on.
+  void tie(const at::Tensor& shared) {
+    parameters_["weight"] = shared;
+    sync();
+  }
+  // ids: [B, T] -> [B, T, dim]
+  at::Tensor operator()(const at::Tensor& ids, Dt dt) const { return at::embedding(cast(weight, dt), ids); }
+
+  at::Tensor weight;
+
+ private:
+  void sync() override { weight = registered("weight"); }
+};
+
+class NormImpl final : public Leaf {
+ public:
+  NormImpl(const NormWrapperConfig& c, const at::TensorOptions& o)
+      : Leaf(c.kind == NormKind::kLayerNorm ? "LayerNorm" : c.kind == NormKind::kRmsLayerNorm ? "RMSLayerNorm" : "RMSNorm"),
+        kind_(c.kind),
+        n_(c.size),
+        eps_(c.eps) {
+    if (c.weight) register_parameter("weight", at::empty({n_}, o));
+    if (c.bias) register_parameter("bias", at::empty({n_}, o));
+    sync();
+  }
+  void reset() override {
+    if (weight.defined()) weight.fill_(1.0);
+    if (bias.defined()) bias.zero_();
+  }
+  // x: [..., n] -> [..., n], formulas of model.md §3.7
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
+    switch (kind_) {
+      case NormKind::kLayerNorm:
+        return at::layer_norm(x, {n_}, cast(weight, dt), cast(bias, dt), eps_);
+      case NormKind::kTorchRmsNorm:
+        return at::rms_norm(x, {n_}, cast(weight, dt), eps_);
+      case NormKind::kRmsLayerNorm: {
+        // Modalities' RMSLayerNorm: normalise in fp32, cast back, then scale (and shift) in x's dtype.
+        const at::Tensor xf = x.to(at::kFloat);
+        at::Tensor y = (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_)).to(x.scalar_type());
+        y = y * cast(weight, dt);
+        if (bias.defined()) y = y + cast(bias, dt);
+        return y;
+      }
+    }
+    return {};
+  }
+
+  at::Tensor weight, bias;
+
+ private:
+  void sync() override {
+    weight = registered("weight");
+    bias = registered("bias");
+  }
+  NormKind kind_;
+  std::int64_t n_;
+  double eps_;
+};
+
+class IdentityTransformImpl final : public torch::nn::Module {
+ public:
+  IdentityTransformImpl() : torch::nn::Module("IdentityTransform") {}
+};
+
+class IdentityImpl final : public torch::nn::Module {  // wpe with poe_type NOPE (nn.Identity)
+ public:
+  IdentityImpl() : torch::nn::Module("Identity") {}
+};
+
+// RoPE, half-split (NeoX) convention, model.md §3.4 step 3 and §5.
+class RotaryTransformImpl final : public Leaf {
+ public:
+  RotaryTransformImpl(std::int64_t head_dim, std::int64_t base_freq, const at::TensorOptions& o)
+      : Leaf("RotaryTransform"), hd_(head_dim), base_(base_freq) {
+    inv_freq_slot_ = &register_buffer("inv_freq", at::empty({hd_ / 2}, o));
+  }
+  void reset() override {
+    // inv_freq[j] = 1 / base^(float32(2j) / hd), in float32 as torch computes it; written in place.
+    const at::Tensor& buf = *inv_freq_slot_;
+    const at::Tensor exps =
+        at::arange(0, hd_, 2, at::TensorOptions().dtype(at::kLong).device(buf.device())).to(at::kFloat) / hd_;
+    buf.copy_(at::reciprocal(at::pow(at::Scalar(base_), exps)));
+    cache_ = {};
+  }
+  void remap(const Remap& f) override {
+    *inv_freq_slot_ = f(*inv_freq_slot_);
+    cache_ = {};
+  }
+  // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged)
+  std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& q, const at::Tensor& k) {
+    const auto& [cos, sin] = tables(k);
+    return {apply(q, cos, sin), apply(k, cos, sin)};
+  }
+  const at::Tensor& inv_freq() const { return *inv_freq_slot_; }
+
+ private:
+  static at::Tensor rotate_half(const at::Tensor& x) {
+    const auto halves = x.chunk(2, -1);
+    return at::cat({-halves[1], halves[0]}, -1);
+  }
+  static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    return x * cos + rotate_half(x) * sin;
+  }
+  // cos/sin [1, 1, T, hd] in x's dtype, cached per (T, device, dtype, inv_freq version) like
+  // Modalities' per-module cache. No host synchronisation: only metadata is compared.
+  std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& x) {
+    const at::Tensor& inv = *inv_freq_slot_;
+    const std::int64_t T = x.size(-2);
+    if (cache_.cos.defined() && cache_.T == T && cache_.device == x.device() && cache_.dtype == x.scalar_type() &&
+        cache_.inv == inv.unsafeGetTensorImpl() && cache_.version == inv._version())
+      return {cache_.cos, cache_.sin};
+    at::NoGradGuard no_grad;
+    const at::Tensor t = at::arange(T, x.options().dtype(at::kFloat));
+    // The frequencies are rounded to the activation dtype first (bf16 runs), the product is float32.
+    const at::Tensor f = inv.to(x.device()).to(x.scalar_type()).to(at::kFloat);
+    const at::Tensor freqs = t.unsqueeze(1) * f.unsqueeze(0);  // [T, hd/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [T, hd]
+    cache_.cos = emb.cos().unsqueeze(0).unsqueeze(0).to(x.scalar_type());
+    cache_.sin = emb.sin().unsqueeze(0).unsqueeze(0).to(x.scalar_type());
+    cache_.T = T;
+    cache_.device = x.device();
+    cache_.dtype = x.scalar_type();
+    cache_.inv = inv.unsafeGetTensorImpl();
+    cache_.version = inv._version();
+    return {cache_.cos, cache_.sin};
+  }
+
+  std::int64_t hd_;
+  std::int64_t base_;
+  at::Tensor* inv_freq_slot_ = nullptr;  // see Note [Replacing registered tensors]
+  struct Cache {
+    std::int64_t T = -1;
+    c10::Device device = c10::kCPU;
+    c10::ScalarType dtype = at::kFloat;
+    const void* inv = nullptr;
+    std::uint32_t version = 0;
+    at::Tensor cos, sin;
+  } cache_;
+};
+
+// Additive causal mask for the manual path (0 on and below the diagonal, -inf above),
+// shared by all layers and cached per (T, device, dtype).
+class CausalMaskCache {
+ public:
+  const at::Tensor& get(std::int64_t T, const at::TensorOptions& o) {
+    if (mask_.defined() && mask_.size(0) == T && mask_.device() == o.device() &&
+        mask_.scalar_type() == o.dtype().toScalarType())
+      return mask_;
+    const at::Tensor keep = at::ones({T, T}, o.dtype(at::kBool)).tril();
+    mask_ = at::zeros({T, T}, o).masked_fill_(keep.logical_not(), -std::numeric_limits<double>::infinity());
+    return mask_;
+  }
+
+ private:
+  at::Tensor mask_;
+};
+
+enum class AttentionImpl { kManual, kPytorchFlash };
+
+class CausalSelfAttentionImpl final : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, const at::TensorOptions& o)
+      : torch::nn::Module("CausalSelfAttention"),
+        hq_(c.n_head_q),
+        hkv_(c.n_head_kv),
+        hd_(c.head_dim()),
+        dropout_(c.dropout),
+        impl_(c.attention_implementation == "manual" ? AttentionImpl::kManual : AttentionImpl::kPytorchFlash),
+        mask_(std::move(mask)) {
+    const std::int64_t kv = c.n_embd / (c.n_head_q / c.n_head_kv);
+    q_attn = register_module("q_attn", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.bias, o));
+    k_attn = register_module("k_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.bias, o));
+    v_attn = register_module("v_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.bias, o));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.bias, o));
+    register_module("resid_dropout", torch::nn::Dropout(c.dropout));
+    // A plain module named like nn.ModuleList, entries "0", "1", ...; typed view in `rope_`.
+    auto list = register_module("qkv_transforms", std::make_shared<torch::nn::Module>("ModuleList"));
+    for (std::size_t j = 0; j < c.attention_config.qkv_transforms.size(); ++j) {
+      const QkvTransformConfig& t = c.attention_config.qkv_transforms[j];
+      if (t.rotary) {
+        auto rope = std::make_shared<RotaryTransformImpl>(t.rope.n_embd / t.rope.n_head, t.rope.base_freq, o);
+        list->register_module(std::to_string(j), rope);
+        rope_.push_back(rope);
+      } else {
+        list->register_module(std::to_string(j), std::make_shared<IdentityTransformImpl>());
+      }
+    }
+    if (c.attention_config.qk_norm_config) {
+      q_norm = register_module("q_norm", std::make_shared<NormImpl>(*c.attention_config.qk_norm_config, o));
+      k_norm = register_module("k_norm", std::make_shared<NormImpl>(*c.attention_config.qk_norm_config, o));
+    }
+  }
+
+  // x: [B, T, d] -> [B, T, d]
+  at::Tensor operator()(const at::Tensor& x, Dt dt) {
+    const std::int64_t B = x.size(0), T = x.size(1);
+    at::Tensor q = (*q_attn)(x, dt).view({B, T, hq_, hd_}).transpose(1, 2).contiguous();  // [B, Hq, T, hd]
+    at::Tensor k = (*k_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+    at::Tensor v = (*v_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+    for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k);
+    if (q_norm) {
+      q = (*q_norm)(q, dt);
+      k = (*k_norm)(k, dt);
+    }
+    // GQA: kv head j serves query heads j*r .. j*r+r-1 (repeat_interleave over dim 1).
+    if (hq_ != hkv_) {
+      const std::int64_t r = hq_ / hkv_;
+      k = k.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
+      v = v.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
+    }
+    at::Tensor y;  // [B, Hq, T, hd]
+    if (impl_ == AttentionImpl::kManual) {
+      at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd_)));
+      s = s + mask_->get(T, q.options());
+      at::Tensor p = at::softmax(s, -1);
+      if (dropout_ > 0) p = at::dropout(p, dropout_, /*train=*/true);  // in every mode, as in Modalities
+      y = at::matmul(p, v);
+    } else {
+      // Dropout in every mode too: Modalities passes dropout_p without consulting the mode.
+      y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_, /*is_causal=*/true);
+    }
+    y = y.transpose(1, 2).contiguous().reshape({B, T, -1});  // [B, T, d], heads side by side
+    y = (*c_proj)(y, dt);
+    if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
+    return y;
+  }
+
+  std::shared_ptr<LinearImpl> q_attn, k_attn, v_attn, c_proj;
+  std::shared_ptr<NormImpl> q_norm, k_norm;
+
+ private:
+  std::int64_t hq_, hkv_, hd_;
+  double dropout_;
+  AttentionImpl impl_;
+  std::shared_ptr<CausalMaskCache> mask_;
+  std::vector<std::shared_ptr<RotaryTransformImpl>> rope_;
+};
+
+class SwiGLUImpl final : public torch::nn::Module {
+ public:
+  SwiGLUImpl(const GPT2Config& c, const at::TensorOptions& o) : torch::nn::Module("SwiGLU") {
+    const std::int64_t h = swiglu_hidden(c.ffn_hidden, c.enforce_swiglu_hidden_dim_multiple_of);
+    W = register_module("W", std::make_shared<LinearImpl>(c.n_embd, h, c.bias, o));
+    register_module("silu", torch::nn::SiLU());
+    V = register_module("V", std::make_shared<LinearImpl>(c.n_embd, h, c.bias, o));
+    W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.bias, o));
+  }
+  // x: [B, T, d] -> [B, T, h] -> [B, T, d]; no dropout (as in Modalities)
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return (*W_2)(at::silu((*W)(x, dt)) * (*V)(x, dt), dt); }
+
+  std::shared_ptr<LinearImpl> W, V, W_2;
+};
+
+class TransformerMLPImpl final : public torch::nn::Module {
+ public:
+  TransformerMLPImpl(const GPT2Config& c, const at::TensorOptions& o)
+      : torch::nn::Module("TransformerMLP"), dropout_(c.dropout) {
+    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(c.n_embd, c.ffn_hidden, c.bias, o));
+    register_module("gelu", torch::nn::GELU());
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.ffn_hidden, c.n_embd, c.bias, o));
+    register_module("dropout", torch::nn::Dropout(c.dropout));
+  }
+  // x: [B, T, d] -> [B, T, ffn_hidden] -> [B, T, d]; exact (erf) GELU
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
+    at::Tensor y = (*c_proj)(at::gelu((*c_fc)(x, dt)), dt);
+    if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
+    return y;
+  }
+
+  std::shared_ptr<LinearImpl> c_fc, c_proj;
+
+ private:
+  double dropout_;
+};
+
+class GPT2BlockImpl final : public torch::nn::Module {
+ public:
+  GPT2BlockImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, const at::TensorOptions& o)
+      : torch::nn::Module("GPT2Block") {
+    attention_norm = register_module("attention_norm", std::make_shared<NormImpl>(c.attention_norm_config, o));
+    ffn_norm = register_module("ffn_norm", std::make_shared<NormImpl>(c.ffn_norm_config, o));
+    attn = register_module("attn", std::make_shared<CausalSelfAttentionImpl>(c, std::move(mask), o));
+    if (c.activation_type == "swiglu") swiglu = register_module("mlp", std::make_shared<SwiGLUImpl>(c, o));
+    else gelu_mlp = register_module("mlp", std::make_shared<TransformerMLPImpl>(c, o));
+  }
+  // Pre-norm residual block. x: [B, T, d] -> [B, T, d]
+  at::Tensor operator()(at::Tensor x, Dt dt) {
+    x = x + (*attn)((*attention_norm)(x, dt), dt);
+    const at::Tensor n = (*ffn_norm)(x, dt);
+    return x + (swiglu ? (*swiglu)(n, dt) : (*gelu_mlp)(n, dt));
+  }
+
+  std::shared_ptr<NormImpl> attention_norm, ffn_norm;
+  std::shared_ptr<CausalSelfAttentionImpl> attn;
+  std::shared_ptr<SwiGLUImpl> swiglu;
+  std::shared_ptr<TransformerMLPImpl> gelu_mlp;
+};
+
+// The root (Modalities' GPT2LLM): a `transformer` ModuleDict holding wte, wpe,
+// drop, h (ModuleDict of GPT2Block), lm_head_norm, lm_head.
+class GPT2LLMImpl final : public torch::nn::Module {
+ public:
+  GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o)
+      : torch::nn::Module("GPT2LLM"),
+        absolute_(c.poe_type == "ABSOLUTE"),
+        sequence_length_(c.sequence_length),
+        dropout_(c.dropout) {
+    auto mask = std::make_shared<CausalMaskCache>();
+    // Objects are created (and, off the meta device, initialized) in Modalities' construction
+    // order so that a seeded build draws random numbers in the same sequence: wpe, wte,
+    // blocks, lm_head; they are registered in the canonical FQN order below.
+    std::shared_ptr<torch::nn::Module> wpe;
+    if (absolute_) wpe = wpe_ = init(std::make_shared<EmbeddingImpl>(c.sequence_length, c.n_embd, o), o);
+    else wpe = std::make_shared<IdentityImpl>();
+    wte_ = init(std::make_shared<EmbeddingImpl>(c.vocab_size, c.n_embd, o), o);
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
+    for (std::int64_t i = 0; i < c.n_layer; ++i) {
+      auto block = std::make_shared<GPT2BlockImpl>(c, mask, o);
+      if (!o.device().is_meta()) reset_leaves(*block);
+      blocks.emplace_back(std::to_string(i), block);
+    }
+    lm_head_norm_ = init(std::make_shared<NormImpl>(c.lm_head_norm_config, o), o);
+    lm_head_ = init(std::make_shared<LinearImpl>(c.n_embd, c.vocab_size, /*bias=*/false, o), o);
+    if (c.use_weight_tying) wte_->tie(lm_head_->weight);
+
+    h_ = torch::nn::ModuleDict(blocks);
+    transformer_ = torch::nn::ModuleDict(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+        {"wte", wte_},
+        {"wpe", wpe},
+        {"drop", torch::nn::Dropout(c.dropout).ptr()},
+        {"h", h_.ptr()},
+        {"lm_head_norm", lm_head_norm_},
+        {"lm_head", lm_head_}});
+    register_module("transformer", transformer_);
+  }
+
+  // ids: [B, T] token ids -> logits [B, T, V]. A pipeline part without wte takes
+  // hidden states [B, T, d] instead; parts without lm_head return hidden states.
+  at::Tensor forward(const at::Tensor& input, Dt dt) {
+    TORCH_CHECK(input.dim() >= 2, "gpt2: expected input of shape [B, T], got ", input.sizes());
+    const std::int64_t T = input.size(1);
+    TORCH_CHECK(T <= sequence_length_, "gpt2: cannot forward a sequence of length ", T,
+                ", the model's maximum input sequence length (sequence_length) is ", sequence_length_);
+    at::Tensor h;
+    if (transformer_->contains("wte")) h = (*wte_)(input, dt);  // [B, T, d]
+    else h = input.is_floating_point() ? cast(input, dt) : input;
+    if (absolute_ && transformer_->contains("wpe")) h = h + cast(wpe_->weight, dt).narrow(0, 0, T);
+    if (is_training() && dropout_ > 0) h = at::dropout(h, dropout_, /*train=*/true);
+    if (transformer_->contains("h"))
+      for (const auto& item : *h_) h = (*item.value()->as<GPT2BlockImpl>())(h, dt);
+    if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
+    if (transformer_->contains("lm_head")) h = (*lm_head_)(h, dt);  // [B, T, V]
+    return h;
+  }
+
+  std::vector<std::string> block_keys() const {
+    std::vector<std::string> keys;
+    if (transformer_->contains("h"))
+      for (const auto& item : *h_) keys.push_back(item.key());
+    return keys;
+  }
+  bool tied() const {
+    return wte_ && lm_head_ && wte_->weight.defined() &&
+           wte_->weight.unsafeGetTensorImpl() == lm_head_->weight.unsafeGetTensorImpl();
+  }
+  const std::shared_ptr<EmbeddingImpl>& wte() const { return wte_; }
+  const std::shared_ptr<LinearImpl>& lm_head() const { return lm_head_; }
+
+  /// reset() of every Leaf under `m` (including m), pre-order = Modalities' post-order
+  /// over modules with reset_parameters (only leaves own tensors).
+  static void reset_leaves(torch::nn::Module& m) {
+    at::NoGradGuard no_grad;
+    if (auto* leaf = dynamic_cast<Leaf*>(&m)) leaf->reset();
+    for (const auto& child : m.modules(/*include_self=*/false))
+      if (auto* leaf = dynamic_cast<Leaf*>(child.get())) leaf->reset();
+  }
+  /// remap() of every Leaf; tensors shared between leaves (weight tying) stay shared.
+  void remap_leaves(const Remap& f) {
+    std::unordered_map<const void*, at::Tensor> done;
+    const Remap once = [&](const at::Tensor& t) {
+      if (!t.defined()) return t;
+      auto [it, fresh] = done.try_emplace(t.unsafeGetTensorImpl());
+      if (fresh) it->second = f(t);
+      return it->second;
+    };
+    for (const auto& child : modules(/*include_self=*/false))
+      if (auto* leaf = dynamic_cast<Leaf*>(child.get())) leaf->remap(once);
+  }
+
+ private:
+  template <class M>
+  static std::shared_ptr<M> init(std::shared_ptr<M> m, const at::TensorOptions& o) {
+    if (!o.device().is_meta()) reset_leaves(*m);
+    return m;
+  }
+
+  bool absolute_;
+  std::int64_t sequence_length_;
+  double dropout_;
+  std::shared_ptr<EmbeddingImpl> wte_, wpe_;
+  std::shared_ptr<NormImpl> lm_head_norm_;
+  std::shared_ptr<LinearImpl> lm_head_;
+  torch::nn::ModuleDict h_{nullptr};
+  torch::nn::ModuleDict transformer_{nullptr};
+};
+
+// ===================================================================================
+// The Module seen by the host
+// ===================================================================================
+
+constexpr const char* kWteKey = "transformer.wte.weight";
+constexpr const char* kLmHeadKey = "transformer.lm_head.weight";
+
+class GPT2 final : public Module {
+ public:
+  GPT2(const GPT2Config& c, const c10::Device& device) : config_(c) {
+    if (c.seed) {
+      // torch.manual_seed reinterprets a negative seed as its two's complement uint64.
+      at::manual_seed(static_cast<std::uint64_t>(*c.seed));
+    }
+    impl_ = std::make_shared<GPT2LLMImpl>(c, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
+
+  TensorMap forward(const TensorMap& inputs) override {
+    auto it = inputs.find(config_.sample_key);
+    if (it == inputs.end()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : inputs) keys.push_back(k);
+      throw Error(fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key,
+                              quoted_list(keys)));
+    }
+    return {{config_.prediction_key, impl_->forward(it->second, param_dtype_)}};
+  }
+  torch::nn::Module& module() override { return *impl_; }
+  const torch::nn::Module& module() const override { return *impl_; }
+
+  // With weight tying the shared tensor is listed once, as transformer.wte.weight (model.md §2).
+  NamedTensors named_parameters() const override {
+    NamedTensors out;
+    std::unordered_set<const void*> seen;
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+
+  // Tied models: either key alone is enough; with both, lm_head's value wins (PyTorch
+  // loads in module order, lm_head last).
+  void load_state_dict(const StateDict& state, bool strict) override {
+    if (!impl_->tied()) return Module::load_state_dict(state, strict);
+    StateDict s = state;
+    const auto wte = s.find(kWteKey), head = s.find(kLmHeadKey);
+    if (head != s.end()) s[kWteKey] = head->second;
+    else if (wte != s.end()) s[kLmHeadKey] = wte->second;
+    Module::load_state_dict(s, strict);
+  }
+
+  // Moving off the meta device allocates uninitialized storage (PyTorch's to_empty);
+  // call reset_parameters() (or an initializer) afterwards. See Note [Replacing registered tensors].
+  void to(const c10::Device& device, std::optional<c10::ScalarType> dtype) override {
+    bool any_meta = false;
+    for (const auto& t : impl_->parameters()) any_meta = any_meta || t.is_meta();
+    for (const auto& t : impl_->buffers()) any_meta = any_meta || t.is_meta();
+    if (!any_meta) return Module::to(device, dtype);
+    impl_->remap_leaves([&](const at::Tensor& t) {
+      const c10::ScalarType target = dtype && c10::isFloatingType(t.scalar_type()) ? *dtype : t.scalar_type();
+      at::Tensor out = t.is_meta() ? at::empty(t.sizes(), t.options().device(device).dtype(target))
+                                   : t.detach().to(device, target);
+      return out.set_requires_grad(t.requires_grad());
+    });
+  }
+
+  void set_param_dtype(std::optional<c10::ScalarType> dtype) override {
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw Error(fmt::format("gpt2: set_param_dtype needs a floating-point dtype, got {}", c10::toString(*dtype)));
+    const c10::ScalarType storage = impl_->wte() ? impl_->wte()->weight.scalar_type() : at::kFloat;
+    param_dtype_ = dtype && *dtype != storage ? dtype : std::nullopt;
+  }
+  std::optional<c10::ScalarType> param_dtype() const override { return param_dtype_; }
+
+  std::string sample_key() const override { return config_.sample_key; }
+  std::string prediction_key() const override { return config_.prediction_key; }
+
+  // model.md §7: regexes searched in parameter names.
+  std::map<std::string, std::vector<std::string>> weight_decay_groups() const override {
+    return {{"linear", {".attn", ".mlp", ".lm_head.weight"}},
+            {"embedding", {".wte", ".wpe"}},
+            {"layernorm", {".attention_norm", ".ffn_norm", ".lm_head_norm"}}};
+  }
+
+  std::vector<std::string> block_fqns() const override {
+    std::vector<std::string> out;
+    for (const auto& key : impl_->block_keys()) out.push_back("transformer.h." + key);
+    return out;
+  }
+
+  void reset_parameters() override {
+    for (const auto& t : impl_->parameters())
+      if (t.is_meta())
+        throw Error("gpt2: reset_parameters() needs materialized tensors; the model is on the meta device "
+                    "(move it with to(device) first)");
+    GPT2LLMImpl::reset_leaves(*impl_);
+  }
+
+  std::shared_ptr<Module> clone() const override {
+    // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
+    // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
+    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta));
+    std::unordered_map<std::string, at::Tensor> mine;
+    for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
+    for (const auto& item : impl_->named_buffers(true)) mine.emplace(item.key(), item.value());
+    std::unordered_map<const void*, std::string> names;  // meta tensor of the copy -> its FQN
+    for (const auto& item : copy->impl_->named_parameters(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    for (const auto& item : copy->impl_->named_buffers(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    copy->impl_->remap_leaves([&](const at::Tensor& t) {
+      const at::Tensor& src = mine.at(names.at(t.unsafeGetTensorImpl()));
+      return src.detach().clone().set_requires_grad(src.requires_grad());
+    });
+    copy->impl_->train(impl_->is_training());
+    copy->param_dtype_ = param_dtype_;
+    return copy;
+  }
+
+ private:
+  GPT2Config config_without_seed() const {
+    GPT2Config c = config_;
+    c.seed.reset();
+    return c;
+  }
+
+  GPT2Config config_;
+  std::shared_ptr<GPT2LLMImpl> impl_;
+  Dt param_dtype_;
+};
+
+// ===================================================================================
+// model/mixed_precision
+// ===================================================================================
+
+const std::vector<std::string> kDtypeNames = {"FP_16", "FP_32", "BF_16"};
+
+c10::ScalarType dtype_of(const std::string& name) {
+  if (name == "FP_16") return at::kHalf;
+  if (name == "BF_16") return at::kBFloat16;
+  return at::kFloat;
+}
+
+struct MixedPrecisionSettings {
+  std::string param_dtype;
+  std::string reduce_dtype;
+  static void describe(Schema<MixedPrecisionSettings>& s) {
+    s.field("param_dtype", &MixedPrecisionSettings::param_dtype,
+            "dtype the parameters are cast to at each use (activations, logits and loss follow).")
+        .required()
+        .one_of(kDtypeNames);
+    s.field("reduce_dtype", &MixedPrecisionSettings::reduce_dtype,
+            "dtype of gradient reduction across ranks; accepted for compatibility with fsdp2_wrapped, no effect "
+            "in a single process (gradients accumulate in the fp32 master parameters).")
+        .required()
+        .one_of(kDtypeNames);
+  }
+};
+
+struct MixedPrecisionConfig {
+  Ref<Module> model;
+  MixedPrecisionSettings mixed_precision_settings;
+  static void describe(Schema<MixedPrecisionConfig>& s) {
+    s.field("model", &MixedPrecisionConfig::model, "Model to run in mixed precision (returned, modified).")
+        .required();
+    s.field("mixed_precision_settings", &MixedPrecisionConfig::mixed_precision_settings,
+            "{param_dtype, reduce_dtype}, as in model/fsdp2_wrapped.")
+        .required();
+  }
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<Module, GPT2Config>(
+      "gpt2",
+      "Modalities' GPT-2 family decoder (RoPE/absolute positions, GQA, SwiGLU/GELU, three norm types, weight "
+      "tying); FQNs and numerics as in Modalities.",
+      [](const GPT2Config& c) {
+        return std::make_shared<GPT2>(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta)
+                                                                           : c10::Device(c10::kCPU));
+      });
+  r.add<Module, MixedPrecisionConfig>(
+      "mixed_precision",
+      "FSDP2-style mixed precision on one process: fp32 master parameters, each use cast to param_dtype. "
+      "Returns the same model.",
+      [](const MixedPrecisionConfig& c) {
+        c.model->set_param_dtype(dtype_of(c.mixed_precision_settings.param_dtype));
+        return c.model.shared();
+      });
+}
+
+}  // namespace modalities::plugins::gpt2
+
+MODALITIES_PLUGIN(gpt2, "0.1.0", modalities::plugins::gpt2::register_components)
