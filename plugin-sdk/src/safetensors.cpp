@@ -246,10 +246,15 @@ std::map<std::string, std::string> read_safetensors_metadata(const std::filesyst
 }
 
 StateDict read_safetensors(const std::filesystem::path& path) {
+  return read_safetensors(path, [](const std::string&) { return true; });
+}
+
+StateDict read_safetensors(const std::filesystem::path& path, const std::function<bool(const std::string&)>& select) {
   Fd fd(path);
   const SafetensorsHeader header = parse_header(fd.get(), path);
   StateDict out;
   for (const auto& [name, e] : header.tensors) {
+    if (!select(name)) continue;
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.scalar_type).device(at::kCPU));
     if (e.end > e.begin) read_exactly(fd.get(), path, header.data_offset + e.begin, t.data_ptr(), e.end - e.begin);
     out.emplace(name, std::move(t));

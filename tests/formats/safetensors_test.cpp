@@ -98,6 +98,9 @@ TEST(SafetensorsTest, RoundTripsEveryDtypeFromStridedTensors) {
     EXPECT_TRUE(back.at(k).is_contiguous()) << k;
   }
   EXPECT_EQ(read_safetensors_metadata(p).at("unicode"), "caf\xc3\xa9");
+  const StateDict ints = read_safetensors(p, [](const std::string& name) { return name.starts_with("t.i"); });
+  EXPECT_EQ(ints.size(), 4u);
+  EXPECT_TRUE(torch::equal(ints.at("t.i16"), sd.at("t.i16")));
 
   // Header length is a multiple of 8 and every tensor is aligned to its element size.
   const SafetensorsHeader h = read_safetensors_header(p);

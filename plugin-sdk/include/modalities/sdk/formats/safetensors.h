@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -52,6 +53,11 @@ MODALITIES_SDK_API SafetensorsHeader read_safetensors_header(const std::filesyst
 /// \endcode
 /// Since: SDK 0.1.
 MODALITIES_SDK_API StateDict read_safetensors(const std::filesystem::path& path);
+
+/// Reads only the tensors whose name `select` accepts (e.g. the "model."
+/// entries of a checkpoint); the others are never read from disk.
+MODALITIES_SDK_API StateDict read_safetensors(const std::filesystem::path& path,
+                                              const std::function<bool(const std::string&)>& select);
 
 /// The "__metadata__" map of `path` (empty when the file has none).
 MODALITIES_SDK_API std::map<std::string, std::string> read_safetensors_metadata(const std::filesystem::path& path);
