@@ -1,0 +1,581 @@
+// Checkpointing (spec training.md §10, catalogue §8.9, §8.18-8.21): saving
+// strategies, the saving entry point, the two executions (`dcp`, `fsdp1`, both
+// writing this plugin's format v1, see format.h / README.md), the app states
+// (`raw`, `dcp` = raw + load at build time) and the loaders (`dcp` into an
+// AppState, `torch` a model for inference).
+#include "format.h"
+
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/formats/safetensors.h>
+#include <modalities/sdk/interfaces/app_state.h>
+#include <modalities/sdk/interfaces/checkpoint_loading.h>
+#include <modalities/sdk/interfaces/checkpoint_saving.h>
+#include <modalities/sdk/interfaces/checkpoint_saving_execution.h>
+#include <modalities/sdk/interfaces/checkpoint_saving_strategy.h>
+#include <modalities/sdk/interfaces/lr_scheduler.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/plugin.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <deque>
+#include <set>
+
+namespace modalities::plugins::checkpointing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// "'a', 'b', 'c' and 7 more"
+std::string some_names(const std::vector<std::string>& names, std::size_t max = 5) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size() && i < max; ++i) out += fmt::format("{}'{}'", i ? ", " : "", names[i]);
+  if (names.size() > max) out += fmt::format(" and {} more", names.size() - max);
+  return out;
+}
+
+StateDict with_prefix_removed(const StateDict& state, std::string_view prefix) {
+  StateDict out;
+  for (const auto& [k, v] : state)
+    if (k.starts_with(prefix)) out.emplace(k.substr(prefix.size()), v);
+  return out;
+}
+
+// --- strategies (§8.19) -----------------------------------------------------------
+
+struct SaveKMostRecentConfig {
+  std::int64_t k = -1;
+  static void describe(Schema<SaveKMostRecentConfig>& s) {
+    s.field("k", &SaveKMostRecentConfig::k,
+            "-1: save every time, keep all; 0: never save; k > 0: save every time, keep the k most recent "
+            "(older checkpoints of this run are deleted from disk).")
+        .required()
+        .at_least(-1);
+  }
+};
+
+class SaveKMostRecent final : public CheckpointSavingStrategy {
+ public:
+  explicit SaveKMostRecent(std::int64_t k) : k_(k) {}
+  CheckpointingInstruction checkpoint_instruction(const TrainingProgress& progress, const EvaluationResultBatch*,
+                                                  bool) override {
+    CheckpointingInstruction ins;
+    ins.save_current = k_ != 0;
+    if (k_ > 0 || k_ == -1) saved_.push_front(progress);
+    if (k_ > 0 && saved_.size() > static_cast<std::size_t>(k_)) {
+      ins.checkpoints_to_delete.push_back(saved_.back());
+      saved_.pop_back();
+    }
+    return ins;
+  }
+
+ private:
+  std::int64_t k_;
+  std::deque<TrainingProgress> saved_;  // newest first; this run's checkpoints only
+};
+
+struct SaveEveryKStepsConfig {
+  std::int64_t k = 0;
+  static void describe(Schema<SaveEveryKStepsConfig>& s) {
+    s.field("k", &SaveEveryKStepsConfig::k, "Save when num_seen_steps_total is a multiple of k; never deletes.")
+        .required()
+        .positive();
+  }
+};
+
+class SaveEveryKSteps final : public CheckpointSavingStrategy {
+ public:
+  explicit SaveEveryKSteps(std::int64_t k) : k_(k) {}
+  CheckpointingInstruction checkpoint_instruction(const TrainingProgress& progress, const EvaluationResultBatch*,
+                                                  bool) override {
+    return {progress.num_seen_steps_total() % k_ == 0, {}};
+  }
+
+ private:
+  std::int64_t k_;
+};
+
+// --- checkpoint_saving/default (§8.18) ----------------------------------------------
+
+struct CheckpointSavingConfig {
+  Ref<CheckpointSavingStrategy> checkpoint_saving_strategy;
+  Ref<CheckpointSavingExecution> checkpoint_saving_execution;
+  static void describe(Schema<CheckpointSavingConfig>& s) {
+    s.field("checkpoint_saving_strategy", &CheckpointSavingConfig::checkpoint_saving_strategy,
+            "Decides whether to save and what to delete.")
+        .required();
+    s.field("checkpoint_saving_execution", &CheckpointSavingConfig::checkpoint_saving_execution,
+            "Writes and deletes checkpoints on disk.")
+        .required();
+  }
+};
+
+class DefaultCheckpointSaving final : public CheckpointSaving {
+ public:
+  explicit DefaultCheckpointSaving(const CheckpointSavingConfig& c)
+      : strategy_(c.checkpoint_saving_strategy.shared()), execution_(c.checkpoint_saving_execution.shared()) {}
+  void save_checkpoint(const TrainingProgress& progress, const EvaluationResultBatch* evaluation_result,
+                       AppState& app_state, bool early_stopping_criterion_fulfilled) override {
+    const CheckpointingInstruction ins =
+        strategy_->checkpoint_instruction(progress, evaluation_result, early_stopping_criterion_fulfilled);
+    execution_->run_checkpoint_instruction(ins, progress, app_state);
+  }
+
+ private:
+  std::shared_ptr<CheckpointSavingStrategy> strategy_;
+  std::shared_ptr<CheckpointSavingExecution> execution_;
+};
+
+// --- executions (§8.20) -------------------------------------------------------------
+
+struct ExecutionConfig {
+  fs::path checkpoint_path;
+  std::int64_t global_rank = 0;
+  std::string experiment_id;
+  static void describe(Schema<ExecutionConfig>& s) {
+    s.field("checkpoint_path", &ExecutionConfig::checkpoint_path,
+            "Directory that receives the checkpoint folders and last_checkpoint_info.json.")
+        .required();
+    s.field("global_rank", &ExecutionConfig::global_rank, "Rank of this process; only rank 0 writes files.")
+        .required()
+        .non_negative();
+    s.field("experiment_id", &ExecutionConfig::experiment_id, "Experiment id, the eid_<id> of folder names.").required();
+  }
+};
+
+// Note [One format for both executions]
+// `dcp` and `fsdp1` differ in Modalities only by how they gather sharded
+// state (PyTorch DCP vs. FSDP1 full state dicts) and by the file layout. Here
+// both write the same folder (format v1); `fsdp1` additionally puts
+// model_checkpoint_path / optimizer_checkpoint_path into
+// last_checkpoint_info.json (both naming the folder's app_state.safetensors),
+// so Modalities' FSDP1 warm-start configs keep working.
+class FolderCheckpointExecution final : public CheckpointSavingExecution {
+ public:
+  FolderCheckpointExecution(const ExecutionConfig& c, std::string variant, bool fsdp1_keys)
+      : c_(c), variant_(std::move(variant)), fsdp1_keys_(fsdp1_keys) {}
+
+  fs::path folder_for(const TrainingProgress& progress) const {
+    return c_.checkpoint_path / checkpoint_folder_name(c_.experiment_id, progress);
+  }
+
+  void save(AppState& app_state, const TrainingProgress& progress) override {
+    StateDict state = app_state.state_dict();  // on every rank: sharded state may need collectives
+    if (c_.global_rank != 0) return;
+    check_not_sharded(app_state);
+    for (const auto& [name, t] : state)
+      MODALITIES_CHECK(!name.starts_with(kRngPrefix), "{}: the app state uses the reserved key '{}' (rng.* holds RNG states)",
+                       variant_, name);
+    add_rng_states(state);
+    const fs::path folder = folder_for(progress);
+    write_checkpoint_folder(folder, state, {c_.experiment_id, progress, variant_});
+    const std::string absolute = fs::absolute(folder).string();
+    std::map<std::string, std::string> info{{"checkpoint_folder_path", absolute}};
+    if (fsdp1_keys_) {  // See Note [One format for both executions]
+      const std::string file = (fs::path(absolute) / kAppStateFile).string();
+      info["model_checkpoint_path"] = file;
+      info["optimizer_checkpoint_path"] = file;
+    }
+    write_last_checkpoint_info(c_.checkpoint_path, info);
+  }
+
+  void delete_checkpoint(const TrainingProgress& progress) override {
+    if (c_.global_rank != 0) return;
+    const fs::path folder = folder_for(progress);
+    std::error_code ec;
+    if (!fs::exists(folder, ec))
+      throw Error(fmt::format("checkpoint folder '{}' could not be removed: it does not exist", folder.string()));
+    if (!fs::is_directory(folder, ec) || !fs::exists(folder / kManifestFile, ec))
+      throw Error(fmt::format("refusing to delete '{}': it is not a checkpoint folder ({} is missing)", folder.string(),
+                              kManifestFile));
+    fs::remove_all(folder, ec);
+    if (ec) throw Error(fmt::format("cannot remove checkpoint folder '{}': {}", folder.string(), ec.message()));
+  }
+
+ private:
+  // This writer stores the tensors one process holds. Sharded parts would
+  // silently lose the other ranks' shards, so they are refused.
+  void check_not_sharded(const AppState& app_state) const {
+    for (const auto& part : app_state.model_parts()) {
+      const StateDict local = part->state_dict();
+      for (const auto& [fqn, placement] : part->shard_placements()) {
+        auto it = local.find(fqn);
+        if (it == local.end()) continue;
+        const auto sizes = it->second.sizes();
+        if (std::vector<std::int64_t>(sizes.begin(), sizes.end()) != placement.global_shape)
+          throw Error(fmt::format("{}: '{}' is sharded across ranks (local {} of {}); this execution writes "
+                                  "unsharded state from rank 0 only, and sharded saving is not implemented",
+                                  variant_, fqn, shape_string({sizes.begin(), sizes.end()}),
+                                  shape_string(placement.global_shape)));
+      }
+    }
+  }
+
+  ExecutionConfig c_;
+  std::string variant_;
+  bool fsdp1_keys_;
+};
+
+// --- app_state/raw (§8.9) -------------------------------------------------------------
+
+// `model`: one Module or a list of model parts.
+struct ModelParts {
+  std::vector<Ref<Module>> parts;
+};
+
+}  // namespace
+}  // namespace modalities::plugins::checkpointing
+
+namespace modalities {
+template <>
+struct Codec<plugins::checkpointing::ModelParts> {
+  static std::string type_name() { return "Ref<Module> or list[Ref<Module>]"; }
+  static Parsed parse(const Value& v, plugins::checkpointing::ModelParts& out, const std::string& path,
+                      ParseContext& ctx) {
+    if (v.is_list()) {
+      if (v.as_list().empty()) {
+        ctx.fail(path, "expected at least one model part, got an empty list");
+        return Parsed::kError;
+      }
+      return Codec<std::vector<Ref<Module>>>::parse(v, out.parts, path, ctx);
+    }
+    Ref<Module> one;
+    const Parsed r = Codec<Ref<Module>>::parse(v, one, path, ctx);
+    if (r == Parsed::kOk) out.parts = {one};
+    return r;
+  }
+  static std::string repr(const plugins::checkpointing::ModelParts& m) {
+    return Codec<std::vector<Ref<Module>>>::repr(m.parts);
+  }
+  static void annotate(FieldInfo& info) { info.interface = std::string(Module::kInterface); }
+};
+}  // namespace modalities
+
+namespace modalities::plugins::checkpointing {
+namespace {
+
+struct RawAppStateConfig {
+  ModelParts model;
+  Ref<Optimizer> optimizer;
+  std::optional<Ref<LRScheduler>> lr_scheduler;
+  static void describe(Schema<RawAppStateConfig>& s) {
+    s.field("model", &RawAppStateConfig::model, "The model, or a list of model parts (pipeline stages).").required();
+    s.field("optimizer", &RawAppStateConfig::optimizer, "The optimizer over the model's parameters.").required();
+    s.field("lr_scheduler", &RawAppStateConfig::lr_scheduler, "The learning-rate scheduler, if the run has one.");
+  }
+};
+
+class RawAppState final : public AppState {
+ public:
+  explicit RawAppState(const RawAppStateConfig& c) : optimizer_(c.optimizer.shared()) {
+    for (const auto& p : c.model.parts) parts_.push_back(p.shared());
+    if (c.lr_scheduler) scheduler_ = c.lr_scheduler->shared();
+  }
+
+  std::vector<std::shared_ptr<Module>> model_parts() const override { return parts_; }
+  std::shared_ptr<Optimizer> optimizer() const override { return optimizer_; }
+  std::shared_ptr<LRScheduler> lr_scheduler() const override { return scheduler_; }
+  bool is_loaded() const override { return loaded_; }
+
+  StateDict state_dict() const override {
+    StateDict out;
+    for (std::size_t i = 0; i < parts_.size(); ++i)
+      for (auto& [k, v] : parts_[i]->state_dict())
+        MODALITIES_CHECK(out.emplace("model." + k, v).second,
+                         "app state: parameter name '{}' occurs in more than one model part (part {}); names must be "
+                         "unique across parts",
+                         k, i);
+    for (auto& [k, v] : optimizer_->state_dict()) out.emplace("optimizer." + k, v);
+    if (scheduler_)
+      for (auto& [k, v] : scheduler_->state_dict()) out.emplace("lr_scheduler." + k, v);
+    return out;
+  }
+
+  void load_state_dict(const StateDict& state) override {
+    if (loaded_)
+      throw Error("cannot load a state dict into the app state twice: it was already loaded (an app state is "
+                  "restored from one checkpoint only)");
+    std::vector<std::string> unknown_prefix;
+    for (const auto& [k, v] : state)
+      if (!k.starts_with("model.") && !k.starts_with("optimizer.") && !k.starts_with("lr_scheduler."))
+        unknown_prefix.push_back(k);
+    MODALITIES_CHECK(unknown_prefix.empty(),
+                     "app state: keys {} are neither model.*, optimizer.* nor lr_scheduler.*", some_names(unknown_prefix));
+    // Model keys are checked over the union of the parts: each part takes its own keys (non-strict per part),
+    // but a key no part has, or a part key the state lacks, is an error.
+    const StateDict model = with_prefix_removed(state, "model.");
+    std::vector<StateDict> per_part(parts_.size());
+    std::set<std::string> own;
+    std::vector<std::string> missing, unknown;
+    for (std::size_t i = 0; i < parts_.size(); ++i)
+      for (const auto& [k, v] : parts_[i]->state_dict()) {
+        own.insert(k);
+        auto it = model.find(k);
+        if (it == model.end()) missing.push_back(k);
+        else per_part[i].emplace(k, it->second);
+      }
+    for (const auto& [k, v] : model)
+      if (own.count(k) == 0) unknown.push_back(k);
+    if (!missing.empty() || !unknown.empty())
+      throw Error(fmt::format("app state: the checkpointed model does not match this model: {}{}{}",
+                              missing.empty() ? "" : fmt::format("missing {} ", some_names(missing)),
+                              missing.empty() || unknown.empty() ? "" : "; ",
+                              unknown.empty() ? "" : fmt::format("unknown {}", some_names(unknown))));
+    const StateDict sched = with_prefix_removed(state, "lr_scheduler.");
+    MODALITIES_CHECK(!scheduler_ || !sched.empty(),
+                     "app state: the run has an lr_scheduler, but the checkpoint holds no lr_scheduler.* state");
+    for (std::size_t i = 0; i < parts_.size(); ++i) parts_[i]->load_state_dict(per_part[i], /*strict=*/false);
+    optimizer_->load_state_dict(with_prefix_removed(state, "optimizer."));
+    if (scheduler_) scheduler_->load_state_dict(sched);  // without a scheduler, lr_scheduler.* is ignored
+    loaded_ = true;
+  }
+
+ private:
+  std::vector<std::shared_ptr<Module>> parts_;
+  std::shared_ptr<Optimizer> optimizer_;
+  std::shared_ptr<LRScheduler> scheduler_;
+  bool loaded_ = false;
+};
+
+// --- loading a checkpoint folder into an AppState ---------------------------------------
+
+// Validates everything that can be checked without reading tensor data
+// (format, version, shapes, model keys), then reads, verifies checksums,
+// loads and restores the RNG states.
+void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
+  if (app_state.is_loaded())
+    throw Error(fmt::format("cannot load checkpoint '{}': the app state was already loaded (an app state is restored "
+                            "from one checkpoint only)",
+                            checkpoint_dir.string()));
+  const CheckpointReader reader(checkpoint_dir);
+  const StateDict live = app_state.state_dict();
+  reader.check_shapes(live);
+  std::vector<std::string> missing, unknown;
+  for (const auto& [k, v] : live)
+    if (k.starts_with("model.") && reader.shapes().count(k) == 0) missing.push_back(k.substr(6));
+  for (const auto& [k, shape] : reader.shapes())
+    if (k.starts_with("model.") && live.count(k) == 0) unknown.push_back(k.substr(6));
+  if (!missing.empty() || !unknown.empty())
+    throw Error(fmt::format("checkpoint '{}' was written by a different model: {}{}{}", reader.folder().string(),
+                            missing.empty() ? "" : fmt::format("this model's {} are not in the checkpoint", some_names(missing)),
+                            missing.empty() || unknown.empty() ? "" : "; ",
+                            unknown.empty() ? "" : fmt::format("the checkpoint's {} are not in this model", some_names(unknown))));
+  StateDict state = reader.read_all();
+  StateDict rng;
+  for (auto it = state.begin(); it != state.end();) {
+    if (it->first.starts_with(kRngPrefix)) {
+      rng.insert(*it);
+      it = state.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!app_state.lr_scheduler())
+    for (auto it = state.begin(); it != state.end();) it = it->first.starts_with("lr_scheduler.") ? state.erase(it) : std::next(it);
+  try {
+    app_state.load_state_dict(state);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("cannot load checkpoint '{}': {}", reader.folder().string(), e.what()));
+  }
+  restore_rng_states(rng);
+}
+
+struct DcpAppStateConfig {
+  Ref<AppState> raw_app_state;
+  fs::path checkpoint_dir_path;
+  static void describe(Schema<DcpAppStateConfig>& s) {
+    s.field("raw_app_state", &DcpAppStateConfig::raw_app_state, "The app state to restore (must not be loaded yet).")
+        .required();
+    s.field("checkpoint_dir_path", &DcpAppStateConfig::checkpoint_dir_path,
+            "Checkpoint folder (checkpoint_folder_path of last_checkpoint_info.json).")
+        .required();
+  }
+};
+
+struct DcpLoadingConfig {
+  std::int64_t global_rank = 0;
+  static void describe(Schema<DcpLoadingConfig>& s) {
+    s.field("global_rank", &DcpLoadingConfig::global_rank, "Rank of this process (every rank reads the folder).")
+        .required()
+        .non_negative();
+  }
+};
+
+class DcpCheckpointLoading final : public DistributedCheckpointLoading {
+ public:
+  void load_checkpoint(AppState& app_state, const fs::path& checkpoint_dir) override {
+    load_into_app_state(app_state, checkpoint_dir);
+  }
+};
+
+// --- checkpoint_loading/torch (§8.21, §10.5) ---------------------------------------
+
+// `device`: an integer N (cuda:N) or "cpu" / "cuda" / "cuda:N".
+struct DeviceSetting {
+  std::string text = "cpu";
+};
+
+}  // namespace
+}  // namespace modalities::plugins::checkpointing
+
+namespace modalities {
+template <>
+struct Codec<plugins::checkpointing::DeviceSetting> {
+  static std::string type_name() { return "int (cuda:N) or \"cpu\" / \"cuda:N\""; }
+  static Parsed parse(const Value& v, plugins::checkpointing::DeviceSetting& out, const std::string& path,
+                      ParseContext& ctx) {
+    if (ctx.dry_run() && detail::pending_fits(v, {"int", "string"})) return Parsed::kPending;
+    if (v.is_int()) {
+      if (v.as_int() < 0) {
+        ctx.fail(path, fmt::format("a CUDA device index must be >= 0, got {}", v.as_int()));
+        return Parsed::kError;
+      }
+      out.text = fmt::format("cuda:{}", v.as_int());
+      return Parsed::kOk;
+    }
+    if (!v.is_string()) return detail::type_error(v, "a device index or \"cpu\"", path, ctx);
+    try {
+      const c10::Device d(v.as_string());
+      if (!d.is_cpu() && !d.is_cuda()) throw std::invalid_argument("not cpu/cuda");
+    } catch (const std::exception&) {
+      ctx.fail(path, fmt::format("expected \"cpu\", \"cuda\", \"cuda:N\" or an integer N, got \"{}\"", v.as_string()));
+      return Parsed::kError;
+    }
+    out.text = v.as_string();
+    return Parsed::kOk;
+  }
+  static std::string repr(const plugins::checkpointing::DeviceSetting& d) { return fmt::format("\"{}\"", d.text); }
+};
+}  // namespace modalities
+
+namespace modalities::plugins::checkpointing {
+namespace {
+
+struct TorchLoadingConfig {
+  DeviceSetting device;
+  std::optional<std::string> precision;
+  static void describe(Schema<TorchLoadingConfig>& s) {
+    s.field("device", &TorchLoadingConfig::device, "Device to load the model onto: N (cuda:N) or \"cpu\".").required();
+    s.field("precision", &TorchLoadingConfig::precision,
+            "Cast the model's floating-point tensors to this dtype; null keeps the checkpoint's dtype.")
+        .one_of({"FP32", "FP16", "BF16"});
+  }
+};
+
+// A model state dict from: a checkpoint folder (its model.* entries, verified),
+// a checkpoint's app_state.safetensors, or any flat .safetensors file.
+StateDict read_model_state(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(fmt::format("model checkpoint '{}' does not exist", path.string()));
+  const auto is_model = [](const std::string& k) { return k.starts_with("model."); };
+  if (fs::is_directory(path, ec)) return with_prefix_removed(CheckpointReader(path).read(is_model), "model.");
+  const std::string ext = path.extension().string();
+  if (ext == ".bin" || ext == ".pt" || ext == ".pth")
+    throw Error(fmt::format("'{}' looks like a PyTorch pickle checkpoint (torch.save), which LibTorch cannot read\n"
+                            "  hint: convert it with scripts/convert_checkpoint.py bin-to-safetensors <file> <out.safetensors>",
+                            path.string()));
+  const auto meta = formats::read_safetensors_metadata(path);
+  if (auto it = meta.find("format"); it != meta.end() && it->second == kFormatName) {
+    if (fs::exists(path.parent_path() / kManifestFile, ec))
+      return with_prefix_removed(CheckpointReader(path).read(is_model), "model.");
+    return with_prefix_removed(formats::read_safetensors(path, is_model), "model.");
+  }
+  return formats::read_safetensors(path);
+}
+
+StateDict read_optimizer_state(const fs::path& path) {
+  std::error_code ec;
+  const auto is_opt = [](const std::string& k) { return k.starts_with("optimizer."); };
+  StateDict state;
+  if (fs::is_directory(path, ec) || (fs::exists(path.parent_path() / kManifestFile, ec) && path.filename() == kAppStateFile))
+    state = CheckpointReader(path).read(is_opt);
+  else
+    state = formats::read_safetensors(path, is_opt);
+  MODALITIES_CHECK(!state.empty(), "'{}' holds no optimizer state (no optimizer.* tensors)", path.string());
+  return with_prefix_removed(state, "optimizer.");
+}
+
+class TorchCheckpointLoading final : public CheckpointLoading {
+ public:
+  explicit TorchCheckpointLoading(const TorchLoadingConfig& c) : device_(c.device.text) {
+    if (device_.is_cuda() && !at::hasCUDA())
+      throw Error(fmt::format("device {} requested, but this build or machine has no CUDA device", device_.str()));
+    if (c.precision == "FP32") precision_ = at::kFloat;
+    if (c.precision == "FP16") precision_ = at::kHalf;
+    if (c.precision == "BF16") precision_ = at::kBFloat16;
+  }
+
+  std::shared_ptr<Module> load_model_checkpoint(std::shared_ptr<Module> model, const fs::path& file) override {
+    const StateDict state = read_model_state(file);
+    std::optional<c10::ScalarType> stored;
+    for (const auto& [k, v] : state)
+      if (c10::isFloatingType(v.scalar_type())) {
+        stored = v.scalar_type();
+        break;
+      }
+    if (precision_ && stored && *stored != *precision_)
+      fmt::print(stderr, "warning: model checkpoint '{}' was stored with precision {} but is loaded with precision {}\n",
+                 file.string(), c10::toString(*stored), c10::toString(*precision_));
+    // Without a precision the model adopts the stored dtype (Modalities loads with assign=True).
+    model->to(device_, precision_ ? precision_ : stored);
+    try {
+      model->load_state_dict(state, /*strict=*/true);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("cannot load model checkpoint '{}': {}", file.string(), e.what()));
+    }
+    return model;
+  }
+
+  // Modalities' torch loader has no optimizer loading; this format has the
+  // optimizer next to the model, so it is offered here.
+  void load_optimizer_checkpoint(Optimizer& optimizer, Module&, const fs::path& file) override {
+    optimizer.load_state_dict(read_optimizer_state(file));
+  }
+
+ private:
+  c10::Device device_;
+  std::optional<c10::ScalarType> precision_;
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<CheckpointSavingStrategy, SaveKMostRecentConfig>(
+      "save_k_most_recent_checkpoints_strategy", "Keep the k most recent checkpoints of this run (-1: all, 0: none).",
+      [](const SaveKMostRecentConfig& c) { return std::make_shared<SaveKMostRecent>(c.k); });
+  r.add<CheckpointSavingStrategy, SaveEveryKStepsConfig>(
+      "save_every_k_steps_checkpointing_strategy", "Save when the step count is a multiple of k; never delete.",
+      [](const SaveEveryKStepsConfig& c) { return std::make_shared<SaveEveryKSteps>(c.k); });
+  r.add<CheckpointSaving, CheckpointSavingConfig>(
+      "default", "Asks the strategy, then lets the execution save and delete.",
+      [](const CheckpointSavingConfig& c) { return std::make_shared<DefaultCheckpointSaving>(c); });
+  r.add<CheckpointSavingExecution, ExecutionConfig>(
+      "dcp", "Writes checkpoint folders (format v1: app_state.safetensors + manifest.json).",
+      [](const ExecutionConfig& c) {
+        return std::make_shared<FolderCheckpointExecution>(c, "checkpoint_saving_execution/dcp", false);
+      });
+  r.add<CheckpointSavingExecution, ExecutionConfig>(
+      "fsdp1", "Same folders as dcp; last_checkpoint_info.json also names model/optimizer checkpoint paths.",
+      [](const ExecutionConfig& c) {
+        return std::make_shared<FolderCheckpointExecution>(c, "checkpoint_saving_execution/fsdp1", true);
+      });
+  r.add<AppState, RawAppStateConfig>("raw", "Model part(s), optimizer and optional scheduler as one state.",
+                                     [](const RawAppStateConfig& c) { return std::make_shared<RawAppState>(c); });
+  r.add<AppState, DcpAppStateConfig>("dcp", "raw_app_state, restored in place from a checkpoint folder.",
+                                     [](const DcpAppStateConfig& c) {
+                                       load_into_app_state(*c.raw_app_state, c.checkpoint_dir_path);
+                                       return c.raw_app_state.shared();
+                                     });
+  r.add<DistributedCheckpointLoading, DcpLoadingConfig>(
+      "dcp", "Loads a checkpoint folder into an app state.",
+      [](const DcpLoadingConfig&) { return std::make_shared<DcpCheckpointLoading>(); });
+  r.add<CheckpointLoading, TorchLoadingConfig>(
+      "torch", "Loads the model of a checkpoint folder or .safetensors file (inference).",
+      [](const TorchLoadingConfig& c) { return std::make_shared<TorchCheckpointLoading>(c); });
+}
+
+}  // namespace modalities::plugins::checkpointing
+
+MODALITIES_PLUGIN(checkpointing, "0.1.0", modalities::plugins::checkpointing::register_components)
