@@ -1,0 +1,89 @@
+// loss/clm_cross_entropy_loss (spec training.md §5.3, catalogue §8.7): mean
+// token cross-entropy of a causal LM's logits [B, T, V] against the collator's
+// already-shifted targets [B, T], ignore index -100, computed in the logits'
+// dtype (so a bf16 forward gives a bf16 loss, exactly as Modalities logs it).
+#include <modalities/sdk/interfaces/batch.h>
+#include <modalities/sdk/interfaces/loss.h>
+#include <modalities/sdk/plugin.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Reduction.h>
+#include <fmt/format.h>
+
+#include <string>
+
+namespace modalities::plugins::losses {
+namespace {
+
+constexpr std::int64_t kIgnoreIndex = -100;  // PyTorch's CrossEntropyLoss default
+
+struct ClmCrossEntropyLossConfig {
+  std::string target_key;
+  std::string prediction_key;
+  std::string tag = "CLMCrossEntropyLoss";
+
+  static void describe(Schema<ClmCrossEntropyLossConfig>& s) {
+    s.field("target_key", &ClmCrossEntropyLossConfig::target_key, "Batch target holding the labels [B, T].")
+        .required()
+        .non_empty();
+    s.field("prediction_key", &ClmCrossEntropyLossConfig::prediction_key,
+            "Model output holding the logits [B, T, V].")
+        .required()
+        .non_empty();
+    s.field("tag", &ClmCrossEntropyLossConfig::tag,
+            "Name of this loss in evaluation results (Modalities' config ignores this key).")
+        .non_empty();
+  }
+};
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+class ClmCrossEntropyLoss final : public Loss {
+ public:
+  explicit ClmCrossEntropyLoss(ClmCrossEntropyLossConfig c) : c_(std::move(c)) {}
+
+  at::Tensor compute(const InferenceResultBatch& batch) const override {
+    return compute(batch.get_predictions(c_.prediction_key), batch.get_targets(c_.target_key));
+  }
+
+  // logits: [..., V], labels: [...] with the same leading shape -> 0-dim loss in
+  // the logits' dtype. All labels ignored -> NaN (0/0), as in PyTorch.
+  at::Tensor compute(const at::Tensor& logits, const at::Tensor& targets) const override {
+    MODALITIES_CHECK(logits.defined() && targets.defined(), "{}: undefined logits or targets tensor", c_.tag);
+    MODALITIES_CHECK(logits.dim() >= 2 && c10::isFloatingType(logits.scalar_type()),
+                     "{}: predictions '{}' must be floating-point logits [B, T, V], got {} {}", c_.tag,
+                     c_.prediction_key, c10::toString(logits.scalar_type()), shape_of(logits));
+    const std::int64_t vocab = logits.size(-1);
+    MODALITIES_CHECK(targets.numel() * vocab == logits.numel(),
+                     "{}: targets '{}' {} do not fit the logits '{}' {} (expected the logits' shape without its last "
+                     "dimension)",
+                     c_.tag, c_.target_key, shape_of(targets), c_.prediction_key, shape_of(logits));
+    // Labels follow the logits (model parallelism may put them elsewhere) as int64.
+    const at::Tensor labels = targets.to(logits.device(), at::kLong);
+    return at::cross_entropy_loss(logits.reshape({-1, vocab}), labels.reshape({-1}), /*weight=*/{},
+                                  at::Reduction::Mean, kIgnoreIndex, /*label_smoothing=*/0.0);
+  }
+
+  std::string tag() const override { return c_.tag; }
+  std::string target_key() const override { return c_.target_key; }
+  std::string prediction_key() const override { return c_.prediction_key; }
+
+ private:
+  ClmCrossEntropyLossConfig c_;
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<Loss, ClmCrossEntropyLossConfig>(
+      "clm_cross_entropy_loss", "Mean token cross-entropy of LM logits vs. shifted targets (ignore index -100).",
+      [](const ClmCrossEntropyLossConfig& c) { return std::make_shared<ClmCrossEntropyLoss>(c); });
+}
+
+}  // namespace modalities::plugins::losses
+
+MODALITIES_PLUGIN(losses, "0.1.0", modalities::plugins::losses::register_components)
