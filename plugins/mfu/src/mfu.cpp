@@ -1,0 +1,137 @@
+// mfu_calculator/gpt2 (spec training.md §8, catalogue §8.26): model FLOPs
+// utilization of a GPT-2-style decoder from the global samples per second,
+//   flops_per_token = 6·N + 12·n_layer·sequence_length·n_embd
+//   mfu = samples/s · sequence_length · flops_per_token / (peak_per_gpu · world_size)
+// with N the trainable parameters (tied counted once, global sizes under
+// sharding) and the peak looked up from the CUDA device name; -1 when unknown.
+#include "peak_flops.h"
+
+#include <modalities/sdk/interfaces/device_mesh.h>
+#include <modalities/sdk/interfaces/mfu_calculator.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/plugin.h>
+#include <modalities/sdk/run_context.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#if defined(MODALITIES_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_set>
+
+namespace modalities::plugins::mfu {
+namespace {
+
+struct Gpt2MfuConfig {
+  std::int64_t n_layer = 0;
+  std::int64_t sequence_length = 0;
+  std::int64_t n_embd = 0;
+  std::int64_t world_size = 0;
+  Ref<Module> model_parts;
+  std::optional<Ref<DeviceMesh>> device_mesh;
+  std::optional<double> peak_flops_per_device;
+
+  static void describe(Schema<Gpt2MfuConfig>& s) {
+    s.field("n_layer", &Gpt2MfuConfig::n_layer, "Number of transformer blocks.").required().positive();
+    s.field("sequence_length", &Gpt2MfuConfig::sequence_length, "Tokens per sample.").required().positive();
+    s.field("n_embd", &Gpt2MfuConfig::n_embd, "Model width.").required().positive();
+    s.field("world_size", &Gpt2MfuConfig::world_size, "Number of GPUs (ranks) sharing the throughput.")
+        .required()
+        .positive();
+    s.field("model_parts", &Gpt2MfuConfig::model_parts,
+            "The (wrapped) model whose trainable parameters are counted.")
+        .required()
+        .alias("wrapped_model");
+    s.field("device_mesh", &Gpt2MfuConfig::device_mesh,
+            "Device mesh; needed by Modalities to sum parameters over pipeline stages (see README).");
+    s.field("peak_flops_per_device", &Gpt2MfuConfig::peak_flops_per_device,
+            "Peak FLOP/s of one device; overrides the GPU table, e.g. for GPUs it does not list (not in "
+            "Modalities).")
+        .positive();
+  }
+};
+
+// Sum of element counts of parameters with requires_grad, each tensor once
+// (a tied matrix is one parameter), at its global (unsharded) size.
+std::int64_t count_trainable_parameters(const Module& model) {
+  const auto placements = model.shard_placements();
+  std::unordered_set<const void*> seen;
+  std::int64_t n = 0;
+  for (const auto& [name, t] : model.named_parameters()) {
+    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (auto it = placements.find(name); it != placements.end()) {
+      std::int64_t global = 1;
+      for (std::int64_t d : it->second.global_shape) global *= d;
+      n += global;
+    } else {
+      n += t.numel();
+    }
+  }
+  return n;
+}
+
+// Name of a CUDA device; nullopt in builds without CUDA.
+std::optional<std::string> cuda_device_name(const c10::Device& device) {
+#if defined(MODALITIES_WITH_CUDA)
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device.has_index() ? device.index() : 0) != cudaSuccess) return std::nullopt;
+  return std::string(prop.name);
+#else
+  (void)device;
+  return std::nullopt;
+#endif
+}
+
+class Gpt2MfuCalculator final : public MFUCalculator {
+ public:
+  Gpt2MfuCalculator(const Gpt2MfuConfig& c, BuildContext& ctx) : sequence_length_(c.sequence_length) {
+    if (c.device_mesh && (*c.device_mesh)->has_dim("pp") && (*c.device_mesh)->size("pp") > 1)
+      throw Error(fmt::format("mfu_calculator/gpt2: counting parameters over {} pipeline stages is not supported yet "
+                              "(each stage holds only its own blocks)",
+                              (*c.device_mesh)->size("pp")));
+    const std::int64_t n = count_trainable_parameters(*c.model_parts);
+    flops_per_token_ = 6.0 * static_cast<double>(n) +
+                       12.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.sequence_length) *
+                           static_cast<double>(c.n_embd);
+    std::optional<double> peak = c.peak_flops_per_device;
+    if (!peak) {
+      const c10::Device device = run_device();
+      const std::optional<std::string> name = device.is_cuda() ? cuda_device_name(device) : std::nullopt;
+      if (name) peak = peak_flops_for_device_name(*name);
+      if (!peak)
+        ctx.warn(fmt::format("MFU is reported as -1: no peak FLOP/s known for {}; set peak_flops_per_device to "
+                             "enable it",
+                             name ? fmt::format("GPU '{}'", *name) : fmt::format("device {}", device.str())));
+      else  // Modalities assumes bf16 for FSDP2 models as well
+        ctx.warn(fmt::format("MFU assumes 16-bit (bf16/fp16) compute: peak {:.4g} FLOP/s per '{}'", *peak, *name));
+    }
+    if (peak) peak_total_ = *peak * static_cast<double>(c.world_size);
+  }
+
+  double compute(double num_samples_per_second) const override {
+    if (!peak_total_) return -1.0;
+    return num_samples_per_second * static_cast<double>(sequence_length_) * flops_per_token_ / *peak_total_;
+  }
+
+ private:
+  std::int64_t sequence_length_;
+  double flops_per_token_ = 0.0;
+  std::optional<double> peak_total_;
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<MFUCalculator, Gpt2MfuConfig>(
+      "gpt2", "Model FLOPs utilization of a GPT-2-style decoder (6N + 12·L·T·d FLOPs per token).",
+      [](const Gpt2MfuConfig& c, BuildContext& ctx) { return std::make_shared<Gpt2MfuCalculator>(c, ctx); });
+}
+
+}  // namespace modalities::plugins::mfu
+
+MODALITIES_PLUGIN(mfu, "0.1.0", modalities::plugins::mfu::register_components)
