@@ -1,0 +1,282 @@
+// `gradient_clipper` variants for unsharded models (training.md §5.4, catalogue §8.25):
+//   fsdp1, fsdp1_logging_only  Modalities' FSDP1 clippers on one process (no sharding): the
+//                              norm of the fp32 per-gradient norms, gradients scaled by
+//                              min(max_norm / (total + 1e-6), 1) (max_norm = inf for logging)
+//   norm, logging_only         torch.nn.utils.clip_grad_norm_ / get_total_norm on all parts
+//   value                      torch.nn.utils.clip_grad_value_; returns the pre-clip L2 norm
+// The sharded (fsdp2) variants need the norm reduced across ranks and come with sharding.
+// Norms are computed with the same ATen calls as PyTorch (at::_foreach_norm, then the norm
+// of the stacked norms), so they are bit-identical to PyTorch. Non-finite norms are returned.
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/gradient_clipper.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/plugin.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace modalities::plugins::gradient_clippers {
+
+/// A Module or a list of model parts (pipeline stages of this rank).
+struct ModuleParts {
+  std::vector<Ref<Module>> parts;
+};
+
+}  // namespace modalities::plugins::gradient_clippers
+
+namespace modalities {
+
+template <>
+struct Codec<plugins::gradient_clippers::ModuleParts> {
+  static std::string type_name() { return "Ref<Module> | list[Ref<Module>]"; }
+  static Parsed parse(const Value& v, plugins::gradient_clippers::ModuleParts& out, const std::string& path,
+                      ParseContext& ctx) {
+    if (v.is_list()) {
+      if (v.as_list().empty()) {
+        ctx.fail(path, "expected a Module or a non-empty list of Modules, got an empty list");
+        return Parsed::kError;
+      }
+      return Codec<std::vector<Ref<Module>>>::parse(v, out.parts, path, ctx);
+    }
+    out.parts.assign(1, {});
+    return Codec<Ref<Module>>::parse(v, out.parts[0], path, ctx);
+  }
+  static std::string repr(const plugins::gradient_clippers::ModuleParts& m) {
+    return m.parts.empty() ? "null" : fmt::format("<{} part(s)>", m.parts.size());
+  }
+  static void annotate(FieldInfo& info) { info.interface = std::string(Module::kInterface); }
+};
+
+}  // namespace modalities
+
+namespace modalities::plugins::gradient_clippers {
+namespace {
+
+const std::vector<std::string> kNormTypes = {"P1_NORM", "P2_NORM", "MAX_NORM"};
+
+double norm_order(const std::string& norm_type) {
+  if (norm_type == "P1_NORM") return 1.0;
+  if (norm_type == "P2_NORM") return 2.0;
+  return std::numeric_limits<double>::infinity();  // MAX_NORM; the schema admits nothing else
+}
+
+std::vector<std::shared_ptr<Module>> shared_parts(const ModuleParts& m) {
+  std::vector<std::shared_ptr<Module>> out;
+  for (const auto& p : m.parts) out.push_back(p.shared());
+  return out;
+}
+
+// The defined gradients of all parts' parameters, in parameter order.
+std::vector<at::Tensor> gradients(const std::vector<std::shared_ptr<Module>>& parts) {
+  std::vector<at::Tensor> out;
+  for (const auto& part : parts)
+    for (const auto& [name, p] : part->named_parameters())
+      if (p.grad().defined()) out.push_back(p.grad());
+  return out;
+}
+
+// Buckets by (device, dtype) in first-appearance order: PyTorch's _group_tensors_by_device_and_dtype.
+std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<std::pair<c10::Device, c10::ScalarType>, std::vector<at::Tensor>>> buckets;
+  for (const at::Tensor& t : tensors) {
+    const std::pair key{t.device(), t.scalar_type()};
+    auto it = std::find_if(buckets.begin(), buckets.end(), [&](const auto& b) { return b.first == key; });
+    if (it == buckets.end()) buckets.push_back({key, {t}});
+    else it->second.push_back(t);
+  }
+  std::vector<std::vector<at::Tensor>> out;
+  for (auto& b : buckets) out.push_back(std::move(b.second));
+  return out;
+}
+
+// torch.nn.utils.get_total_norm (foreach path, as PyTorch takes it for CPU and CUDA tensors).
+at::Tensor total_norm(const std::vector<at::Tensor>& grads, double order) {
+  if (grads.empty()) return at::zeros({}, at::kFloat);  // torch.tensor(0.0)
+  const c10::Device first = grads.front().device();
+  std::vector<at::Tensor> norms;
+  for (const auto& bucket : by_device_and_dtype(grads))
+    for (at::Tensor& n : at::_foreach_norm(bucket, order)) norms.push_back(n.to(first));
+  return at::linalg_vector_norm(at::stack(norms), order);
+}
+
+// FSDP1's clip_grad_norm_ on one rank: fp32 norms of the gradients, then their fp32 norm.
+// (FSDP1 sees its flattened parameters, one per wrapped unit; the value agrees to rounding.)
+at::Tensor fsdp1_total_norm(const std::vector<at::Tensor>& grads, double order) {
+  if (grads.empty()) return at::zeros({}, at::kFloat);
+  const c10::Device first = grads.front().device();
+  std::vector<at::Tensor> norms;
+  for (const at::Tensor& g : grads)
+    norms.push_back(at::linalg_vector_norm(g, order, std::nullopt, false, at::kFloat).to(first));
+  return at::linalg_vector_norm(at::stack(norms), order, std::nullopt, false, at::kFloat);
+}
+
+// Scales every gradient by min(max_norm / (total + 1e-6), 1), as torch.nn.utils and FSDP1 do
+// (Python's `max_norm / tensor` is reciprocal() * max_norm). With `cast_coef` the factor is
+// cast to each gradient's dtype first (FSDP1). A factor of exactly 1 changes no bit, so on the
+// CPU the multiplication is skipped then; elsewhere reading it back would cost a sync.
+void scale(const std::vector<at::Tensor>& grads, double max_norm, const at::Tensor& total, bool cast_coef) {
+  if (grads.empty()) return;
+  const at::Tensor coef = at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
+  if (coef.is_cpu() && coef.item<double>() == 1.0) return;
+  for (const auto& bucket : by_device_and_dtype(grads)) {
+    const at::Tensor& g0 = bucket.front();
+    const at::Tensor c = cast_coef ? coef.to(g0.device(), g0.scalar_type()) : coef.to(g0.device());
+    at::_foreach_mul_(bucket, c);
+  }
+}
+
+// How the total norm is computed and what happens to the gradients.
+enum class Mode { kFsdp1, kTorch, kTorchLoggingOnly, kValue };
+
+class Clipper final : public GradientClipper {
+ public:
+  Clipper(Mode mode, std::vector<std::shared_ptr<Module>> parts, double order, double limit)
+      : mode_(mode), parts_(std::move(parts)), order_(order), limit_(limit) {}
+
+  at::Tensor clip_gradients() override {
+    at::NoGradGuard no_grad;
+    const std::vector<at::Tensor> grads = gradients(parts_);
+    switch (mode_) {
+      case Mode::kFsdp1: {
+        const at::Tensor total = fsdp1_total_norm(grads, order_);
+        scale(grads, limit_, total, /*cast_coef=*/true);
+        if (grads.empty()) return total;
+        c10::ScalarType dtype = grads.front().scalar_type();  // FSDP1 returns the promoted gradient dtype
+        for (const at::Tensor& g : grads) dtype = c10::promoteTypes(dtype, g.scalar_type());
+        return total.to(dtype);
+      }
+      case Mode::kTorch: {
+        const at::Tensor total = total_norm(grads, order_);
+        scale(grads, limit_, total, /*cast_coef=*/false);
+        return total;
+      }
+      case Mode::kTorchLoggingOnly: return total_norm(grads, order_);
+      case Mode::kValue: {
+        const at::Tensor total = total_norm(grads, 2.0);
+        for (const auto& bucket : by_device_and_dtype(grads)) {
+          at::_foreach_clamp_min_(bucket, -limit_);
+          at::_foreach_clamp_max_(bucket, limit_);
+        }
+        return total;
+      }
+    }
+    return {};
+  }
+
+ private:
+  Mode mode_;
+  std::vector<std::shared_ptr<Module>> parts_;
+  double order_;
+  double limit_;  // max_norm, or clip_value
+};
+
+// --- configs --------------------------------------------------------------------------------------
+
+template <class C>
+void norm_type_field(Schema<C>& s) {
+  s.field("norm_type", &C::norm_type, "P1_NORM (sum of |g|), P2_NORM (Euclidean) or MAX_NORM (max |g|).")
+      .required()
+      .one_of(kNormTypes);
+}
+
+struct Fsdp1Config {
+  ModuleParts wrapped_model;
+  double max_norm = 0;
+  std::string norm_type;
+  static void describe(Schema<Fsdp1Config>& s) {
+    s.field("wrapped_model", &Fsdp1Config::wrapped_model, "The model whose gradients are clipped.").required();
+    s.field("max_norm", &Fsdp1Config::max_norm, "Gradients are scaled down to this total norm.").required().positive();
+    norm_type_field(s);
+  }
+};
+
+struct Fsdp1LoggingConfig {
+  ModuleParts wrapped_model;
+  std::string norm_type;
+  static void describe(Schema<Fsdp1LoggingConfig>& s) {
+    s.field("wrapped_model", &Fsdp1LoggingConfig::wrapped_model, "The model whose gradient norm is computed.").required();
+    norm_type_field(s);
+  }
+};
+
+struct NormConfig {
+  ModuleParts model_parts;
+  double max_norm = 0;
+  std::string norm_type;
+  static void describe(Schema<NormConfig>& s) {
+    s.field("model_parts", &NormConfig::model_parts, "Model or list of model parts whose gradients are clipped.")
+        .required()
+        .alias("wrapped_model");
+    s.field("max_norm", &NormConfig::max_norm, "Gradients are scaled down to this total norm.").required().positive();
+    norm_type_field(s);
+  }
+};
+
+struct LoggingOnlyConfig {
+  ModuleParts model_parts;
+  std::string norm_type;
+  static void describe(Schema<LoggingOnlyConfig>& s) {
+    s.field("model_parts", &LoggingOnlyConfig::model_parts, "Model or list of model parts whose gradient norm is computed.")
+        .required()
+        .alias("wrapped_model");
+    norm_type_field(s);
+  }
+};
+
+struct ValueConfig {
+  ModuleParts model_parts;
+  double clip_value = 0;
+  static void describe(Schema<ValueConfig>& s) {
+    s.field("model_parts", &ValueConfig::model_parts, "Model or list of model parts whose gradients are clamped.")
+        .required()
+        .alias("wrapped_model");
+    s.field("clip_value", &ValueConfig::clip_value, "Every gradient element is clamped to [-clip_value, clip_value].")
+        .required()
+        .positive();
+  }
+};
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<GradientClipper, Fsdp1Config>(
+      "fsdp1", "FSDP1 clip_grad_norm_ on one process: clips to max_norm, returns the total norm.",
+      [](const Fsdp1Config& c) {
+        return std::make_shared<Clipper>(Mode::kFsdp1, shared_parts(c.wrapped_model), norm_order(c.norm_type), c.max_norm);
+      });
+  r.add<GradientClipper, Fsdp1LoggingConfig>(
+      "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf on one process: the total norm, no clipping.",
+      [](const Fsdp1LoggingConfig& c) {
+        return std::make_shared<Clipper>(Mode::kFsdp1, shared_parts(c.wrapped_model), norm_order(c.norm_type),
+                                         std::numeric_limits<double>::infinity());
+      });
+  r.add<GradientClipper, NormConfig>(
+      "norm", "torch.nn.utils.clip_grad_norm_ over all parts: clips to max_norm, returns the total norm.",
+      [](const NormConfig& c) {
+        return std::make_shared<Clipper>(Mode::kTorch, shared_parts(c.model_parts), norm_order(c.norm_type), c.max_norm);
+      });
+  r.add<GradientClipper, LoggingOnlyConfig>(
+      "logging_only", "The total gradient norm over all parts (torch.nn.utils.get_total_norm); gradients untouched.",
+      [](const LoggingOnlyConfig& c) {
+        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, shared_parts(c.model_parts), norm_order(c.norm_type), 0.0);
+      });
+  r.add<GradientClipper, ValueConfig>(
+      "value", "torch.nn.utils.clip_grad_value_: clamps every gradient element; returns the pre-clip L2 norm.",
+      [](const ValueConfig& c) {
+        return std::make_shared<Clipper>(Mode::kValue, shared_parts(c.model_parts), 2.0, c.clip_value);
+      });
+}
+
+}  // namespace modalities::plugins::gradient_clippers
+
+MODALITIES_PLUGIN(gradient_clippers, "0.1.0", modalities::plugins::gradient_clippers::register_components)
