@@ -23,7 +23,8 @@ inputs = ids[:, :16], targets = ids[:, 1:] with targets[1, 5] = -100.
 
 Outputs (under plugins/gpt2/tests/data/):
   cases.toml       one [<case>] model/gpt2 node per case
-  reference.txt    per case: loss, logits file, the tensors with salt/offset/scale, inv_freq values
+  reference.txt    per case: loss, logits file, the tensors with salt/offset/scale, inv_freq values,
+                   and (fp32 cases) per parameter the L2 norm and sum of d loss / d parameter
   <case>.f32       logits [2, 16, 256], little-endian float32
   <case>.bf16      logits of the bf16 cases, little-endian bfloat16 bit patterns
 
@@ -224,11 +225,16 @@ def main(out_dir: Path):
                 offset, scale = offset_scale(key, shape, wte_scale, cfg["use_weight_tying"])
                 t.copy_(fill_value(salt, shape, offset, scale))
                 lines.append(f"tensor {key} {dims} {salt} {offset!r} {scale!r}")
-            logits = model({"input_ids": inputs})["logits"]
-            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
-        logits.numpy().astype("<f4").tofile(out_dir / f"{name}.f32")
+        logits = model({"input_ids": inputs})["logits"]
+        loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+        loss.backward()
+        grads = []
+        for key, p in model.named_parameters():  # a tied matrix once, as transformer.wte.weight
+            g = p.grad.double()
+            grads.append(f"grad {key} {g.norm().item():.9g} {g.sum().item():.9g}")
+        logits.detach().numpy().astype("<f4").tofile(out_dir / f"{name}.f32")
         manifest.append(f"case {name} float32 {loss.item():.9g} {name}.f32")
-        manifest += lines
+        manifest += lines + grads
         manifest.append("end")
         if with_bf16:
             # Closest Python equivalent of FSDP2's param_dtype=bf16 on one process: the whole

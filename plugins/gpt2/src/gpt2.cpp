@@ -160,6 +160,7 @@ FieldInfo schema_as_field(std::string name, std::string help, std::vector<FieldI
   f.name = std::move(name);
   f.type = "table";
   f.help = std::move(help);
+  f.required = true;
   f.children = std::move(children);
   return f;
 }
@@ -189,9 +190,10 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
     config.required = true;
     config.help = "Settings; the schema depends on norm_type.";
     config.children = {
-        schema_as_field("(layer_norm)", "config for norm_type = layer_norm", Schema<LayerNormFields>::instance().fields()),
-        schema_as_field("(rms_norm)", "config for norm_type = rms_norm", Schema<RmsLayerNormFields>::instance().fields()),
-        schema_as_field("(pytorch_rms_norm)", "config for norm_type = pytorch_rms_norm",
+        schema_as_field("[norm_type = layer_norm] config", "LayerNorm keys", Schema<LayerNormFields>::instance().fields()),
+        schema_as_field("[norm_type = rms_norm] config", "RMSLayerNorm keys",
+                        Schema<RmsLayerNormFields>::instance().fields()),
+        schema_as_field("[norm_type = pytorch_rms_norm] config", "RMSNorm keys",
                         Schema<TorchRmsNormFields>::instance().fields())};
     info.children = {type, config};
   }
@@ -261,7 +263,7 @@ struct Codec<plugins::gpt2::QkvTransformConfig> {
     config.type = "table";
     config.required = true;
     config.help = "IdentityTransform: {}; RotaryTransform: the fields below.";
-    config.children = {schema_as_field("(RotaryTransform)", "config for type_hint = RotaryTransform",
+    config.children = {schema_as_field("[type_hint = RotaryTransform] config", "RoPE keys",
                                        Schema<RotaryFields>::instance().fields())};
     info.children = {type, config};
   }

@@ -3,8 +3,8 @@
 //    configs (cases.toml), the logits and loss Modalities computes with every
 //    state-dict tensor filled by an integer hash (scripts/reference/gpt2_reference.py).
 //    We fill the same values and compare: fp32 logits within 1e-5 absolute, loss
-//    within 1e-5; bf16 mixed precision vs Modalities' model cast to bf16 (tolerances
-//    at the test).
+//    within 1e-5, gradient norms within 1e-5 relative; bf16 mixed precision vs
+//    Modalities' model cast to bf16 (tolerances at the test).
 //  * Structure: FQNs and order, parameter counts of model.md §8, weight-decay groups,
 //    RoPE frequencies of §5, tying, meta device + reset_parameters, clone, errors.
 #include <modalities/sdk/interfaces/module.h>
@@ -78,6 +78,11 @@ struct RefCase {
   std::vector<RefTensor> tensors;                    // filled by the hash
   std::map<std::string, std::string> tied;           // key -> key it shares storage with
   std::map<std::string, std::vector<float>> buffers;  // inv_freq as Modalities computed it
+  struct Grad {
+    std::string key;
+    double norm = 0, sum = 0;
+  };
+  std::vector<Grad> grads;  // d loss / d parameter (fp32 cases), named_parameters order
 };
 
 std::vector<std::int64_t> parse_dims(const std::string& s) {
@@ -119,6 +124,13 @@ const std::vector<RefCase>& reference() {
         ls >> key >> source;
         out.back().keys.push_back(key);
         out.back().tied[key] = source;
+      } else if (kind == "grad") {
+        RefCase::Grad g;
+        std::string norm, sum;
+        ls >> g.key >> norm >> sum;
+        g.norm = std::stod(norm);
+        g.sum = std::stod(sum);
+        out.back().grads.push_back(g);
       } else if (kind == "buffer") {
         std::string key, dims, v;
         ls >> key >> dims;
@@ -201,7 +213,6 @@ TEST(Gpt2ParityTest, Fp32LogitsAndLossMatchModalities) {
     ASSERT_NE(m, nullptr) << h.build_error();
     m->eval();
     fill(*m, c);
-    at::NoGradGuard no_grad;
     const at::Tensor logits = m->forward({{"input_ids", inputs}}).at("logits");
     ASSERT_EQ(logits.scalar_type(), at::kFloat);
     const at::Tensor expected = read_logits(c);
@@ -209,9 +220,28 @@ TEST(Gpt2ParityTest, Fp32LogitsAndLossMatchModalities) {
     // 2.11 vs PyTorch 2.15 may differ in vectorised transcendental/reduction rounding).
     const double diff = max_abs_diff(logits, expected);
     EXPECT_LE(diff, 1e-5) << "max |logits - Modalities| = " << diff;
-    const double loss = clm_loss(logits, targets).item<double>();
+    const at::Tensor loss_t = clm_loss(logits, targets);
+    const double loss = loss_t.item<double>();
     EXPECT_NEAR(loss, c.loss, 1e-5) << "loss " << loss << " vs Modalities " << c.loss;
-    std::printf("[parity fp32] %-48s max|dlogits| = %.3g  loss %.9g vs %.9g\n", c.name.c_str(), diff, loss, c.loss);
+    // Backward: per parameter, the L2 norm of the gradient within 1e-5 relative and its sum
+    // within 1e-5 * sqrt(numel) * norm (the bound of 1e-5 relative error per element).
+    loss_t.backward();
+    const NamedTensors params = m->named_parameters();
+    ASSERT_EQ(params.size(), c.grads.size());
+    double worst = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, p] = params[i];
+      const RefCase::Grad& g = c.grads[i];
+      EXPECT_EQ(name, g.key);
+      ASSERT_TRUE(p.grad().defined()) << name;
+      const at::Tensor gd = p.grad().to(at::kDouble);
+      const double norm = gd.norm().item<double>(), sum = gd.sum().item<double>();
+      EXPECT_NEAR(norm, g.norm, 1e-5 * g.norm + 1e-12) << name;
+      EXPECT_NEAR(sum, g.sum, 1e-5 * std::sqrt(static_cast<double>(p.numel())) * g.norm + 1e-12) << name;
+      worst = std::max(worst, std::abs(norm - g.norm) / (g.norm + 1e-30));
+    }
+    std::printf("[parity fp32] %-48s max|dlogits| = %.3g  loss %.9g vs %.9g  max rel d|grad| = %.3g\n",
+                c.name.c_str(), diff, loss, c.loss, worst);
     ++checked;
   }
   EXPECT_EQ(checked, 7);
