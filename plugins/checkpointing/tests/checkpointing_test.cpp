@@ -321,8 +321,12 @@ const std::string kFolder3 = "eid_exp-seen_steps_3-seen_tokens_96-target_steps_1
 // --- tests ------------------------------------------------------------------------------
 
 TEST(CheckpointingTest, BuildsFromExampleConfig) {
-  testing::Harness h{MODALITIES_TEST_PLUGIN, fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs/example.toml"};
+  testing::Harness h{MODALITIES_TEST_PLUGIN};
+  h.load_plugin(MODALITIES_TEST_LAYER_NORM_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_OPTIMIZERS_PLUGIN);
+  h.set_config_text(testing::read_file(fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs/example.toml"));
   EXPECT_EQ(h.build_error(), "");
+  EXPECT_NE(h.get<AppState>("app_state"), nullptr);
   EXPECT_NE(h.get<CheckpointSaving>("checkpoint_saving"), nullptr);
   EXPECT_NE(h.get<CheckpointLoading>("inference_loading"), nullptr);
   EXPECT_NE(h.get<DistributedCheckpointLoading>("dcp_loading"), nullptr);
@@ -718,6 +722,50 @@ config = { device = 0 }
   ASSERT_NE(opt, nullptr) << b->build_error();
   b->get<CheckpointLoading>("loading")->load_optimizer_checkpoint(*opt, *b->get<Module>("model"), folder());
   EXPECT_DOUBLE_EQ(opt->learning_rates()[0], 0.05);
+}
+
+// Python Modalities -> scripts/convert_checkpoint.py -> this plugin, with the real model and
+// optimizer plugins: the restored AdamW takes the same third step as PyTorch did
+// (fixture and expected values from scripts/reference/make_checkpoint_fixture.py).
+TEST(CheckpointingTest, RestoresAConvertedPyTorchCheckpointIntoAdamW) {
+  const fs::path data = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "tests/data";
+  testing::Harness h{MODALITIES_TEST_PLUGIN};
+  h.load_plugin(MODALITIES_TEST_LAYER_NORM_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_OPTIMIZERS_PLUGIN);
+  h.set_config_text(fmt::format(R"(
+[model]
+component_key = "layer_norm"
+variant_key = "layer_norm"
+config = {{ normalized_shape = 8, eps = 1e-5 }}
+
+[optimizer]
+component_key = "optimizer"
+variant_key = "adam_w"
+config = {{ wrapped_model = {{ instance_key = "model", pass_type = "BY_REFERENCE" }}, lr = 0.5, betas = [0.9, 0.95], eps = 1e-8, weight_decay = 0.1, weight_decay_groups_excluded = [] }}
+
+[app_state]
+component_key = "app_state"
+variant_key = "dcp"
+
+[app_state.config]
+checkpoint_dir_path = "{}"
+raw_app_state = {{ component_key = "app_state", variant_key = "raw", config = {{ model = {{ instance_key = "model", pass_type = "BY_REFERENCE" }}, optimizer = {{ instance_key = "optimizer", pass_type = "BY_REFERENCE" }} }} }}
+)",
+                                (data / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320").string()));
+  auto app = h.get<AppState>("app_state");
+  ASSERT_NE(app, nullptr) << h.build_error();
+  const StateDict expected = formats::read_safetensors(data / "after_step_3.safetensors");
+  EXPECT_DOUBLE_EQ(app->optimizer()->learning_rates()[0], expected.at("lr").item<double>());  // restored from the checkpoint
+  auto model = app->model_parts()[0];
+  const torch::Tensor x = torch::linspace(-1.0, 1.0, 24).reshape({3, 8});
+  app->optimizer()->zero_grad();
+  (model->forward({{"input", x}}).at("output") * torch::arange(1.0, 9.0) * 3.0).sum().backward();
+  app->optimizer()->step();
+  for (const char* name : {"weight", "bias"}) {
+    const torch::Tensor got = model->state_dict().at(name), want = expected.at(name);
+    EXPECT_TRUE(torch::allclose(got, want, /*rtol=*/0, /*atol=*/1e-6))
+        << name << ": max diff " << (got - want).abs().max().item<double>();
+  }
 }
 
 TEST(CheckpointingTest, TorchLoadingValidatesItsConfig) {
