@@ -294,7 +294,7 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
     if (dcp)
       throw Error(fmt::format("checkpoint folder '{}' is a PyTorch Distributed Checkpoint (written by Python "
                               "Modalities), which LibTorch cannot read\n  hint: convert it with "
-                              "scripts/convert_checkpoint.py dcp-to-modalities <folder> <new folder>",
+                              "scripts/convert_checkpoint.py dcp-to-modalities <DCP folder> <checkpoint_path>",
                               where));
     throw Error(fmt::format("'{}' is not a Modalities C++ checkpoint folder: {} is missing", where, kManifestFile));
   }
