@@ -90,9 +90,9 @@ struct AdamConfig {
     s.field("lr", &AdamConfig::lr, "Learning rate of every group (schedulers change it later).")
         .required()
         .non_negative();
-    s.field("betas", &AdamConfig::betas, "(beta1, beta2): decay rates of the first and second moments.")
+    s.field("betas", &AdamConfig::betas, "(beta1, beta2), each in [0, 1): decay rates of the first and second moments.")
         .required()
-        .in_closed(0.0, 1.0);
+        .non_negative();
     s.field("eps", &AdamConfig::eps, "Added to the denominator sqrt(v_hat).").required().non_negative();
     s.field("weight_decay", &AdamConfig::weight_decay,
             "Weight decay of the decayed group (L2 for adam, decoupled for adam_w).")
@@ -109,7 +109,7 @@ struct AdamConfig {
             "PyTorch's fused Adam kernel (CPU and CUDA; rounding differs slightly from the unfused paths).");
     s.rule([](const AdamConfig& c, ParseContext& ctx) {
       for (std::size_t i = 0; i < 2; ++i)
-        if (c.betas[i] >= 1.0) ctx.fail(fmt::format("betas[{}]", i), fmt::format("must be in [0, 1), got {}", c.betas[i]));
+        if (c.betas[i] >= 1.0) ctx.fail(fmt::format("betas[{}]", i), fmt::format("must be in [0, 1), got {}", format_float(c.betas[i])));
       if (c.fused.value_or(false) && c.foreach.value_or(false))
         ctx.fail("fused", "`fused` and `foreach` cannot both be true (as in PyTorch); drop one of them");
     });
