@@ -91,8 +91,10 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
   for (const at::Tensor& t : tensors) {
     const std::pair key{t.device(), t.scalar_type()};
     auto it = std::find_if(buckets.begin(), buckets.end(), [&](const auto& b) { return b.first == key; });
-    if (it == buckets.end()) buckets.push_back({key, {t}});
-    else it->second.push_back(t);
+    if (it == buckets.end())
+      buckets.push_back({key, {t}});
+    else
+      it->second.push_back(t);
   }
   std::vector<std::vector<at::Tensor>> out;
   for (auto& b : buckets) out.push_back(std::move(b.second));
@@ -160,7 +162,8 @@ class Clipper final : public GradientClipper {
         scale(grads, limit_, total, /*cast_coef=*/false);
         return total;
       }
-      case Mode::kTorchLoggingOnly: return total_norm(grads, order_);
+      case Mode::kTorchLoggingOnly:
+        return total_norm(grads, order_);
       case Mode::kValue: {
         const at::Tensor total = total_norm(grads, 2.0);
         for (const auto& bucket : by_device_and_dtype(grads)) {
@@ -204,7 +207,8 @@ struct Fsdp1LoggingConfig {
   ModuleParts wrapped_model;
   std::string norm_type;
   static void describe(Schema<Fsdp1LoggingConfig>& s) {
-    s.field("wrapped_model", &Fsdp1LoggingConfig::wrapped_model, "The model whose gradient norm is computed.").required();
+    s.field("wrapped_model", &Fsdp1LoggingConfig::wrapped_model, "The model whose gradient norm is computed.")
+        .required();
     norm_type_field(s);
   }
 };
@@ -226,7 +230,8 @@ struct LoggingOnlyConfig {
   ModuleParts model_parts;
   std::string norm_type;
   static void describe(Schema<LoggingOnlyConfig>& s) {
-    s.field("model_parts", &LoggingOnlyConfig::model_parts, "Model or list of model parts whose gradient norm is computed.")
+    s.field("model_parts", &LoggingOnlyConfig::model_parts,
+            "Model or list of model parts whose gradient norm is computed.")
         .required()
         .alias("wrapped_model");
     norm_type_field(s);
@@ -252,7 +257,8 @@ void register_components(Registrar& r) {
   r.add<GradientClipper, Fsdp1Config>(
       "fsdp1", "FSDP1 clip_grad_norm_ on one process: clips to max_norm, returns the total norm.",
       [](const Fsdp1Config& c) {
-        return std::make_shared<Clipper>(Mode::kFsdp1, shared_parts(c.wrapped_model), norm_order(c.norm_type), c.max_norm);
+        return std::make_shared<Clipper>(Mode::kFsdp1, shared_parts(c.wrapped_model), norm_order(c.norm_type),
+                                         c.max_norm);
       });
   r.add<GradientClipper, Fsdp1LoggingConfig>(
       "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf on one process: the total norm, no clipping.",
@@ -263,12 +269,14 @@ void register_components(Registrar& r) {
   r.add<GradientClipper, NormConfig>(
       "norm", "torch.nn.utils.clip_grad_norm_ over all parts: clips to max_norm, returns the total norm.",
       [](const NormConfig& c) {
-        return std::make_shared<Clipper>(Mode::kTorch, shared_parts(c.model_parts), norm_order(c.norm_type), c.max_norm);
+        return std::make_shared<Clipper>(Mode::kTorch, shared_parts(c.model_parts), norm_order(c.norm_type),
+                                         c.max_norm);
       });
   r.add<GradientClipper, LoggingOnlyConfig>(
       "logging_only", "The total gradient norm over all parts (torch.nn.utils.get_total_norm); gradients untouched.",
       [](const LoggingOnlyConfig& c) {
-        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, shared_parts(c.model_parts), norm_order(c.norm_type), 0.0);
+        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, shared_parts(c.model_parts), norm_order(c.norm_type),
+                                         0.0);
       });
   r.add<GradientClipper, ValueConfig>(
       "value", "torch.nn.utils.clip_grad_value_: clamps every gradient element; returns the pre-clip L2 norm.",

@@ -91,7 +91,8 @@ class ClipperTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto problem = h.registry().register_plugin({"clipper_test_fakes", "0.0.0", {}, {}, {}}, [](Registrar& r) {
-      r.add<Module, ProbeConfig>("grad_probe", "test model", [](const ProbeConfig&) { return std::make_shared<Probe>(); });
+      r.add<Module, ProbeConfig>("grad_probe", "test model",
+                                 [](const ProbeConfig&) { return std::make_shared<Probe>(); });
     });
     ASSERT_FALSE(problem.has_value()) << *problem;
   }
@@ -203,11 +204,13 @@ TEST_F(ClipperTest, NonFiniteNormsAreReturnedNotThrown) {
 TEST_F(ClipperTest, Bf16GradientsKeepTheirDtype) {
   const RefClipCase& c = kClipCases[2];  // P2_NORM, max_norm 1
   ASSERT_EQ(c.norm_type, "P2_NORM");
-  auto [norm, grads] = clip("norm", fmt::format(R"({}, max_norm = 1.0, norm_type = "P2_NORM")", kPartsRef), at::kBFloat16);
+  auto [norm, grads] =
+      clip("norm", fmt::format(R"({}, max_norm = 1.0, norm_type = "P2_NORM")", kPartsRef), at::kBFloat16);
   EXPECT_EQ(norm.scalar_type(), at::kBFloat16);
   EXPECT_NEAR(norm.item<double>(), c.total, c.total * 1e-2);
   EXPECT_EQ(grads[0].scalar_type(), at::kBFloat16);
-  auto [norm1, grads1] = clip("fsdp1", fmt::format(R"({}, max_norm = 1.0, norm_type = "P2_NORM")", kModelRef), at::kBFloat16);
+  auto [norm1, grads1] =
+      clip("fsdp1", fmt::format(R"({}, max_norm = 1.0, norm_type = "P2_NORM")", kModelRef), at::kBFloat16);
   EXPECT_EQ(norm1.scalar_type(), at::kBFloat16);  // fp32 internally, returned in the gradients' dtype
   EXPECT_NEAR(norm1.item<double>(), c.total, c.total * 1e-2);
   EXPECT_NEAR((grads1[0].to(at::kFloat) - floats(c.clipped[0])).abs().max().item<double>(), 0.0, 1e-2);
@@ -215,7 +218,11 @@ TEST_F(ClipperTest, Bf16GradientsKeepTheirDtype) {
 
 TEST_F(ClipperTest, ModelPartsAreClippedTogether) {
   const RefClipCase& c = kClipCases[2];  // P2_NORM, max_norm 1
-  h.set_config_text(config_text("norm", R"(model_parts = [{ instance_key = "model", pass_type = "BY_REFERENCE" }, { instance_key = "model2", pass_type = "BY_REFERENCE" }], max_norm = 1.0, norm_type = "P2_NORM")") + R"(
+  h.set_config_text(
+      config_text(
+          "norm",
+          R"(model_parts = [{ instance_key = "model", pass_type = "BY_REFERENCE" }, { instance_key = "model2", pass_type = "BY_REFERENCE" }], max_norm = 1.0, norm_type = "P2_NORM")") +
+      R"(
 [model2]
 component_key = "model"
 variant_key = "grad_probe"
@@ -242,7 +249,8 @@ TEST_F(ClipperTest, BadConfigsNameTheField) {
   h.set_config_text(config_text("norm", kPartsRef + R"(, max_norm = -1.0, norm_type = "P2_NORM")"));
   EXPECT_THAT(h.build_error(), HasSubstr("clipper.config.max_norm"));
   h.set_config_text(config_text("fsdp1_logging_only", kModelRef + R"(, norm_type = "P3_NORM")"));
-  EXPECT_THAT(h.build_error(), AllOf(HasSubstr("clipper.config.norm_type"), HasSubstr("'P1_NORM', 'P2_NORM', 'MAX_NORM'")));
+  EXPECT_THAT(h.build_error(),
+              AllOf(HasSubstr("clipper.config.norm_type"), HasSubstr("'P1_NORM', 'P2_NORM', 'MAX_NORM'")));
   h.set_config_text(config_text("logging_only", kPartsRef));
   EXPECT_THAT(h.build_error(), HasSubstr("clipper.config.norm_type"));
   h.set_config_text(config_text("value", kPartsRef + ", clip_value = 0"));

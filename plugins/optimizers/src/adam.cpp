@@ -109,7 +109,8 @@ struct AdamConfig {
             "PyTorch's fused Adam kernel (CPU and CUDA; rounding differs slightly from the unfused paths).");
     s.rule([](const AdamConfig& c, ParseContext& ctx) {
       for (std::size_t i = 0; i < 2; ++i)
-        if (c.betas[i] >= 1.0) ctx.fail(fmt::format("betas[{}]", i), fmt::format("must be in [0, 1), got {}", format_float(c.betas[i])));
+        if (c.betas[i] >= 1.0)
+          ctx.fail(fmt::format("betas[{}]", i), fmt::format("must be in [0, 1), got {}", format_float(c.betas[i])));
       if (c.fused.value_or(false) && c.foreach.value_or(false))
         ctx.fail("fused", "`fused` and `foreach` cannot both be true (as in PyTorch); drop one of them");
     });
@@ -173,11 +174,11 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
   for (const auto& [name, _] : declared) declared_names.push_back(name);
   for (const auto& name : excluded)
     if (!declared.contains(name))
-      ctx.warn(fmt::format("weight_decay_groups_excluded: group '{}' is not a weight-decay group of {} (its groups: "
-                           "{}); this can be fine for a pipeline stage",
-                           name, origin, declared_names.empty() ? "none" : quoted_list(declared_names)));
-  if (trainable.empty())
-    throw ConfigError("wrapped_model", fmt::format("{} has no trainable parameters", origin));
+      ctx.warn(
+          fmt::format("weight_decay_groups_excluded: group '{}' is not a weight-decay group of {} (its groups: "
+                      "{}); this can be fine for a pipeline stage",
+                      name, origin, declared_names.empty() ? "none" : quoted_list(declared_names)));
+  if (trainable.empty()) throw ConfigError("wrapped_model", fmt::format("{} has no trainable parameters", origin));
 
   // Declared groups in the model's order (std::map: by name). Order inside a group only decides
   // the order of the update, never its result.
@@ -189,8 +190,8 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
       try {
         regexes.emplace_back(pattern, std::regex::ECMAScript);
       } catch (const std::regex_error& e) {
-        throw Error(fmt::format("{}: weight-decay group '{}' has an invalid regex '{}': {}", origin, group, pattern,
-                                e.what()));
+        throw Error(
+            fmt::format("{}: weight-decay group '{}' has an invalid regex '{}': {}", origin, group, pattern, e.what()));
       }
     }
     const bool is_excluded = std::find(excluded.begin(), excluded.end(), group) != excluded.end();
@@ -204,12 +205,12 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
   }
   for (const PartGroup* g : {&decayed, &not_decayed})
     if (g->params.empty())
-      throw ConfigError("weight_decay_groups_excluded",
-                        fmt::format("optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
-                                    "weight-decay group (model groups: {}; excluded: {})",
-                                    g->name, origin, g == &decayed ? "non-excluded" : "excluded",
-                                    declared_names.empty() ? "none" : quoted_list(declared_names),
-                                    quoted_list(excluded)));
+      throw ConfigError(
+          "weight_decay_groups_excluded",
+          fmt::format("optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
+                      "weight-decay group (model groups: {}; excluded: {})",
+                      g->name, origin, g == &decayed ? "non-excluded" : "excluded",
+                      declared_names.empty() ? "none" : quoted_list(declared_names), quoted_list(excluded)));
   std::int64_t grouped = 0;
   for (const PartGroup* g : {&decayed, &not_decayed})
     for (const auto& [_, p] : g->params) grouped += p.numel();
@@ -220,12 +221,12 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
       if (n == 0) unmatched.push_back(name);
       if (n > 1) twice.push_back(name);
     }
-    throw ConfigError("weight_decay_groups_excluded",
-                      fmt::format("inconsistent number of parameters after the split into optimizer groups of {}: "
-                                  "found {}, should be {}; matched by no weight-decay group: {}; matched by several: {}",
-                                  origin, count_with_commas(grouped), count_with_commas(trainable_numel),
-                                  unmatched.empty() ? "none" : quoted_list(unmatched),
-                                  twice.empty() ? "none" : quoted_list(twice)));
+    throw ConfigError(
+        "weight_decay_groups_excluded",
+        fmt::format("inconsistent number of parameters after the split into optimizer groups of {}: "
+                    "found {}, should be {}; matched by no weight-decay group: {}; matched by several: {}",
+                    origin, count_with_commas(grouped), count_with_commas(trainable_numel),
+                    unmatched.empty() ? "none" : quoted_list(unmatched), twice.empty() ? "none" : quoted_list(twice)));
   }
   return {std::move(decayed), std::move(not_decayed)};
 }
@@ -238,8 +239,10 @@ std::vector<std::vector<Item*>> bucket(const std::vector<Item*>& items, Key key)
   for (Item* item : items) {
     const auto k = key(*item);
     auto it = std::find_if(buckets.begin(), buckets.end(), [&](const auto& b) { return b.first == k; });
-    if (it == buckets.end()) buckets.push_back({k, {item}});
-    else it->second.push_back(item);
+    if (it == buckets.end())
+      buckets.push_back({k, {item}});
+    else
+      it->second.push_back(item);
   }
   std::vector<std::vector<Item*>> out;
   for (auto& b : buckets) out.push_back(std::move(b.second));
@@ -254,7 +257,8 @@ class Adam final : public Optimizer {
     std::set<const c10::TensorImpl*> seen;
     for (const auto& part : c.wrapped_model.parts) {
       parts_.push_back(part.shared());
-      for (auto& pg : split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
+      for (auto& pg :
+           split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
         Group g;
         g.name = pg.name;
         g.lr = c.lr;
@@ -264,9 +268,10 @@ class Adam final : public Optimizer {
         g.weight_decay = pg.weight_decay;
         for (auto& [name, tensor] : pg.params) {
           if (!seen.insert(tensor.unsafeGetTensorImpl()).second) {
-            ctx.warn(fmt::format("parameter '{}' of {} is the same tensor as an earlier parameter (tied weights); "
-                                 "it is optimized once",
-                                 name, part.origin()));
+            ctx.warn(
+                fmt::format("parameter '{}' of {} is the same tensor as an earlier parameter (tied weights); "
+                            "it is optimized once",
+                            name, part.origin()));
             continue;
           }
           if (auto [it, fresh] = owner.emplace(name, part.origin()); !fresh)
@@ -297,17 +302,24 @@ class Adam final : public Optimizer {
         Param& p = params_[i];
         const at::Tensor& grad = p.tensor.grad();
         if (!grad.defined()) continue;
-        MODALITIES_CHECK(!grad.is_sparse(), "optimizer: parameter '{}' has a sparse gradient; Adam does not support "
-                                            "sparse gradients",
+        MODALITIES_CHECK(!grad.is_sparse(),
+                         "optimizer: parameter '{}' has a sparse gradient; Adam does not support "
+                         "sparse gradients",
                          p.fqn);
         if (!p.step.defined()) init_state(p);
         active.push_back(&p);
       }
       if (active.empty()) continue;
       switch (impl_) {
-        case Impl::kSingleTensor: single_tensor_step(g, active); break;
-        case Impl::kForeach: foreach_step(g, active); break;
-        case Impl::kFused: fused_step(g, active); break;
+        case Impl::kSingleTensor:
+          single_tensor_step(g, active);
+          break;
+        case Impl::kForeach:
+          foreach_step(g, active);
+          break;
+        case Impl::kFused:
+          fused_step(g, active);
+          break;
       }
     }
   }
@@ -319,8 +331,10 @@ class Adam final : public Optimizer {
       if (set_to_none) {
         grad.reset();
       } else {
-        if (grad.grad_fn()) grad = grad.detach();
-        else grad.requires_grad_(false);
+        if (grad.grad_fn())
+          grad = grad.detach();
+        else
+          grad.requires_grad_(false);
         grad.zero_();
       }
     }
@@ -345,8 +359,10 @@ class Adam final : public Optimizer {
 
   void set_group_option(std::size_t group, std::string_view name, double value) override {
     Group& g = group_at(group);
-    if (double* known = known_option(g, name)) *known = value;
-    else g.extra.insert_or_assign(std::string(name), value);
+    if (double* known = known_option(g, name))
+      *known = value;
+    else
+      g.extra.insert_or_assign(std::string(name), value);
   }
 
   // See Note [Optimizer state dict keys] in optimizer.h. State tensors alias the live state.
@@ -400,40 +416,44 @@ class Adam final : public Optimizer {
     }
     if (!unknown.empty())
       throw Error(fmt::format("optimizer state dict: {} key(s) name no parameter or entry of this optimizer, e.g. {}",
-                              unknown.size(), quoted_list(std::span(unknown).first(std::min<std::size_t>(3, unknown.size())))));
+                              unknown.size(),
+                              quoted_list(std::span(unknown).first(std::min<std::size_t>(3, unknown.size())))));
     std::vector<std::string> missing;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const Param& p = params_[i];
       if (!loaded[i].options.contains("lr")) missing.push_back(fmt::format("param_groups.{}.lr", p.fqn));
       const std::size_t n = loaded[i].state.size();
       MODALITIES_CHECK(n == 0 || n == kStateNames.size(),
-                       "optimizer state dict: parameter '{}' has {} of the state entries step, exp_avg, exp_avg_sq", p.fqn,
-                       n);
+                       "optimizer state dict: parameter '{}' has {} of the state entries step, exp_avg, exp_avg_sq",
+                       p.fqn, n);
       for (const char* name : {"exp_avg", "exp_avg_sq"})
         if (n > 0 && !loaded[i].state.at(name).sizes().equals(p.tensor.sizes()))
           throw Error(fmt::format("optimizer state dict: state.{}.{} has shape {}, the parameter has shape {}", p.fqn,
                                   name, loaded[i].state.at(name).sizes(), p.tensor.sizes()));
       if (n > 0)
-        MODALITIES_CHECK(loaded[i].state.at("step").numel() == 1, "optimizer state dict: state.{}.step must hold one number",
-                         p.fqn);
+        MODALITIES_CHECK(loaded[i].state.at("step").numel() == 1,
+                         "optimizer state dict: state.{}.step must hold one number", p.fqn);
     }
     if (!missing.empty())
       throw Error(fmt::format("optimizer state dict: {} parameter(s) of this optimizer are missing, e.g. {}",
-                              missing.size(), quoted_list(std::span(missing).first(std::min<std::size_t>(3, missing.size())))));
+                              missing.size(),
+                              quoted_list(std::span(missing).first(std::min<std::size_t>(3, missing.size())))));
     for (const Group& g : groups_) {
       if (g.params.empty()) continue;
       const auto& first = loaded[g.params.front()].options;
       for (std::size_t i : g.params)
         if (loaded[i].options != first)
-          throw Error(fmt::format("optimizer state dict: parameters '{}' and '{}' are in one group ('{}') here but "
-                                  "have different group options in the state dict",
-                                  params_[g.params.front()].fqn, params_[i].fqn, g.name));
+          throw Error(
+              fmt::format("optimizer state dict: parameters '{}' and '{}' are in one group ('{}') here but "
+                          "have different group options in the state dict",
+                          params_[g.params.front()].fqn, params_[i].fqn, g.name));
     }
     // Everything checked: apply.
     at::NoGradGuard no_grad;
     for (Group& g : groups_) {
       if (g.params.empty()) continue;
-      for (const auto& [name, value] : loaded[g.params.front()].options) set_group_option(&g - groups_.data(), name, value);
+      for (const auto& [name, value] : loaded[g.params.front()].options)
+        set_group_option(&g - groups_.data(), name, value);
     }
     for (std::size_t i = 0; i < params_.size(); ++i) {
       Param& p = params_[i];
@@ -493,8 +513,10 @@ class Adam final : public Optimizer {
       at::Tensor grad = param.grad();
       p->step.add_(1);
       if (g.weight_decay != 0) {
-        if (decoupled_) param.mul_(1 - g.lr * g.weight_decay);
-        else grad = grad.add(param, g.weight_decay);
+        if (decoupled_)
+          param.mul_(1 - g.lr * g.weight_decay);
+        else
+          grad = grad.add(param, g.weight_decay);
       }
       p->exp_avg.lerp_(grad, 1 - g.beta1);
       p->exp_avg_sq.mul_(g.beta2).addcmul_(grad, grad, 1 - g.beta2);
@@ -510,7 +532,9 @@ class Adam final : public Optimizer {
 
   // torch.optim.adam._multi_tensor_adam (capturable = false), one bucket per (device, dtype).
   void foreach_step(const Group& g, const std::vector<Param*>& active) const {
-    for (const auto& b : bucket(active, [](const Param& p) { return std::pair{p.tensor.device(), p.tensor.scalar_type()}; })) {
+    for (const auto& b : bucket(active, [](const Param& p) {
+           return std::pair{p.tensor.device(), p.tensor.scalar_type()};
+         })) {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
       for (Param* p : b) {
         params.push_back(p->tensor);
@@ -521,8 +545,10 @@ class Adam final : public Optimizer {
       }
       at::_foreach_add_(steps, 1);
       if (g.weight_decay != 0) {
-        if (decoupled_) at::_foreach_mul_(params, 1 - g.lr * g.weight_decay);
-        else grads = at::_foreach_add(grads, params, g.weight_decay);
+        if (decoupled_)
+          at::_foreach_mul_(params, 1 - g.lr * g.weight_decay);
+        else
+          grads = at::_foreach_add(grads, params, g.weight_decay);
       }
       at::_foreach_lerp_(exp_avgs, grads, 1 - g.beta1);
       at::_foreach_mul_(exp_avg_sqs, g.beta2);
@@ -544,7 +570,9 @@ class Adam final : public Optimizer {
 
   // torch.optim.adam._fused_adam: PyTorch's fused kernels.
   void fused_step(const Group& g, const std::vector<Param*>& active) const {
-    for (const auto& b : bucket(active, [](const Param& p) { return std::pair{p.tensor.device(), p.tensor.scalar_type()}; })) {
+    for (const auto& b : bucket(active, [](const Param& p) {
+           return std::pair{p.tensor.device(), p.tensor.scalar_type()};
+         })) {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
       for (Param* p : b) {
         params.push_back(p->tensor);
@@ -555,7 +583,8 @@ class Adam final : public Optimizer {
       }
       at::_foreach_add_(steps, 1);
       if (decoupled_)
-        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay, g.eps,
+        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay,
+                          g.eps,
                           /*amsgrad=*/false, /*maximize=*/false);
       else
         at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay, g.eps,
@@ -575,10 +604,13 @@ class Adam final : public Optimizer {
 
 void register_components(Registrar& r) {
   r.add<Optimizer, AdamConfig>(
-      "adam", "Adam (weight decay as L2 on the gradient) over Modalities' weight-decay groups; bit-identical to torch.optim.Adam.",
+      "adam",
+      "Adam (weight decay as L2 on the gradient) over Modalities' weight-decay groups; bit-identical to "
+      "torch.optim.Adam.",
       [](const AdamConfig& c, BuildContext& ctx) { return std::make_shared<Adam>(c, /*decoupled=*/false, ctx); });
   r.add<Optimizer, AdamConfig>(
-      "adam_w", "AdamW (decoupled weight decay) over Modalities' weight-decay groups; bit-identical to torch.optim.AdamW.",
+      "adam_w",
+      "AdamW (decoupled weight decay) over Modalities' weight-decay groups; bit-identical to torch.optim.AdamW.",
       [](const AdamConfig& c, BuildContext& ctx) { return std::make_shared<Adam>(c, /*decoupled=*/true, ctx); });
 }
 

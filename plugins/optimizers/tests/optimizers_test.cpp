@@ -10,8 +10,8 @@
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gmock/gmock.h>
@@ -78,7 +78,8 @@ class TinyGpt final : public Module {
     for (const RefParam& p : kParams) {
       const bool frozen = std::find(c.frozen.begin(), c.frozen.end(), p.name) != c.frozen.end();
       const auto dot = p.name.rfind('.');
-      submodule(p.name.substr(0, dot))->register_parameter(p.name.substr(dot + 1), to_tensor(p.values, p.shape), !frozen);
+      submodule(p.name.substr(0, dot))
+          ->register_parameter(p.name.substr(dot + 1), to_tensor(p.values, p.shape), !frozen);
     }
   }
   TensorMap forward(const TensorMap&) override { throw Error("tiny_gpt has no forward"); }
@@ -164,8 +165,8 @@ void set_grads(const Module& m, std::size_t step) {
   const at::Tensor diff = (actual.to(at::kDouble) - expected.to(at::kDouble)).abs();
   const at::Tensor rel = diff / expected.to(at::kDouble).abs().clamp_min(1e-30);
   return ::testing::AssertionFailure() << what << ": max abs diff " << diff.max().item<double>() << ", max rel diff "
-                                       << rel.max().item<double>() << ", " << at::ne(actual, expected).sum().item<int64_t>()
-                                       << " element(s) differ";
+                                       << rel.max().item<double>() << ", "
+                                       << at::ne(actual, expected).sum().item<int64_t>() << " element(s) differ";
 }
 
 class OptimizerTest : public ::testing::Test {
@@ -217,8 +218,8 @@ TEST_F(OptimizerTest, BuildsFromExampleConfig) {
 // Every reference case on every path that must reproduce it bit for bit.
 TEST_F(OptimizerTest, MatchesTorchOptimBitForBit) {
   for (const RefOptCase& c : kOptCases) {
-    const std::vector<std::string> impls =
-        c.fused ? std::vector<std::string>{"fused = true"} : std::vector<std::string>{"foreach = false", "foreach = true", ""};
+    const std::vector<std::string> impls = c.fused ? std::vector<std::string>{"fused = true"}
+                                                   : std::vector<std::string>{"foreach = false", "foreach = true", ""};
     for (const std::string& impl : impls) {
       SCOPED_TRACE(c.name + " [" + impl + "]");
       h.set_config_text(config_text(c.variant, c.weight_decay, c.excluded, impl));
@@ -242,7 +243,8 @@ TEST_F(OptimizerTest, WeightDecayGroupsFollowTheModelsRegexes) {
   EXPECT_EQ(opt->group_option(1, "weight_decay"), 0.0);
   const StateDict sd = opt->state_dict();
   // Decayed: attention, MLP, lm_head; not decayed: embeddings and norms.
-  for (const char* name : {"transformer.h.0.attn.q_attn.weight", "transformer.h.0.mlp.W.bias", "transformer.lm_head.weight"})
+  for (const char* name :
+       {"transformer.h.0.attn.q_attn.weight", "transformer.h.0.mlp.W.bias", "transformer.lm_head.weight"})
     EXPECT_EQ(sd.at(fmt::format("param_groups.{}.weight_decay", name)).item<double>(), 0.1) << name;
   for (const char* name : {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attention_norm.bias",
                            "transformer.lm_head_norm.weight"})
@@ -250,7 +252,8 @@ TEST_F(OptimizerTest, WeightDecayGroupsFollowTheModelsRegexes) {
 }
 
 TEST_F(OptimizerTest, OneGroupWhenWeightDecayIsZeroOrNothingIsExcluded) {
-  for (auto [wd, excluded] : {std::pair{0.0, std::vector<std::string>{"embedding"}}, std::pair{0.1, std::vector<std::string>{}}}) {
+  for (auto [wd, excluded] :
+       {std::pair{0.0, std::vector<std::string>{"embedding"}}, std::pair{0.1, std::vector<std::string>{}}}) {
     h.set_config_text(config_text("adam", wd, excluded));
     auto opt = h.get<Optimizer>("optimizer");
     ASSERT_NE(opt, nullptr);
@@ -260,7 +263,8 @@ TEST_F(OptimizerTest, OneGroupWhenWeightDecayIsZeroOrNothingIsExcluded) {
 }
 
 TEST_F(OptimizerTest, FrozenParametersAreNotOptimized) {
-  h.set_config_text(config_text("adam_w", 0.1, {"embedding", "layernorm"}, "", R"(frozen = ["transformer.wpe.weight"])"));
+  h.set_config_text(
+      config_text("adam_w", 0.1, {"embedding", "layernorm"}, "", R"(frozen = ["transformer.wpe.weight"])"));
   auto opt = h.get<Optimizer>("optimizer");
   ASSERT_NE(opt, nullptr) << h.build_error();
   EXPECT_FALSE(opt->state_dict().contains("param_groups.transformer.wpe.weight.lr"));
@@ -273,7 +277,8 @@ TEST_F(OptimizerTest, UnknownExcludedGroupWarns) {
   std::vector<std::string> lines;
   graph.build([&](const std::string& line) { lines.push_back(line); });
   bool warned = false;
-  for (const auto& line : lines) warned = warned || (line.find("warning") != std::string::npos && line.find("'rotary'") != std::string::npos);
+  for (const auto& line : lines)
+    warned = warned || (line.find("warning") != std::string::npos && line.find("'rotary'") != std::string::npos);
   EXPECT_TRUE(warned) << fmt::format("{}", fmt::join(lines, "\n"));
 }
 
@@ -287,13 +292,16 @@ TEST_F(OptimizerTest, EmptyGroupIsAnError) {
 
 TEST_F(OptimizerTest, ParametersMatchedTwiceOrNeverAreAnError) {
   // No group matches the MLP: its two tensors are missing from the split.
-  h.set_config_text(config_text("adam_w", 0.1, {"embedding"}, "",
-                                R"(groups = { linear = [".attn", ".lm_head.weight"], embedding = [".wte", ".wpe"], norms = ["_norm"] })"));
-  EXPECT_THAT(h.build_error(), AllOf(HasSubstr("inconsistent number of parameters"), HasSubstr("found 108, should be 138"),
-                                     HasSubstr("'transformer.h.0.mlp.W.weight'")));
+  h.set_config_text(config_text(
+      "adam_w", 0.1, {"embedding"}, "",
+      R"(groups = { linear = [".attn", ".lm_head.weight"], embedding = [".wte", ".wpe"], norms = ["_norm"] })"));
+  EXPECT_THAT(h.build_error(),
+              AllOf(HasSubstr("inconsistent number of parameters"), HasSubstr("found 108, should be 138"),
+                    HasSubstr("'transformer.h.0.mlp.W.weight'")));
   // ".weight" matches nearly everything a second time.
-  h.set_config_text(config_text("adam_w", 0.1, {"embedding"}, "",
-                                R"(groups = { linear = [".attn", ".mlp", ".lm_head.weight"], embedding = [".wte", ".wpe"], other = ["_norm", "weight"] })"));
+  h.set_config_text(config_text(
+      "adam_w", 0.1, {"embedding"}, "",
+      R"(groups = { linear = [".attn", ".mlp", ".lm_head.weight"], embedding = [".wte", ".wpe"], other = ["_norm", "weight"] })"));
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("matched by several"), HasSubstr("'transformer.wte.weight'")));
 }
 
@@ -447,10 +455,12 @@ config = {}
   std::string text = config_text("adam_w", 0.1, {"embedding", "layernorm"}) + second_model;
   // Two parts with the same parameter names: state is keyed by name, so this is an error.
   std::string two = text;
-  two.replace(two.find(ref), ref.size(),
-              R"(wrapped_model = [{ instance_key = "model", pass_type = "BY_REFERENCE" }, { instance_key = "model2", pass_type = "BY_REFERENCE" }])");
+  two.replace(
+      two.find(ref), ref.size(),
+      R"(wrapped_model = [{ instance_key = "model", pass_type = "BY_REFERENCE" }, { instance_key = "model2", pass_type = "BY_REFERENCE" }])");
   h.set_config_text(two);
-  EXPECT_THAT(h.build_error(), AllOf(HasSubstr("optimizer.config.wrapped_model"), HasSubstr("occurs in two model parts")));
+  EXPECT_THAT(h.build_error(),
+              AllOf(HasSubstr("optimizer.config.wrapped_model"), HasSubstr("occurs in two model parts")));
   std::string one = text;
   one.replace(one.find(ref), ref.size(), R"(wrapped_model = [{ instance_key = "model", pass_type = "BY_REFERENCE" }])");
   h.set_config_text(one);
@@ -467,8 +477,17 @@ TEST_F(OptimizerTest, StepTimeOfTheTutorialModelSize) {
       root = std::make_shared<torch::nn::Module>("Big");
       std::vector<std::vector<std::int64_t>> shapes = {{50304, 128}};
       for (int l = 0; l < 2; ++l)
-        for (auto s : std::vector<std::vector<std::int64_t>>{{128}, {128}, {128}, {128}, {128, 128}, {64, 128}, {64, 128},
-                                                             {128, 128}, {256, 128}, {256, 128}, {128, 256}})
+        for (auto s : std::vector<std::vector<std::int64_t>>{{128},
+                                                             {128},
+                                                             {128},
+                                                             {128},
+                                                             {128, 128},
+                                                             {64, 128},
+                                                             {64, 128},
+                                                             {128, 128},
+                                                             {256, 128},
+                                                             {256, 128},
+                                                             {128, 256}})
           shapes.push_back(s);
       shapes.insert(shapes.end(), {{128}, {128}, {50304, 128}});
       for (std::size_t i = 0; i < shapes.size(); ++i) {

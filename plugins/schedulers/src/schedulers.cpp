@@ -52,7 +52,9 @@ struct Codec<plugins::schedulers::FloatOrList> {
     return Codec<double>::parse(v, out.values[0], path, ctx);
   }
   static std::string repr(const plugins::schedulers::FloatOrList& x) {
-    return x.is_list ? Codec<std::vector<double>>::repr(x.values) : x.values.empty() ? "null" : format_float(x.values[0]);
+    return x.is_list          ? Codec<std::vector<double>>::repr(x.values)
+           : x.values.empty() ? "null"
+                              : format_float(x.values[0]);
   }
 };
 
@@ -86,8 +88,8 @@ double double_entry(const StateDict& s, const std::string& key) {
 }
 std::vector<double> doubles_entry(const StateDict& s, const std::string& key, std::size_t n) {
   const at::Tensor t = entry(s, key).to(at::kDouble).contiguous().reshape(-1);
-  MODALITIES_CHECK(static_cast<std::size_t>(t.numel()) == n, "scheduler state dict: '{}' has {} values, expected {}", key,
-                   t.numel(), n);
+  MODALITIES_CHECK(static_cast<std::size_t>(t.numel()) == n, "scheduler state dict: '{}' has {} values, expected {}",
+                   key, t.numel(), n);
   return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + n);
 }
 
@@ -107,10 +109,11 @@ class Scheduler : public LRScheduler {
     } else {
       for (std::size_t g = 0; g < n; ++g)
         if (!optimizer_->group_option(g, "initial_lr"))
-          throw ConfigError("last_epoch",
-                            fmt::format("resuming with last_epoch = {} needs 'initial_lr' in every optimizer group, but "
-                                        "group {} has none: load the optimizer state first, or use last_epoch = -1",
-                                        last_epoch, g));
+          throw ConfigError(
+              "last_epoch",
+              fmt::format("resuming with last_epoch = {} needs 'initial_lr' in every optimizer group, but "
+                          "group {} has none: load the optimizer state first, or use last_epoch = -1",
+                          last_epoch, g));
     }
     base_lrs_.clear();
     for (std::size_t g = 0; g < n; ++g) base_lrs_.push_back(*optimizer_->group_option(g, "initial_lr"));
@@ -161,7 +164,8 @@ class Scheduler : public LRScheduler {
   void load_state_dict(const StateDict& state) override {
     const StateDict own = state_dict();
     for (const auto& [key, _] : state)
-      MODALITIES_CHECK(own.contains(key), "scheduler state dict: unexpected key '{}' (is it from another variant?)", key);
+      MODALITIES_CHECK(own.contains(key), "scheduler state dict: unexpected key '{}' (is it from another variant?)",
+                       key);
     const std::size_t n = optimizer_->num_param_groups();
     last_epoch_ = int_entry(state, "last_epoch");
     step_count_ = int_entry(state, "_step_count");
@@ -413,16 +417,18 @@ class OneCycleLR final : public Scheduler {
 
   double option(std::size_t g, const char* name) const {
     auto v = optimizer_->group_option(g, name);
-    MODALITIES_CHECK(v.has_value(), "onecycle_lr: optimizer group {} has no '{}' (resuming with last_epoch >= 0 "
-                                    "needs the optimizer state of the original run)",
+    MODALITIES_CHECK(v.has_value(),
+                     "onecycle_lr: optimizer group {} has no '{}' (resuming with last_epoch >= 0 "
+                     "needs the optimizer state of the original run)",
                      g, name);
     return *v;
   }
 
   std::vector<double> get_lr() override {
     const std::int64_t step_num = last_epoch_;
-    MODALITIES_CHECK(step_num <= total_steps_, "onecycle_lr: tried to step {} times; the specified number of total "
-                                               "steps is {}",
+    MODALITIES_CHECK(step_num <= total_steps_,
+                     "onecycle_lr: tried to step {} times; the specified number of total "
+                     "steps is {}",
                      step_num, total_steps_);
     std::vector<double> lrs;
     for (std::size_t g = 0; g < num_groups(); ++g) {
@@ -432,9 +438,9 @@ class OneCycleLR final : public Scheduler {
         if (static_cast<double>(step_num) <= phase.end_step || i + 1 == phases_.size()) {
           // A phase of zero length: PyTorch divides by zero. It can only be the last phase
           // (pct_start = 1), reached at step total_steps, whose rate no optimizer step uses.
-          const double pct = phase.end_step == start_step ? 1.0
-                                                          : (static_cast<double>(step_num) - start_step) /
-                                                                (phase.end_step - start_step);
+          const double pct = phase.end_step == start_step
+                                 ? 1.0
+                                 : (static_cast<double>(step_num) - start_step) / (phase.end_step - start_step);
           lr = anneal(option(g, phase.start_lr), option(g, phase.end_lr), pct);
           if (cycle_momentum_) momentum = anneal(option(g, phase.start_momentum), option(g, phase.end_momentum), pct);
           break;
@@ -492,8 +498,10 @@ class SequentialLR final : public LRScheduler {
     ++last_epoch_;
     const std::size_t idx = index_for(last_epoch_);
     Scheduler& s = *schedulers_[idx];
-    if (idx > 0 && milestones_[idx - 1] == last_epoch_) s.update_lr(0);
-    else s.step();
+    if (idx > 0 && milestones_[idx - 1] == last_epoch_)
+      s.update_lr(0);
+    else
+      s.step();
     last_lr_ = s.last_lrs();
   }
 
@@ -505,7 +513,8 @@ class SequentialLR final : public LRScheduler {
     out.emplace("_last_lr", doubles_tensor(last_lr_));
     out.emplace("_milestones", at::tensor(at::ArrayRef<std::int64_t>(milestones_), at::kLong).clone());
     for (std::size_t i = 0; i < schedulers_.size(); ++i)
-      for (auto& [key, value] : schedulers_[i]->state_dict()) out.emplace(fmt::format("schedulers.{}.{}", i, key), value);
+      for (auto& [key, value] : schedulers_[i]->state_dict())
+        out.emplace(fmt::format("schedulers.{}.{}", i, key), value);
     return out;
   }
 
@@ -525,8 +534,10 @@ class SequentialLR final : public LRScheduler {
     }
     const at::Tensor milestones = entry(state, "_milestones").to(at::kLong).contiguous().reshape(-1);
     MODALITIES_CHECK(static_cast<std::size_t>(milestones.numel()) == milestones_.size(),
-                     "scheduler state dict: '_milestones' has {} values, expected {}", milestones.numel(), milestones_.size());
-    for (std::size_t i = 0; i < milestones_.size(); ++i) milestones_[i] = milestones[static_cast<std::int64_t>(i)].item<std::int64_t>();
+                     "scheduler state dict: '_milestones' has {} values, expected {}", milestones.numel(),
+                     milestones_.size());
+    for (std::size_t i = 0; i < milestones_.size(); ++i)
+      milestones_[i] = milestones[static_cast<std::int64_t>(i)].item<std::int64_t>();
     last_epoch_ = int_entry(state, "last_epoch");
     last_lr_ = doubles_entry(state, "_last_lr", optimizer_->num_param_groups());
     for (std::size_t i = 0; i < schedulers_.size(); ++i) schedulers_[i]->load_state_dict(children[i]);
@@ -569,7 +580,9 @@ struct StepConfig {
   std::int64_t last_epoch = -1;
   static void describe(Schema<StepConfig>& s) {
     optimizer_and_last_epoch(s);
-    s.field("step_size", &StepConfig::step_size, "Multiply the rate by gamma every step_size steps.").required().positive();
+    s.field("step_size", &StepConfig::step_size, "Multiply the rate by gamma every step_size steps.")
+        .required()
+        .positive();
     s.field("gamma", &StepConfig::gamma, "Multiplicative decay factor.").required().non_negative();
   }
 };
@@ -645,13 +658,16 @@ struct OneCycleConfig {
     s.field("max_lr", &OneCycleConfig::max_lr, "Peak rate (> 0), or one per optimizer group.").required();
     s.field("total_steps", &OneCycleConfig::total_steps, "Steps in the cycle (or give epochs and steps_per_epoch).")
         .positive();
-    s.field("epochs", &OneCycleConfig::epochs, "With steps_per_epoch: total_steps = epochs * steps_per_epoch.").positive();
+    s.field("epochs", &OneCycleConfig::epochs, "With steps_per_epoch: total_steps = epochs * steps_per_epoch.")
+        .positive();
     s.field("steps_per_epoch", &OneCycleConfig::steps_per_epoch, "See epochs.").positive();
     s.field("pct_start", &OneCycleConfig::pct_start, "Fraction of the cycle spent increasing the rate.")
         .required()
         .greater_than(0.0)
         .at_most(1.0);
-    s.field("anneal_strategy", &OneCycleConfig::anneal_strategy, "Annealing shape.").required().one_of({"cos", "linear"});
+    s.field("anneal_strategy", &OneCycleConfig::anneal_strategy, "Annealing shape.")
+        .required()
+        .one_of({"cos", "linear"});
     s.field("cycle_momentum", &OneCycleConfig::cycle_momentum,
             "Cycle beta1 (or momentum) inversely to the rate between max_momentum and base_momentum. Modalities' "
             "default false (PyTorch's is true).");
@@ -696,7 +712,9 @@ struct WarmupCosineConfig {
         .required()
         .positive();
     s.field("initial_lr", &WarmupCosineConfig::initial_lr, "Rate at step 0.").required().non_negative();
-    s.field("final_lr", &WarmupCosineConfig::final_lr, "Rate at total_steps (cosine eta_min).").required().non_negative();
+    s.field("final_lr", &WarmupCosineConfig::final_lr, "Rate at total_steps (cosine eta_min).")
+        .required()
+        .non_negative();
     s.field("max_lr", &WarmupCosineConfig::max_lr, "Rate after warmup; must equal the optimizer's lr.")
         .required()
         .non_negative();
@@ -741,8 +759,10 @@ std::shared_ptr<LRScheduler> make_onecycle(const OneCycleConfig& c) {
     }
   }
   std::string momentum_key;
-  if (opt.group_option(0, "betas.0")) momentum_key = "betas.0";
-  else if (opt.group_option(0, "momentum")) momentum_key = "momentum";
+  if (opt.group_option(0, "betas.0"))
+    momentum_key = "betas.0";
+  else if (opt.group_option(0, "momentum"))
+    momentum_key = "momentum";
   if (c.cycle_momentum) {
     if (momentum_key.empty())
       throw ConfigError("cycle_momentum", fmt::format("the optimizer ({}) has neither betas nor momentum to cycle",
@@ -778,14 +798,13 @@ std::shared_ptr<LRScheduler> make_warmup_cosine(const WarmupCosineConfig& c) {
 }  // namespace
 
 void register_components(Registrar& r) {
-  r.add<LRScheduler, DummyConfig>("dummy_lr", "Keeps the optimizer's learning rates (Modalities' DummyLRScheduler).",
-                                  [](const DummyConfig& c) {
-                                    return make_started<DummyLR>(c.last_epoch, c.optimizer.shared());
-                                  });
-  r.add<LRScheduler, StepConfig>("step_lr", "Multiplies the rate by gamma every step_size steps (PyTorch StepLR).",
-                                 [](const StepConfig& c) {
-                                   return make_started<StepLR>(c.last_epoch, c.optimizer.shared(), c.step_size, c.gamma);
-                                 });
+  r.add<LRScheduler, DummyConfig>(
+      "dummy_lr", "Keeps the optimizer's learning rates (Modalities' DummyLRScheduler).",
+      [](const DummyConfig& c) { return make_started<DummyLR>(c.last_epoch, c.optimizer.shared()); });
+  r.add<LRScheduler, StepConfig>(
+      "step_lr", "Multiplies the rate by gamma every step_size steps (PyTorch StepLR).", [](const StepConfig& c) {
+        return make_started<StepLR>(c.last_epoch, c.optimizer.shared(), c.step_size, c.gamma);
+      });
   r.add<LRScheduler, ConstantConfig>(
       "constant_lr", "Rate times factor until total_iters, then the base rate (PyTorch ConstantLR).",
       [](const ConstantConfig& c) {

@@ -29,11 +29,11 @@ namespace fs = std::filesystem;
 struct RefSchedulerCase {
   std::string name, variant, config;
   std::vector<double> group_lrs;
-  int resume_at;                                              // k > 0: the FSDP1-style resume below is tested
-  std::vector<std::vector<double>> lrs;                       // [0]: after construction, [k]: after step k
-  std::vector<std::vector<double>> beta1s;                    // same for betas.0
-  std::vector<std::map<std::string, double>> resume_groups;   // optimizer group options after k steps
-  std::vector<std::vector<double>> resumed_lrs;               // built with last_epoch = k - 1, then stepped
+  int resume_at;                                             // k > 0: the FSDP1-style resume below is tested
+  std::vector<std::vector<double>> lrs;                      // [0]: after construction, [k]: after step k
+  std::vector<std::vector<double>> beta1s;                   // same for betas.0
+  std::vector<std::map<std::string, double>> resume_groups;  // optimizer group options after k steps
+  std::vector<std::vector<double>> resumed_lrs;              // built with last_epoch = k - 1, then stepped
 };
 #include "data/scheduler_reference.inc"
 
@@ -82,7 +82,8 @@ class FakeOptimizer final : public Optimizer {
   StateDict state_dict() const override {
     StateDict out;
     for (std::size_t g = 0; g < groups_.size(); ++g)
-      for (const auto& [k, v] : groups_[g]) out.emplace(fmt::format("param_groups.p{}.{}", g, k), at::scalar_tensor(v, at::kDouble));
+      for (const auto& [k, v] : groups_[g])
+        out.emplace(fmt::format("param_groups.p{}.{}", g, k), at::scalar_tensor(v, at::kDouble));
     return out;
   }
   void load_state_dict(const StateDict& state) override {
@@ -215,7 +216,8 @@ TEST_F(SchedulerTest, ResumeWithLastEpochMatchesTorch) {
   for (const RefSchedulerCase& c : kSchedulerCases) {
     if (c.resume_at <= 0) continue;
     SCOPED_TRACE(c.name);
-    h.set_config_text(config_text(c, "options = " + options_toml(c.resume_groups), fmt::format("last_epoch = {}", c.resume_at - 1)));
+    h.set_config_text(
+        config_text(c, "options = " + options_toml(c.resume_groups), fmt::format("last_epoch = {}", c.resume_at - 1)));
     auto sched = h.get<LRScheduler>("scheduler");
     ASSERT_NE(sched, nullptr) << h.build_error();
     expect_sequence(*sched, *h.get<Optimizer>("optimizer"), c.resumed_lrs, nullptr, 0, c.name + " resumed");
@@ -310,7 +312,9 @@ TEST_F(SchedulerTest, OneCycleWithPctStartOneReachesMinLr) {
   // PyTorch divides by zero at step total_steps (the last phase has length 0); here the rate is min_lr.
   RefSchedulerCase c = kSchedulerCases[0];
   c.variant = "onecycle_lr";
-  c.config = "max_lr = 1.0\ndiv_factor = 10.0\nfinal_div_factor = 2.0\npct_start = 1.0\nanneal_strategy = \"cos\"\ntotal_steps = 4";
+  c.config =
+      "max_lr = 1.0\ndiv_factor = 10.0\nfinal_div_factor = 2.0\npct_start = 1.0\nanneal_strategy = "
+      "\"cos\"\ntotal_steps = 4";
   h.set_config_text(config_text(c));
   auto sched = h.get<LRScheduler>("scheduler");
   ASSERT_NE(sched, nullptr) << h.build_error();
@@ -402,7 +406,8 @@ TEST_F(SchedulerTest, BadConfigsNameTheField) {
   }
   // OneCycle needs total_steps or epochs and steps_per_epoch.
   RefSchedulerCase c = kSchedulerCases[8];
-  c.config = "max_lr = 0.1\npct_start = 0.3\nanneal_strategy = \"cos\"\ndiv_factor = 25.0\nfinal_div_factor = 1e4\nepochs = 3";
+  c.config =
+      "max_lr = 0.1\npct_start = 0.3\nanneal_strategy = \"cos\"\ndiv_factor = 25.0\nfinal_div_factor = 1e4\nepochs = 3";
   h.set_config_text(config_text(c));
   EXPECT_THAT(h.build_error(), HasSubstr("scheduler.config.total_steps"));
   // cycle_momentum needs betas (or momentum) in the optimizer.
