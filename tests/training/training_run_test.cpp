@@ -153,8 +153,8 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
   const fs::path end_resumed = checkpoint_folder(experiments / "resumed/checkpoints", 8);
   ASSERT_FALSE(end_full.empty());
   ASSERT_FALSE(end_resumed.empty());
-  const StateDict a = read_safetensors(end_full / "app_state.safetensors");
-  const StateDict b = read_safetensors(end_resumed / "app_state.safetensors");
+  const StateDict a = formats::read_safetensors(end_full / "app_state.safetensors");
+  const StateDict b = formats::read_safetensors(end_resumed / "app_state.safetensors");
   ASSERT_EQ(a.size(), b.size());
   std::size_t compared = 0;
   for (const auto& [key, tensor] : a) {
@@ -167,7 +167,7 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
 
 TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
   const fs::path train = dir_.write(
-      "train.toml", tiny_config("train.toml", {{"lr = 3e-3", "lr = 1e30"}, {"max_lr = 3e-3", "max_lr = 1e30"},
+      "train.toml", tiny_config("train.toml", {{"max_lr = 3e-3", "max_lr = 1e30"}, {"\nlr = 3e-3", "\nlr = 1e30"},
                                               {"max_norm = 1.0", "max_norm = 1e30"}}));
   const fs::path experiments = dir_.path() / "experiments";
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",

@@ -539,9 +539,31 @@ class TorchCheckpointLoading final : public CheckpointLoading {
   std::optional<c10::ScalarType> precision_;
 };
 
+// model/fsdp1_checkpointed: the model with a checkpoint loaded into it by a
+// CheckpointLoading (in practice checkpoint_loading/torch, for inference).
+// Modalities' name is kept; nothing is FSDP-wrapped in one process.
+struct CheckpointedModelConfig {
+  Ref<CheckpointLoading> checkpoint_loading;
+  fs::path checkpoint_path;
+  Ref<Module> model;
+  static void describe(Schema<CheckpointedModelConfig>& s) {
+    using C = CheckpointedModelConfig;
+    s.field("checkpoint_loading", &C::checkpoint_loading, "How to load (checkpoint_loading/torch).").required();
+    s.field("checkpoint_path", &C::checkpoint_path,
+            "Checkpoint folder, its app_state.safetensors, or a plain .safetensors state dict.")
+        .required();
+    s.field("model", &C::model, "The (unwrapped) model to load into.").required();
+  }
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
+  r.add<Module, CheckpointedModelConfig>(
+      "fsdp1_checkpointed", "The model with a checkpoint's weights loaded by checkpoint_loading (inference).",
+      [](const CheckpointedModelConfig& c) {
+        return c.checkpoint_loading->load_model_checkpoint(c.model.shared(), c.checkpoint_path);
+      });
   r.add<CheckpointSavingStrategy, SaveKMostRecentConfig>(
       "save_k_most_recent_checkpoints_strategy", "Keep the k most recent checkpoints of this run (-1: all, 0: none).",
       [](const SaveKMostRecentConfig& c) { return std::make_shared<SaveKMostRecent>(c.k); });
