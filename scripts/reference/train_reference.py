@@ -104,9 +104,9 @@ def main():
     norm_type = {"P1_NORM": 1.0, "P2_NORM": 2.0, "MAX_NORM": math.inf}[clip["norm_type"]]
 
     model.train()
-    losses, norms, lrs = [], [], []
+    losses, norms, lrs, step_seconds = [], [], [], []
     step_losses = []
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     for i, batch in enumerate(loader):
         if i >= steps * G:
             break
@@ -123,10 +123,13 @@ def main():
             norms.append(norm.item())
             lrs.append(sched.get_last_lr())
             step_losses = []
+            now = time.perf_counter()
+            step_seconds.append(now - last)  # batch fetch + forward/backward + update, as the gym's log timer
+            last = now
     seconds = time.perf_counter() - start
     tokens = len(losses) * mbs * T * G
     with open(args.out, "w") as f:
-        json.dump({"loss": losses, "grad_norm": norms, "lr": lrs, "seconds": seconds,
+        json.dump({"loss": losses, "grad_norm": norms, "lr": lrs, "seconds": seconds, "step_seconds": step_seconds,
                    "tokens_per_second": tokens / seconds, "torch": torch.__version__,
                    "threads": torch.get_num_threads()}, f, indent=1)
     print(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {tokens / seconds:.0f} tokens/s")

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Loss-curve parity and CPU throughput of `modalities run` against Modalities' own Python
+# components (scripts/reference/train_reference.py: GPT2LLM, packed dataset, resumable sampler,
+# collator, CLM loss, torch AdamW with Modalities' weight-decay groups, SequentialLR(LinearLR,
+# CosineAnnealingLR), clip_grad_norm_) on configs/quickstart/train.toml.
+#
+# Both sides start from the same weights: the reference draws them and writes init.safetensors;
+# our config is the quickstart's with `[initialized_model]` replaced by model/fsdp1_checkpointed
+# loading that file (scripts/bench_training_config.py). Training log interval 1, no checkpoints.
+# Both run with the same number of intra-op threads (OMP_NUM_THREADS and torch.set_num_threads).
+#
+#   scripts/bench_training.sh                 # the quickstart's 80 steps (~6 min on 2 cores)
+#   scripts/bench_training.sh --steps 20      # short variant (~1-2 min)
+# Options: --steps N (> 10, the warmup), --threads N (default 2), --out DIR (default out/bench/training).
+# Needs build/bin/modalities and the .deps/bench venv (modalities 0.5.0, torch, safetensors).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+steps=80
+threads=2
+out="${root}/out/bench/training"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --steps) steps="$2"; shift 2 ;;
+    --threads) threads="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "bench_training.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+if (( steps <= 10 )); then
+  echo "bench_training.sh: --steps ${steps}: must be > 10 (the quickstart's warmup_steps)" >&2
+  exit 2
+fi
+python="${root}/.deps/bench/bin/python"
+modalities="${root}/build/bin/modalities"
+for f in "${python}" "${modalities}"; do
+  [[ -x "${f}" ]] || { echo "bench_training.sh: ${f} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
+done
+mkdir -p "${out}"
+out="$(cd "${out}" && pwd)"
+rm -rf "${out}/exp"
+
+# 1. The derived config: same model, data, optimizer, scheduler and clipper as the quickstart.
+python3 "${root}/scripts/bench_training_config.py" --base "${root}/configs/quickstart/train.toml" \
+  --out "${out}/train.toml" --init "${out}/init.safetensors" \
+  --set "settings.training_target.num_target_steps=${steps}" \
+  --set "settings.intervals.training_log_interval_in_steps=1" \
+  --set "settings.intervals.checkpointing_interval_in_steps=${steps}" \
+  --set "settings.intervals.evaluation_interval_in_steps=${steps}" \
+  --set "checkpoint_saving.config.checkpoint_saving_strategy.config={ k = 0 }"
+RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "${modalities}" config resolve "${out}/train.toml" \
+  --experiments_root_path "${out}/exp" --experiment_id ours >"${out}/resolved.toml"
+
+export OMP_NUM_THREADS="${threads}" MKL_NUM_THREADS="${threads}"
+echo "== Modalities components (PyTorch eager, ${threads} threads): ${steps} steps"
+(cd "${out}" && "${python}" "${root}/scripts/reference/train_reference.py" --config resolved.toml \
+  --init init.safetensors --out reference.json --threads "${threads}")
+
+echo "== modalities run (LibTorch, OMP_NUM_THREADS=${threads}): ${steps} steps"
+start=$(date +%s.%N)
+MODALITIES_PROGRESS=0 "${modalities}" run --config_file_path "${out}/train.toml" \
+  --experiments_root_path "${out}/exp" --experiment_id ours >"${out}/ours.log" 2>&1 \
+  || { tail -20 "${out}/ours.log" >&2; exit 1; }
+echo "process wall time $(echo "$(date +%s.%N) - ${start}" | bc) s (log: ${out}/ours.log)"
+
+echo
+python3 "${root}/scripts/bench_training_compare.py" --reference "${out}/reference.json" \
+  --ours "${out}/exp/ours/evaluation_results.jsonl" --config "${out}/resolved.toml" \
+  --summary-json "${out}/summary.json"
