@@ -32,10 +32,24 @@ namespace {
 namespace fs = std::filesystem;
 
 std::atomic<int> g_stop_signal{0};
+std::atomic<std::int64_t> g_first_signal_ns{0};
+
+std::int64_t monotonic_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
 
 extern "C" void on_stop_signal(int signal) {
-  if (g_stop_signal.exchange(signal) != 0) {
-    // Second signal: give up immediately (nothing half-written survives: writes are atomic).
+  if (g_stop_signal.exchange(signal) == 0) {
+    g_first_signal_ns = monotonic_ns();
+    return;
+  }
+  // A second signal more than a second later: give up immediately (nothing
+  // half-written survives: writes are atomic). Within a second it is the same
+  // request delivered twice, e.g. by `timeout` or a launcher that signals both
+  // the process and its process group.
+  if (monotonic_ns() - g_first_signal_ns.load() > 1'000'000'000) {
     std::signal(signal, SIG_DFL);
     std::raise(signal);
   }
@@ -46,6 +60,7 @@ class StopSignals {
  public:
   StopSignals() {
     g_stop_signal = 0;
+    g_first_signal_ns = 0;
     old_int_ = std::signal(SIGINT, on_stop_signal);
     old_term_ = std::signal(SIGTERM, on_stop_signal);
   }

@@ -186,6 +186,24 @@ TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
     }
 }
 
+TEST_F(TrainingRunTest, SigintFinishesTheStepCheckpointsAndExitsWith130) {
+  const fs::path train = dir_.write(
+      "train.toml", tiny_config("train.toml", {{"num_target_steps = 8", "num_target_steps = 2000"},
+                                              {"checkpointing_interval_in_steps = 4", "checkpointing_interval_in_steps = 1000"}}));
+  const fs::path experiments = dir_.path() / "experiments";
+  // SIGINT after 6 s, well into training (the build takes about a second, a step a few ms).
+  const CommandResult r = run_command(
+      {"timeout", "--preserve-status", "-s", "INT", "6", kHost, "run", "--config_file_path", train.string(),
+       "--experiments_root_path", experiments.string(), "--experiment_id", "sigint", "--checkpoint_on_interrupt"},
+      {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+  EXPECT_EQ(r.exit_code, 130) << r;
+  EXPECT_THAT(r.out, HasSubstr("Stopped on request after")) << r;
+  EXPECT_THAT(r.out, HasSubstr("A checkpoint of the last step was written.")) << r;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("Stopped on request after ([0-9]+) steps"))) << r;
+  EXPECT_FALSE(checkpoint_folder(experiments / "sigint/checkpoints", std::stoi(m[1])).empty()) << r;
+}
+
 class WarmStartFaultTest : public TrainingRunTest {
  protected:
   void SetUp() override {
