@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Host overhead per optimizer step: the time a training step spends outside the math kernels.
+#
+# Method: the quickstart's component graph and model structure (2 layers, 8 query / 4 key-value
+# heads, RoPE, SwiGLU, RMSNorm, tied embedding: the same ops and parameter tensors per step)
+# shrunk until the kernels take microseconds: vocab 128 (a copy of the bundled lorem-ipsum tokens
+# modulo 128), ffn_hidden 128 (n_embd stays 128: Modalities wants both multiples of 128),
+# sequence 8, micro-batch 1. What remains of a step is
+# host work: batch fetch and collation, op dispatch, autograd bookkeeping, the loss, clipping's
+# norm, AdamW over every tensor, the scheduler, progress messages and the gym's own code. The
+# measured ms/step is therefore an upper bound of the overhead the quickstart model pays per step.
+# Logging as Modalities would run it: log interval `--window` steps (one JSONL record per window,
+# whose "train samples/s" gives the window's ms/step; the first window, with warm-up, is dropped).
+# The same config runs through Modalities' components in PyTorch eager
+# (scripts/reference/train_reference.py, per-step timer, loss.item() per step as Modalities does).
+# One intra-op thread by default: these ops are far below ATen's parallel grain size, and a
+# two-thread OpenMP pool on a busy machine measures the scheduler, not the framework.
+#
+# --perf additionally profiles both (perf record, after a delay that skips start-up) and splits the
+# samples into kernels / allocator / Python / our code / the rest of LibTorch
+# (scripts/bench_perf_split.py), giving the host part of the measured ms/step.
+#
+#   scripts/bench_host_overhead.sh [--steps 3000] [--window 500] [--threads 1] [--perf] [--out DIR]
+# Needs build/bin/modalities and the .deps/bench venv (modalities 0.5.0, torch, safetensors).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+steps=3000
+window=500
+threads=1
+profile=0
+out="${root}/out/bench/host_overhead"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --steps) steps="$2"; shift 2 ;;
+    --window) window="$2"; shift 2 ;;
+    --threads) threads="$2"; shift 2 ;;
+    --perf) profile=1; shift ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "bench_host_overhead.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+if (( steps % window != 0 || steps / window < 2 )); then
+  echo "bench_host_overhead.sh: --steps ${steps} must be a multiple of --window ${window}, at least two windows" >&2
+  exit 2
+fi
+python="${root}/.deps/bench/bin/python"
+modalities="${root}/build/bin/modalities"
+for f in "${python}" "${modalities}"; do
+  [[ -x "${f}" ]] || { echo "bench_host_overhead.sh: ${f} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
+done
+mkdir -p "${out}"
+out="$(cd "${out}" && pwd)"
+rm -rf "${out}/exp"
+
+# 1. lorem_ipsum_long.pbin with every token id taken modulo 128 (same layout: 2-byte tokens,
+#    index [(0, data_len)]; continuous datasets do not read the index).
+python3 - "${root}/data/lorem_ipsum/lorem_ipsum_long.pbin" "${out}/vocab128.pbin" <<'EOF'
+import pickle, struct, sys
+src = open(sys.argv[1], "rb").read()
+data_len, token_size = struct.unpack_from("<QI", src, 0)
+assert token_size == 2, token_size
+ids = struct.unpack_from(f"<{data_len // 2}H", src, 12)
+data = struct.pack(f"<{len(ids)}H", *(i % 128 for i in ids))
+with open(sys.argv[2], "wb") as f:
+    f.write(struct.pack("<QI", len(data), 2) + data + pickle.dumps([(0, len(data))], protocol=4))
+EOF
+
+# 2. The tiny config: the quickstart's graph, model loaded from the reference's init weights.
+python3 "${root}/scripts/bench_training_config.py" --base "${root}/configs/quickstart/train.toml" \
+  --out "${out}/train.toml" --init "${out}/init.safetensors" \
+  --set "settings.paths.train_dataset_path=\"${out}/vocab128.pbin\"" \
+  --set "settings.step_profile.local_train_micro_batch_size=1" \
+  --set "settings.step_profile.sequence_length=8" \
+  --set "settings.training_target.num_target_steps=${steps}" \
+  --set "settings.intervals.training_log_interval_in_steps=${window}" \
+  --set "settings.intervals.checkpointing_interval_in_steps=${steps}" \
+  --set "settings.intervals.evaluation_interval_in_steps=${steps}" \
+  --set "checkpoint_saving.config.checkpoint_saving_strategy.config={ k = 0 }" \
+  --set "model_raw.config.vocab_size=128" \
+  --set "model_raw.config.ffn_hidden=128"
+RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "${modalities}" config resolve "${out}/train.toml" \
+  --experiments_root_path "${out}/exp" --experiment_id ours >"${out}/resolved.toml"
+
+export OMP_NUM_THREADS="${threads}" MKL_NUM_THREADS="${threads}"
+echo "== Modalities components (PyTorch eager, ${threads} threads): ${steps} steps"
+(cd "${out}" && "${python}" "${root}/scripts/reference/train_reference.py" --config resolved.toml \
+  --init init.safetensors --out reference.json --threads "${threads}" 2>&1 | grep -v "^Expected .ffn_hidden")
+run_ours() {
+  rm -rf "${out}/exp"
+  MODALITIES_PROGRESS=0 "$@" "${modalities}" run --config_file_path "${out}/train.toml" \
+    --experiments_root_path "${out}/exp" --experiment_id ours >"${out}/ours.log" 2>&1 \
+    || { tail -20 "${out}/ours.log" >&2; exit 1; }
+}
+echo "== modalities run (LibTorch, OMP_NUM_THREADS=${threads}): ${steps} steps, one log record per ${window}"
+run_ours
+
+python3 - "${out}" "${window}" <<'EOF'
+import json, statistics, sys
+out, window = sys.argv[1], int(sys.argv[2])
+ref = json.load(open(f"{out}/reference.json"))
+recs = [json.loads(l) for l in open(f"{out}/exp/ours/evaluation_results.jsonl")]
+# Batch 1: a window of `window` steps has `window` samples, so ms/step = 1000 / (samples/s).
+ours = [1000.0 / r["throughput_metrics"]["train samples/s"] for r in recs if r["dataloader_tag"] == "train"]
+py = [1000.0 * s for s in ref["step_seconds"][window:]]  # drop the first window, as for ours
+py_windows = [statistics.fmean(py[i:i + window]) for i in range(0, len(py), window)]
+print(f"ours, ms/step per {window}-step window (first dropped): " + ", ".join(f"{x:.3f}" for x in ours[1:]))
+print(f"Modalities (PyTorch eager), ms/step per window:        " + ", ".join(f"{x:.3f}" for x in py_windows))
+o, p = statistics.median(ours[1:]), statistics.median(py_windows)
+print(f"median ms/step: ours {o:.3f}, Modalities {p:.3f} (per-step median {statistics.median(py):.3f}); "
+      f"Modalities/ours {p / o:.1f}x")
+print(f"final loss: ours {recs[-1]['losses']['train loss last']:.6f}, Modalities {ref['loss'][-1]:.6f}")
+json.dump({"ms_per_step_ours": o, "ms_per_step_modalities": p, "windows_ours": ours, "windows_modalities": py_windows},
+          open(f"{out}/summary.json", "w"), indent=1)
+EOF
+
+if (( profile )); then
+  command -v perf >/dev/null || { echo "bench_host_overhead.sh: --perf needs perf" >&2; exit 1; }
+  read -r ms_ours ms_py < <(python3 -c "import json; s = json.load(open('${out}/summary.json')); \
+print(s['ms_per_step_ours'], s['ms_per_step_modalities'])")
+  echo "== perf: modalities run (recording from 1.5 s on)"
+  run_ours perf record -q -F 2000 --delay 1500 -o "${out}/perf_ours.data"
+  echo "== perf: Modalities components (recording from 8 s on)"
+  (cd "${out}" && perf record -q -F 2000 --delay 8000 -o perf_modalities.data "${python}" \
+    "${root}/scripts/reference/train_reference.py" --config resolved.toml --init init_perf.safetensors \
+    --out reference_perf.json --threads "${threads}" 2>&1 | grep -v "^Expected .ffn_hidden")
+  for side in ours modalities; do
+    perf report -i "${out}/perf_${side}.data" --no-children --sort dso,sym 2>/dev/null >"${out}/perf_${side}.txt"
+  done
+  python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_ours.txt" --ms-per-step "${ms_ours}" --label "ours:       "
+  python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_modalities.txt" --ms-per-step "${ms_py}" \
+    --label "Modalities: "
+fi
