@@ -9,8 +9,8 @@
 # loading that file (scripts/bench_training_config.py). Training log interval 1, no checkpoints.
 # Both run with the same number of intra-op threads (OMP_NUM_THREADS and torch.set_num_threads).
 #
-#   scripts/bench_training.sh                 # the quickstart's 80 steps (~6 min on 2 cores)
-#   scripts/bench_training.sh --steps 20      # short variant (~1-2 min)
+#   scripts/bench_training.sh                 # the quickstart's 80 steps (~1 min on 2 idle cores)
+#   scripts/bench_training.sh --steps 20      # short variant (~30 s)
 # Options: --steps N (> 10, the warmup), --threads N (default 2), --out DIR (default out/bench/training).
 # Needs build/bin/modalities and the .deps/bench venv (modalities 0.5.0, torch, safetensors).
 set -euo pipefail
