@@ -145,7 +145,6 @@ class Gym {
     loss_sum_ = at::zeros({}, fopts);
     loss_count_ = 0;
     last_loss_ = at::zeros({}, fopts);
-    first_bad_step_ = at::full({}, -1, at::TensorOptions().dtype(at::kLong).device(o_.device));
     log_timer_ = Clock::now();
     const auto run_start = Clock::now();
 
@@ -247,14 +246,26 @@ class Gym {
     return parts_.front()->forward(samples);
   }
 
-  // Records the first step whose loss or norm is not finite, on the device.
-  void mark_non_finite(const at::Tensor& value, i64 step) {
-    const at::Tensor bad = at::logical_not(at::isfinite(value)).logical_and(first_bad_step_.lt(0));
-    first_bad_step_ = at::where(bad, at::scalar_tensor(step, first_bad_step_.options()), first_bad_step_);
-  }
+  // Keeps the (device) loss or norm of `step` for the next check_finite():
+  // no kernel and no synchronisation per micro-batch.
+  void mark_non_finite(const at::Tensor& value, i64 step) { unchecked_.emplace_back(step, value); }
 
+  // One stack + isfinite + sync for everything since the last check; names
+  // the first step whose loss or gradient norm is NaN/inf.
   void check_finite() {
-    const i64 bad = first_bad_step_.item<i64>();
+    if (unchecked_.empty()) return;
+    std::vector<at::Tensor> values;
+    values.reserve(unchecked_.size());
+    for (const auto& [step, v] : unchecked_) values.push_back(v.to(at::kDouble).reshape({}));
+    const at::Tensor finite = at::isfinite(at::stack(values)).cpu();
+    const bool* ok = finite.data_ptr<bool>();
+    i64 bad = -1;
+    for (std::size_t k = 0; k < unchecked_.size(); ++k)
+      if (!ok[k]) {
+        bad = unchecked_[k].first;
+        break;
+      }
+    unchecked_.clear();
     if (bad < 0) return;
     throw NonFiniteLossError(
         fmt::format("the training loss or gradient norm became NaN/inf at step {}; training stopped. Nothing was "
@@ -380,7 +391,8 @@ class Gym {
   std::vector<std::shared_ptr<Module>> parts_;
   std::shared_ptr<Optimizer> optimizer_;
   std::shared_ptr<LRScheduler> scheduler_;
-  at::Tensor loss_sum_, last_loss_, first_bad_step_;
+  at::Tensor loss_sum_, last_loss_;
+  std::vector<std::pair<i64, at::Tensor>> unchecked_;  // (step, loss or norm) since the last check
   i64 loss_count_ = 0;
   i64 local_samples_ = 0;
   std::vector<at::Tensor> grad_norms_;
