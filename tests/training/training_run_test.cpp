@@ -165,6 +165,35 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
   EXPECT_GT(compared, 10u);
 }
 
+TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeights) {
+  const fs::path train = dir_.write(
+      "train.toml",
+      tiny_config("train.toml",
+                  {{"model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
+                    "model = { instance_key = \"mp_model\", pass_type = \"BY_REFERENCE\" }"},
+                   {"[model_raw]\n",
+                    "[mp_model]\ncomponent_key = \"model\"\nvariant_key = \"mixed_precision\"\n"
+                    "config = { model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }, "
+                    "mixed_precision_settings = { param_dtype = \"BF_16\", reduce_dtype = \"BF_16\" } }\n\n"
+                    "[model_raw]\n"}}));
+  const fs::path experiments = dir_.path() / "experiments";
+  const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                      experiments.string(), "--experiment_id", "bf16"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  const auto results = train_results(experiments / "bf16/evaluation_results.jsonl");
+  ASSERT_EQ(results.size(), 8u);
+  for (const auto& step : results) {
+    // The loss of a micro-batch is a bf16 scalar (Modalities' FSDP2 mixed precision).
+    const double last = std::stod(step.at("train loss last"));
+    EXPECT_EQ(static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<float>(last)))), last) << last;
+  }
+  EXPECT_LT(std::stod(results[7].at("train loss avg")), std::stod(results[0].at("train loss avg")));
+  // Master weights stay fp32 in the checkpoint.
+  const StateDict state =
+      formats::read_safetensors(checkpoint_folder(experiments / "bf16/checkpoints", 8) / "app_state.safetensors");
+  EXPECT_EQ(state.at("model.transformer.wte.weight").scalar_type(), at::kFloat);
+}
+
 TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
   const fs::path train = dir_.write(
       "train.toml", tiny_config("train.toml", {{"max_lr = 3e-3", "max_lr = 1e30"}, {"\nlr = 3e-3", "\nlr = 1e30"},
