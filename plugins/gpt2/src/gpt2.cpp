@@ -9,6 +9,7 @@
 // Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/plugin.h>
+#include <modalities/sdk/run_context.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
@@ -1103,8 +1104,9 @@ void register_components(Registrar& r) {
       "Modalities' GPT-2 family decoder (RoPE/absolute positions, GQA, SwiGLU/GELU, three norm types, weight "
       "tying); FQNs and numerics as in Modalities.",
       [](const GPT2Config& c) {
-        return std::make_shared<GPT2>(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta)
-                                                                           : c10::Device(c10::kCPU));
+        // Built where the run computes (settings.device / MODALITIES_DEVICE), so that
+        // optimizer state and checkpoints loaded at build time land on that device too.
+        return std::make_shared<GPT2>(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device());
       });
   r.add<Module, MixedPrecisionConfig>(
       "mixed_precision",
