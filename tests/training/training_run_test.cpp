@@ -194,6 +194,80 @@ TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeigh
   EXPECT_EQ(state.at("model.transformer.wte.weight").scalar_type(), at::kFloat);
 }
 
+TEST_F(TrainingRunTest, EvaluationRunsAtItsIntervalInEvalModeAndIsRecorded) {
+  std::string tables = R"TOML([val_dataset]
+component_key = "dataset"
+variant_key = "packed_mem_map_dataset_continuous"
+config = { raw_data_path = "@VAL@", sequence_length = "${settings.step_profile.sequence_length}", sample_key = "${settings.referencing_keys.sample_key}" }
+
+[val_dataloader]
+component_key = "data_loader"
+variant_key = "default"
+
+[val_dataloader.config]
+num_workers = 1
+pin_memory = false
+dataloader_tag = "val"
+dataset = { instance_key = "val_dataset", pass_type = "BY_REFERENCE" }
+collate_fn = { instance_key = "collate_fn", pass_type = "BY_REFERENCE" }
+
+[val_dataloader.config.batch_sampler]
+component_key = "batch_sampler"
+variant_key = "default"
+
+[val_dataloader.config.batch_sampler.config]
+batch_size = 4
+drop_last = true
+
+[val_dataloader.config.batch_sampler.config.sampler]
+component_key = "sampler"
+variant_key = "resumable_distributed_sampler"
+
+[val_dataloader.config.batch_sampler.config.sampler.config]
+dataset = { instance_key = "val_dataset", pass_type = "BY_REFERENCE" }
+rank = 0
+num_replicas = 1
+shuffle = false
+drop_last = true
+
+[evaluation_subscriber]
+)TOML";
+  replace_line(tables, "@VAL@", (kRoot / "data/lorem_ipsum/lorem_ipsum.pbin").string());
+  const fs::path train = dir_.write(
+      "train.toml",
+      tiny_config("train.toml", {{"eval_dataloaders = []",
+                                  "eval_dataloaders = [{ instance_key = \"val_dataloader\", pass_type = \"BY_REFERENCE\" }]"},
+                                 {"[evaluation_subscriber]\n", tables}}));
+  const fs::path experiments = dir_.path() / "experiments";
+  const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                      experiments.string(), "--experiment_id", "eval"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  std::vector<std::map<std::string, std::string>> evals;
+  for (auto& rec : read_results(experiments / "eval/evaluation_results.jsonl"))
+    if (rec["dataloader_tag"] == "\"val\"") evals.push_back(rec);
+  ASSERT_EQ(evals.size(), 2u) << r;  // steps 4 and 8 (evaluation interval 4)
+  EXPECT_EQ(evals[0].at("num_train_steps_done"), "4");
+  EXPECT_EQ(evals[1].at("num_train_steps_done"), "8");
+  for (const auto& e : evals) {
+    EXPECT_TRUE(e.contains("CLMCrossEntropyLoss"));
+    EXPECT_TRUE(e.contains("evaluation_num_samples_per_second"));
+  }
+  // The model learns: the validation loss at step 8 is below the one at step 4.
+  EXPECT_LT(std::stod(evals[1].at("CLMCrossEntropyLoss")), std::stod(evals[0].at("CLMCrossEntropyLoss")));
+  EXPECT_THAT(r.out, HasSubstr("| val | step: 4 | evaluation_num_samples_per_second: "));
+  // Evaluation does not disturb training (train mode restored, no gradients kept): the training
+  // losses equal those of a run without evaluation.
+  const fs::path plain = dir_.write("plain.toml", tiny_config("train.toml"));
+  const CommandResult p = modalities({"run", "--config_file_path", plain.string(), "--experiments_root_path",
+                                      experiments.string(), "--experiment_id", "plain"});
+  ASSERT_EQ(p.exit_code, 0) << p;
+  const auto with_eval = train_results(experiments / "eval/evaluation_results.jsonl");
+  const auto without = train_results(experiments / "plain/evaluation_results.jsonl");
+  ASSERT_EQ(with_eval.size(), without.size());
+  for (std::size_t i = 0; i < with_eval.size(); ++i)
+    EXPECT_EQ(with_eval[i].at("train loss avg"), without[i].at("train loss avg")) << "step " << i + 1;
+}
+
 TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
   const fs::path train = dir_.write(
       "train.toml", tiny_config("train.toml", {{"max_lr = 3e-3", "max_lr = 1e30"}, {"\nlr = 3e-3", "\nlr = 1e30"},
