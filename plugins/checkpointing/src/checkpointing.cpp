@@ -5,6 +5,7 @@
 // AppState, `torch` a model for inference).
 #include "format.h"
 
+#include <modalities/sdk/device_setting.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/interfaces/app_state.h>
@@ -15,6 +16,7 @@
 #include <modalities/sdk/interfaces/lr_scheduler.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
@@ -220,42 +222,6 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
 
 // --- app_state/raw (§8.9) -------------------------------------------------------------
 
-// `model`: one Module or a list of model parts.
-struct ModelParts {
-  std::vector<Ref<Module>> parts;
-};
-
-}  // namespace
-}  // namespace modalities::plugins::checkpointing
-
-namespace modalities {
-template <>
-struct Codec<plugins::checkpointing::ModelParts> {
-  static std::string type_name() { return "Ref<Module> or list[Ref<Module>]"; }
-  static Parsed parse(const Value& v, plugins::checkpointing::ModelParts& out, const std::string& path,
-                      ParseContext& ctx) {
-    if (v.is_list()) {
-      if (v.as_list().empty()) {
-        ctx.fail(path, "expected at least one model part, got an empty list");
-        return Parsed::kError;
-      }
-      return Codec<std::vector<Ref<Module>>>::parse(v, out.parts, path, ctx);
-    }
-    Ref<Module> one;
-    const Parsed r = Codec<Ref<Module>>::parse(v, one, path, ctx);
-    if (r == Parsed::kOk) out.parts = {one};
-    return r;
-  }
-  static std::string repr(const plugins::checkpointing::ModelParts& m) {
-    return Codec<std::vector<Ref<Module>>>::repr(m.parts);
-  }
-  static void annotate(FieldInfo& info) { info.interface = std::string(Module::kInterface); }
-};
-}  // namespace modalities
-
-namespace modalities::plugins::checkpointing {
-namespace {
-
 struct RawAppStateConfig {
   ModelParts model;
   Ref<Optimizer> optimizer;
@@ -269,8 +235,7 @@ struct RawAppStateConfig {
 
 class RawAppState final : public AppState {
  public:
-  explicit RawAppState(const RawAppStateConfig& c) : optimizer_(c.optimizer.shared()) {
-    for (const auto& p : c.model.parts) parts_.push_back(p.shared());
+  explicit RawAppState(const RawAppStateConfig& c) : parts_(c.model.shared()), optimizer_(c.optimizer.shared()) {
     if (c.lr_scheduler) scheduler_ = c.lr_scheduler->shared();
   }
 
@@ -411,47 +376,6 @@ class DcpCheckpointLoading final : public DistributedCheckpointLoading {
 };
 
 // --- checkpoint_loading/torch (§8.21, §10.5) ---------------------------------------
-
-// `device`: an integer N (cuda:N) or "cpu" / "cuda" / "cuda:N".
-struct DeviceSetting {
-  std::string text = "cpu";
-};
-
-}  // namespace
-}  // namespace modalities::plugins::checkpointing
-
-namespace modalities {
-template <>
-struct Codec<plugins::checkpointing::DeviceSetting> {
-  static std::string type_name() { return "int (cuda:N) or \"cpu\" / \"cuda:N\""; }
-  static Parsed parse(const Value& v, plugins::checkpointing::DeviceSetting& out, const std::string& path,
-                      ParseContext& ctx) {
-    if (ctx.dry_run() && detail::pending_fits(v, {"int", "string"})) return Parsed::kPending;
-    if (v.is_int()) {
-      if (v.as_int() < 0) {
-        ctx.fail(path, fmt::format("a CUDA device index must be >= 0, got {}", v.as_int()));
-        return Parsed::kError;
-      }
-      out.text = fmt::format("cuda:{}", v.as_int());
-      return Parsed::kOk;
-    }
-    if (!v.is_string()) return detail::type_error(v, "a device index or \"cpu\"", path, ctx);
-    try {
-      const c10::Device d(v.as_string());
-      if (!d.is_cpu() && !d.is_cuda()) throw std::invalid_argument("not cpu/cuda");
-    } catch (const std::exception&) {
-      ctx.fail(path, fmt::format("expected \"cpu\", \"cuda\", \"cuda:N\" or an integer N, got \"{}\"", v.as_string()));
-      return Parsed::kError;
-    }
-    out.text = v.as_string();
-    return Parsed::kOk;
-  }
-  static std::string repr(const plugins::checkpointing::DeviceSetting& d) { return fmt::format("\"{}\"", d.text); }
-};
-}  // namespace modalities
-
-namespace modalities::plugins::checkpointing {
-namespace {
 
 struct TorchLoadingConfig {
   DeviceSetting device;

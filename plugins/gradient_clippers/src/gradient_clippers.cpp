@@ -10,6 +10,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
@@ -26,40 +27,6 @@
 #include <vector>
 
 namespace modalities::plugins::gradient_clippers {
-
-/// A Module or a list of model parts (pipeline stages of this rank).
-struct ModuleParts {
-  std::vector<Ref<Module>> parts;
-};
-
-}  // namespace modalities::plugins::gradient_clippers
-
-namespace modalities {
-
-template <>
-struct Codec<plugins::gradient_clippers::ModuleParts> {
-  static std::string type_name() { return "Ref<Module> | list[Ref<Module>]"; }
-  static Parsed parse(const Value& v, plugins::gradient_clippers::ModuleParts& out, const std::string& path,
-                      ParseContext& ctx) {
-    if (v.is_list()) {
-      if (v.as_list().empty()) {
-        ctx.fail(path, "expected a Module or a non-empty list of Modules, got an empty list");
-        return Parsed::kError;
-      }
-      return Codec<std::vector<Ref<Module>>>::parse(v, out.parts, path, ctx);
-    }
-    out.parts.assign(1, {});
-    return Codec<Ref<Module>>::parse(v, out.parts[0], path, ctx);
-  }
-  static std::string repr(const plugins::gradient_clippers::ModuleParts& m) {
-    return m.parts.empty() ? "null" : fmt::format("<{} part(s)>", m.parts.size());
-  }
-  static void annotate(FieldInfo& info) { info.interface = std::string(Module::kInterface); }
-};
-
-}  // namespace modalities
-
-namespace modalities::plugins::gradient_clippers {
 namespace {
 
 const std::vector<std::string> kNormTypes = {"P1_NORM", "P2_NORM", "MAX_NORM"};
@@ -68,12 +35,6 @@ double norm_order(const std::string& norm_type) {
   if (norm_type == "P1_NORM") return 1.0;
   if (norm_type == "P2_NORM") return 2.0;
   return std::numeric_limits<double>::infinity();  // MAX_NORM; the schema admits nothing else
-}
-
-std::vector<std::shared_ptr<Module>> shared_parts(const ModuleParts& m) {
-  std::vector<std::shared_ptr<Module>> out;
-  for (const auto& p : m.parts) out.push_back(p.shared());
-  return out;
 }
 
 // The defined gradients of all parts' parameters, in parameter order.
@@ -193,7 +154,7 @@ void norm_type_field(Schema<C>& s) {
 }
 
 struct Fsdp1Config {
-  ModuleParts wrapped_model;
+  ModelParts wrapped_model;
   double max_norm = 0;
   std::string norm_type;
   static void describe(Schema<Fsdp1Config>& s) {
@@ -204,7 +165,7 @@ struct Fsdp1Config {
 };
 
 struct Fsdp1LoggingConfig {
-  ModuleParts wrapped_model;
+  ModelParts wrapped_model;
   std::string norm_type;
   static void describe(Schema<Fsdp1LoggingConfig>& s) {
     s.field("wrapped_model", &Fsdp1LoggingConfig::wrapped_model, "The model whose gradient norm is computed.")
@@ -214,7 +175,7 @@ struct Fsdp1LoggingConfig {
 };
 
 struct NormConfig {
-  ModuleParts model_parts;
+  ModelParts model_parts;
   double max_norm = 0;
   std::string norm_type;
   static void describe(Schema<NormConfig>& s) {
@@ -227,7 +188,7 @@ struct NormConfig {
 };
 
 struct LoggingOnlyConfig {
-  ModuleParts model_parts;
+  ModelParts model_parts;
   std::string norm_type;
   static void describe(Schema<LoggingOnlyConfig>& s) {
     s.field("model_parts", &LoggingOnlyConfig::model_parts,
@@ -239,7 +200,7 @@ struct LoggingOnlyConfig {
 };
 
 struct ValueConfig {
-  ModuleParts model_parts;
+  ModelParts model_parts;
   double clip_value = 0;
   static void describe(Schema<ValueConfig>& s) {
     s.field("model_parts", &ValueConfig::model_parts, "Model or list of model parts whose gradients are clamped.")
@@ -257,31 +218,31 @@ void register_components(Registrar& r) {
   r.add<GradientClipper, Fsdp1Config>(
       "fsdp1", "FSDP1 clip_grad_norm_ on one process: clips to max_norm, returns the total norm.",
       [](const Fsdp1Config& c) {
-        return std::make_shared<Clipper>(Mode::kFsdp1, shared_parts(c.wrapped_model), norm_order(c.norm_type),
+        return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
                                          c.max_norm);
       });
   r.add<GradientClipper, Fsdp1LoggingConfig>(
       "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf on one process: the total norm, no clipping.",
       [](const Fsdp1LoggingConfig& c) {
-        return std::make_shared<Clipper>(Mode::kFsdp1, shared_parts(c.wrapped_model), norm_order(c.norm_type),
+        return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
                                          std::numeric_limits<double>::infinity());
       });
   r.add<GradientClipper, NormConfig>(
       "norm", "torch.nn.utils.clip_grad_norm_ over all parts: clips to max_norm, returns the total norm.",
       [](const NormConfig& c) {
-        return std::make_shared<Clipper>(Mode::kTorch, shared_parts(c.model_parts), norm_order(c.norm_type),
+        return std::make_shared<Clipper>(Mode::kTorch, c.model_parts.shared(), norm_order(c.norm_type),
                                          c.max_norm);
       });
   r.add<GradientClipper, LoggingOnlyConfig>(
       "logging_only", "The total gradient norm over all parts (torch.nn.utils.get_total_norm); gradients untouched.",
       [](const LoggingOnlyConfig& c) {
-        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, shared_parts(c.model_parts), norm_order(c.norm_type),
+        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
                                          0.0);
       });
   r.add<GradientClipper, ValueConfig>(
       "value", "torch.nn.utils.clip_grad_value_: clamps every gradient element; returns the pre-clip L2 norm.",
       [](const ValueConfig& c) {
-        return std::make_shared<Clipper>(Mode::kValue, shared_parts(c.model_parts), 2.0, c.clip_value);
+        return std::make_shared<Clipper>(Mode::kValue, c.model_parts.shared(), 2.0, c.clip_value);
       });
 }
 

@@ -8,6 +8,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
@@ -31,50 +32,16 @@
 #include <vector>
 
 namespace modalities::plugins::optimizers {
-
-/// `wrapped_model`: one Module, or a list of model parts (the pipeline stages of this rank,
-/// Modalities' OptimizersList). See Note [Model parts].
-struct ModuleParts {
-  std::vector<Ref<Module>> parts;
-};
-
-}  // namespace modalities::plugins::optimizers
-
-namespace modalities {
-
-// Note [Model parts]
-// Modalities registers the optimizers with a "maybe list" wrapper: a list of model parts gets
-// one optimizer per part behind one OptimizersList. Here one Optimizer holds the groups of all
-// parts, part by part; the state dict is keyed by parameter FQN, so it is the union of the
-// per-part state dicts as in Modalities.
-template <>
-struct Codec<plugins::optimizers::ModuleParts> {
-  static std::string type_name() { return "Ref<Module> | list[Ref<Module>]"; }
-  static Parsed parse(const Value& v, plugins::optimizers::ModuleParts& out, const std::string& path,
-                      ParseContext& ctx) {
-    if (v.is_list()) {
-      if (v.as_list().empty()) {
-        ctx.fail(path, "expected a Module or a non-empty list of Modules, got an empty list");
-        return Parsed::kError;
-      }
-      return Codec<std::vector<Ref<Module>>>::parse(v, out.parts, path, ctx);
-    }
-    out.parts.assign(1, {});
-    return Codec<Ref<Module>>::parse(v, out.parts[0], path, ctx);
-  }
-  static std::string repr(const plugins::optimizers::ModuleParts& m) {
-    return m.parts.empty() ? "null" : fmt::format("<{} part(s)>", m.parts.size());
-  }
-  static void annotate(FieldInfo& info) { info.interface = std::string(Module::kInterface); }
-};
-
-}  // namespace modalities
-
-namespace modalities::plugins::optimizers {
 namespace {
 
+// Note [Model parts]
+// `wrapped_model` is one Module or a list of model parts (the pipeline stages of this rank,
+// modalities/sdk/model_parts.h). Modalities registers the optimizers with a "maybe list"
+// wrapper: a list of model parts gets one optimizer per part behind one OptimizersList. Here
+// one Optimizer holds the groups of all parts, part by part; the state dict is keyed by
+// parameter FQN, so it is the union of the per-part state dicts as in Modalities.
 struct AdamConfig {
-  ModuleParts wrapped_model;
+  ModelParts wrapped_model;
   double lr = 0.0;
   std::array<double, 2> betas = {0.9, 0.999};
   double eps = 1e-8;

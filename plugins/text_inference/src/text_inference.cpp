@@ -6,6 +6,7 @@
 // Fixed against Modalities: no autograd, the model's own input/output keys,
 // top-k / top-p, a seedable private generator, UTF-8-safe streaming, and no
 // ids beyond the tokenizer's vocabulary.
+#include <modalities/sdk/device_setting.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/text_inference_component.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
@@ -28,45 +29,6 @@
 
 namespace modalities {
 namespace plugins::text_inference {
-
-/// `device`: an integer N (cuda:N) or a string "cpu", "cuda", "cuda:N".
-struct DeviceSpec {
-  std::string text = "cpu";
-};
-
-}  // namespace plugins::text_inference
-
-template <>
-struct Codec<plugins::text_inference::DeviceSpec> {
-  using D = plugins::text_inference::DeviceSpec;
-  static std::string type_name() { return "int | \"cpu\" | \"cuda\" | \"cuda:N\""; }
-  static Parsed parse(const Value& v, D& out, const std::string& path, ParseContext& ctx) {
-    if (ctx.dry_run() && detail::pending_fits(v, {"int", "string"})) return Parsed::kPending;
-    if (v.is_int()) {
-      if (v.as_int() < 0) {
-        ctx.fail(path, fmt::format("a CUDA device index must be >= 0, got {}", v.as_int()));
-        return Parsed::kError;
-      }
-      out.text = fmt::format("cuda:{}", v.as_int());
-      return Parsed::kOk;
-    }
-    if (v.is_string()) {
-      const std::string& s = v.as_string();
-      const bool cuda_n = s.starts_with("cuda:") && s.size() > 5 &&
-                          s.find_first_not_of("0123456789", 5) == std::string::npos;
-      if (s != "cpu" && s != "cuda" && !cuda_n) {
-        ctx.fail(path, fmt::format("must be an integer (CUDA device index), \"cpu\", \"cuda\" or \"cuda:N\", got '{}'", s));
-        return Parsed::kError;
-      }
-      out.text = s;
-      return Parsed::kOk;
-    }
-    return detail::type_error(v, "an integer (CUDA device index) or a device string", path, ctx);
-  }
-  static std::string repr(const D& d) { return fmt::format("\"{}\"", d.text); }
-};
-
-namespace plugins::text_inference {
 namespace {
 
 struct TextInferenceConfig {
@@ -76,7 +38,7 @@ struct TextInferenceConfig {
   std::int64_t sequence_length = 0;
   double temperature = 1.0;
   std::string eod_token = "<eod>";
-  DeviceSpec device;
+  DeviceSetting device;
   std::int64_t top_k = 0;
   double top_p = 1.0;
   std::optional<std::int64_t> seed;
