@@ -27,6 +27,7 @@
 #include <modalities/sdk/interfaces/steppable_profiler.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <fmt/chrono.h>
 #include <fmt/format.h>
@@ -41,6 +42,7 @@
 #include <ctime>
 #include <iostream>
 #include <limits>
+#include <mutex>
 #include <set>
 #include <unordered_set>
 
@@ -116,7 +118,33 @@ double peak_memory_mb(const c10::Device& device) {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
-at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
+/// A float32 0-dim tensor, as `torch.tensor(python_float)` makes it.
+at::Tensor fscalar(double v) { return at::scalar_tensor(v, at::kFloat); }
+
+/// Saves the default CPU generator (and the run device's) and restores them on scope exit.
+class RngStates {
+ public:
+  explicit RngStates(const c10::Device& device) {
+    save(at::globalContext().defaultGenerator(c10::Device(c10::kCPU)));
+    if (!device.is_cpu()) save(at::globalContext().defaultGenerator(device));
+  }
+  ~RngStates() {
+    for (auto& [generator, state] : saved_) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+  RngStates(const RngStates&) = delete;
+  RngStates& operator=(const RngStates&) = delete;
+
+ private:
+  void save(at::Generator generator) {  // a handle: copies share the generator
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    at::Tensor state = generator.get_state();
+    saved_.emplace_back(std::move(generator), std::move(state));
+  }
+  std::vector<std::pair<at::Generator, at::Tensor>> saved_;
+};
 
 class Gym {
  public:
@@ -137,7 +165,15 @@ class Gym {
     parts_ = c_.app_state->model_parts();
     optimizer_ = c_.app_state->optimizer();
     scheduler_ = c_.app_state->lr_scheduler();
-    for (auto& part : parts_) part->to(o_.device, std::nullopt);
+    for (auto& part : parts_) {
+      for (const auto& [name, t] : part->named_parameters())
+        if (t.is_meta())
+          throw Error(fmt::format(
+              "the model's parameter {} is on the meta device (model.config.use_meta_device = true) and was never "
+              "allocated: wrap the model in model/model_initialized, which allocates and initializes it",
+              name));
+      part->to(o_.device, std::nullopt);
+    }
 
     // §5.1 setup.
     for (auto& part : parts_) part->train(true);
@@ -159,6 +195,17 @@ class Gym {
 
     const i64 num_batches_todo = (s.training_target.num_target_steps - S0_) * G_;
     if (c_.profiler) c_.profiler->enter();
+    // The profiler is closed (and writes its trace) also when training fails.
+    struct ProfilerExit {
+      SteppableProfiler* p;
+      ~ProfilerExit() {
+        if (p != nullptr) try {
+            p->exit();
+          } catch (const std::exception& e) {
+            std::cerr << "warning: the profiler failed to close: " << e.what() << "\n";
+          }
+      }
+    } profiler_exit{c_.profiler.get()};
     c_.train_dataloader->begin(0);
     const std::string tag = c_.train_dataloader->tag();
     GymSummary summary;
@@ -189,7 +236,7 @@ class Gym {
       // 2. step boundary.
       step_performed = (i + 1) % G_ == 0;
       if (step_performed) {
-        at::Tensor norm = c_.gradient_clipper->clip_gradients().detach().to(at::kDouble);
+        at::Tensor norm = c_.gradient_clipper->clip_gradients().detach();
         mark_non_finite(norm, step_number);
         optimizer_->step();
         if (scheduler_) scheduler_->step();
@@ -214,10 +261,9 @@ class Gym {
         if (steps_total > 0 && steps_total % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
         if (o_.stop_request != nullptr && o_.stop_request->load() != 0) {
           summary.stopped_on_request = true;
-          if (o_.checkpoint_on_stop && steps_total % s.intervals.checkpointing_interval_in_steps != 0) {
-            checkpoint(progress);
-            summary.checkpoint_written_on_stop = true;
-          }
+          const bool on_interval = steps_total % s.intervals.checkpointing_interval_in_steps == 0;
+          if (o_.checkpoint_on_stop && !on_interval) checkpoint(progress, /*stopping=*/true);
+          summary.checkpoint_written_on_stop = on_interval || o_.checkpoint_on_stop;
           ++i;
           break;
         }
@@ -225,6 +271,7 @@ class Gym {
       // 10. profiler.
       if (c_.profiler) c_.profiler->step();
     }
+    profiler_exit.p = nullptr;
     if (c_.profiler) c_.profiler->exit();
     check_finite();
 
@@ -248,7 +295,10 @@ class Gym {
 
   // Keeps the (device) loss or norm of `step` for the next check_finite():
   // no kernel and no synchronisation per micro-batch.
-  void mark_non_finite(const at::Tensor& value, i64 step) { unchecked_.emplace_back(step, value); }
+  void mark_non_finite(const at::Tensor& value, i64 step) {
+    unchecked_.emplace_back(step, value);
+    if (unchecked_.size() >= 4096) check_finite();  // bounded memory with long log intervals
+  }
 
   // One stack + isfinite + sync for everything since the last check; names
   // the first step whose loss or gradient norm is NaN/inf.
@@ -307,27 +357,29 @@ class Gym {
     local_samples_ = 0;
     const double samples_per_s = dt > 0 ? global_samples / dt : 0.0;
 
+    // Values carry Modalities' dtypes (float32 tensors, int64 token count) and float32
+    // arithmetic, so the logged digits are the same as Modalities'.
     EvaluationResultBatch r;
     r.dataloader_tag = tag;
     r.num_train_steps_done = progress.num_seen_steps_total();
-    const double loss_avg = loss_sum_.item<double>() / static_cast<double>(std::max<i64>(loss_count_, 1));
-    last_logged_loss_ = loss_avg;
-    r.losses.push_back({"train loss avg", {scalar(loss_avg), 2}});
-    r.losses.push_back({"train loss last", {last_loss_.to(at::kDouble).cpu(), 2}});
-    r.metrics.push_back({"consumed tokens", {scalar(static_cast<double>(progress.num_seen_tokens_total())), 0}});
-    const at::Tensor norms = grad_norms_.empty() ? at::zeros({1}, at::kDouble) : at::stack(grad_norms_).cpu();
+    const at::Tensor loss_avg = (loss_sum_ / static_cast<float>(std::max<i64>(loss_count_, 1))).cpu();
+    last_logged_loss_ = loss_avg.item<double>();
+    r.losses.push_back({"train loss avg", {loss_avg, 2}});
+    r.losses.push_back({"train loss last", {last_loss_.cpu(), 2}});
+    r.metrics.push_back({"consumed tokens", {at::scalar_tensor(progress.num_seen_tokens_total(), at::kLong), 0}});
+    const at::Tensor norms =
+        grad_norms_.empty() ? at::zeros({1}, at::kFloat) : at::stack(grad_norms_).to(at::kFloat).cpu();
     r.metrics.push_back({"grad norm avg", {norms.mean(), 2}});
-    r.metrics.push_back({"grad norm last", {norms[-1], 2}});
-    r.throughput_metrics.push_back(
-        {"train samples/s", {at::scalar_tensor(static_cast<float>(samples_per_s), at::kFloat), 1}});
+    r.metrics.push_back({"grad norm last", {norms[-1].clone(), 2}});
+    r.throughput_metrics.push_back({"train samples/s", {fscalar(samples_per_s), 1}});
     const double mfu = c_.mfu_calculator ? c_.mfu_calculator->compute(samples_per_s) : -1.0;
-    r.throughput_metrics.push_back({"train mfu (16-bit)", {scalar(mfu), 2}});
+    r.throughput_metrics.push_back({"train mfu (16-bit)", {fscalar(mfu), 2}});
     const std::vector<double> lrs = scheduler_ ? scheduler_->last_lrs() : optimizer_->learning_rates();
-    double lr_mean = 0;
-    for (double lr : lrs) lr_mean += lr;
-    lr_mean /= static_cast<double>(std::max<std::size_t>(lrs.size(), 1));
-    r.throughput_metrics.push_back({"lr mean", {scalar(lr_mean), std::nullopt}});
-    r.throughput_metrics.push_back({"peak memory rank 0 (MB)", {scalar(peak_memory_mb(o_.device)), 2}});
+    const at::Tensor lr_tensor =
+        lrs.empty() ? at::zeros({1}, at::kFloat)
+                    : at::tensor(std::vector<float>(lrs.begin(), lrs.end()), at::TensorOptions().dtype(at::kFloat));
+    r.throughput_metrics.push_back({"lr mean", {lr_tensor.mean(), std::nullopt}});
+    r.throughput_metrics.push_back({"peak memory rank 0 (MB)", {fscalar(peak_memory_mb(o_.device)), 2}});
 
     if (c_.settings.cuda_env.global_rank == 0) out_ << now_iso() << " | " << result_text(r) << std::endl;
     publish_result(r);
@@ -340,6 +392,11 @@ class Gym {
   void evaluate(i64 step) {
     if (c_.eval_dataloaders.empty()) return;
     check_finite();
+    // Evaluation must not move the training RNG streams (attention dropout also runs
+    // in eval mode, model.md §3.8): otherwise evaluating, or re-evaluating at the
+    // start of a warm start, would change every later dropout mask. Modalities lets
+    // evaluation consume them.
+    const RngStates rng(o_.device);
     for (auto& part : parts_) part->train(false);
     for (auto& loader : c_.eval_dataloaders) {
       const std::string tag = loader->tag();
@@ -366,12 +423,11 @@ class Gym {
       EvaluationResultBatch r;
       r.dataloader_tag = tag;
       r.num_train_steps_done = step;
-      const double loss = count > 0 ? sum.item<double>() / static_cast<double>(count)
-                                    : std::numeric_limits<double>::quiet_NaN();
-      r.losses.push_back({c_.loss_fn->tag(), {scalar(loss), 2}});
+      const at::Tensor loss = count > 0 ? (sum / static_cast<float>(count)).cpu() : fscalar(std::nan(""));
+      r.losses.push_back({c_.loss_fn->tag(), {loss, 2}});
       r.throughput_metrics.push_back(
           {"evaluation_num_samples_per_second",
-           {scalar(elapsed > 0 ? static_cast<double>(samples * dp_) / elapsed : 0.0), 1}});
+           {fscalar(elapsed > 0 ? static_cast<double>(samples * dp_) / elapsed : 0.0), 1}});
       if (c_.settings.cuda_env.global_rank == 0)
         out_ << now_iso() << " | " << tag << " | " << result_text(r) << std::endl;
       publish_result(r);
@@ -379,9 +435,11 @@ class Gym {
     for (auto& part : parts_) part->train(true);
   }
 
-  void checkpoint(const TrainingProgress& progress) {
+  // `stopping`: a stop request; passed to the strategy as its early-stopping
+  // criterion, which makes the strategies save (unless k = 0: no checkpoints at all).
+  void checkpoint(const TrainingProgress& progress, bool stopping = false) {
     check_finite();  // never write a state that has seen a NaN
-    c_.checkpoint_saving->save_checkpoint(progress, nullptr, *c_.app_state, false);
+    c_.checkpoint_saving->save_checkpoint(progress, nullptr, *c_.app_state, stopping);
   }
 
   GymComponents& c_;

@@ -71,6 +71,53 @@ std::string tiny_config(const std::string& name, const std::map<std::string, std
   return t;
 }
 
+/// An evaluation data loader over the small bundled lorem-ipsum file, followed by the
+/// `[evaluation_subscriber]` header it is inserted before.
+std::string val_tables() {
+  std::string t = R"TOML([val_dataset]
+component_key = "dataset"
+variant_key = "packed_mem_map_dataset_continuous"
+config = { raw_data_path = "@VAL@", sequence_length = "${settings.step_profile.sequence_length}", sample_key = "${settings.referencing_keys.sample_key}" }
+
+[val_dataloader]
+component_key = "data_loader"
+variant_key = "default"
+
+[val_dataloader.config]
+num_workers = 1
+pin_memory = false
+dataloader_tag = "val"
+dataset = { instance_key = "val_dataset", pass_type = "BY_REFERENCE" }
+collate_fn = { instance_key = "collate_fn", pass_type = "BY_REFERENCE" }
+
+[val_dataloader.config.batch_sampler]
+component_key = "batch_sampler"
+variant_key = "default"
+
+[val_dataloader.config.batch_sampler.config]
+batch_size = 4
+drop_last = true
+
+[val_dataloader.config.batch_sampler.config.sampler]
+component_key = "sampler"
+variant_key = "resumable_distributed_sampler"
+
+[val_dataloader.config.batch_sampler.config.sampler.config]
+dataset = { instance_key = "val_dataset", pass_type = "BY_REFERENCE" }
+rank = 0
+num_replicas = 1
+shuffle = false
+drop_last = true
+
+[evaluation_subscriber]
+)TOML";
+  replace_line(t, "@VAL@", (kRoot / "data/lorem_ipsum/lorem_ipsum.pbin").string());
+  return t;
+}
+
+const std::pair<std::string, std::string> kWithEval = {
+    "eval_dataloaders = []", "eval_dataloaders = [{ instance_key = \"val_dataloader\", pass_type = \"BY_REFERENCE\" }]"};
+
 CommandResult modalities(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {kHost};
   argv.insert(argv.end(), args.begin(), args.end());
@@ -165,6 +212,33 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
   EXPECT_GT(compared, 10u);
 }
 
+TEST_F(TrainingRunTest, WarmStartIsExactWithDropoutAndEvaluation) {
+  // Dropout draws from the global generator (attention dropout also in eval mode); the
+  // checkpoint restores it and evaluation leaves it untouched, so resuming stays exact.
+  const std::map<std::string, std::string> edits = {
+      {"dropout = 0.0", "dropout = 0.1"}, kWithEval, {"[evaluation_subscriber]\n", val_tables()}};
+  const fs::path train = dir_.write("train.toml", tiny_config("train.toml", edits));
+  const fs::path warm = dir_.write("warmstart.toml", tiny_config("warmstart.toml", edits));
+  const fs::path experiments = dir_.path() / "experiments";
+  const CommandResult full = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                         experiments.string(), "--experiment_id", "full"});
+  ASSERT_EQ(full.exit_code, 0) << full;
+  const fs::path step4 = checkpoint_folder(experiments / "full/checkpoints", 4);
+  ASSERT_FALSE(step4.empty());
+  const fs::path info = dir_.write("info.json", "{\"checkpoint_folder_path\": \"" + step4.string() + "\"}");
+  const CommandResult resumed =
+      modalities({"warmstart", "--config_file_path", warm.string(), "--experiments_root_path", experiments.string(),
+                  "--experiment_id", "resumed", "--last_checkpoint_info_file_path", info.string()});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed;
+  const auto a = train_results(experiments / "full/evaluation_results.jsonl");
+  const auto b = train_results(experiments / "resumed/evaluation_results.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 4u);
+  for (int i = 0; i < 4; ++i)
+    for (const char* key : {"train loss avg", "grad norm last"})
+      EXPECT_EQ(a[4 + i].at(key), b[i].at(key)) << key << " at step " << a[4 + i].at("num_train_steps_done");
+}
+
 TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeights) {
   const fs::path train = dir_.write(
       "train.toml",
@@ -195,49 +269,10 @@ TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeigh
 }
 
 TEST_F(TrainingRunTest, EvaluationRunsAtItsIntervalInEvalModeAndIsRecorded) {
-  std::string tables = R"TOML([val_dataset]
-component_key = "dataset"
-variant_key = "packed_mem_map_dataset_continuous"
-config = { raw_data_path = "@VAL@", sequence_length = "${settings.step_profile.sequence_length}", sample_key = "${settings.referencing_keys.sample_key}" }
-
-[val_dataloader]
-component_key = "data_loader"
-variant_key = "default"
-
-[val_dataloader.config]
-num_workers = 1
-pin_memory = false
-dataloader_tag = "val"
-dataset = { instance_key = "val_dataset", pass_type = "BY_REFERENCE" }
-collate_fn = { instance_key = "collate_fn", pass_type = "BY_REFERENCE" }
-
-[val_dataloader.config.batch_sampler]
-component_key = "batch_sampler"
-variant_key = "default"
-
-[val_dataloader.config.batch_sampler.config]
-batch_size = 4
-drop_last = true
-
-[val_dataloader.config.batch_sampler.config.sampler]
-component_key = "sampler"
-variant_key = "resumable_distributed_sampler"
-
-[val_dataloader.config.batch_sampler.config.sampler.config]
-dataset = { instance_key = "val_dataset", pass_type = "BY_REFERENCE" }
-rank = 0
-num_replicas = 1
-shuffle = false
-drop_last = true
-
-[evaluation_subscriber]
-)TOML";
-  replace_line(tables, "@VAL@", (kRoot / "data/lorem_ipsum/lorem_ipsum.pbin").string());
+  const std::string tables = val_tables();
   const fs::path train = dir_.write(
       "train.toml",
-      tiny_config("train.toml", {{"eval_dataloaders = []",
-                                  "eval_dataloaders = [{ instance_key = \"val_dataloader\", pass_type = \"BY_REFERENCE\" }]"},
-                                 {"[evaluation_subscriber]\n", tables}}));
+      tiny_config("train.toml", {kWithEval, {"[evaluation_subscriber]\n", tables}}));
   const fs::path experiments = dir_.path() / "experiments";
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       experiments.string(), "--experiment_id", "eval"});

@@ -22,6 +22,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <iostream>
+
 #include <deque>
 #include <set>
 
@@ -90,9 +92,10 @@ struct SaveEveryKStepsConfig {
 class SaveEveryKSteps final : public CheckpointSavingStrategy {
  public:
   explicit SaveEveryKSteps(std::int64_t k) : k_(k) {}
+  // Also saves when the run stops early (a stop request): the last step is kept.
   CheckpointingInstruction checkpoint_instruction(const TrainingProgress& progress, const EvaluationResultBatch*,
-                                                  bool) override {
-    return {progress.num_seen_steps_total() % k_ == 0, {}};
+                                                  bool early_stopping_criterion_fulfilled) override {
+    return {early_stopping_criterion_fulfilled || progress.num_seen_steps_total() % k_ == 0, {}};
   }
 
  private:
@@ -187,8 +190,13 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
     if (c_.global_rank != 0) return;
     const fs::path folder = folder_for(progress);
     std::error_code ec;
-    if (!fs::exists(folder, ec))
-      throw Error(fmt::format("checkpoint folder '{}' could not be removed: it does not exist", folder.string()));
+    if (!fs::exists(folder, ec)) {
+      // Already gone (e.g. removed by hand to free disk): the new checkpoint is written,
+      // so the run goes on.
+      std::cerr << fmt::format("warning: old checkpoint folder '{}' was to be deleted but no longer exists\n",
+                               folder.string());
+      return;
+    }
     if (!fs::is_directory(folder, ec) || !fs::exists(folder / kManifestFile, ec))
       throw Error(fmt::format("refusing to delete '{}': it is not a checkpoint folder ({} is missing)", folder.string(),
                               kManifestFile));

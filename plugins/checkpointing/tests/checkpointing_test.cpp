@@ -456,6 +456,9 @@ config = { k = 3 }
     EXPECT_EQ(e.save_current, s % 3 == 0) << s;
     EXPECT_TRUE(e.checkpoints_to_delete.empty());
   }
+  // A stop request (early stopping) saves with every-k too; k = 0 still saves nothing.
+  EXPECT_TRUE(every->checkpoint_instruction(progress_at(7), nullptr, true).save_current);
+  EXPECT_FALSE(none->checkpoint_instruction(progress_at(7), nullptr, true).save_current);
 }
 
 TEST(CheckpointingTest, StrategyValidatesK) {
@@ -489,7 +492,7 @@ TEST(CheckpointingTest, KMostRecentDeletesOldFoldersOnDisk) {
   EXPECT_THAT(slurp(dir.path() / "last_checkpoint_info.json"), HasSubstr("seen_steps_4-"));
 }
 
-TEST(CheckpointingTest, DeletingAMissingOrForeignFolderFails) {
+TEST(CheckpointingTest, DeletingAMissingFolderWarnsAndDeletingAForeignFolderFails) {
   ScratchDir dir;
   auto h = harness();
   h->set_config_text(R"(
@@ -499,8 +502,10 @@ variant_key = "dcp"
 config = { checkpoint_path = ")" + dir.path().string() + R"(", global_rank = 0, experiment_id = "exp" })");
   auto e = h->get<CheckpointSavingExecution>("e");
   ASSERT_NE(e, nullptr) << h->build_error();
-  EXPECT_THAT(error_of([&] { e->delete_checkpoint(progress_at(3)); }),
-              AllOf(HasSubstr(kFolder3), HasSubstr("could not be removed: it does not exist")));
+  // Already gone (removed by hand): a warning, the run goes on.
+  ::testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(e->delete_checkpoint(progress_at(3)));
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(), AllOf(HasSubstr(kFolder3), HasSubstr("no longer exists")));
   fs::create_directories(dir.path() / kFolder3 / "precious");
   EXPECT_THAT(error_of([&] { e->delete_checkpoint(progress_at(3)); }), HasSubstr("refusing to delete"));
   EXPECT_TRUE(fs::exists(dir.path() / kFolder3 / "precious"));

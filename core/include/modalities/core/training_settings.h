@@ -178,8 +178,15 @@ struct TrainingSettings {
     for (int i = 0; i < 3; ++i)
       if (steps_left % intervals[i].second != 0)
         report(enforce[i], fmt::format("intervals.{}", intervals[i].first),
-               fmt::format("the last step is not {}: {} steps left is not a multiple of {}", what[i], steps_left,
-                           intervals[i].second));
+               fmt::format("the last step is not {}: {} steps left is not a multiple of {}{}", what[i], steps_left,
+                           intervals[i].second,
+                           c.training_progress.num_seen_steps > 0 &&
+                                   c.training_progress.num_seen_steps % intervals[i].second != 0
+                               ? fmt::format(" (this warm start begins at step {}, off the interval, e.g. from a "
+                                             "checkpoint written on a stop request; set consistency_enforcement."
+                                             "enforce_last_step_{} = false to continue anyway)",
+                                             c.training_progress.num_seen_steps, what[i])
+                               : std::string()));
   }
 };
 
