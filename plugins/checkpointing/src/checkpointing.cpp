@@ -160,7 +160,13 @@ struct ExecutionConfig {
 class FolderCheckpointExecution final : public CheckpointSavingExecution {
  public:
   FolderCheckpointExecution(const ExecutionConfig& c, std::string variant, bool fsdp1_keys)
-      : c_(c), variant_(std::move(variant)), fsdp1_keys_(fsdp1_keys) {}
+      : c_(c), variant_(std::move(variant)), fsdp1_keys_(fsdp1_keys) {
+    if (c_.global_rank == 0)
+      for (const auto& name : remove_stale_temporaries(c_.checkpoint_path))
+        std::cerr << fmt::format("warning: removed '{}' in {}, an unfinished checkpoint of a process that was "
+                                 "killed while writing it\n",
+                                 name, c_.checkpoint_path.string());
+  }
 
   fs::path folder_for(const TrainingProgress& progress) const {
     return c_.checkpoint_path / checkpoint_folder_name(c_.experiment_id, progress);

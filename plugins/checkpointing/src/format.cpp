@@ -20,12 +20,14 @@
 
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <mutex>
 #include <random>
+#include <regex>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -168,6 +170,23 @@ std::string temp_sibling(const fs::path& target) {
 }
 
 }  // namespace
+
+std::vector<std::string> remove_stale_temporaries(const fs::path& dir) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return removed;
+  static const std::regex kTemp(R"(^\.eid_.*\.tmp-([0-9]+)-[0-9]+-[0-9a-f]+$)");
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    std::smatch m;
+    if (!std::regex_match(name, m, kTemp)) continue;
+    const auto pid = static_cast<pid_t>(std::stoll(m[1]));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;  // its writer may still run
+    fs::remove_all(entry.path(), ec);
+    if (!ec) removed.push_back(name);
+  }
+  return removed;
+}
 
 std::string checkpoint_folder_name(std::string_view experiment_id, const TrainingProgress& p) {
   return fmt::format("eid_{}-seen_steps_{}-seen_tokens_{}-target_steps_{}-target_tokens_{}", experiment_id,

@@ -57,6 +57,10 @@ std::vector<std::string> restore_rng_states(const StateDict& state);
 void write_checkpoint_folder(const std::filesystem::path& folder, const StateDict& state, const CheckpointInfo& info);
 
 /// Writes `<dir>/last_checkpoint_info.json` atomically with the given keys (values: absolute paths).
+/// Removes temporary checkpoint folders (".<name>.tmp-<pid>-...") left in `dir` by
+/// processes that no longer run (killed mid-write). Returns the names removed.
+std::vector<std::string> remove_stale_temporaries(const std::filesystem::path& dir);
+
 void write_last_checkpoint_info(const std::filesystem::path& dir, const std::map<std::string, std::string>& entries);
 
 /// A checkpoint folder, validated but not read yet.

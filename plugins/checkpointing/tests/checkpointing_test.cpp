@@ -21,6 +21,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -459,6 +460,29 @@ config = { k = 3 }
   // A stop request (early stopping) saves with every-k too; k = 0 still saves nothing.
   EXPECT_TRUE(every->checkpoint_instruction(progress_at(7), nullptr, true).save_current);
   EXPECT_FALSE(none->checkpoint_instruction(progress_at(7), nullptr, true).save_current);
+}
+
+TEST(CheckpointingTest, UnfinishedFoldersOfKilledWritersAreRemovedAtStart) {
+  ScratchDir dir;
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_GT(dead, 0);
+  ::waitpid(dead, nullptr, 0);  // reaped: the pid no longer runs
+  const std::string stale = fmt::format(".{}.tmp-{}-0-abc", kFolder3, dead);
+  const std::string live = fmt::format(".{}.tmp-{}-0-abc", kFolder3, ::getppid());
+  fs::create_directories(dir.path() / stale / "partial");
+  fs::create_directories(dir.path() / live);
+  auto h = harness();
+  h->set_config_text(R"(
+[e]
+component_key = "checkpoint_saving_execution"
+variant_key = "dcp"
+config = { checkpoint_path = ")" + dir.path().string() + R"(", global_rank = 0, experiment_id = "exp" })");
+  ::testing::internal::CaptureStderr();
+  ASSERT_NE(h->get<CheckpointSavingExecution>("e"), nullptr) << h->build_error();
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(), HasSubstr(stale));
+  EXPECT_FALSE(fs::exists(dir.path() / stale));
+  EXPECT_TRUE(fs::exists(dir.path() / live));  // its writer still runs
 }
 
 TEST(CheckpointingTest, StrategyValidatesK) {
