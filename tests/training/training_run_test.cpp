@@ -342,6 +342,17 @@ TEST_F(TrainingRunTest, SigintFinishesTheStepCheckpointsAndExitsWith130) {
   EXPECT_FALSE(checkpoint_folder(experiments / "sigint/checkpoints", std::stoi(m[1])).empty()) << r;
 }
 
+// The shipped GPU configs cannot run here, but they must stay valid as the plugins evolve.
+TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
+  for (const char* name : {"configs/gpu/gpt2_124m.toml", "configs/gpu/llama_1b.toml"}) {
+    const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline",
+                                         "training", "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},
+                                        {{"RANK", "0"}, {"LOCAL_RANK", "0"}, {"WORLD_SIZE", "1"}});
+    EXPECT_EQ(r.exit_code, 0) << r;
+    EXPECT_THAT(r.out, HasSubstr("valid for pipeline 'training'")) << r;
+  }
+}
+
 class WarmStartFaultTest : public TrainingRunTest {
  protected:
   void SetUp() override {
