@@ -494,9 +494,34 @@ struct CheckpointedModelConfig {
   }
 };
 
+// optimizer/fsdp1_checkpointed: the optimizer with a checkpoint's optimizer state loaded
+// into it (Modalities' FSDP1 warm start: model and optimizer checkpoint paths from
+// last_checkpoint_info.json). One process: nothing to scatter.
+struct CheckpointedOptimizerConfig {
+  Ref<CheckpointLoading> checkpoint_loading;
+  fs::path checkpoint_path;
+  Ref<Module> wrapped_model;
+  Ref<Optimizer> optimizer;
+  static void describe(Schema<CheckpointedOptimizerConfig>& s) {
+    using C = CheckpointedOptimizerConfig;
+    s.field("checkpoint_loading", &C::checkpoint_loading, "How to load (checkpoint_loading/torch).").required();
+    s.field("checkpoint_path", &C::checkpoint_path,
+            "Checkpoint folder or its app_state.safetensors (optimizer_checkpoint_path of last_checkpoint_info.json).")
+        .required();
+    s.field("wrapped_model", &C::wrapped_model, "The model the optimizer was built on.").required();
+    s.field("optimizer", &C::optimizer, "The optimizer to restore, in place (and returned).").required();
+  }
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
+  r.add<Optimizer, CheckpointedOptimizerConfig>(
+      "fsdp1_checkpointed", "The optimizer with a checkpoint's optimizer state loaded into it (in place).",
+      [](const CheckpointedOptimizerConfig& c) {
+        c.checkpoint_loading->load_optimizer_checkpoint(*c.optimizer, *c.wrapped_model, c.checkpoint_path);
+        return c.optimizer.shared();
+      });
   r.add<Module, CheckpointedModelConfig>(
       "fsdp1_checkpointed", "The model with a checkpoint's weights loaded by checkpoint_loading (inference).",
       [](const CheckpointedModelConfig& c) {

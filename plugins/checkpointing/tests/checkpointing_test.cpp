@@ -751,6 +751,34 @@ config = { device = 0 }
   ASSERT_NE(opt, nullptr) << b->build_error();
   b->get<CheckpointLoading>("loading")->load_optimizer_checkpoint(*opt, *b->get<Module>("model"), folder());
   EXPECT_DOUBLE_EQ(opt->learning_rates()[0], 0.05);
+
+  // The same through optimizer/fsdp1_checkpointed (Modalities' FSDP1 warm-start component).
+  b->set_config_text(R"(
+[model]
+component_key = "model"
+variant_key = "test_tiny"
+config = { width = 4 }
+[optimizer]
+component_key = "optimizer"
+variant_key = "test_sgd"
+config = { model = { instance_key = "model", pass_type = "BY_REFERENCE" }, lr = 1.0 }
+[loading]
+component_key = "checkpoint_loading"
+variant_key = "torch"
+config = { device = "cpu" }
+[restored]
+component_key = "optimizer"
+variant_key = "fsdp1_checkpointed"
+[restored.config]
+checkpoint_loading = { instance_key = "loading", pass_type = "BY_REFERENCE" }
+checkpoint_path = ")" + folder().string() + R"("
+wrapped_model = { instance_key = "model", pass_type = "BY_REFERENCE" }
+optimizer = { instance_key = "optimizer", pass_type = "BY_REFERENCE" }
+)");
+  auto restored = b->get<Optimizer>("restored");
+  ASSERT_NE(restored, nullptr) << b->build_error();
+  EXPECT_EQ(restored, b->get<Optimizer>("optimizer"));  // restored in place and returned
+  EXPECT_DOUBLE_EQ(restored->learning_rates()[0], 0.05);
 }
 
 // Python Modalities -> scripts/convert_checkpoint.py -> this plugin, with the real model and
