@@ -477,6 +477,63 @@ class TorchCheckpointLoading final : public CheckpointLoading {
   std::optional<c10::ScalarType> precision_;
 };
 
+// checkpoint_loading/fsdp1 on one process: the full state dict is loaded into the
+// model where it lives (FSDP1 loads on rank 0 and broadcasts; with one rank there is
+// nothing to broadcast or shard), then the FSDP1 mixed-precision preset is applied as
+// per-use parameter casting (Module::set_param_dtype). Differences from FSDP1, stated
+// in the README: buffers are never cast, and the sharding strategy has no effect.
+struct Fsdp1LoadingConfig {
+  std::int64_t global_rank = 0;
+  std::vector<std::string> block_names;
+  std::string mixed_precision_settings;
+  std::string sharding_strategy;
+  static void describe(Schema<Fsdp1LoadingConfig>& s) {
+    using C = Fsdp1LoadingConfig;
+    s.field("global_rank", &C::global_rank, "Rank of this process (one process: 0).").required().non_negative();
+    s.field("block_names", &C::block_names, "Class names of the FSDP units, e.g. [\"GPT2Block\"]; each must exist.")
+        .required();
+    s.field("mixed_precision_settings", &C::mixed_precision_settings,
+            "FSDP1 preset: parameters used in FP_16 / BF_16 / MIXED_PRECISION_MEGATRON (bf16), or fp32 "
+            "(BF_16_WORKING, FP_32, NO_MIXED_PRECISION).")
+        .required()
+        .one_of({"FP_16", "BF_16", "BF_16_WORKING", "FP_32", "MIXED_PRECISION_MEGATRON", "NO_MIXED_PRECISION"});
+    s.field("sharding_strategy", &C::sharding_strategy, "FSDP1 sharding strategy (no effect on one process).")
+        .required()
+        .one_of({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"});
+  }
+};
+
+class Fsdp1CheckpointLoading final : public CheckpointLoading {
+ public:
+  explicit Fsdp1CheckpointLoading(const Fsdp1LoadingConfig& c) : c_(c) {
+    if (c.mixed_precision_settings == "FP_16") param_dtype_ = at::kHalf;
+    if (c.mixed_precision_settings == "BF_16" || c.mixed_precision_settings == "MIXED_PRECISION_MEGATRON")
+      param_dtype_ = at::kBFloat16;
+  }
+
+  std::shared_ptr<Module> load_model_checkpoint(std::shared_ptr<Module> model, const fs::path& file) override {
+    for (const auto& name : c_.block_names)
+      MODALITIES_CHECK(!model->submodules_of_class(name).empty(),
+                       "checkpoint_loading/fsdp1: block_names: the model has no submodule of class '{}'", name);
+    const StateDict state = read_model_state(file);
+    try {
+      model->load_state_dict(state, /*strict=*/true);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("cannot load model checkpoint '{}': {}", file.string(), e.what()));
+    }
+    model->set_param_dtype(param_dtype_);
+    return model;
+  }
+
+  void load_optimizer_checkpoint(Optimizer& optimizer, Module&, const fs::path& file) override {
+    optimizer.load_state_dict(read_optimizer_state(file));
+  }
+
+ private:
+  Fsdp1LoadingConfig c_;
+  std::optional<c10::ScalarType> param_dtype_;
+};
+
 // model/fsdp1_checkpointed: the model with a checkpoint loaded into it by a
 // CheckpointLoading (in practice checkpoint_loading/torch, for inference).
 // Modalities' name is kept; nothing is FSDP-wrapped in one process.
@@ -516,6 +573,9 @@ struct CheckpointedOptimizerConfig {
 }  // namespace
 
 void register_components(Registrar& r) {
+  r.add<CheckpointLoading, Fsdp1LoadingConfig>(
+      "fsdp1", "Loads a checkpoint's model (and optimizer) state; one process: no sharding, mixed precision per use.",
+      [](const Fsdp1LoadingConfig& c) { return std::make_shared<Fsdp1CheckpointLoading>(c); });
   r.add<Optimizer, CheckpointedOptimizerConfig>(
       "fsdp1_checkpointed", "The optimizer with a checkpoint's optimizer state loaded into it (in place).",
       [](const CheckpointedOptimizerConfig& c) {

@@ -690,6 +690,41 @@ config = { global_rank = 0 }
   expect_same_state(app->state_dict(), expected);
 }
 
+TEST_F(CorruptionTest, Fsdp1LoadingLoadsInPlaceAndChecksBlocksAndPrecision) {
+  auto b = harness();
+  b->set_config_text(R"(
+[model]
+component_key = "model"
+variant_key = "test_tiny"
+config = { width = 4, seed = 9 }
+[fp32]
+component_key = "checkpoint_loading"
+variant_key = "fsdp1"
+config = { global_rank = 0, block_names = ["Linear"], mixed_precision_settings = "FP_32", sharding_strategy = "FULL_SHARD" }
+[unknown_block]
+component_key = "checkpoint_loading"
+variant_key = "fsdp1"
+config = { global_rank = 0, block_names = ["GPT2Block"], mixed_precision_settings = "FP_32", sharding_strategy = "NO_SHARD" }
+[bf16]
+component_key = "checkpoint_loading"
+variant_key = "fsdp1"
+config = { global_rank = 0, block_names = ["Linear"], mixed_precision_settings = "BF_16", sharding_strategy = "FULL_SHARD" }
+)");
+  auto model = b->get<Module>("model");
+  ASSERT_NE(model, nullptr) << b->build_error();
+  const StateDict saved = formats::read_safetensors(file());
+  auto loaded = b->get<CheckpointLoading>("fp32")->load_model_checkpoint(model, folder());
+  EXPECT_EQ(loaded, model);  // in place
+  EXPECT_TRUE(torch::equal(model->state_dict().at("layer.weight"), saved.at("model.layer.weight")));
+  EXPECT_THAT(error_of([&] { b->get<CheckpointLoading>("unknown_block")->load_model_checkpoint(model, folder()); }),
+              AllOf(HasSubstr("block_names"), HasSubstr("GPT2Block")));
+  // A bf16 preset needs a model with mixed-precision support (the test model has none).
+  EXPECT_THAT(error_of([&] { b->get<CheckpointLoading>("bf16")->load_model_checkpoint(model, folder()); }),
+              HasSubstr("mixed precision"));
+  b->set("fp32.config.sharding_strategy", Value(std::string("SHARDED")));
+  EXPECT_THAT(b->build_error(), HasSubstr("sharding_strategy"));
+}
+
 TEST_F(CorruptionTest, TorchLoadingReadsTheModelForInference) {
   auto b = harness();
   b->set_config_text(R"(
