@@ -7,6 +7,7 @@
 #include <modalities/core/graph.h>
 #include <modalities/core/gym.h>
 #include <modalities/sdk/atomic_file.h>
+#include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/interfaces/text_inference_component.h>
@@ -171,23 +172,6 @@ po::options_description run_options(RunArgs& a, bool warmstart) {
   return d;
 }
 
-std::string json_escape(std::string_view s) {
-  std::string out;
-  for (char ch : s) {
-    switch (ch) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(ch) < 0x20) out += fmt::format("\\u{:04x}", static_cast<int>(ch));
-        else out += ch;
-    }
-  }
-  return out;
-}
-
 void write_error_log(const std::string& folder, const std::string& type, const std::string& message) {
   if (folder.empty()) return;
   char host[256] = {};
@@ -196,10 +180,10 @@ void write_error_log(const std::string& folder, const std::string& type, const s
   const char* rank = std::getenv("RANK");
   const char* world = std::getenv("WORLD_SIZE");
   const std::string json = fmt::format(
-      "{{\"environment\": {{\"rank\": {}, \"local_rank\": {}, \"world_size\": {}, \"hostname\": \"{}\"}}, "
-      "\"error\": {{\"error\": \"{}\", \"type\": \"{}\", \"stacktrace\": \"\"}}}}\n",
-      rank ? rank : "0", local_rank ? local_rank : "0", world ? world : "1", json_escape(host), json_escape(message),
-      json_escape(type));
+      "{{\"environment\": {{\"rank\": {}, \"local_rank\": {}, \"world_size\": {}, \"hostname\": {}}}, "
+      "\"error\": {{\"error\": {}, \"type\": {}, \"stacktrace\": \"\"}}}}\n",
+      rank ? rank : "0", local_rank ? local_rank : "0", world ? world : "1", formats::json_quote(host),
+      formats::json_quote(message), formats::json_quote(type));
   try {
     fs::create_directories(folder);
     write_file_atomically(fs::path(folder) / fmt::format("error_logs_{}_{}.log", host, local_rank ? local_rank : "0"),

@@ -10,6 +10,7 @@
 #include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/error.h>
 
+#include <fmt/format.h>
 #include <simdjson.h>
 
 #include <algorithm>
@@ -476,6 +477,29 @@ std::string_view JsonLineParser::extract_string(std::string_view line, const JqP
     throw Error(fmt::format("{} selects {}, not a string", path.program(), type));
   }
   return text;
+}
+
+std::string json_quote(std::string_view s) {
+  std::string out;
+  out.reserve(s.size() + 2);
+  out.push_back('"');
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      case '\b': out += "\\b"; break;
+      case '\f': out += "\\f"; break;
+      default:
+        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
+        else out.push_back(ch);
+    }
+  }
+  out.push_back('"');
+  return out;
 }
 
 }  // namespace modalities::formats

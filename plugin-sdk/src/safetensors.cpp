@@ -4,6 +4,7 @@
 // AtomicFile, so an interrupted write never replaces a good file.
 #include <modalities/sdk/atomic_file.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/formats/safetensors.h>
 
 #include <ATen/ATen.h>
@@ -88,31 +89,6 @@ void read_exactly(int fd, const std::filesystem::path& path, std::uint64_t offse
   }
 }
 
-std::string json_escape(std::string_view s) {
-  std::string out;
-  out.reserve(s.size() + 2);
-  out.push_back('"');
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (c < 0x20) {
-          out += fmt::format("\\u{:04x}", c);
-        } else {
-          out.push_back(ch);
-        }
-    }
-  }
-  out.push_back('"');
-  return out;
-}
 
 std::optional<c10::ScalarType> dtype_from_name(std::string_view name) {
   for (const auto& d : kDtypes)
@@ -311,13 +287,13 @@ void write_safetensors(const std::filesystem::path& path, const StateDict& tenso
     for (const auto& [k, v] : metadata) {
       if (!first) json += ",";
       first = false;
-      json += json_escape(k) + ":" + json_escape(v);
+      json += json_quote(k) + ":" + json_quote(v);
     }
     json += "}";
   }
   for (const Item& it : items) {
     if (json.size() > 1) json += ",";
-    json += fmt::format("{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}", json_escape(*it.name),
+    json += fmt::format("{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}", json_quote(*it.name),
                         it.dtype, fmt::join(it.tensor->sizes(), ","), it.begin, it.end);
   }
   json += "}";

@@ -60,6 +60,24 @@ bool prepare_output(const fs::path& output, FileExistencePolicy policy, ToolResu
   return true;
 }
 
+// The common start of the whole-file rewrites (shuffles): an existing input that is not
+// the output, and the output policy. False: the output is skipped (policy `skip`).
+bool prepare_rewrite(const fs::path& input, const fs::path& output, FileExistencePolicy policy, ToolResult& result) {
+  require_input_file(input, "--input_data_path");
+  if (same_file(input, output))
+    throw Error(fmt::format("--input_data_path and --output_data_path are the same file '{}'", input.string()));
+  return prepare_output(output, policy, result);
+}
+
+// Commits a packed output and records what it holds.
+ToolResult& finish_packed(formats::PackedWriter& out, ProgressBar& bar, ToolResult& result) {
+  out.commit();
+  bar.finish();
+  result.documents = out.num_documents();
+  result.bytes = out.size();
+  return result;
+}
+
 // Lines as Python's bytes readlines() yields them: each ends after its '\n';
 // a final piece without '\n' is a line if it is not empty. (offset, length).
 std::vector<formats::IndexEntry> readlines(std::string_view text) {
@@ -159,11 +177,7 @@ ToolResult merge_packed_data(std::span<const fs::path> sources, const fs::path& 
     }
     f.close();
   }
-  out.commit();
-  bar.finish();
-  result.documents = out.num_documents();
-  result.bytes = out.size();
-  return result;
+  return finish_packed(out, bar, result);
 }
 
 // --- §9.3 / §9.4 --------------------------------------------------------------------
@@ -171,10 +185,7 @@ ToolResult merge_packed_data(std::span<const fs::path> sources, const fs::path& 
 ToolResult shuffle_tokenized_data(const fs::path& input, const fs::path& output, const PyInt& seed,
                                   FileExistencePolicy policy) {
   ToolResult result;
-  require_input_file(input, "--input_data_path");
-  if (same_file(input, output))
-    throw Error(fmt::format("--input_data_path and --output_data_path are the same file '{}'", input.string()));
-  if (!prepare_output(output, policy, result)) return result;
+  if (!prepare_rewrite(input, output, policy, result)) return result;
 
   formats::PackedFile in(input);
   std::vector<formats::IndexEntry> order = in.index();  // copy: shuffled in place below
@@ -189,20 +200,13 @@ ToolResult shuffle_tokenized_data(const fs::path& input, const fs::path& output,
     if (k % kProgressEvery == 0) bar.update(k);
   }
   order = {};
-  out.commit();
-  bar.finish();
-  result.documents = out.num_documents();
-  result.bytes = out.size();
-  return result;
+  return finish_packed(out, bar, result);
 }
 
 ToolResult shuffle_jsonl_data(const fs::path& input, const fs::path& output, const PyInt& seed,
                               FileExistencePolicy policy) {
   ToolResult result;
-  require_input_file(input, "--input_data_path");
-  if (same_file(input, output))
-    throw Error(fmt::format("--input_data_path and --output_data_path are the same file '{}'", input.string()));
-  if (!prepare_output(output, policy, result)) return result;
+  if (!prepare_rewrite(input, output, policy, result)) return result;
 
   MappedFile in(input);
   const std::string_view text = in.text();
@@ -398,11 +402,7 @@ ToolResult create_shuffled_dataset_chunk(const ChunkJob& job) {
     if (k % kProgressEvery == 0) bar.update(k);
   }
   samples = {};
-  out.commit();
-  bar.finish();
-  result.documents = out.num_documents();
-  result.bytes = out.size();
-  return result;
+  return finish_packed(out, bar, result);
 }
 
 ToolResult create_shuffled_jsonl_chunk(const ChunkJob& job) {

@@ -193,20 +193,6 @@ std::string checkpoint_folder_name(std::string_view experiment_id, const Trainin
                      p.num_seen_steps_total(), p.num_seen_tokens_total(), p.num_target_steps, p.num_target_tokens);
 }
 
-std::string json_quote(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c == '"') out += "\\\"";
-    else if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else if (c == '\r') out += "\\r";
-    else if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-    else out.push_back(ch);
-  }
-  return out + "\"";
-}
 
 std::string shape_string(const std::vector<std::int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ",")); }
 

@@ -5,6 +5,7 @@
 // checkpoint folder either is complete or does not exist.
 #pragma once
 
+#include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/interfaces/batch.h>
 
 #include <cstdint>
@@ -33,8 +34,7 @@ inline constexpr std::string_view kRngCuda = "rng.cuda";
 /// "eid_<E>-seen_steps_<S>-seen_tokens_<K>-target_steps_<TS>-target_tokens_<TT>" (Modalities' DCP folder name).
 std::string checkpoint_folder_name(std::string_view experiment_id, const TrainingProgress& progress);
 
-/// A JSON string literal for `s`.
-std::string json_quote(std::string_view s);
+using formats::json_quote;  // modalities/sdk/formats/jsonl.h
 
 /// What the manifest records besides the tensors.
 struct CheckpointInfo {

@@ -25,6 +25,10 @@ MODALITIES_SDK_API std::vector<IndexEntry> split_lines(std::string_view text);
 /// Default raw index path of a JSONL file: <parent>/<stem>.idx (spec §3.3).
 MODALITIES_SDK_API std::filesystem::path default_index_path(const std::filesystem::path& src);
 
+/// `s` as a JSON string literal, quotes included: '"' and '\\' escaped, control
+/// characters as \n, \r, \t, \b, \f or \u00XX; other bytes (UTF-8) as they are.
+MODALITIES_SDK_API std::string json_quote(std::string_view s);
+
 /// The jq programs the tools accept: a path of object keys and array indices,
 /// `.text`, `.a.b`, `.["key with spaces"]`, `."key"`, `.messages[0].content`.
 /// Anything else is refused when parsed (Modalities embeds full jq, but every
