@@ -7,6 +7,8 @@
 //
 // Shape legend: B batch, T sequence length, d = n_embd, V = vocab_size,
 // Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
+#include "fused_ops.h"
+
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
@@ -501,8 +503,10 @@ class LinearImpl final : public Leaf {
       bias.uniform_(-bound, bound);
     }
   }
-  // x: [..., in] -> [..., out]
-  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return at::linear(x, cast(weight, dt), cast(bias, dt)); }
+  // x: [..., in] -> [..., out]; 2-d inputs (the model's activations) take the fused op.
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
+    return x.dim() == 2 ? fused_linear(x, cast(weight, dt), cast(bias, dt)) : at::linear(x, cast(weight, dt), cast(bias, dt));
+  }
 
   at::Tensor weight, bias;
 
@@ -556,7 +560,8 @@ class NormImpl final : public Leaf {
       case NormKind::kLayerNorm:
         return at::layer_norm(x, {n_}, cast(weight, dt), cast(bias, dt), eps_);
       case NormKind::kTorchRmsNorm:
-        return at::rms_norm(x, {n_}, cast(weight, dt), eps_);
+        if (x.dim() >= 1 && x.size(-1) == n_) return fused_rms_norm(x, cast(weight, dt), eps_);
+        return at::rms_norm(x, {n_}, cast(weight, dt), eps_);  // its shape error
       case NormKind::kRmsLayerNorm: {
         // Modalities' RMSLayerNorm: normalise in fp32, cast back, then scale (and shift) in x's dtype.
         const at::Tensor xf = x.to(at::kFloat);
@@ -612,10 +617,34 @@ class RotaryTransformImpl final : public Leaf {
   }
   // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged)
   std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& q, const at::Tensor& k) {
-    const auto& [cos, sin] = tables(k);
+    const auto& [cos, sin] = tables(k.size(-2), k.device(), k.scalar_type());
     return {apply(q, cos, sin), apply(k, cos, sin)};
   }
   const at::Tensor& inv_freq() const { return *inv_freq_slot_; }
+  std::int64_t head_dim() const { return hd_; }
+
+  // cos/sin [1, 1, T, hd] in `dtype`, cached per (T, device, dtype, inv_freq version) like
+  // Modalities' per-module cache. No host synchronisation: only metadata is compared.
+  std::pair<at::Tensor, at::Tensor> tables(std::int64_t T, const c10::Device& device, c10::ScalarType dtype) {
+    const at::Tensor& inv = *inv_freq_slot_;
+    if (cache_.cos.defined() && cache_.T == T && cache_.device == device && cache_.dtype == dtype &&
+        cache_.inv == inv.unsafeGetTensorImpl() && cache_.version == inv._version())
+      return {cache_.cos, cache_.sin};
+    at::NoGradGuard no_grad;
+    const at::Tensor t = at::arange(T, at::TensorOptions().dtype(at::kFloat).device(device));
+    // The frequencies are rounded to the activation dtype first (bf16 runs), the product is float32.
+    const at::Tensor f = inv.to(device).to(dtype).to(at::kFloat);
+    const at::Tensor freqs = t.unsqueeze(1) * f.unsqueeze(0);  // [T, hd/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [T, hd]
+    cache_.cos = emb.cos().unsqueeze(0).unsqueeze(0).to(dtype);
+    cache_.sin = emb.sin().unsqueeze(0).unsqueeze(0).to(dtype);
+    cache_.T = T;
+    cache_.device = device;
+    cache_.dtype = dtype;
+    cache_.inv = inv.unsafeGetTensorImpl();
+    cache_.version = inv._version();
+    return {cache_.cos, cache_.sin};
+  }
 
  private:
   static at::Tensor rotate_half(const at::Tensor& x) {
@@ -625,30 +654,6 @@ class RotaryTransformImpl final : public Leaf {
   static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     return x * cos + rotate_half(x) * sin;
   }
-  // cos/sin [1, 1, T, hd] in x's dtype, cached per (T, device, dtype, inv_freq version) like
-  // Modalities' per-module cache. No host synchronisation: only metadata is compared.
-  std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& x) {
-    const at::Tensor& inv = *inv_freq_slot_;
-    const std::int64_t T = x.size(-2);
-    if (cache_.cos.defined() && cache_.T == T && cache_.device == x.device() && cache_.dtype == x.scalar_type() &&
-        cache_.inv == inv.unsafeGetTensorImpl() && cache_.version == inv._version())
-      return {cache_.cos, cache_.sin};
-    at::NoGradGuard no_grad;
-    const at::Tensor t = at::arange(T, x.options().dtype(at::kFloat));
-    // The frequencies are rounded to the activation dtype first (bf16 runs), the product is float32.
-    const at::Tensor f = inv.to(x.device()).to(x.scalar_type()).to(at::kFloat);
-    const at::Tensor freqs = t.unsqueeze(1) * f.unsqueeze(0);  // [T, hd/2]
-    const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [T, hd]
-    cache_.cos = emb.cos().unsqueeze(0).unsqueeze(0).to(x.scalar_type());
-    cache_.sin = emb.sin().unsqueeze(0).unsqueeze(0).to(x.scalar_type());
-    cache_.T = T;
-    cache_.device = x.device();
-    cache_.dtype = x.scalar_type();
-    cache_.inv = inv.unsafeGetTensorImpl();
-    cache_.version = inv._version();
-    return {cache_.cos, cache_.sin};
-  }
-
   std::int64_t hd_;
   std::int64_t base_;
   at::Tensor* inv_freq_slot_ = nullptr;  // see Note [Replacing registered tensors]
@@ -715,20 +720,36 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
     }
   }
 
-  // x: [B, T, d] -> [B, T, d]
-  at::Tensor operator()(const at::Tensor& x, Dt dt) {
-    const std::int64_t B = x.size(0), T = x.size(1);
-    at::Tensor q = (*q_attn)(x, dt).view({B, T, hq_, hd_}).transpose(1, 2).contiguous();  // [B, Hq, T, hd]
-    at::Tensor k = (*k_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
-    at::Tensor v = (*v_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
-    for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k);
+  // x: [B*T, d] (rows = tokens, see GPT2LLMImpl::forward) -> [B*T, d]
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) {
+    at::Tensor q, k, v;  // [B, Hq, T, hd] each once expanded
+    const std::int64_t r = hq_ / hkv_;
+    if (rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
+      // Common case, fused (fused_ops.h): heads split, RoPE and the GQA expansion as one node
+      // each for q, k and v. With qk-norm the norms come between RoPE and the expansion.
+      at::Tensor cos, sin;
+      if (!rope_.empty()) {
+        const at::Tensor xq = (*q_attn)(x, dt);
+        std::tie(cos, sin) = rope_.front()->tables(T, xq.device(), xq.scalar_type());
+        q = fused_split_heads(xq, B, T, hq_, hd_, cos, sin, 1);
+      } else {
+        q = fused_split_heads((*q_attn)(x, dt), B, T, hq_, hd_, cos, sin, 1);
+      }
+      const std::int64_t expand_now = q_norm ? 1 : r;
+      k = fused_split_heads((*k_attn)(x, dt), B, T, hkv_, hd_, cos, sin, expand_now);
+      v = fused_split_heads((*v_attn)(x, dt), B, T, hkv_, hd_, {}, {}, expand_now);
+    } else {
+      q = (*q_attn)(x, dt).view({B, T, hq_, hd_}).transpose(1, 2).contiguous();  // [B, Hq, T, hd]
+      k = (*k_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+      v = (*v_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+      for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k);
+    }
     if (q_norm) {
       q = (*q_norm)(q, dt);
       k = (*k_norm)(k, dt);
     }
     // GQA: kv head j serves query heads j*r .. j*r+r-1 (repeat_interleave over dim 1).
-    if (hq_ != hkv_) {
-      const std::int64_t r = hq_ / hkv_;
+    if (hq_ != hkv_ && k.size(1) != hq_) {
       k = k.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
       v = v.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
     }
@@ -743,7 +764,7 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       // Dropout in every mode too: Modalities passes dropout_p without consulting the mode.
       y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_, /*is_causal=*/true);
     }
-    y = y.transpose(1, 2).contiguous().reshape({B, T, -1});  // [B, T, d], heads side by side
+    y = fused_merge_heads(y);  // [B*T, d], heads side by side
     y = (*c_proj)(y, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
@@ -807,9 +828,9 @@ class GPT2BlockImpl final : public torch::nn::Module {
     if (c.activation_type == "swiglu") swiglu = register_module("mlp", std::make_shared<SwiGLUImpl>(c, o));
     else gelu_mlp = register_module("mlp", std::make_shared<TransformerMLPImpl>(c, o));
   }
-  // Pre-norm residual block. x: [B, T, d] -> [B, T, d]
-  at::Tensor operator()(at::Tensor x, Dt dt) {
-    x = x + (*attn)((*attention_norm)(x, dt), dt);
+  // Pre-norm residual block. x: [B*T, d] -> [B*T, d]
+  at::Tensor operator()(at::Tensor x, std::int64_t B, std::int64_t T, Dt dt) {
+    x = x + (*attn)((*attention_norm)(x, dt), B, T, dt);
     const at::Tensor n = (*ffn_norm)(x, dt);
     return x + (swiglu ? (*swiglu)(n, dt) : (*gelu_mlp)(n, dt));
   }
@@ -860,21 +881,34 @@ class GPT2LLMImpl final : public torch::nn::Module {
 
   // ids: [B, T] token ids -> logits [B, T, V]. A pipeline part without wte takes
   // hidden states [B, T, d] instead; parts without lm_head return hidden states.
+  //
+  // Inside, activations are [B*T, d] matrices (one row per token): every Linear is then a
+  // plain mm, without the flatten/unflatten views (and their backward nodes) that a
+  // [B, T, d] input costs per projection. Same kernels on the same memory, so the results
+  // are bit-identical to the 3-d layout; it saves ~10 ops per projection per step.
   at::Tensor forward(const at::Tensor& input, Dt dt) {
     TORCH_CHECK(input.dim() >= 2, "gpt2: expected input of shape [B, T], got ", input.sizes());
-    const std::int64_t T = input.size(1);
+    const std::int64_t B = input.size(0), T = input.size(1);
     TORCH_CHECK(T <= sequence_length_, "gpt2: cannot forward a sequence of length ", T,
                 ", the model's maximum input sequence length (sequence_length) is ", sequence_length_);
     at::Tensor h;
-    if (transformer_->contains("wte")) h = (*wte_)(input, dt);  // [B, T, d]
-    else h = input.is_floating_point() ? cast(input, dt) : input;
-    if (absolute_ && transformer_->contains("wpe")) h = h + cast(wpe_->weight, dt).narrow(0, 0, T);
+    if (transformer_->contains("wte")) {
+      if (absolute_ && transformer_->contains("wpe"))
+        h = ((*wte_)(input, dt) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+      else
+        h = (*wte_)(input.reshape({B * T}), dt);  // [B*T, d]
+    } else {
+      TORCH_CHECK(input.dim() == 3, "gpt2: a part without wte expects hidden states [B, T, d], got ", input.sizes());
+      h = (input.is_floating_point() ? cast(input, dt) : input).reshape({B * T, input.size(2)});
+      if (absolute_ && transformer_->contains("wpe"))
+        h = (h.view({B, T, -1}) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+    }
     if (is_training() && dropout_ > 0) h = at::dropout(h, dropout_, /*train=*/true);
     if (transformer_->contains("h"))
-      for (const auto& item : *h_) h = (*item.value()->as<GPT2BlockImpl>())(h, dt);
+      for (const auto& item : *h_) h = (*item.value()->as<GPT2BlockImpl>())(h, B, T, dt);
     if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
-    if (transformer_->contains("lm_head")) h = (*lm_head_)(h, dt);  // [B, T, V]
-    return h;
+    if (transformer_->contains("lm_head")) h = (*lm_head_)(h, dt);  // [B*T, V]
+    return h.view({B, T, -1});
   }
 
   std::vector<std::string> block_keys() const {

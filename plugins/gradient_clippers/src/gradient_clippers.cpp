@@ -62,13 +62,16 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
   return out;
 }
 
+// t on `device`; skips the (dispatched, if no-op) to() when it is there already.
+at::Tensor on(const at::Tensor& t, const c10::Device& device) { return t.device() == device ? t : t.to(device); }
+
 // torch.nn.utils.get_total_norm (foreach path, as PyTorch takes it for CPU and CUDA tensors).
 at::Tensor total_norm(const std::vector<at::Tensor>& grads, double order) {
   if (grads.empty()) return at::zeros({}, at::kFloat);  // torch.tensor(0.0)
   const c10::Device first = grads.front().device();
   std::vector<at::Tensor> norms;
   for (const auto& bucket : by_device_and_dtype(grads))
-    for (at::Tensor& n : at::_foreach_norm(bucket, order)) norms.push_back(n.to(first));
+    for (at::Tensor& n : at::_foreach_norm(bucket, order)) norms.push_back(on(n, first));
   return at::linalg_vector_norm(at::stack(norms), order);
 }
 
@@ -79,7 +82,7 @@ at::Tensor fsdp1_total_norm(const std::vector<at::Tensor>& grads, double order) 
   const c10::Device first = grads.front().device();
   std::vector<at::Tensor> norms;
   for (const at::Tensor& g : grads)
-    norms.push_back(at::linalg_vector_norm(g, order, std::nullopt, false, at::kFloat).to(first));
+    norms.push_back(on(at::linalg_vector_norm(g, order, std::nullopt, false, at::kFloat), first));
   return at::linalg_vector_norm(at::stack(norms), order, std::nullopt, false, at::kFloat);
 }
 

@@ -510,7 +510,7 @@ class Adam final : public Optimizer {
         exp_avg_sqs.push_back(p->exp_avg_sq);
         steps.push_back(p->step);
       }
-      at::_foreach_add_(steps, 1);
+      increment_steps(steps);
       if (g.weight_decay != 0) {
         if (decoupled_)
           at::_foreach_mul_(params, 1 - g.lr * g.weight_decay);
@@ -522,7 +522,7 @@ class Adam final : public Optimizer {
       at::_foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - g.beta2);
       std::vector<at::Scalar> step_sizes, bias_correction2_sqrts;
       for (const at::Tensor& s : steps) {
-        const double step = s.item<double>();
+        const double step = step_value(s);
         const double bias_correction1 = 1 - std::pow(g.beta1, step);
         const double bias_correction2 = 1 - std::pow(g.beta2, step);
         step_sizes.emplace_back((g.lr / bias_correction1) * -1);
@@ -533,6 +533,25 @@ class Adam final : public Optimizer {
       at::_foreach_add_(denoms, g.eps);
       at::_foreach_addcdiv_(params, exp_avgs, denoms, step_sizes);
     }
+  }
+
+  // steps += 1, as _foreach_add_(steps, 1) computes it. Steps on the CPU (float32 0-dim: always
+  // so unless fused on an accelerator) are bumped in place through their data pointer: on the
+  // CPU _foreach_add_ is a loop of dispatched add_ calls, ~2 us per parameter per step for one
+  // float addition (the same float addition, so the values are bit-identical).
+  static void increment_steps(std::vector<at::Tensor>& steps) {
+    if (!std::all_of(steps.begin(), steps.end(), on_host)) {
+      at::_foreach_add_(steps, 1);
+      return;
+    }
+    for (at::Tensor& t : steps) *t.data_ptr<float>() += 1.0f;
+  }
+  // step.item() (PyTorch's _get_value), read directly for a step on the CPU.
+  static double step_value(const at::Tensor& step) {
+    return on_host(step) ? static_cast<double>(*step.data_ptr<float>()) : step.item<double>();
+  }
+  static bool on_host(const at::Tensor& t) {
+    return t.is_cpu() && t.scalar_type() == at::kFloat && t.numel() == 1 && t.is_contiguous();
   }
 
   // torch.optim.adam._fused_adam: PyTorch's fused kernels.
@@ -548,7 +567,7 @@ class Adam final : public Optimizer {
         exp_avg_sqs.push_back(p->exp_avg_sq);
         steps.push_back(p->step);
       }
-      at::_foreach_add_(steps, 1);
+      increment_steps(steps);
       if (decoupled_)
         at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay,
                           g.eps,
