@@ -5,7 +5,8 @@ scripts/bench_host_overhead.sh --perf).
 Input: `perf report --no-children --sort dso,sym` text. Each sample's symbol is put in one class:
   kernels      the inner loops that touch tensor data: ATen's vectorized/TensorIterator loops, MKL
                (BLAS, VML), Sleef, flash-attention and reduction kernels, memcpy/memset;
-  allocator    malloc/free (LibTorch's CPU allocator calls them per tensor) and page clearing;
+  allocator    malloc/free (LibTorch's CPU allocator calls them per tensor: glibc's, or the tcmalloc
+               the modalities binary links) and page clearing;
   python       the interpreter and torch's Python bindings (PyTorch eager only);
   modalities   our own code: the modalities binary and libmodalities_*.so;
   torch host   everything else in LibTorch and the C/C++ runtime: dispatcher, TensorIterator
@@ -26,7 +27,7 @@ LINE = re.compile(r"^\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.*)$")
 def classify(dso, sym):
     if KERNEL.search(sym):
         return "kernels"
-    if ALLOC.search(sym):
+    if ALLOC.search(sym) or dso.startswith(("libtcmalloc", "libjemalloc", "libmimalloc")):
         return "allocator"
     if dso.startswith("libpython") or dso.startswith("libtorch_python") or dso.startswith("python") \
             or ".cpython-" in dso:

@@ -93,7 +93,8 @@ def main():
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     groups = _build_optimizer_groups_via_weight_decay_split(o["weight_decay"], o["weight_decay_groups_excluded"],
                                                             model.weight_decay_groups, params)
-    opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
+    opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                            foreach=o.get("foreach"), fused=o.get("fused"))
     sc = cfg["scheduler"]["config"]
     W, total = sc["warmup_steps"], sc["total_steps"]
     warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=sc["initial_lr"] / sc["max_lr"], end_factor=1.0,

@@ -32,6 +32,23 @@ add_library(modalities::utf8proc ALIAS PkgConfig::MODALITIES_UTF8PROC)
 add_library(modalities::sentencepiece ALIAS PkgConfig::MODALITIES_SENTENCEPIECE)
 #   OpenSSL::Crypto  SHA-256 (seed derivation of the chunking tools, spec data.md §9.5)
 find_package(OpenSSL 3 REQUIRED COMPONENTS Crypto)
+#   modalities::allocator  the process-wide malloc of the `modalities` binary. A training step
+#   allocates and frees hundreds of small tensors; glibc's malloc spends ~0.3 ms per step of the
+#   quickstart model in that (scripts/bench_host_overhead.sh --perf), gperftools' tcmalloc a
+#   tenth of it. MODALITIES_ALLOCATOR=system keeps glibc's.
+set(MODALITIES_ALLOCATOR "tcmalloc" CACHE STRING "malloc of the modalities binary: tcmalloc or system")
+set_property(CACHE MODALITIES_ALLOCATOR PROPERTY STRINGS tcmalloc system)
+add_library(modalities_allocator INTERFACE)
+add_library(modalities::allocator ALIAS modalities_allocator)
+if(MODALITIES_ALLOCATOR STREQUAL "tcmalloc")
+  pkg_check_modules(MODALITIES_TCMALLOC REQUIRED IMPORTED_TARGET GLOBAL libtcmalloc_minimal)
+  # --no-as-needed: the binary references malloc only through the C library's symbols, so an
+  # as-needed link would drop the library that is meant to provide them.
+  target_link_libraries(modalities_allocator INTERFACE "-Wl,--push-state,--no-as-needed"
+                        PkgConfig::MODALITIES_TCMALLOC "-Wl,--pop-state")
+elseif(NOT MODALITIES_ALLOCATOR STREQUAL "system")
+  message(FATAL_ERROR "MODALITIES_ALLOCATOR must be tcmalloc or system, got '${MODALITIES_ALLOCATOR}'")
+endif()
 #   benchmark::benchmark  Google Benchmark (only with MODALITIES_BUILD_BENCHMARKS)
 if(MODALITIES_BUILD_BENCHMARKS)
   find_package(benchmark REQUIRED)

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -215,7 +216,7 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   const bool reduced = st == at::kHalf || st == at::kBFloat16;
   if (!(reduced || st == at::kFloat || st == at::kDouble) || x.dim() < 1 || !x.is_contiguous() ||
       (w.defined() && (w.dim() != 1 || w.size(0) != x.size(-1))))
-    return at::rms_norm(x, {x.size(-1)}, w, eps);
+    return at::rms_norm(x, {x.size(-1)}, w.defined() ? std::optional(w) : std::nullopt, eps);
   const c10::ScalarType opmath = reduced ? at::kFloat : st;
   at::Tensor y, r, u;
   {

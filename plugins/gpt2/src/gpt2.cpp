@@ -561,7 +561,7 @@ class NormImpl final : public Leaf {
         return at::layer_norm(x, {n_}, cast(weight, dt), cast(bias, dt), eps_);
       case NormKind::kTorchRmsNorm:
         if (x.dim() >= 1 && x.size(-1) == n_) return fused_rms_norm(x, cast(weight, dt), eps_);
-        return at::rms_norm(x, {n_}, cast(weight, dt), eps_);  // its shape error
+        return at::rms_norm(x, {n_}, weight.defined() ? std::optional(cast(weight, dt)) : std::nullopt, eps_);
       case NormKind::kRmsLayerNorm: {
         // Modalities' RMSLayerNorm: normalise in fp32, cast back, then scale (and shift) in x's dtype.
         const at::Tensor xf = x.to(at::kFloat);

@@ -1,0 +1,200 @@
+// The fused autograd ops of the GPT-2 model (src/fused_ops.h) against the eager composites
+// they replace: outputs and every gradient must be bit-identical (at::equal), including
+// where an input fans out to several consumers, so that the engine's accumulation order
+// is the composite's too.
+#include "../src/fused_ops.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace g = modalities::plugins::gpt2;
+
+// Runs `f` on fresh leaf copies of `inputs`, backpropagates `seed` (same shape as the
+// output) and returns {output, grads...}.
+std::vector<at::Tensor> run(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& f,
+                            const std::vector<at::Tensor>& inputs, const at::Tensor& seed) {
+  std::vector<at::Tensor> leaves;
+  for (const at::Tensor& t : inputs) leaves.push_back(t.detach().clone().requires_grad_(true));
+  const at::Tensor y = f(leaves);
+  y.backward(seed);
+  std::vector<at::Tensor> out{y.detach()};
+  for (const at::Tensor& l : leaves) out.push_back(l.grad());
+  return out;
+}
+
+void expect_bit_identical(const std::vector<at::Tensor>& fused, const std::vector<at::Tensor>& composite,
+                          const std::string& what) {
+  ASSERT_EQ(fused.size(), composite.size()) << what;
+  for (std::size_t i = 0; i < fused.size(); ++i) {
+    const std::string name = i == 0 ? "output" : "gradient of input " + std::to_string(i - 1);
+    ASSERT_TRUE(fused[i].defined()) << what << ": " << name << " undefined (fused)";
+    ASSERT_TRUE(composite[i].defined()) << what << ": " << name << " undefined (composite)";
+    EXPECT_EQ(fused[i].scalar_type(), composite[i].scalar_type()) << what << ": " << name;
+    EXPECT_EQ(fused[i].sizes(), composite[i].sizes()) << what << ": " << name;
+    EXPECT_TRUE(at::equal(fused[i], composite[i]))
+        << what << ": " << name << " differs, max |diff| "
+        << (fused[i].to(at::kDouble) - composite[i].to(at::kDouble)).abs().max().item<double>();
+  }
+}
+
+std::optional<at::Tensor> optional(const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; }
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const auto halves = x.chunk(2, -1);
+  return at::cat({-halves[1], halves[0]}, -1);
+}
+
+// cos/sin tables [1, 1, T, hd] as the model builds them.
+std::pair<at::Tensor, at::Tensor> rope_tables(std::int64_t T, std::int64_t hd, at::ScalarType dt) {
+  const at::Tensor inv = 1.0 / at::pow(10000.0, at::arange(0, hd, 2, at::kFloat) / hd);
+  const at::Tensor freqs = at::arange(T, at::kFloat).unsqueeze(1) * inv.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().view({1, 1, T, hd}).to(dt), emb.sin().view({1, 1, T, hd}).to(dt)};
+}
+
+class FusedOpsTest : public ::testing::TestWithParam<at::ScalarType> {
+ protected:
+  void SetUp() override { at::manual_seed(1234); }
+  at::Tensor randn(at::IntArrayRef shape) const { return at::randn(shape, at::kFloat).to(GetParam()); }
+};
+
+TEST_P(FusedOpsTest, LinearEqualsAtLinear) {
+  for (const bool bias : {false, true}) {
+    const at::Tensor x = randn({12, 16}), w = randn({24, 16}), b = randn({24}), seed = randn({12, 24});
+    // x fans out: a linear and a residual-like use, as activations in the model do.
+    auto body = [&](auto linear) {
+      return [=](const std::vector<at::Tensor>& in) {
+        const at::Tensor h = in[0] * 2;
+        return linear(h, in[1], bias ? in[2] : at::Tensor()) + h.narrow(1, 0, 1);
+      };
+    };
+    const auto fused = run(body([](auto x, auto w, auto b) { return g::fused_linear(x, w, b); }), {x, w, b}, seed);
+    const auto composite = run(body([](auto x, auto w, auto b) { return at::linear(x, w, b); }), {x, w, b}, seed);
+    if (!bias) {  // b unused: no gradient on either side
+      EXPECT_FALSE(fused[3].defined());
+      EXPECT_FALSE(composite[3].defined());
+      expect_bit_identical({fused.begin(), fused.end() - 1}, {composite.begin(), composite.end() - 1}, "linear");
+    } else {
+      expect_bit_identical(fused, composite, "linear with bias");
+    }
+  }
+}
+
+TEST_P(FusedOpsTest, RmsNormEqualsAtRmsNormWithResidualFanOut) {
+  for (const bool weight : {true, false}) {
+    for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{10, 32}, {2, 3, 5, 32}}) {
+      const at::Tensor x = randn(shape), w = randn({32}) + 1, seed = randn(shape);
+      // Pre-norm block shape: h = x * 3; out = h + f(norm(h)) — h's gradient sums three
+      // contributions (residual, the norm's mul and pow branches) in the engine's order.
+      auto body = [&](auto norm) {
+        return [=](const std::vector<at::Tensor>& in) {
+          const at::Tensor h = in[0] * 3;
+          return h + norm(h, weight ? in[1] : at::Tensor()).mul(0.5);
+        };
+      };
+      const auto fused = run(body([](auto x, auto w) { return g::fused_rms_norm(x, w, 1e-5); }), {x, w}, seed);
+      const auto composite =
+          run(body([](auto x, auto w) { return at::rms_norm(x, {x.size(-1)}, optional(w), 1e-5); }), {x, w}, seed);
+      const std::string what = "rms_norm " + std::string(weight ? "with" : "without") + " weight, " +
+                               std::to_string(shape.size()) + "-d";
+      if (weight) {
+        expect_bit_identical(fused, composite, what);
+      } else {
+        expect_bit_identical({fused.begin(), fused.end() - 1}, {composite.begin(), composite.end() - 1}, what);
+      }
+    }
+  }
+}
+
+// The attention front of a block: shared normalised input -> q, k, v projections -> heads,
+// RoPE on q and k, GQA expansion of k and v -> SDPA -> heads merged -> output projection.
+TEST_P(FusedOpsTest, AttentionHeadsEqualTheCompositeChain) {
+  const std::int64_t B = 2, T = 6, hq = 4, hkv = 2, hd = 8, d = hq * hd, r = hq / hkv;
+  const auto [cos, sin] = rope_tables(T, hd, GetParam());
+  for (const bool rotary : {true, false}) {
+    for (const std::int64_t kv_heads : {hkv, hq}) {
+      const std::int64_t rep = hq / kv_heads;
+      const at::Tensor x = randn({B * T, d}), wq = randn({d, d}), wk = randn({kv_heads * hd, d}),
+                       wv = randn({kv_heads * hd, d}), wo = randn({d, d}), seed = randn({B * T, d});
+      const at::Tensor c = rotary ? cos : at::Tensor(), s = rotary ? sin : at::Tensor();
+      auto fused_f = [&](const std::vector<at::Tensor>& in) {
+        const at::Tensor q = g::fused_split_heads(g::fused_linear(in[0], in[1], {}), B, T, hq, hd, c, s, 1);
+        const at::Tensor k = g::fused_split_heads(g::fused_linear(in[0], in[2], {}), B, T, kv_heads, hd, c, s, rep);
+        const at::Tensor v = g::fused_split_heads(g::fused_linear(in[0], in[3], {}), B, T, kv_heads, hd, {}, {}, rep);
+        const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+        return in[0] + g::fused_linear(g::fused_merge_heads(y), in[4], {});
+      };
+      auto composite_f = [&](const std::vector<at::Tensor>& in) {
+        at::Tensor q = at::linear(in[0], in[1]).view({B, T, hq, hd}).transpose(1, 2).contiguous();
+        at::Tensor k = at::linear(in[0], in[2]).view({B, T, -1, hd}).transpose(1, 2).contiguous();
+        at::Tensor v = at::linear(in[0], in[3]).view({B, T, -1, hd}).transpose(1, 2).contiguous();
+        if (rotary) {
+          q = q * c + rotate_half(q) * s;
+          k = k * c + rotate_half(k) * s;
+        }
+        if (rep > 1) {
+          k = k.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, hq, T, hd});
+          v = v.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, hq, T, hd});
+        }
+        const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+        return in[0] + at::linear(y.transpose(1, 2).contiguous().view({B * T, -1}), in[4]);
+      };
+      const std::vector<at::Tensor> inputs{x, wq, wk, wv, wo};
+      expect_bit_identical(run(fused_f, inputs, seed), run(composite_f, inputs, seed),
+                           std::string("attention, rotary ") + (rotary ? "on" : "off") + ", repeat " +
+                               std::to_string(rep));
+    }
+  }
+  (void)r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest, ::testing::Values(at::kFloat, at::kBFloat16),
+                         [](const auto& info) { return std::string(c10::toString(info.param)); });
+
+TEST(FusedOpsBehaviourTest, NoGradRecordsNoGraph) {
+  const at::Tensor x = at::randn({4, 8}, at::kFloat).requires_grad_(true), w = at::randn({3, 8}).requires_grad_(true);
+  c10::GradMode::set_enabled(false);  // restored below
+  struct Restore { ~Restore() { c10::GradMode::set_enabled(true); } } restore;
+  EXPECT_FALSE(g::fused_linear(x, w, {}).requires_grad());
+  EXPECT_FALSE(g::fused_rms_norm(x, {}, 1e-5).requires_grad());
+  EXPECT_FALSE(g::fused_split_heads(x, 2, 2, 2, 4, {}, {}, 2).requires_grad());
+}
+
+TEST(FusedOpsBehaviourTest, DoubleBackwardIsRefusedClearly) {
+  const at::Tensor x = at::randn({4, 8}).requires_grad_(true), w = at::randn({3, 8}).requires_grad_(true);
+  const at::Tensor y = g::fused_linear(x, w, {}).pow(2).sum();
+  try {
+    (void)torch::autograd::grad({y}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    FAIL() << "double backward through a fused op must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("double backward"), std::string::npos) << e.what();
+  }
+}
+
+TEST(FusedOpsBehaviourTest, SavedInputsModifiedInPlaceAreDetected) {
+  const at::Tensor w = at::randn({3, 8}).requires_grad_(true);
+  at::Tensor x = at::randn({4, 8}).requires_grad_(true) * 1;  // non-leaf, may be modified in place
+  const at::Tensor y = g::fused_linear(x, w, {}).sum();
+  x.mul_(2);
+  EXPECT_THROW(y.backward(), c10::Error);
+}
+
+TEST(FusedOpsBehaviourTest, UnsupportedLayoutsFallBackToTheComposite) {
+  // A 3-d input and a column-major 2-d input take at::linear; results still agree.
+  const at::Tensor w = at::randn({5, 8});
+  const at::Tensor x3 = at::randn({2, 3, 8});
+  EXPECT_TRUE(at::equal(g::fused_linear(x3, w, {}), at::linear(x3, w)));
+  const at::Tensor xt = at::randn({8, 4}).t();
+  EXPECT_TRUE(at::equal(g::fused_linear(xt, w, {}), at::linear(xt, w)));
+}
+
+}  // namespace
