@@ -13,6 +13,10 @@
 # whose "train samples/s" gives the window's ms/step; the first window, with warm-up, is dropped).
 # The same config runs through Modalities' components in PyTorch eager
 # (scripts/reference/train_reference.py, per-step timer, loss.item() per step as Modalities does).
+# The data loader runs inline (num_workers = 0) on both sides: the reference uses PyTorch's
+# DataLoader with its default num_workers = 0. (With a worker thread, handing each batch over
+# costs a thread wake-up per step, ~60 us on a 2-vCPU VM where waking the idle vCPU is a VM
+# exit: more than producing the ~100-byte batch inline, ~20 us. Negligible for real steps.)
 # One intra-op thread by default: these ops are far below ATen's parallel grain size, and a
 # two-thread OpenMP pool on a busy machine measures the scheduler, not the framework.
 #
@@ -77,6 +81,7 @@ python3 "${root}/scripts/bench_training_config.py" --base "${root}/configs/quick
   --set "settings.intervals.checkpointing_interval_in_steps=${steps}" \
   --set "settings.intervals.evaluation_interval_in_steps=${steps}" \
   --set "checkpoint_saving.config.checkpoint_saving_strategy.config={ k = 0 }" \
+  --set "train_dataloader.config.num_workers=0" \
   --set "model_raw.config.vocab_size=128" \
   --set "model_raw.config.ffn_hidden=128"
 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "${modalities}" config resolve "${out}/train.toml" \

@@ -229,8 +229,10 @@ class Gym {
       result.targets = std::move(batch->targets);
       result.predictions = forward(batch->samples);
       at::Tensor loss = c_.loss_fn->compute(result);
-      (loss / static_cast<double>(G_)).backward();
-      const at::Tensor loss_f = loss.detach().to(at::kFloat);
+      // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
+      // node per step) is skipped.
+      (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
+      const at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
       mark_non_finite(loss_f, step_number);
 
       // 2. step boundary.

@@ -38,6 +38,57 @@ std::shared_ptr<N> make_node() {
 // True when `t` shares storage with `base` (a view that contiguous() returned unchanged).
 bool aliases(const at::Tensor& t, const at::Tensor& base) { return t.is_alias_of(base); }
 
+// Linear forward below autograd (see fused_linear for the layouts it is used with).
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
+}
+
+// Gradients of y = x w^T (+ b) for row-major x (see LinearBackward); undefined where not asked.
+struct LinearGrads {
+  at::Tensor x, w, b;
+};
+LinearGrads linear_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, bool need_x, bool need_w,
+                            bool need_b) {
+  LinearGrads out;
+  if (need_x) out.x = g.mm(w);
+  if (need_w) out.w = g.t().mm(x);
+  if (need_b) out.b = at::sum_to(g, at::IntArrayRef{g.size(1)});
+  return out;
+}
+
+// Heads forward below autograd (see fused_ops.h, HeadsSpec).
+at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
+                         const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
+  at::Tensor y = x.view({B, T, H, hd}).transpose(1, 2).contiguous();
+  if (aliases(y, x)) y = y.clone();
+  if (cos.defined()) {
+    const auto halves = y.chunk(2, -1);
+    y = y * cos + at::cat({halves[1].neg(), halves[0]}, -1) * sin;
+  }
+  if (repeat > 1) y = y.unsqueeze(2).expand({B, H, repeat, T, hd}).reshape({B, H * repeat, T, hd});
+  return y;
+}
+
+// Heads backward: g [B, H*repeat, T, hd] -> gradient of the [B*T, H*hd] projection. Node by node:
+//   UnsafeViewBackward0, CloneBackward0, ExpandBackward0, UnsqueezeBackward0 (GQA):
+//       g = sum_to(g.reshape(B, H, r, T, hd), (B, H, 1, T, hd)).squeeze(2)
+//   AddBackward0, MulBackward0 (x * cos)          -> g * cos
+//   MulBackward0 (rh * sin), CatBackward0, NegBackward0, SplitBackward0 (chunk)
+//       gr = g * sin -> cat(gr[..., h:], -gr[..., :h])
+//   (the clone's buffer adds the two, a two-term sum: order-free)
+//   CloneBackward0, TransposeBackward0, ViewBackward0 -> g.transpose(1, 2).reshape(B*T, H*hd)
+at::Tensor heads_backward(at::Tensor g, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
+                          const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
+  if (repeat > 1) g = at::sum_to(g.reshape({B, H, repeat, T, hd}), at::IntArrayRef{B, H, 1, T, hd}).squeeze(2);
+  if (cos.defined()) {
+    const at::Tensor direct = g * cos;
+    const at::Tensor gr = g * sin;
+    const std::int64_t h = hd / 2;
+    g = direct + at::cat({gr.narrow(-1, h, hd - h), gr.narrow(-1, 0, h).neg()}, -1);
+  }
+  return g.transpose(1, 2).reshape({B * T, H * hd});
+}
+
 // ---------------------------------------------------------------------------------------
 // Linear: y = x w^T (+ b) for a row-major 2-d x.
 // Composite: mm(x, w.t()) [MmBackward0 + TBackward0] or addmm(b, x, w.t()) [AddmmBackward0
@@ -52,9 +103,11 @@ class LinearBackward final : public Node {
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    if (task_should_compute_output(0)) out[0] = g.mm(w_.unpack());
-    if (task_should_compute_output(1)) out[1] = g.t().mm(x_.unpack());
-    if (has_bias_ && task_should_compute_output(2)) out[2] = at::sum_to(g, at::IntArrayRef{g.size(1)});
+    LinearGrads d = linear_backward(g, x_.unpack(), w_.unpack(), task_should_compute_output(0),
+                                    task_should_compute_output(1), has_bias_ && task_should_compute_output(2));
+    out[0] = std::move(d.x);
+    out[1] = std::move(d.w);
+    out[2] = std::move(d.b);
     return out;
   }
   std::string name() const override { return "modalities::plugins::gpt2::LinearBackward"; }
@@ -131,45 +184,97 @@ class RmsNormBackward final : public Node {
 };
 
 // ---------------------------------------------------------------------------------------
-// Heads: [B*T, H*hd] -> view [B, T, H, hd] -> transpose(1, 2) -> contiguous (a clone)
-// [-> x * cos + cat(-x2, x1) * sin] [-> unsqueeze(2).expand(B, H, r, T, hd).reshape(B, H*r, T, hd)].
-// Backward, node by node:
-//   UnsafeViewBackward0, CloneBackward0, ExpandBackward0, UnsqueezeBackward0 (GQA):
-//       g = sum_to(g.reshape(B, H, r, T, hd), (B, H, 1, T, hd)).squeeze(2)
-//   AddBackward0, MulBackward0 (x * cos)          -> g * cos
-//   MulBackward0 (rh * sin), CatBackward0, NegBackward0, SplitBackward0 (chunk)
-//       gr = g * sin -> cat(gr[..., h:], -gr[..., :h])
-//   (the clone's buffer adds the two, a two-term sum: order-free)
-//   CloneBackward0, TransposeBackward0, ViewBackward0 -> g.transpose(1, 2).reshape(B*T, H*hd)
-class SplitHeadsBackward final : public Node {
+// q, k, v = heads(linear(x, w_p, b_p)) for p in (q, k, v); see heads_backward for the heads
+// part. x is the attention norm's output, used by the three projections only; the engine
+// runs the v chain first, then k, then q (reverse creation order), so x's gradient is
+// (gx_v + gx_k) + gx_q: x is listed three times, edges (x, x, x, wq, bq, wk, bk, wv, bv),
+// receiving the v, k and q contributions in that order.
+class QkvBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("modalities::plugins::gpt2::SplitHeadsBackward");
-    variable_list out(1);
-    at::Tensor g = grads[0];
-    if (!g.defined() || !task_should_compute_output(0)) return out;
+    refuse_double_backward("modalities::plugins::gpt2::QkvBackward");
+    variable_list out(9);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    if (repeat_ > 1) g = at::sum_to(g.reshape({B_, H_, repeat_, T_, hd_}), at::IntArrayRef{B_, H_, 1, T_, hd_}).squeeze(2);
-    if (rotary_) {
-      const at::Tensor cos = cos_.unpack(), sin = sin_.unpack();
-      const at::Tensor direct = g * cos;
-      const at::Tensor gr = g * sin;
-      const std::int64_t h = hd_ / 2;
-      const at::Tensor chunks = at::cat({gr.narrow(-1, h, hd_ - h), gr.narrow(-1, 0, h).neg()}, -1);
-      g = direct + chunks;
+    const at::Tensor x = x_.unpack();
+    for (int p = 2; p >= 0; --p) {  // v, k, q
+      const at::Tensor& g = grads[static_cast<std::size_t>(p)];
+      if (!g.defined()) continue;
+      const std::size_t xi = static_cast<std::size_t>(2 - p), wi = 3 + 2 * static_cast<std::size_t>(p);
+      const bool need_x = task_should_compute_output(xi), need_w = task_should_compute_output(wi),
+                 need_b = has_bias_[p] && task_should_compute_output(wi + 1);
+      if (!need_x && !need_w && !need_b) continue;
+      const Proj& pr = proj_[p];
+      const at::Tensor g2 = heads_backward(g, B_, T_, pr.heads, hd_, pr.cos.unpack(), pr.sin.unpack(), pr.repeat);
+      LinearGrads d = linear_backward(g2, x, pr.w.unpack(), need_x, need_w, need_b);
+      out[xi] = std::move(d.x);
+      out[wi] = std::move(d.w);
+      out[wi + 1] = std::move(d.b);
     }
-    out[0] = g.transpose(1, 2).reshape({B_ * T_, H_ * hd_});
     return out;
   }
-  std::string name() const override { return "modalities::plugins::gpt2::SplitHeadsBackward"; }
+  std::string name() const override { return "modalities::plugins::gpt2::QkvBackward"; }
   void release_variables() override {
-    cos_.reset_data();
-    sin_.reset_data();
+    x_.reset_data();
+    for (Proj& p : proj_) {
+      p.w.reset_data();
+      p.cos.reset_data();
+      p.sin.reset_data();
+    }
   }
 
-  SavedVariable cos_, sin_;
-  bool rotary_ = false;
-  std::int64_t B_ = 0, T_ = 0, H_ = 0, hd_ = 0, repeat_ = 1;
+  struct Proj {
+    SavedVariable w, cos, sin;
+    std::int64_t heads = 0, repeat = 1;
+  };
+  SavedVariable x_;
+  Proj proj_[3];  // q, k, v
+  bool has_bias_[3] = {false, false, false};
+  std::int64_t B_ = 0, T_ = 0, hd_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------
+// h = silu(a) * b, a = linear(x, w, bw), b = linear(x, v, bv). Node by node:
+//   MulBackward0 (s * b)  gs = g * b;  gb = g * s
+//   SiluBackward0         ga = silu_backward(gs, a)
+//   the two linears       (x, w, bw) from ga, (x, v, bv) from gb
+// x (the ffn norm's output) gets two contributions, a two-term sum: order-free.
+// Edges (x, x, w, bw, v, bv).
+class SwigluBackward final : public Node {
+ public:
+  variable_list apply(variable_list&& grads) override {
+    refuse_double_backward("modalities::plugins::gpt2::SwigluBackward");
+    variable_list out(6);
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return out;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const at::Tensor x = x_.unpack(), a = a_.unpack(), b = b_.unpack(), s = s_.unpack();
+    const at::Tensor gs = g * b;
+    const at::Tensor gb = g * s;
+    const at::Tensor ga = at::silu_backward(gs, a);
+    LinearGrads dw = linear_backward(ga, x, w_.unpack(), task_should_compute_output(0), task_should_compute_output(2),
+                                     has_bias_ && task_should_compute_output(3));
+    LinearGrads dv = linear_backward(gb, x, v_.unpack(), task_should_compute_output(1), task_should_compute_output(4),
+                                     has_bias_ && task_should_compute_output(5));
+    out[0] = std::move(dw.x);
+    out[1] = std::move(dv.x);
+    out[2] = std::move(dw.w);
+    out[3] = std::move(dw.b);
+    out[4] = std::move(dv.w);
+    out[5] = std::move(dv.b);
+    return out;
+  }
+  std::string name() const override { return "modalities::plugins::gpt2::SwigluBackward"; }
+  void release_variables() override {
+    x_.reset_data();
+    w_.reset_data();
+    v_.reset_data();
+    a_.reset_data();
+    b_.reset_data();
+    s_.reset_data();
+  }
+
+  SavedVariable x_, w_, v_, a_, b_, s_;
+  bool has_bias_ = false;
 };
 
 // Merge: [B, H, T, hd] -> transpose(1, 2) -> contiguous (a clone) -> view(B*T, H*hd).
@@ -198,7 +303,7 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   at::Tensor y;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    y = b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
+    y = linear_forward(x, w, b);
   }
   if (torch::autograd::compute_requires_grad(x, w, b)) {
     auto node = make_node<LinearBackward>();
@@ -221,11 +326,13 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   at::Tensor y, r, u;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor xf = x.to(opmath);
+    // (to() and contiguous() that would return their input are skipped: same tensors, no dispatch)
+    const at::Tensor xf = reduced ? x.to(opmath) : x;
     r = at::rsqrt(at::pow(xf, 2).mean({x.dim() - 1}, /*keepdim=*/true).add_(eps));
     u = xf.mul(r);
     y = w.defined() ? u.mul(w) : u;
-    y = y.contiguous().to(st);
+    if (!y.is_contiguous()) y = y.contiguous();
+    if (reduced) y = y.to(st);
     if (aliases(y, x)) y = y.clone();  // (w undefined, fp32: u is new anyway; kept for safety)
   }
   if (torch::autograd::compute_requires_grad(x, w)) {
@@ -248,39 +355,73 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   return y;
 }
 
-at::Tensor fused_split_heads(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H,
-                             std::int64_t hd, const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == B * T && x.size(1) == H * hd, "fused_split_heads: expected [", B * T,
-              ", ", H * hd, "], got ", x.sizes());
-  TORCH_CHECK(repeat >= 1, "fused_split_heads: repeat must be >= 1, got ", repeat);
-  const bool rotary = cos.defined();
-  at::Tensor y;
+Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, const at::Tensor& wk,
+              const at::Tensor& bk, const at::Tensor& wv, const at::Tensor& bv, std::int64_t B, std::int64_t T,
+              std::int64_t hd, const HeadsSpec& q, const HeadsSpec& k, const HeadsSpec& v) {
+  const HeadsSpec* specs[3] = {&q, &k, &v};
+  const at::Tensor* ws[3] = {&wq, &wk, &wv};
+  const at::Tensor* bs[3] = {&bq, &bk, &bv};
+  const bool row_major = x.dim() == 2 && x.size(0) == B * T && x.stride(1) == 1 && x.stride(0) == x.size(1);
+  TORCH_CHECK(row_major, "fused_qkv: expected a row-major [", B * T, ", d] input, got ", x.sizes(), " with strides ",
+              x.strides());
+  at::Tensor out[3];
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    y = x.view({B, T, H, hd}).transpose(1, 2).contiguous();
-    if (aliases(y, x)) y = y.clone();
-    if (rotary) {
-      const auto halves = y.chunk(2, -1);
-      y = y * cos + at::cat({halves[1].neg(), halves[0]}, -1) * sin;
+    for (int p = 0; p < 3; ++p) {
+      const HeadsSpec& sp = *specs[p];
+      TORCH_CHECK(sp.repeat >= 1 && ws[p]->dim() == 2 && ws[p]->size(0) == sp.heads * hd,
+                  "fused_qkv: projection ", p, " weight ", ws[p]->sizes(), " does not give ", sp.heads, " heads of ", hd);
+      out[p] = heads_forward(linear_forward(x, *ws[p], *bs[p]), B, T, sp.heads, hd, sp.cos, sp.sin, sp.repeat);
     }
-    if (repeat > 1) y = y.unsqueeze(2).expand({B, H, repeat, T, hd}).reshape({B, H * repeat, T, hd});
   }
-  if (torch::autograd::compute_requires_grad(x)) {
-    auto node = make_node<SplitHeadsBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(x));
-    node->rotary_ = rotary;
-    if (rotary) {
-      node->cos_ = SavedVariable(cos, false);
-      node->sin_ = SavedVariable(sin, false);
+  if (torch::autograd::compute_requires_grad(x, wq, bq, wk, bk, wv, bv)) {
+    auto node = make_node<QkvBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, x, x, wq, bq, wk, bk, wv, bv));
+    node->x_ = SavedVariable(x, false);
+    for (int p = 0; p < 3; ++p) {
+      auto& pr = node->proj_[p];
+      pr.w = SavedVariable(*ws[p], false);
+      if (specs[p]->cos.defined()) {
+        pr.cos = SavedVariable(specs[p]->cos, false);
+        pr.sin = SavedVariable(specs[p]->sin, false);
+      }
+      pr.heads = specs[p]->heads;
+      pr.repeat = specs[p]->repeat;
+      node->has_bias_[p] = bs[p]->defined();
     }
     node->B_ = B;
     node->T_ = T;
-    node->H_ = H;
     node->hd_ = hd;
-    node->repeat_ = repeat;
-    torch::autograd::set_history(y, node);
+    torch::autograd::set_history(std::vector<at::Tensor>{out[0], out[1], out[2]}, node);
   }
-  return y;
+  return {out[0], out[1], out[2]};
+}
+
+at::Tensor fused_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bw, const at::Tensor& v,
+                        const at::Tensor& bv) {
+  const bool row_major = x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1);
+  if (!row_major) return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
+  at::Tensor a, b, s, h;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    a = linear_forward(x, w, bw);
+    s = at::silu(a);
+    b = linear_forward(x, v, bv);
+    h = s * b;
+  }
+  if (torch::autograd::compute_requires_grad(x, w, bw, v, bv)) {
+    auto node = make_node<SwigluBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, x, w, bw, v, bv));
+    node->x_ = SavedVariable(x, false);
+    node->w_ = SavedVariable(w, false);
+    node->v_ = SavedVariable(v, false);
+    node->a_ = SavedVariable(a, false);
+    node->b_ = SavedVariable(b, false);
+    node->s_ = SavedVariable(s, false);
+    node->has_bias_ = bw.defined() || bv.defined();
+    torch::autograd::set_history(h, node);
+  }
+  return h;
 }
 
 at::Tensor fused_merge_heads(const at::Tensor& y) {

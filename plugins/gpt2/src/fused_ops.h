@@ -28,14 +28,31 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 /// mul, mul, type_as), one node instead of six or more. w may be undefined.
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
-/// [B*T, H*hd] projections -> [B, H, T, hd] contiguous heads:
-///   x.view({B, T, H, hd}).transpose(1, 2).contiguous(),
-/// then rotary embedding when cos/sin are defined (x * cos + rotate_half(x) * sin, cos/sin
-/// broadcastable to [1, 1, T, hd]), then, when repeat > 1, grouped-query expansion to
-/// H * repeat heads (head j serves heads j*repeat .. j*repeat+repeat-1). One node instead of
-/// up to thirteen.
-at::Tensor fused_split_heads(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H,
-                             std::int64_t hd, const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat);
+/// Heads of one projection: [B*T, H*hd] -> view [B, T, H, hd] -> transpose(1, 2) ->
+/// contiguous, then rotary embedding when cos/sin are defined (x * cos + rotate_half(x) * sin,
+/// cos/sin broadcastable to [1, 1, T, hd]), then, when repeat > 1, grouped-query expansion to
+/// H * repeat heads (head j serves heads j*repeat .. j*repeat+repeat-1).
+struct HeadsSpec {
+  std::int64_t heads = 0;
+  at::Tensor cos, sin;  // both or neither
+  std::int64_t repeat = 1;
+};
+
+struct Qkv {
+  at::Tensor q, k, v;  // [B, H, T, hd] each
+};
+
+/// The attention front of a block: q, k, v projections of the shared input x [B*T, d]
+/// (fused_linear each), each split into heads per its HeadsSpec. One node instead of
+/// up to 6 + 3 * 13.
+Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, const at::Tensor& wk,
+              const at::Tensor& bk, const at::Tensor& wv, const at::Tensor& bv, std::int64_t B, std::int64_t T,
+              std::int64_t hd, const HeadsSpec& q, const HeadsSpec& k, const HeadsSpec& v);
+
+/// SwiGLU's gated product: silu(x W^T + bW) * (x V^T + bV) for x [B*T, d]. One node instead
+/// of four (two linears, silu, mul).
+at::Tensor fused_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bw, const at::Tensor& v,
+                        const at::Tensor& bv);
 
 /// [B, H, T, hd] -> [B*T, H*hd]: y.transpose(1, 2).contiguous().view({B*T, -1}), one node.
 at::Tensor fused_merge_heads(const at::Tensor& y);

@@ -725,19 +725,23 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
     at::Tensor q, k, v;  // [B, Hq, T, hd] each once expanded
     const std::int64_t r = hq_ / hkv_;
     if (rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
-      // Common case, fused (fused_ops.h): heads split, RoPE and the GQA expansion as one node
-      // each for q, k and v. With qk-norm the norms come between RoPE and the expansion.
-      at::Tensor cos, sin;
+      // Common case, fused (fused_ops.h): the three projections, the heads split, RoPE and
+      // the GQA expansion as one autograd node. With qk-norm the norms come between RoPE and
+      // the expansion, which then happens below.
+      HeadsSpec sq, sk, sv;
+      sq.heads = hq_;
+      sk.heads = sv.heads = hkv_;
       if (!rope_.empty()) {
-        const at::Tensor xq = (*q_attn)(x, dt);
-        std::tie(cos, sin) = rope_.front()->tables(T, xq.device(), xq.scalar_type());
-        q = fused_split_heads(xq, B, T, hq_, hd_, cos, sin, 1);
-      } else {
-        q = fused_split_heads((*q_attn)(x, dt), B, T, hq_, hd_, cos, sin, 1);
+        std::tie(sq.cos, sq.sin) = rope_.front()->tables(T, x.device(), x.scalar_type());
+        sk.cos = sq.cos;
+        sk.sin = sq.sin;
       }
-      const std::int64_t expand_now = q_norm ? 1 : r;
-      k = fused_split_heads((*k_attn)(x, dt), B, T, hkv_, hd_, cos, sin, expand_now);
-      v = fused_split_heads((*v_attn)(x, dt), B, T, hkv_, hd_, {}, {}, expand_now);
+      sk.repeat = sv.repeat = q_norm ? 1 : r;
+      Qkv h = fused_qkv(x, cast(q_attn->weight, dt), cast(q_attn->bias, dt), cast(k_attn->weight, dt),
+                        cast(k_attn->bias, dt), cast(v_attn->weight, dt), cast(v_attn->bias, dt), B, T, hd_, sq, sk, sv);
+      q = std::move(h.q);
+      k = std::move(h.k);
+      v = std::move(h.v);
     } else {
       q = (*q_attn)(x, dt).view({B, T, hq_, hd_}).transpose(1, 2).contiguous();  // [B, Hq, T, hd]
       k = (*k_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
@@ -791,7 +795,9 @@ class SwiGLUImpl final : public torch::nn::Module {
     W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.bias, o));
   }
   // x: [B, T, d] -> [B, T, h] -> [B, T, d]; no dropout (as in Modalities)
-  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return (*W_2)(at::silu((*W)(x, dt)) * (*V)(x, dt), dt); }
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
+    return (*W_2)(fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt)), dt);
+  }
 
   std::shared_ptr<LinearImpl> W, V, W_2;
 };

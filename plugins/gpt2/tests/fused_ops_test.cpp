@@ -127,10 +127,9 @@ TEST_P(FusedOpsTest, AttentionHeadsEqualTheCompositeChain) {
                        wv = randn({kv_heads * hd, d}), wo = randn({d, d}), seed = randn({B * T, d});
       const at::Tensor c = rotary ? cos : at::Tensor(), s = rotary ? sin : at::Tensor();
       auto fused_f = [&](const std::vector<at::Tensor>& in) {
-        const at::Tensor q = g::fused_split_heads(g::fused_linear(in[0], in[1], {}), B, T, hq, hd, c, s, 1);
-        const at::Tensor k = g::fused_split_heads(g::fused_linear(in[0], in[2], {}), B, T, kv_heads, hd, c, s, rep);
-        const at::Tensor v = g::fused_split_heads(g::fused_linear(in[0], in[3], {}), B, T, kv_heads, hd, {}, {}, rep);
-        const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+        const g::HeadsSpec sq{hq, c, s, 1}, sk{kv_heads, c, s, rep}, sv{kv_heads, {}, {}, rep};
+        const g::Qkv h = g::fused_qkv(in[0], in[1], {}, in[2], {}, in[3], {}, B, T, hd, sq, sk, sv);
+        const at::Tensor y = at::scaled_dot_product_attention(h.q, h.k, h.v, {}, 0.0, /*is_causal=*/true);
         return in[0] + g::fused_linear(g::fused_merge_heads(y), in[4], {});
       };
       auto composite_f = [&](const std::vector<at::Tensor>& in) {
@@ -157,6 +156,59 @@ TEST_P(FusedOpsTest, AttentionHeadsEqualTheCompositeChain) {
   (void)r;
 }
 
+TEST_P(FusedOpsTest, AttentionWithBiasAndUnusedValueGradient) {
+  // Biases on the projections; only q and k reach the loss (v's gradient is absent).
+  const std::int64_t B = 1, T = 4, H = 2, hd = 4, d = H * hd;
+  const auto [cos, sin] = rope_tables(T, hd, GetParam());
+  const at::Tensor x = randn({B * T, d}), w = randn({d, d}), b = randn({d}), seed = randn({B, H, T, T});
+  auto fused_f = [&](const std::vector<at::Tensor>& in) {
+    const g::HeadsSpec sq{H, cos, sin, 1}, sk{H, cos, sin, 1}, sv{H, {}, {}, 1};
+    const g::Qkv h = g::fused_qkv(in[0], in[1], in[2], in[3], in[4], in[5], in[6], B, T, hd, sq, sk, sv);
+    return at::matmul(h.q, h.k.transpose(-2, -1));
+  };
+  auto composite_f = [&](const std::vector<at::Tensor>& in) {
+    at::Tensor q = at::linear(in[0], in[1], in[2]).view({B, T, H, hd}).transpose(1, 2).contiguous();
+    at::Tensor k = at::linear(in[0], in[3], in[4]).view({B, T, H, hd}).transpose(1, 2).contiguous();
+    (void)at::linear(in[0], in[5], in[6]).view({B, T, H, hd}).transpose(1, 2).contiguous();
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    return at::matmul(q, k.transpose(-2, -1));
+  };
+  const std::vector<at::Tensor> inputs{x, w, b, w * 0.5, b * 2, w * 3, b};
+  auto fused = run(fused_f, inputs, seed), composite = run(composite_f, inputs, seed);
+  EXPECT_FALSE(fused[6].defined());
+  EXPECT_FALSE(composite[6].defined());
+  fused.erase(fused.begin() + 6, fused.end());
+  composite.erase(composite.begin() + 6, composite.end());
+  expect_bit_identical(fused, composite, "attention with bias");
+}
+
+TEST_P(FusedOpsTest, SwigluEqualsTheComposite) {
+  for (const bool bias : {false, true}) {
+    const at::Tensor x = randn({10, 16}), w = randn({24, 16}), bw = randn({24}), v = randn({24, 16}), bv = randn({24}),
+                     seed = randn({10, 16});
+    // Pre-norm MLP shape: h = x * 2; out = h + W_2(swiglu(h)) with W_2 = identity-like slice.
+    auto body = [&](auto swiglu) {
+      return [=](const std::vector<at::Tensor>& in) {
+        const at::Tensor h = in[0] * 2;
+        return h + swiglu(h, in[1], bias ? in[2] : at::Tensor(), in[3], bias ? in[4] : at::Tensor()).narrow(1, 0, 16);
+      };
+    };
+    const auto fused = run(body([](auto x, auto w, auto bw, auto v, auto bv) { return g::fused_swiglu(x, w, bw, v, bv); }),
+                           {x, w, bw, v, bv}, seed);
+    const auto composite = run(body([](auto x, auto w, auto bw, auto v, auto bv) {
+                                 return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
+                               }),
+                               {x, w, bw, v, bv}, seed);
+    if (bias) {
+      expect_bit_identical(fused, composite, "swiglu with bias");
+    } else {
+      expect_bit_identical({fused[0], fused[1], fused[2], fused[4]}, {composite[0], composite[1], composite[2], composite[4]},
+                           "swiglu");
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest, ::testing::Values(at::kFloat, at::kBFloat16),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
@@ -166,7 +218,10 @@ TEST(FusedOpsBehaviourTest, NoGradRecordsNoGraph) {
   struct Restore { ~Restore() { c10::GradMode::set_enabled(true); } } restore;
   EXPECT_FALSE(g::fused_linear(x, w, {}).requires_grad());
   EXPECT_FALSE(g::fused_rms_norm(x, {}, 1e-5).requires_grad());
-  EXPECT_FALSE(g::fused_split_heads(x, 2, 2, 2, 4, {}, {}, 2).requires_grad());
+  const g::HeadsSpec spec{2, {}, {}, 1};
+  const at::Tensor wqkv = at::randn({8, 8}).requires_grad_(true);
+  EXPECT_FALSE(g::fused_qkv(x, wqkv, {}, wqkv, {}, wqkv, {}, 2, 2, 4, spec, spec, spec).q.requires_grad());
+  EXPECT_FALSE(g::fused_swiglu(x, w, {}, w, {}).requires_grad());
 }
 
 TEST(FusedOpsBehaviourTest, DoubleBackwardIsRefusedClearly) {
