@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <cmath>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -135,6 +137,117 @@ class LinearBackward final : public Node {
 // xf receives a, then b. Without an upcast xf is x itself, and the engine adds a and b to
 // x's gradient one after the other (after what x's later uses contributed), so x is listed
 // twice: edges (x, x, w). With an upcast, ToCopyBackward0 adds a + b and casts: edges (x, w).
+// CPU element loops of RMSNorm (float32 math, x contiguous, one row per normalised vector).
+// Each loop performs per element exactly the float operations of the ATen ops it replaces, in
+// their order and with their roundings: products, true divisions, 1 / sqrt (ATen's rsqrt,
+// vectorised or not), x * x for pow(x, 2) and (r * r) * r for pow(r, 3). No reassociation and
+// no FMA contraction (the file is compiled with -ffp-contract=off). The reductions (the mean,
+// the two gradient sums) remain ATen calls: their summation order is ATen's own.
+// Why hand-written: on small models each of the ~20 ATen ops of the composite costs more
+// host time (dispatch, TensorIterator set-up, allocation) than its arithmetic.
+bool rms_cpu_eligible(const at::Tensor& xf, const at::Tensor& w) {
+  if (!xf.is_cpu() || xf.scalar_type() != at::kFloat || !xf.is_contiguous() || xf.numel() == 0) return false;
+  if (!w.defined()) return true;
+  const at::ScalarType wt = w.scalar_type();
+  return w.is_cpu() && w.is_contiguous() && (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf);
+}
+
+template <class W>
+void rms_scale_rows(const float* x, const float* r, const W* w, float* u, float* y, std::int64_t M, std::int64_t N) {
+  for (std::int64_t i = 0; i < M; ++i) {
+    const float ri = r[i];
+    const std::int64_t o = i * N;
+    for (std::int64_t j = 0; j < N; ++j) {
+      const float uj = x[o + j] * ri;
+      u[o + j] = uj;
+      if (y != nullptr) y[o + j] = uj * static_cast<float>(w[j]);
+    }
+  }
+}
+
+// Forward: r = rsqrt(mean(xf * xf) + eps), u = xf * r, y = u * w (w optional).
+void rms_cpu_forward(const at::Tensor& xf, const at::Tensor& w, double eps, at::Tensor& r, at::Tensor& u,
+                     at::Tensor& y) {
+  const std::int64_t N = xf.size(-1), M = xf.numel() / N;
+  const float* x = xf.const_data_ptr<float>();
+  at::Tensor p = at::empty_like(xf);
+  float* pp = p.mutable_data_ptr<float>();
+  for (std::int64_t k = 0; k < M * N; ++k) pp[k] = x[k] * x[k];
+  at::Tensor m = p.mean({xf.dim() - 1}, /*keepdim=*/true);
+  r = at::empty_like(m);
+  const float* mp = m.const_data_ptr<float>();
+  float* rp = r.mutable_data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (std::int64_t i = 0; i < M; ++i) rp[i] = 1.0f / std::sqrt(mp[i] + e);
+  u = at::empty_like(xf);
+  y = w.defined() ? at::empty_like(xf) : u;
+  float* up = u.mutable_data_ptr<float>();
+  float* yp = w.defined() ? y.mutable_data_ptr<float>() : nullptr;
+  switch (w.defined() ? w.scalar_type() : at::kFloat) {
+    case at::kBFloat16: rms_scale_rows(x, rp, w.const_data_ptr<c10::BFloat16>(), up, yp, M, N); break;
+    case at::kHalf: rms_scale_rows(x, rp, w.const_data_ptr<c10::Half>(), up, yp, M, N); break;
+    default: rms_scale_rows(x, rp, w.defined() ? w.const_data_ptr<float>() : nullptr, up, yp, M, N); break;
+  }
+}
+
+template <class W>
+void rms_backward_rows(const float* g, const float* x, const float* u, const float* r, const W* w, float* t1,
+                       float* a, float* t2, std::int64_t M, std::int64_t N) {
+  for (std::int64_t i = 0; i < M; ++i) {
+    const float ri = r[i];
+    const std::int64_t o = i * N;
+    for (std::int64_t j = 0; j < N; ++j) {
+      const float gj = g[o + j];
+      const float gu = w != nullptr ? gj * static_cast<float>(w[j]) : gj;
+      if (t1 != nullptr) t1[o + j] = gj * u[o + j];
+      a[o + j] = gu * ri;
+      t2[o + j] = gu * x[o + j];
+    }
+  }
+}
+
+// Backward (see RmsNormBackward for the node-by-node formulas). gf, xf: float32 contiguous.
+// Returns (a, b) and, with a weight, gw = sum_to(gf * u, w) when asked.
+void rms_cpu_backward(const at::Tensor& gf, const at::Tensor& xf, const at::Tensor& w, const at::Tensor& u,
+                      const at::Tensor& r, bool need_w, at::Tensor& a, at::Tensor& b, at::Tensor& gw) {
+  const std::int64_t N = xf.size(-1), M = xf.numel() / N;
+  const float* g = gf.const_data_ptr<float>();
+  const float* x = xf.const_data_ptr<float>();
+  const float* rp = r.const_data_ptr<float>();
+  at::Tensor t1 = need_w ? at::empty_like(xf) : at::Tensor();
+  at::Tensor t2 = at::empty_like(xf);
+  a = at::empty_like(xf);
+  float* t1p = need_w ? t1.mutable_data_ptr<float>() : nullptr;
+  const float* up = need_w ? u.const_data_ptr<float>() : nullptr;
+  switch (w.defined() ? w.scalar_type() : at::kFloat) {
+    case at::kBFloat16:
+      rms_backward_rows(g, x, up, rp, w.const_data_ptr<c10::BFloat16>(), t1p, a.mutable_data_ptr<float>(),
+                        t2.mutable_data_ptr<float>(), M, N);
+      break;
+    case at::kHalf:
+      rms_backward_rows(g, x, up, rp, w.const_data_ptr<c10::Half>(), t1p, a.mutable_data_ptr<float>(),
+                        t2.mutable_data_ptr<float>(), M, N);
+      break;
+    default:
+      rms_backward_rows(g, x, up, rp, w.defined() ? w.const_data_ptr<float>() : nullptr, t1p,
+                        a.mutable_data_ptr<float>(), t2.mutable_data_ptr<float>(), M, N);
+      break;
+  }
+  if (need_w) gw = at::sum_to(t1, w.sizes());
+  const at::Tensor gr = at::sum_to(t2, r.sizes());  // [..., 1]
+  const float* grp = gr.const_data_ptr<float>();
+  const float n = static_cast<float>(N);
+  b = at::empty_like(xf);
+  float* bp = b.mutable_data_ptr<float>();
+  for (std::int64_t i = 0; i < M; ++i) {
+    const float ri = rp[i];
+    const float gm = (grp[i] * -0.5f) * ((ri * ri) * ri);
+    const float gp = gm / n;
+    const std::int64_t o = i * N;
+    for (std::int64_t j = 0; j < N; ++j) bp[o + j] = gp * (x[o + j] * 2.0f);
+  }
+}
+
 class RmsNormBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
@@ -147,15 +260,29 @@ class RmsNormBackward final : public Node {
     const at::Tensor xf = upcast_ ? x.to(opmath_) : x;
     const at::Tensor r = r_.unpack();
     const at::Tensor gf = upcast_ ? g.to(opmath_) : g;
+    const std::size_t wi = num_outputs() - 1;
+    const bool need_x = upcast_ ? task_should_compute_output(0)
+                                : (task_should_compute_output(0) || task_should_compute_output(1));
+    const at::Tensor w = has_weight_ ? w_.unpack() : at::Tensor();
+    if (need_x && rms_cpu_eligible(xf, w) && gf.is_cpu() && gf.scalar_type() == at::kFloat && gf.is_contiguous() &&
+        gf.sizes() == xf.sizes()) {
+      at::Tensor a, b, gw;
+      const bool need_w = has_weight_ && task_should_compute_output(wi);
+      rms_cpu_backward(gf, xf, w, has_weight_ ? u_.unpack() : at::Tensor(), r, need_w, a, b, gw);
+      if (need_w) out[wi] = std::move(gw);
+      if (upcast_) {
+        out[0] = (a + b).to(x.scalar_type());
+      } else {
+        out[0] = std::move(a);
+        out[1] = std::move(b);
+      }
+      return out;
+    }
     at::Tensor gu = gf;
     if (has_weight_) {
-      const at::Tensor w = w_.unpack();
-      const std::size_t wi = num_outputs() - 1;
       if (task_should_compute_output(wi)) out[wi] = at::sum_to(gf * u_.unpack(), w.sizes());
       gu = gf * w;
     }
-    const bool need_x = upcast_ ? task_should_compute_output(0)
-                                : (task_should_compute_output(0) || task_should_compute_output(1));
     if (!need_x) return out;
     at::Tensor a = gu * r;
     const at::Tensor gr = at::sum_to(gu * xf, r.sizes());
@@ -328,9 +455,13 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // (to() and contiguous() that would return their input are skipped: same tensors, no dispatch)
     const at::Tensor xf = reduced ? x.to(opmath) : x;
-    r = at::rsqrt(at::pow(xf, 2).mean({x.dim() - 1}, /*keepdim=*/true).add_(eps));
-    u = xf.mul(r);
-    y = w.defined() ? u.mul(w) : u;
+    if (rms_cpu_eligible(xf, w)) {
+      rms_cpu_forward(xf, w, eps, r, u, y);
+    } else {
+      r = at::rsqrt(at::pow(xf, 2).mean({x.dim() - 1}, /*keepdim=*/true).add_(eps));
+      u = xf.mul(r);
+      y = w.defined() ? u.mul(w) : u;
+    }
     if (!y.is_contiguous()) y = y.contiguous();
     if (reduced) y = y.to(st);
     if (aliases(y, x)) y = y.clone();  // (w undefined, fp32: u is new anyway; kept for safety)

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -65,6 +66,20 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
 // t on `device`; skips the (dispatched, if no-op) to() when it is there already.
 at::Tensor on(const at::Tensor& t, const c10::Device& device) { return t.device() == device ? t : t.to(device); }
 
+// at::stack of 0-dim norms. On the CPU with float32 norms (the common case) the values are
+// copied into one new tensor directly: what stack computes, without its unsqueeze + cat
+// (two dispatches per gradient, per step).
+at::Tensor stack_norms(const std::vector<at::Tensor>& norms) {
+  const bool host_f32 = !norms.empty() && std::all_of(norms.begin(), norms.end(), [](const at::Tensor& n) {
+    return n.is_cpu() && n.scalar_type() == at::kFloat && n.dim() == 0;
+  });
+  if (!host_f32) return at::stack(norms);
+  at::Tensor out = at::empty({static_cast<std::int64_t>(norms.size())}, at::kFloat);
+  float* o = out.mutable_data_ptr<float>();
+  for (const at::Tensor& n : norms) *o++ = *n.const_data_ptr<float>();
+  return out;
+}
+
 // torch.nn.utils.get_total_norm (foreach path, as PyTorch takes it for CPU and CUDA tensors).
 at::Tensor total_norm(const std::vector<at::Tensor>& grads, double order) {
   if (grads.empty()) return at::zeros({}, at::kFloat);  // torch.tensor(0.0)
@@ -72,7 +87,7 @@ at::Tensor total_norm(const std::vector<at::Tensor>& grads, double order) {
   std::vector<at::Tensor> norms;
   for (const auto& bucket : by_device_and_dtype(grads))
     for (at::Tensor& n : at::_foreach_norm(bucket, order)) norms.push_back(on(n, first));
-  return at::linalg_vector_norm(at::stack(norms), order);
+  return at::linalg_vector_norm(stack_norms(norms), order);
 }
 
 // FSDP1's clip_grad_norm_ on one rank: fp32 norms of the gradients, then their fp32 norm.
@@ -91,7 +106,7 @@ at::Tensor fsdp1_total_norm(const std::vector<at::Tensor>& grads, double order) 
     for (const at::Tensor& g : grads)
       norms.push_back(on(at::linalg_vector_norm(g, order, std::nullopt, false, at::kFloat), first));
   }
-  return at::linalg_vector_norm(at::stack(norms), order, std::nullopt, false, at::kFloat);
+  return at::linalg_vector_norm(stack_norms(norms), order, std::nullopt, false, at::kFloat);
 }
 
 // Scales every gradient by min(max_norm / (total + 1e-6), 1), as torch.nn.utils and FSDP1 do
