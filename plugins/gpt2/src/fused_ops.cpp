@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
+#include <ATen/OpMathType.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -58,9 +59,108 @@ LinearGrads linear_backward(const at::Tensor& g, const at::Tensor& x, const at::
   return out;
 }
 
+// CPU element loops of the heads split/merge with RoPE and GQA. Per element they perform the
+// ATen ops' arithmetic in ATen's order: each binary op in the op-math type (float for
+// bf16/half, as ATen's kernels compute them) and rounded to the tensor's type after every op;
+// negation and copies are exact. Layout changes (view/transpose/contiguous, expand/reshape,
+// transpose/reshape) become the loops' index arithmetic. Why hand-written: a projection's
+// heads cost ~20 ATen ops forward and ~12 backward, whose host time dwarfs the arithmetic on
+// small models.
+template <class T>
+using OpMath = at::opmath_type<T>;
+
+template <class T>
+T mul_round(T a, T b) {
+  return static_cast<T>(static_cast<OpMath<T>>(a) * static_cast<OpMath<T>>(b));
+}
+template <class T>
+T add_round(T a, T b) {
+  return static_cast<T>(static_cast<OpMath<T>>(a) + static_cast<OpMath<T>>(b));
+}
+
+// x [B*T, H*hd] -> out [B, H*repeat, T, hd]; cos/sin [T, hd] or null.
+template <class T>
+void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_,
+                        std::int64_t H, std::int64_t hd, std::int64_t repeat) {
+  const std::int64_t half = hd / 2;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T_; ++t) {
+        const T* src = x + ((b * T_ + t) * H + h) * hd;
+        T* dst = out + ((b * H * repeat + h * repeat) * T_ + t) * hd;
+        if (cos != nullptr) {
+          const T* c = cos + t * hd;
+          const T* s = sin + t * hd;
+          for (std::int64_t j = 0; j < hd; ++j) {
+            const T rh = j < half ? static_cast<T>(-src[j + half]) : src[j - half];
+            dst[j] = add_round(mul_round(src[j], c[j]), mul_round(rh, s[j]));
+          }
+        } else {
+          for (std::int64_t j = 0; j < hd; ++j) dst[j] = src[j];
+        }
+        for (std::int64_t k = 1; k < repeat; ++k)
+          for (std::int64_t j = 0; j < hd; ++j) dst[k * T_ * hd + j] = dst[j];
+      }
+}
+
+// g [B, H, T, hd] (after the GQA sum) -> out [B*T, H*hd]: RoPE's backward and the transpose.
+template <class T>
+void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_,
+                         std::int64_t H, std::int64_t hd) {
+  const std::int64_t half = hd / 2;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T_; ++t) {
+        const T* src = g + ((b * H + h) * T_ + t) * hd;
+        T* dst = out + ((b * T_ + t) * H + h) * hd;
+        if (cos != nullptr) {
+          const T* c = cos + t * hd;
+          const T* s = sin + t * hd;
+          for (std::int64_t j = 0; j < hd; ++j) {
+            // cat(gr[..., h:], -gr[..., :h]) with gr = g * sin, added to g * cos.
+            const T rot = j < hd - half ? mul_round(src[j + half], s[j + half]) : static_cast<T>(-mul_round(src[j - (hd - half)], s[j - (hd - half)]));
+            dst[j] = add_round(mul_round(src[j], c[j]), rot);
+          }
+        } else {
+          for (std::int64_t j = 0; j < hd; ++j) dst[j] = src[j];
+        }
+      }
+}
+
+bool heads_cpu_eligible(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::int64_t T,
+                        std::int64_t hd) {
+  const at::ScalarType st = x.scalar_type();
+  if (!x.is_cpu() || !x.is_contiguous() ||
+      !(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf))
+    return false;
+  if (!cos.defined()) return true;
+  return hd % 2 == 0 && cos.is_cpu() && sin.is_cpu() && cos.scalar_type() == st && sin.scalar_type() == st &&
+         cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * hd && sin.numel() == T * hd;
+}
+
+template <class F>
+void dispatch_float_types(at::ScalarType st, F&& f) {
+  switch (st) {
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kDouble: f(double{}); break;
+    default: f(float{}); break;
+  }
+}
+
 // Heads forward below autograd (see fused_ops.h, HeadsSpec).
 at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
                          const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
+  if (heads_cpu_eligible(x, cos, sin, T, hd)) {
+    at::Tensor out = at::empty({B, H * repeat, T, hd}, x.options());
+    dispatch_float_types(x.scalar_type(), [&](auto tag) {
+      using S = decltype(tag);
+      heads_forward_rows<S>(x.const_data_ptr<S>(), cos.defined() ? cos.const_data_ptr<S>() : nullptr,
+                            cos.defined() ? sin.const_data_ptr<S>() : nullptr, out.mutable_data_ptr<S>(), B, T, H, hd,
+                            repeat);
+    });
+    return out;
+  }
   at::Tensor y = x.view({B, T, H, hd}).transpose(1, 2).contiguous();
   if (aliases(y, x)) y = y.clone();
   if (cos.defined()) {
@@ -82,6 +182,15 @@ at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, st
 at::Tensor heads_backward(at::Tensor g, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
                           const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
   if (repeat > 1) g = at::sum_to(g.reshape({B, H, repeat, T, hd}), at::IntArrayRef{B, H, 1, T, hd}).squeeze(2);
+  if (g.is_contiguous() && heads_cpu_eligible(g, cos, sin, T, hd)) {
+    at::Tensor out = at::empty({B * T, H * hd}, g.options());
+    dispatch_float_types(g.scalar_type(), [&](auto tag) {
+      using S = decltype(tag);
+      heads_backward_rows<S>(g.const_data_ptr<S>(), cos.defined() ? cos.const_data_ptr<S>() : nullptr,
+                             cos.defined() ? sin.const_data_ptr<S>() : nullptr, out.mutable_data_ptr<S>(), B, T, H, hd);
+    });
+    return out;
+  }
   if (cos.defined()) {
     const at::Tensor direct = g * cos;
     const at::Tensor gr = g * sin;
