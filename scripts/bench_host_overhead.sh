@@ -24,13 +24,18 @@
 # samples into kernels / allocator / Python / our code / the rest of LibTorch
 # (scripts/bench_perf_split.py), giving the host part of the measured ms/step.
 #
-#   scripts/bench_host_overhead.sh [--steps 3000] [--window 500] [--threads 1] [--perf] [--out DIR]
+# --repeat N (default 3) runs both sides N times, alternating, and reports the median and the
+# fastest window over all runs: on a shared machine the speed drifts by tens of percent between
+# minutes; the fastest window is the least disturbed measurement, the ratio is robust to drift.
+#
+#   scripts/bench_host_overhead.sh [--steps 3000] [--window 500] [--threads 1] [--repeat 3] [--perf] [--out DIR]
 # Needs build/bin/modalities and the .deps/bench venv (modalities 0.5.0, torch, safetensors).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 steps=3000
 window=500
 threads=1
+repeat=3
 profile=0
 out="${root}/out/bench/host_overhead"
 while [[ $# -gt 0 ]]; do
@@ -38,9 +43,10 @@ while [[ $# -gt 0 ]]; do
     --steps) steps="$2"; shift 2 ;;
     --window) window="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
+    --repeat) repeat="$2"; shift 2 ;;
     --perf) profile=1; shift ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench_host_overhead.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,41 +94,51 @@ RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "${modalities}" config resolve "${out}/train.to
   --experiments_root_path "${out}/exp" --experiment_id ours >"${out}/resolved.toml"
 
 export OMP_NUM_THREADS="${threads}" MKL_NUM_THREADS="${threads}"
-echo "== Modalities components (PyTorch eager, ${threads} threads): ${steps} steps"
-(cd "${out}" && "${python}" "${root}/scripts/reference/train_reference.py" --config resolved.toml \
-  --init init.safetensors --out reference.json --threads "${threads}" 2>&1 | grep -v "^Expected .ffn_hidden")
 run_ours() {
   rm -rf "${out}/exp"
   MODALITIES_PROGRESS=0 "$@" "${modalities}" run --config_file_path "${out}/train.toml" \
     --experiments_root_path "${out}/exp" --experiment_id ours >"${out}/ours.log" 2>&1 \
     || { tail -20 "${out}/ours.log" >&2; exit 1; }
 }
-echo "== modalities run (LibTorch, OMP_NUM_THREADS=${threads}): ${steps} steps, one log record per ${window}"
-run_ours
+# Repetitions alternate the two sides, so that a shared machine's slow and fast phases fall on both.
+for ((rep = 1; rep <= repeat; ++rep)); do
+  echo "== [${rep}/${repeat}] Modalities components (PyTorch eager, ${threads} threads): ${steps} steps"
+  (cd "${out}" && "${python}" "${root}/scripts/reference/train_reference.py" --config resolved.toml \
+    --init init.safetensors --out "reference_${rep}.json" --threads "${threads}" 2>&1 | grep -v "^Expected .ffn_hidden")
+  echo "== [${rep}/${repeat}] modalities run (LibTorch, OMP_NUM_THREADS=${threads}): ${steps} steps, one record per ${window}"
+  run_ours
+  cp "${out}/exp/ours/evaluation_results.jsonl" "${out}/ours_${rep}.jsonl"
+done
 
-python3 - "${out}" "${window}" <<'EOF'
+python3 - "${out}" "${window}" "${repeat}" <<'EOF'
 import json, statistics, sys
-out, window = sys.argv[1], int(sys.argv[2])
-ref = json.load(open(f"{out}/reference.json"))
-recs = [json.loads(l) for l in open(f"{out}/exp/ours/evaluation_results.jsonl")]
-# Batch 1: a window of `window` steps has `window` samples, so ms/step = 1000 / (samples/s).
-ours = [1000.0 / r["throughput_metrics"]["train samples/s"] for r in recs if r["dataloader_tag"] == "train"]
-py = [1000.0 * s for s in ref["step_seconds"][window:]]  # drop the first window, as for ours
-py_windows = [statistics.fmean(py[i:i + window]) for i in range(0, len(py), window)]
-print(f"ours, ms/step per {window}-step window (first dropped): " + ", ".join(f"{x:.3f}" for x in ours[1:]))
-print(f"Modalities (PyTorch eager), ms/step per window:        " + ", ".join(f"{x:.3f}" for x in py_windows))
-o, p = statistics.median(ours[1:]), statistics.median(py_windows)
-print(f"median ms/step: ours {o:.3f}, Modalities {p:.3f} (per-step median {statistics.median(py):.3f}); "
-      f"Modalities/ours {p / o:.1f}x")
-print(f"final loss: ours {recs[-1]['losses']['train loss last']:.6f}, Modalities {ref['loss'][-1]:.6f}")
-json.dump({"ms_per_step_ours": o, "ms_per_step_modalities": p, "windows_ours": ours, "windows_modalities": py_windows},
+out, window, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ours, py, losses = [], [], []
+for rep in range(1, repeat + 1):
+    ref = json.load(open(f"{out}/reference_{rep}.json"))
+    recs = [json.loads(l) for l in open(f"{out}/ours_{rep}.jsonl")]
+    # Batch 1: a window of `window` steps has `window` samples, so ms/step = 1000 / (samples/s).
+    o = [1000.0 / r["throughput_metrics"]["train samples/s"] for r in recs if r["dataloader_tag"] == "train"][1:]
+    steps = [1000.0 * s for s in ref["step_seconds"][window:]]  # the first window dropped, as for ours
+    p = [statistics.fmean(steps[i:i + window]) for i in range(0, len(steps), window)]
+    print(f"[{rep}] ours, ms/step per {window}-step window (first dropped): " + ", ".join(f"{x:.3f}" for x in o))
+    print(f"[{rep}] Modalities (PyTorch eager), ms/step per window:        " + ", ".join(f"{x:.3f}" for x in p))
+    ours += o
+    py += p
+    losses.append((recs[-1]["losses"]["train loss last"], ref["loss"][-1]))
+o, p = statistics.median(ours), statistics.median(py)
+print(f"median ms/step over {len(ours)} windows: ours {o:.3f}, Modalities {p:.3f}; Modalities/ours {p / o:.1f}x")
+print(f"fastest window: ours {min(ours):.3f}, Modalities {min(py):.3f}; Modalities/ours {min(py) / min(ours):.1f}x")
+print("final loss: " + "; ".join(f"ours {a:.6f}, Modalities {b:.6f}" for a, b in losses))
+json.dump({"ms_per_step_ours": o, "ms_per_step_modalities": p, "min_ms_per_step_ours": min(ours),
+           "min_ms_per_step_modalities": min(py), "windows_ours": ours, "windows_modalities": py},
           open(f"{out}/summary.json", "w"), indent=1)
 EOF
 
 if (( profile )); then
   command -v perf >/dev/null || { echo "bench_host_overhead.sh: --perf needs perf" >&2; exit 1; }
-  read -r ms_ours ms_py < <(python3 -c "import json; s = json.load(open('${out}/summary.json')); \
-print(s['ms_per_step_ours'], s['ms_per_step_modalities'])")
+  read -r ms_ours ms_py min_ours min_py < <(python3 -c "import json; s = json.load(open('${out}/summary.json')); \
+print(s['ms_per_step_ours'], s['ms_per_step_modalities'], s['min_ms_per_step_ours'], s['min_ms_per_step_modalities'])")
   echo "== perf: modalities run (recording from 1.5 s on)"
   run_ours perf record -q -F 2000 --delay 1500 -o "${out}/perf_ours.data"
   echo "== perf: Modalities components (recording from 8 s on)"
@@ -132,7 +148,12 @@ print(s['ms_per_step_ours'], s['ms_per_step_modalities'])")
   for side in ours modalities; do
     perf report -i "${out}/perf_${side}.data" --no-children --sort dso,sym 2>/dev/null >"${out}/perf_${side}.txt"
   done
-  python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_ours.txt" --ms-per-step "${ms_ours}" --label "ours:       "
+  echo "split of the median step:"
+  python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_ours.txt" --ms-per-step "${ms_ours}" --label "  ours:       "
   python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_modalities.txt" --ms-per-step "${ms_py}" \
-    --label "Modalities: "
+    --label "  Modalities: "
+  echo "split of the fastest window:"
+  python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_ours.txt" --ms-per-step "${min_ours}" --label "  ours:       "
+  python3 "${root}/scripts/bench_perf_split.py" "${out}/perf_modalities.txt" --ms-per-step "${min_py}" \
+    --label "  Modalities: "
 fi

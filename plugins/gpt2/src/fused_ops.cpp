@@ -6,11 +6,13 @@
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -40,6 +42,15 @@ std::shared_ptr<N> make_node() {
 
 // True when `t` shares storage with `base` (a view that contiguous() returned unchanged).
 bool aliases(const at::Tensor& t, const at::Tensor& base) { return t.is_alias_of(base); }
+
+// Rows per task of at::parallel_for: ATen's grain of 32768 elements (each element is
+// independent, so the split changes no value).
+std::int64_t row_grain(std::int64_t row_elements) { return std::max<std::int64_t>(1, 32768 / std::max<std::int64_t>(1, row_elements)); }
+
+// A row-major matrix: the layout for which the backward formulas below are ATen's (for x,
+// mm_mat1_backward takes grad.mm(w); for w, mm_mat2_backward takes grad.t().mm(x) only when
+// w.t() is column-major, i.e. w row-major).
+bool row_major(const at::Tensor& t) { return t.dim() == 2 && t.stride(1) == 1 && t.stride(0) == t.size(1); }
 
 // Linear forward below autograd (see fused_linear for the layouts it is used with).
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
@@ -83,9 +94,9 @@ template <class T>
 void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_,
                         std::int64_t H, std::int64_t hd, std::int64_t repeat) {
   const std::int64_t half = hd / 2;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T_; ++t) {
+  at::parallel_for(0, B * H, row_grain(T_ * hd * repeat), [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t bh = begin; bh < end; ++bh)
+      for (std::int64_t t = 0, b = bh / H, h = bh % H; t < T_; ++t) {
         const T* src = x + ((b * T_ + t) * H + h) * hd;
         T* dst = out + ((b * H * repeat + h * repeat) * T_ + t) * hd;
         if (cos != nullptr) {
@@ -101,6 +112,7 @@ void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int
         for (std::int64_t k = 1; k < repeat; ++k)
           for (std::int64_t j = 0; j < hd; ++j) dst[k * T_ * hd + j] = dst[j];
       }
+  });
 }
 
 // g [B, H, T, hd] (after the GQA sum) -> out [B*T, H*hd]: RoPE's backward and the transpose.
@@ -108,9 +120,9 @@ template <class T>
 void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_,
                          std::int64_t H, std::int64_t hd) {
   const std::int64_t half = hd / 2;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T_; ++t) {
+  at::parallel_for(0, B * H, row_grain(T_ * hd), [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t bh = begin; bh < end; ++bh)
+      for (std::int64_t t = 0, b = bh / H, h = bh % H; t < T_; ++t) {
         const T* src = g + ((b * H + h) * T_ + t) * hd;
         T* dst = out + ((b * T_ + t) * H + h) * hd;
         if (cos != nullptr) {
@@ -125,6 +137,7 @@ void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::in
           for (std::int64_t j = 0; j < hd; ++j) dst[j] = src[j];
         }
       }
+  });
 }
 
 bool heads_cpu_eligible(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::int64_t T,
@@ -263,7 +276,8 @@ bool rms_cpu_eligible(const at::Tensor& xf, const at::Tensor& w) {
 
 template <class W>
 void rms_scale_rows(const float* x, const float* r, const W* w, float* u, float* y, std::int64_t M, std::int64_t N) {
-  for (std::int64_t i = 0; i < M; ++i) {
+  at::parallel_for(0, M, row_grain(N), [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
     const float ri = r[i];
     const std::int64_t o = i * N;
     for (std::int64_t j = 0; j < N; ++j) {
@@ -272,6 +286,7 @@ void rms_scale_rows(const float* x, const float* r, const W* w, float* u, float*
       if (y != nullptr) y[o + j] = uj * static_cast<float>(w[j]);
     }
   }
+  });
 }
 
 // Forward: r = rsqrt(mean(xf * xf) + eps), u = xf * r, y = u * w (w optional).
@@ -302,7 +317,8 @@ void rms_cpu_forward(const at::Tensor& xf, const at::Tensor& w, double eps, at::
 template <class W>
 void rms_backward_rows(const float* g, const float* x, const float* u, const float* r, const W* w, float* t1,
                        float* a, float* t2, std::int64_t M, std::int64_t N) {
-  for (std::int64_t i = 0; i < M; ++i) {
+  at::parallel_for(0, M, row_grain(N), [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
     const float ri = r[i];
     const std::int64_t o = i * N;
     for (std::int64_t j = 0; j < N; ++j) {
@@ -313,6 +329,7 @@ void rms_backward_rows(const float* g, const float* x, const float* u, const flo
       t2[o + j] = gu * x[o + j];
     }
   }
+  });
 }
 
 // Backward (see RmsNormBackward for the node-by-node formulas). gf, xf: float32 contiguous.
@@ -348,13 +365,15 @@ void rms_cpu_backward(const at::Tensor& gf, const at::Tensor& xf, const at::Tens
   const float n = static_cast<float>(N);
   b = at::empty_like(xf);
   float* bp = b.mutable_data_ptr<float>();
-  for (std::int64_t i = 0; i < M; ++i) {
-    const float ri = rp[i];
-    const float gm = (grp[i] * -0.5f) * ((ri * ri) * ri);
-    const float gp = gm / n;
-    const std::int64_t o = i * N;
-    for (std::int64_t j = 0; j < N; ++j) bp[o + j] = gp * (x[o + j] * 2.0f);
-  }
+  at::parallel_for(0, M, row_grain(N), [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float ri = rp[i];
+      const float gm = (grp[i] * -0.5f) * ((ri * ri) * ri);
+      const float gp = gm / n;
+      const std::int64_t o = i * N;
+      for (std::int64_t j = 0; j < N; ++j) bp[o + j] = gp * (x[o + j] * 2.0f);
+    }
+  });
 }
 
 class RmsNormBackward final : public Node {
@@ -534,8 +553,7 @@ class MergeHeadsBackward final : public Node {
 }  // namespace
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  const bool row_major = x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1);
-  if (!row_major || w.dim() != 2) return at::linear(x, w, b);
+  if (!row_major(x) || !row_major(w)) return at::linear(x, w, b);
   at::Tensor y;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -555,7 +573,9 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const c10::ScalarType st = x.scalar_type();
   const bool reduced = st == at::kHalf || st == at::kBFloat16;
-  if (!(reduced || st == at::kFloat || st == at::kDouble) || x.dim() < 1 || !x.is_contiguous() ||
+  // Only the CPU runs torch's composite: on CUDA at::rms_norm takes its fused kernel (one
+  // kernel each way), which this op must neither replace nor re-round.
+  if (!x.is_cpu() || !(reduced || st == at::kFloat || st == at::kDouble) || x.dim() < 1 || !x.is_contiguous() ||
       (w.defined() && (w.dim() != 1 || w.size(0) != x.size(-1))))
     return at::rms_norm(x, {x.size(-1)}, w.defined() ? std::optional(w) : std::nullopt, eps);
   const c10::ScalarType opmath = reduced ? at::kFloat : st;
@@ -572,7 +592,7 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
       y = w.defined() ? u.mul(w) : u;
     }
     if (!y.is_contiguous()) y = y.contiguous();
-    if (reduced) y = y.to(st);
+    if (y.scalar_type() != st) y = y.to(st);  // type_as(input): the upcast, or a promoting weight
     if (aliases(y, x)) y = y.clone();  // (w undefined, fp32: u is new anyway; kept for safety)
   }
   if (torch::autograd::compute_requires_grad(x, w)) {
@@ -601,9 +621,24 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
   const HeadsSpec* specs[3] = {&q, &k, &v};
   const at::Tensor* ws[3] = {&wq, &wk, &wv};
   const at::Tensor* bs[3] = {&bq, &bk, &bv};
-  const bool row_major = x.dim() == 2 && x.size(0) == B * T && x.stride(1) == 1 && x.stride(0) == x.size(1);
-  TORCH_CHECK(row_major, "fused_qkv: expected a row-major [", B * T, ", d] input, got ", x.sizes(), " with strides ",
-              x.strides());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == B * T, "fused_qkv: expected a [", B * T, ", d] input, got ", x.sizes());
+  if (!row_major(x) || !row_major(wq) || !row_major(wk) || !row_major(wv)) {
+    // Other layouts: the composite, op by op under autograd (same values, more nodes).
+    Qkv out;
+    at::Tensor* dst[3] = {&out.q, &out.k, &out.v};
+    for (int p = 0; p < 3; ++p) {
+      const HeadsSpec& sp = *specs[p];
+      at::Tensor y = at::linear(x, *ws[p], *bs[p]).view({B, T, sp.heads, hd}).transpose(1, 2).contiguous();
+      if (sp.cos.defined()) {
+        const auto halves = y.chunk(2, -1);
+        y = y * sp.cos + at::cat({-halves[1], halves[0]}, -1) * sp.sin;
+      }
+      if (sp.repeat > 1)
+        y = y.unsqueeze(2).expand({B, sp.heads, sp.repeat, T, hd}).reshape({B, sp.heads * sp.repeat, T, hd});
+      *dst[p] = y;
+    }
+    return out;
+  }
   at::Tensor out[3];
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -639,8 +674,7 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
 
 at::Tensor fused_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bw, const at::Tensor& v,
                         const at::Tensor& bv) {
-  const bool row_major = x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1);
-  if (!row_major) return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
+  if (!row_major(x) || !row_major(w) || !row_major(v)) return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
   at::Tensor a, b, s, h;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;

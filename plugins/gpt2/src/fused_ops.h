@@ -24,8 +24,9 @@ namespace modalities::plugins::gpt2 {
 /// t + mm (+ the bias reduction).
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
-/// at::rms_norm(x, {x.size(-1)}, w, eps) (torch's composite: upcast, pow, mean, add_, rsqrt,
-/// mul, mul, type_as), one node instead of six or more. w may be undefined.
+/// at::rms_norm(x, {x.size(-1)}, w, eps) on the CPU (torch's composite: upcast, pow, mean,
+/// add_, rsqrt, mul, mul, type_as), one node instead of six or more; w may be undefined.
+/// Elsewhere at::rms_norm itself (on CUDA that is ATen's fused kernel).
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
 /// Heads of one projection: [B*T, H*hd] -> view [B, T, H, hd] -> transpose(1, 2) ->

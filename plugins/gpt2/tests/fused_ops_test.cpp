@@ -209,7 +209,43 @@ TEST_P(FusedOpsTest, SwigluEqualsTheComposite) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest, ::testing::Values(at::kFloat, at::kBFloat16),
+// Edge shapes of the CPU loops: one token, one head, odd head size without RoPE.
+TEST_P(FusedOpsTest, HeadsEdgeShapes) {
+  struct Shape {
+    std::int64_t B, T, H, hd, repeat;
+    bool rotary;
+  };
+  for (const Shape& sh : {Shape{2, 1, 2, 4, 2, true}, Shape{1, 3, 1, 6, 1, true}, Shape{2, 3, 2, 5, 2, false}}) {
+    const std::int64_t d = sh.H * sh.hd;
+    const auto tables = rope_tables(sh.T, sh.hd + sh.hd % 2, GetParam());
+    const at::Tensor c = sh.rotary ? tables.first : at::Tensor(), s = sh.rotary ? tables.second : at::Tensor();
+    const at::Tensor x = randn({sh.B * sh.T, d}), w = randn({d, d}), seed = randn({sh.B, sh.H * sh.repeat, sh.T, sh.hd});
+    auto fused_f = [&](const std::vector<at::Tensor>& in) {
+      const g::HeadsSpec spec{sh.H, c, s, sh.repeat};
+      return g::fused_qkv(in[0], in[1], {}, in[1], {}, in[1], {}, sh.B, sh.T, sh.hd, spec, spec, spec).k;
+    };
+    auto composite_f = [&](const std::vector<at::Tensor>& in) {
+      at::Tensor k = at::linear(in[0], in[1]).view({sh.B, sh.T, sh.H, sh.hd}).transpose(1, 2).contiguous();
+      if (sh.rotary) k = k * c + rotate_half(k) * s;
+      if (sh.repeat > 1)
+        k = k.unsqueeze(2).expand({sh.B, sh.H, sh.repeat, sh.T, sh.hd}).reshape({sh.B, sh.H * sh.repeat, sh.T, sh.hd});
+      return k;
+    };
+    expect_bit_identical(run(fused_f, {x, w}, seed), run(composite_f, {x, w}, seed),
+                         "heads B=" + std::to_string(sh.B) + " T=" + std::to_string(sh.T) + " H=" +
+                             std::to_string(sh.H) + " hd=" + std::to_string(sh.hd));
+  }
+}
+
+TEST_P(FusedOpsTest, NonRowMajorWeightsTakeTheComposite) {
+  const at::Tensor x = randn({6, 8}), wt = randn({8, 8}).t(), seed = randn({6, 8});  // a transposed weight
+  auto f = [](auto linear) { return [=](const std::vector<at::Tensor>& in) { return linear(in[0], in[1]); }; };
+  expect_bit_identical(run(f([](auto x, auto w) { return g::fused_linear(x, w, {}); }), {x, wt.contiguous().t()}, seed),
+                       run(f([](auto x, auto w) { return at::linear(x, w); }), {x, wt.contiguous().t()}, seed),
+                       "linear, transposed weight");
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest, ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf, at::kDouble),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
 TEST(FusedOpsBehaviourTest, NoGradRecordsNoGraph) {
