@@ -6,7 +6,7 @@
 // the very same ATen calls as the composite it replaces, below the autograd layer, and one
 // hand-written node computes the gradients with the same formulas, in the same order, as
 // the nodes autograd would have recorded. Values and gradients are therefore bit-identical
-// to the composite (tests/gpt2_test.cpp compares both paths); only the bookkeeping shrinks.
+// to the composite (tests/fused_ops_test.cpp compares both); only the bookkeeping shrinks.
 //
 // Where the composite's gradient for an input is the sum of several contributions that the
 // engine accumulates one by one (a fan-out inside the op), the node lists that input once
@@ -20,8 +20,8 @@
 
 namespace modalities::plugins::gpt2 {
 
-/// at::linear(x, w, b) for a row-major 2-d x [N, in]: mm / addmm, one node instead of
-/// t + mm (+ the bias reduction).
+/// at::linear(x, w, b) for a row-major 2-d x [N, in] and a row-major w: mm / addmm, one
+/// node instead of t + mm (+ the bias reduction). Other layouts: at::linear.
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
 /// at::rms_norm(x, {x.size(-1)}, w, eps) on the CPU (torch's composite: upcast, pow, mean,
