@@ -23,8 +23,8 @@
 namespace modalities::plugins::collators {
 namespace {
 
-// Stacks samples[i][key] along a new dim 0: b x [...] -> [b, ...]. Errors name the key and sample.
-// The tensors under `key`, one per sample, checked to exist and to have one shape.
+// The tensors under `key`, one per sample, checked to exist and to have one shape. Errors name
+// the key and the sample.
 std::vector<at::Tensor> key_parts(std::span<const Sample> samples, const std::string& key, const char* who) {
   MODALITIES_CHECK(!samples.empty(), "{}: cannot collate an empty batch", who);
   std::vector<at::Tensor> parts;
@@ -45,6 +45,7 @@ std::vector<at::Tensor> key_parts(std::span<const Sample> samples, const std::st
   return parts;
 }
 
+// Stacks samples[i][key] along a new dim 0: b x [...] -> [b, ...].
 at::Tensor stack_key(std::span<const Sample> samples, const std::string& key, const char* who) {
   return at::stack(key_parts(samples, key, who));
 }

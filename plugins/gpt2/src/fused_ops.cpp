@@ -30,7 +30,7 @@ using torch::autograd::variable_list;
 
 // Backward runs below the autograd layer (no graph is recorded), so a graph for a second
 // derivative would silently be missing: refuse it instead.
-void refuse_double_backward(const char* node) {
+void refuse_double_backward(const std::string& node) {
   TORCH_CHECK(!c10::GradMode::is_enabled(), node,
               ": double backward (create_graph=True) is not supported by the fused GPT-2 ops");
 }
@@ -40,12 +40,11 @@ std::shared_ptr<N> make_node() {
   return std::shared_ptr<N>(new N(), torch::autograd::deleteNode);
 }
 
-// True when `t` shares storage with `base` (a view that contiguous() returned unchanged).
-bool aliases(const at::Tensor& t, const at::Tensor& base) { return t.is_alias_of(base); }
-
 // Rows per task of at::parallel_for: ATen's grain of 32768 elements (each element is
 // independent, so the split changes no value).
-std::int64_t row_grain(std::int64_t row_elements) { return std::max<std::int64_t>(1, 32768 / std::max<std::int64_t>(1, row_elements)); }
+std::int64_t row_grain(std::int64_t row_elements) {
+  return std::max<std::int64_t>(1, 32768 / std::max<std::int64_t>(1, row_elements));
+}
 
 // A row-major matrix: the layout for which the backward formulas below are ATen's (for x,
 // mm_mat1_backward takes grad.mm(w); for w, mm_mat2_backward takes grad.t().mm(x) only when
@@ -91,11 +90,11 @@ T add_round(T a, T b) {
 
 // x [B*T, H*hd] -> out [B, H*repeat, T, hd]; cos/sin [T, hd] or null.
 template <class T>
-void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_,
-                        std::int64_t H, std::int64_t hd, std::int64_t repeat) {
+void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_, std::int64_t H,
+                        std::int64_t hd, std::int64_t repeat) {
   const std::int64_t half = hd / 2;
   at::parallel_for(0, B * H, row_grain(T_ * hd * repeat), [&](std::int64_t begin, std::int64_t end) {
-  for (std::int64_t bh = begin; bh < end; ++bh)
+    for (std::int64_t bh = begin; bh < end; ++bh)
       for (std::int64_t t = 0, b = bh / H, h = bh % H; t < T_; ++t) {
         const T* src = x + ((b * T_ + t) * H + h) * hd;
         T* dst = out + ((b * H * repeat + h * repeat) * T_ + t) * hd;
@@ -121,7 +120,7 @@ void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::in
                          std::int64_t H, std::int64_t hd) {
   const std::int64_t half = hd / 2;
   at::parallel_for(0, B * H, row_grain(T_ * hd), [&](std::int64_t begin, std::int64_t end) {
-  for (std::int64_t bh = begin; bh < end; ++bh)
+    for (std::int64_t bh = begin; bh < end; ++bh)
       for (std::int64_t t = 0, b = bh / H, h = bh % H; t < T_; ++t) {
         const T* src = g + ((b * H + h) * T_ + t) * hd;
         T* dst = out + ((b * T_ + t) * H + h) * hd;
@@ -130,7 +129,8 @@ void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::in
           const T* s = sin + t * hd;
           for (std::int64_t j = 0; j < hd; ++j) {
             // cat(gr[..., h:], -gr[..., :h]) with gr = g * sin, added to g * cos.
-            const T rot = j < hd - half ? mul_round(src[j + half], s[j + half]) : static_cast<T>(-mul_round(src[j - (hd - half)], s[j - (hd - half)]));
+            const T rot = j < hd - half ? mul_round(src[j + half], s[j + half])
+                                        : static_cast<T>(-mul_round(src[j - (hd - half)], s[j - (hd - half)]));
             dst[j] = add_round(mul_round(src[j], c[j]), rot);
           }
         } else {
@@ -161,7 +161,21 @@ void dispatch_float_types(at::ScalarType st, F&& f) {
   }
 }
 
-// Heads forward below autograd (see fused_ops.h, HeadsSpec).
+// Heads as ATen ops (see fused_ops.h, HeadsSpec): below autograd in heads_forward, recorded
+// by autograd in fused_qkv's fallback.
+at::Tensor heads_composite(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
+                           const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
+  at::Tensor y = x.view({B, T, H, hd}).transpose(1, 2).contiguous();
+  if (y.is_alias_of(x)) y = y.clone();  // contiguous() returned a view: the output must be new
+  if (cos.defined()) {
+    const auto halves = y.chunk(2, -1);
+    y = y * cos + at::cat({halves[1].neg(), halves[0]}, -1) * sin;
+  }
+  if (repeat > 1) y = y.unsqueeze(2).expand({B, H, repeat, T, hd}).reshape({B, H * repeat, T, hd});
+  return y;
+}
+
+// Heads forward below autograd: the CPU loops where eligible, else the ATen ops.
 at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
                          const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
   if (heads_cpu_eligible(x, cos, sin, T, hd)) {
@@ -174,14 +188,7 @@ at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, st
     });
     return out;
   }
-  at::Tensor y = x.view({B, T, H, hd}).transpose(1, 2).contiguous();
-  if (aliases(y, x)) y = y.clone();
-  if (cos.defined()) {
-    const auto halves = y.chunk(2, -1);
-    y = y * cos + at::cat({halves[1].neg(), halves[0]}, -1) * sin;
-  }
-  if (repeat > 1) y = y.unsqueeze(2).expand({B, H, repeat, T, hd}).reshape({B, H * repeat, T, hd});
-  return y;
+  return heads_composite(x, B, T, H, hd, cos, sin, repeat);
 }
 
 // Heads backward: g [B, H*repeat, T, hd] -> gradient of the [B*T, H*hd] projection. Node by node:
@@ -222,7 +229,7 @@ at::Tensor heads_backward(at::Tensor g, std::int64_t B, std::int64_t T, std::int
 class LinearBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("modalities::plugins::gpt2::LinearBackward");
+    refuse_double_backward(name());
     variable_list out(3);
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
@@ -244,21 +251,6 @@ class LinearBackward final : public Node {
   bool has_bias_ = false;
 };
 
-// ---------------------------------------------------------------------------------------
-// RMSNorm over the last dimension, torch's composite (aten rms_norm on CPU):
-//   xf = x.to(opmath); r = rsqrt(pow(xf, 2).mean(-1, keepdim).add_(eps));
-//   y = (xf.mul(r)[.mul(w)]).contiguous().type_as(x)
-// Backward, node by node in the engine's order (reverse creation):
-//   ToCopyBackward0 (type_as)  gf = g.to(opmath)
-//   MulBackward0 (u.mul(w))    gu = gf * w;           gw = sum_to(gf * u, w)
-//   MulBackward0 (xf.mul(r))   a  = gu * r;           gr = sum_to(gu * xf, r)
-//   RsqrtBackward0             gm = -0.5 * gr * r.pow(3)
-//   AddBackward1 (add_ eps)    identity
-//   MeanBackward1              gp = gm.expand(xf) / N
-//   PowBackward0 (exponent 2)  b  = gp * (2.0 * xf.pow(1.0))
-// xf receives a, then b. Without an upcast xf is x itself, and the engine adds a and b to
-// x's gradient one after the other (after what x's later uses contributed), so x is listed
-// twice: edges (x, x, w). With an upcast, ToCopyBackward0 adds a + b and casts: edges (x, w).
 // CPU element loops of RMSNorm (float32 math, x contiguous, one row per normalised vector).
 // Each loop performs per element exactly the float operations of the ATen ops it replaces, in
 // their order and with their roundings: products, true divisions, 1 / sqrt (ATen's rsqrt,
@@ -277,15 +269,15 @@ bool rms_cpu_eligible(const at::Tensor& xf, const at::Tensor& w) {
 template <class W>
 void rms_scale_rows(const float* x, const float* r, const W* w, float* u, float* y, std::int64_t M, std::int64_t N) {
   at::parallel_for(0, M, row_grain(N), [&](std::int64_t begin, std::int64_t end) {
-  for (std::int64_t i = begin; i < end; ++i) {
-    const float ri = r[i];
-    const std::int64_t o = i * N;
-    for (std::int64_t j = 0; j < N; ++j) {
-      const float uj = x[o + j] * ri;
-      u[o + j] = uj;
-      if (y != nullptr) y[o + j] = uj * static_cast<float>(w[j]);
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float ri = r[i];
+      const std::int64_t o = i * N;
+      for (std::int64_t j = 0; j < N; ++j) {
+        const float uj = x[o + j] * ri;
+        u[o + j] = uj;
+        if (y != nullptr) y[o + j] = uj * static_cast<float>(w[j]);
+      }
     }
-  }
   });
 }
 
@@ -315,20 +307,20 @@ void rms_cpu_forward(const at::Tensor& xf, const at::Tensor& w, double eps, at::
 }
 
 template <class W>
-void rms_backward_rows(const float* g, const float* x, const float* u, const float* r, const W* w, float* t1,
-                       float* a, float* t2, std::int64_t M, std::int64_t N) {
+void rms_backward_rows(const float* g, const float* x, const float* u, const float* r, const W* w, float* t1, float* a,
+                       float* t2, std::int64_t M, std::int64_t N) {
   at::parallel_for(0, M, row_grain(N), [&](std::int64_t begin, std::int64_t end) {
-  for (std::int64_t i = begin; i < end; ++i) {
-    const float ri = r[i];
-    const std::int64_t o = i * N;
-    for (std::int64_t j = 0; j < N; ++j) {
-      const float gj = g[o + j];
-      const float gu = w != nullptr ? gj * static_cast<float>(w[j]) : gj;
-      if (t1 != nullptr) t1[o + j] = gj * u[o + j];
-      a[o + j] = gu * ri;
-      t2[o + j] = gu * x[o + j];
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float ri = r[i];
+      const std::int64_t o = i * N;
+      for (std::int64_t j = 0; j < N; ++j) {
+        const float gj = g[o + j];
+        const float gu = w != nullptr ? gj * static_cast<float>(w[j]) : gj;
+        if (t1 != nullptr) t1[o + j] = gj * u[o + j];
+        a[o + j] = gu * ri;
+        t2[o + j] = gu * x[o + j];
+      }
     }
-  }
   });
 }
 
@@ -376,10 +368,25 @@ void rms_cpu_backward(const at::Tensor& gf, const at::Tensor& xf, const at::Tens
   });
 }
 
+// ---------------------------------------------------------------------------------------
+// RMSNorm over the last dimension, torch's composite (aten rms_norm on CPU):
+//   xf = x.to(opmath); r = rsqrt(pow(xf, 2).mean(-1, keepdim).add_(eps));
+//   y = (xf.mul(r)[.mul(w)]).contiguous().type_as(x)
+// Backward, node by node in the engine's order (reverse creation):
+//   ToCopyBackward0 (type_as)  gf = g.to(opmath)
+//   MulBackward0 (u.mul(w))    gu = gf * w;           gw = sum_to(gf * u, w)
+//   MulBackward0 (xf.mul(r))   a  = gu * r;           gr = sum_to(gu * xf, r)
+//   RsqrtBackward0             gm = -0.5 * gr * r.pow(3)
+//   AddBackward1 (add_ eps)    identity
+//   MeanBackward1              gp = gm.expand(xf) / N
+//   PowBackward0 (exponent 2)  b  = gp * (2.0 * xf.pow(1.0))
+// xf receives a, then b. Without an upcast xf is x itself, and the engine adds a and b to
+// x's gradient one after the other (after what x's later uses contributed), so x is listed
+// twice: edges (x, x, w). With an upcast, ToCopyBackward0 adds a + b and casts: edges (x, w).
 class RmsNormBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("modalities::plugins::gpt2::RmsNormBackward");
+    refuse_double_backward(name());
     variable_list out(num_outputs());
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
@@ -389,8 +396,8 @@ class RmsNormBackward final : public Node {
     const at::Tensor r = r_.unpack();
     const at::Tensor gf = upcast_ ? g.to(opmath_) : g;
     const std::size_t wi = num_outputs() - 1;
-    const bool need_x = upcast_ ? task_should_compute_output(0)
-                                : (task_should_compute_output(0) || task_should_compute_output(1));
+    const bool need_x =
+        upcast_ ? task_should_compute_output(0) : (task_should_compute_output(0) || task_should_compute_output(1));
     const at::Tensor w = has_weight_ ? w_.unpack() : at::Tensor();
     if (need_x && rms_cpu_eligible(xf, w) && gf.is_cpu() && gf.scalar_type() == at::kFloat && gf.is_contiguous() &&
         gf.sizes() == xf.sizes()) {
@@ -447,7 +454,7 @@ class RmsNormBackward final : public Node {
 class QkvBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("modalities::plugins::gpt2::QkvBackward");
+    refuse_double_backward(name());
     variable_list out(9);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const at::Tensor x = x_.unpack();
@@ -497,7 +504,7 @@ class QkvBackward final : public Node {
 class SwigluBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("modalities::plugins::gpt2::SwigluBackward");
+    refuse_double_backward(name());
     variable_list out(6);
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
@@ -537,7 +544,7 @@ class SwigluBackward final : public Node {
 class MergeHeadsBackward final : public Node {
  public:
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("modalities::plugins::gpt2::MergeHeadsBackward");
+    refuse_double_backward(name());
     variable_list out(1);
     const at::Tensor& g = grads[0];
     if (!g.defined() || !task_should_compute_output(0)) return out;
@@ -593,7 +600,6 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
     }
     if (!y.is_contiguous()) y = y.contiguous();
     if (y.scalar_type() != st) y = y.to(st);  // type_as(input): the upcast, or a promoting weight
-    if (aliases(y, x)) y = y.clone();  // (w undefined, fp32: u is new anyway; kept for safety)
   }
   if (torch::autograd::compute_requires_grad(x, w)) {
     auto node = make_node<RmsNormBackward>();
@@ -628,14 +634,7 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
     at::Tensor* dst[3] = {&out.q, &out.k, &out.v};
     for (int p = 0; p < 3; ++p) {
       const HeadsSpec& sp = *specs[p];
-      at::Tensor y = at::linear(x, *ws[p], *bs[p]).view({B, T, sp.heads, hd}).transpose(1, 2).contiguous();
-      if (sp.cos.defined()) {
-        const auto halves = y.chunk(2, -1);
-        y = y * sp.cos + at::cat({-halves[1], halves[0]}, -1) * sp.sin;
-      }
-      if (sp.repeat > 1)
-        y = y.unsqueeze(2).expand({B, sp.heads, sp.repeat, T, hd}).reshape({B, sp.heads * sp.repeat, T, hd});
-      *dst[p] = y;
+      *dst[p] = heads_composite(at::linear(x, *ws[p], *bs[p]), B, T, sp.heads, hd, sp.cos, sp.sin, sp.repeat);
     }
     return out;
   }
@@ -644,8 +643,8 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (int p = 0; p < 3; ++p) {
       const HeadsSpec& sp = *specs[p];
-      TORCH_CHECK(sp.repeat >= 1 && ws[p]->dim() == 2 && ws[p]->size(0) == sp.heads * hd,
-                  "fused_qkv: projection ", p, " weight ", ws[p]->sizes(), " does not give ", sp.heads, " heads of ", hd);
+      TORCH_CHECK(sp.repeat >= 1 && ws[p]->dim() == 2 && ws[p]->size(0) == sp.heads * hd, "fused_qkv: projection ", p,
+                  " weight ", ws[p]->sizes(), " does not give ", sp.heads, " heads of ", hd);
       out[p] = heads_forward(linear_forward(x, *ws[p], *bs[p]), B, T, sp.heads, hd, sp.cos, sp.sin, sp.repeat);
     }
   }
@@ -705,7 +704,7 @@ at::Tensor fused_merge_heads(const at::Tensor& y) {
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     out = y.transpose(1, 2).contiguous();
-    if (aliases(out, y)) out = out.clone();
+    if (out.is_alias_of(y)) out = out.clone();  // contiguous() returned a view: the output must be new
     out = out.view({B * T, H * hd});
   }
   if (torch::autograd::compute_requires_grad(y)) {

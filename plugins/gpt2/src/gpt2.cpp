@@ -503,10 +503,8 @@ class LinearImpl final : public Leaf {
       bias.uniform_(-bound, bound);
     }
   }
-  // x: [..., in] -> [..., out]; 2-d inputs (the model's activations) take the fused op.
-  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
-    return x.dim() == 2 ? fused_linear(x, cast(weight, dt), cast(bias, dt)) : at::linear(x, cast(weight, dt), cast(bias, dt));
-  }
+  // x: [..., in] -> [..., out]; fused for the model's 2-d activations (at::linear otherwise).
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return fused_linear(x, cast(weight, dt), cast(bias, dt)); }
 
   at::Tensor weight, bias;
 
