@@ -12,9 +12,9 @@ On the same machine, in one run, with the same thread count and settings:
   3. random-access reads of 1024-token samples from the packed file: our
      PackedFile vs Modalities' PackedMemMapDatasetContinuous.
 
-Needs a venv with `modalities`, `tokenizers` and `tiktoken` (default .deps/bench;
-create with: python3 -m venv .deps/bench && .deps/bench/bin/pip install modalities tiktoken tokenizers)
-and a build with benchmarks (scripts/build.sh; this script adds
+Needs the venv .deps/bench with `modalities` 0.5.0, `tokenizers` and `tiktoken` at the versions
+pinned in scripts/bench-requirements.txt (create it with scripts/setup_bench_env.sh; --venv picks
+another) and a build with benchmarks (scripts/build.sh; this script adds
 -DMODALITIES_BUILD_BENCHMARKS=ON itself).
 
     python3 scripts/bench_data.py [--size-mb 200] [--threads N] [--out out/bench]
@@ -72,7 +72,8 @@ def main():
     theirs = os.path.join(args.venv, "bin", "modalities")
     for p in (ours, py, theirs):
         if not os.path.exists(p):
-            sys.exit(f"missing {p}; see --help for the set-up")
+            hint = "scripts/build.sh" if p == ours else "scripts/setup_bench_env.sh"
+            sys.exit(f"missing {p}; run {hint} (see --help for the set-up)")
     tok_dir = os.path.join(ROOT, "data", "tokenizer", "gpt2")
     os.makedirs(args.out, exist_ok=True)
     corpus = os.path.join(args.out, "corpus.jsonl")

@@ -29,7 +29,8 @@
 # minutes; the fastest window is the least disturbed measurement, the ratio is robust to drift.
 #
 #   scripts/bench_host_overhead.sh [--steps 3000] [--window 500] [--threads 1] [--repeat 3] [--perf] [--out DIR]
-# Needs build/bin/modalities and the .deps/bench venv (modalities 0.5.0, torch, safetensors).
+# Needs build/bin/modalities (scripts/build.sh) and the .deps/bench venv (modalities 0.5.0, torch 2.11.0,
+# safetensors), which it creates or updates first with scripts/setup_bench_env.sh (a no-op when current).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 steps=3000
@@ -56,9 +57,10 @@ if (( steps % window != 0 || steps / window < 2 )); then
 fi
 python="${root}/.deps/bench/bin/python"
 modalities="${root}/build/bin/modalities"
-for f in "${python}" "${modalities}"; do
-  [[ -x "${f}" ]] || { echo "bench_host_overhead.sh: ${f} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
-done
+[[ -x "${modalities}" ]] || { echo "bench_host_overhead.sh: ${modalities} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
+# The Python side: Modalities 0.5.0 and torch 2.11.0 as pinned in scripts/bench-requirements.txt.
+"${root}/scripts/setup_bench_env.sh"
+[[ -x "${python}" ]] || { echo "bench_host_overhead.sh: ${python} is missing (scripts/setup_bench_env.sh failed?)" >&2; exit 1; }
 mkdir -p "${out}"
 out="$(cd "${out}" && pwd)"
 rm -rf "${out}/exp"

@@ -2,10 +2,11 @@
 """PyTorch side of the optimizer step-time comparison in plugins/optimizers/README.md.
 
 One torch.optim.AdamW step over 13,174,016 fp32 parameters shaped like the tutorial GPT-2
-(spec model.md section 8), one group with weight decay 0.1, as the C++ benchmark
+(see plugins/gpt2/README.md), one group with weight decay 0.1, as the C++ benchmark
 (MODALITIES_OPTIMIZER_BENCH=1 modalities_plugin_optimizers_test --gtest_filter=*StepTime*).
 
 Usage: .deps/bench/bin/python scripts/bench_optimizer.py
+(the venv of scripts/setup_bench_env.sh: torch 2.11.0, the version of our LibTorch).
 """
 
 import time

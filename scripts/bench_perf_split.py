@@ -12,6 +12,8 @@ Input: `perf report --no-children --sort dso,sym` text. Each sample's symbol is 
   torch host   everything else in LibTorch and the C/C++ runtime: dispatcher, TensorIterator
                setup, autograd engine, tensor construction, refcounts, TLS.
 A heuristic on symbol names, stated as such. With --ms-per-step, each class is also given in ms.
+Standard library only (run with python3); the profiled Python side is the .deps/bench venv
+(scripts/setup_bench_env.sh).
 """
 import argparse
 import re

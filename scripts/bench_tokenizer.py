@@ -9,9 +9,12 @@ multilingual.jsonl repeated to about 20 MB, through
   * tiktoken with the GPT-2 ranks built offline from the fixture's vocabulary
     (tiktoken.get_encoding("gpt2") would download them); its ids are checked
     against `tokenizers` first.
-Prints tokens/s and MB/s. Usage (venv .deps/pyref with tokenizers and tiktoken):
+Prints tokens/s and MB/s. Usage (the venv .deps/bench of scripts/setup_bench_env.sh, with the
+tokenizers and tiktoken versions pinned in scripts/bench-requirements.txt):
 
-    .deps/pyref/bin/python scripts/bench_tokenizer.py <shared-fixtures-dir> [--repeat 3]
+    .deps/bench/bin/python scripts/bench_tokenizer.py [fixtures-dir] [--repeat 3]
+
+[fixtures-dir] holds data/tokenizer/hf_gpt2/... (default: tests/fixtures/modalities).
 """
 
 import os
@@ -27,6 +30,7 @@ from pathlib import Path  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests/fixtures/modalities"
 TARGET_BYTES = 20 << 20
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -77,13 +81,14 @@ def gpt2_tiktoken(tokenizer_json):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("shared", type=Path, help="directory holding modalities/data/...")
+    ap.add_argument("fixtures", type=Path, nargs="?", default=FIXTURES,
+                    help="Modalities fixtures directory holding data/... (default: tests/fixtures/modalities)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     texts, size = corpus()
     print(f"{len(texts)} texts, {size / 1e6:.1f} MB, one thread")
     files = {
-        "gpt2": args.shared / "modalities/data/tokenizer/hf_gpt2/tokenizer.json",
+        "gpt2": args.fixtures / "data/tokenizer/hf_gpt2/tokenizer.json",
         "llama3_style": ROOT / "plugins/hf_tokenizer/tests/data/llama3_style/tokenizer.json",
         "qwen2_style": ROOT / "plugins/hf_tokenizer/tests/data/qwen2_style/tokenizer.json",
     }

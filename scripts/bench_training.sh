@@ -12,7 +12,8 @@
 #   scripts/bench_training.sh                 # the quickstart's 80 steps (~1 min on 2 idle cores)
 #   scripts/bench_training.sh --steps 20      # short variant (~30 s)
 # Options: --steps N (> 10, the warmup), --threads N (default 2), --out DIR (default out/bench/training).
-# Needs build/bin/modalities and the .deps/bench venv (modalities 0.5.0, torch, safetensors).
+# Needs build/bin/modalities (scripts/build.sh) and the .deps/bench venv (modalities 0.5.0, torch 2.11.0,
+# safetensors), which it creates or updates first with scripts/setup_bench_env.sh (a no-op when current).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 steps=80
@@ -33,9 +34,10 @@ if (( steps <= 10 )); then
 fi
 python="${root}/.deps/bench/bin/python"
 modalities="${root}/build/bin/modalities"
-for f in "${python}" "${modalities}"; do
-  [[ -x "${f}" ]] || { echo "bench_training.sh: ${f} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
-done
+[[ -x "${modalities}" ]] || { echo "bench_training.sh: ${modalities} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
+# The Python side: Modalities 0.5.0 and torch 2.11.0 as pinned in scripts/bench-requirements.txt.
+"${root}/scripts/setup_bench_env.sh"
+[[ -x "${python}" ]] || { echo "bench_training.sh: ${python} is missing (scripts/setup_bench_env.sh failed?)" >&2; exit 1; }
 mkdir -p "${out}"
 out="$(cd "${out}" && pwd)"
 rm -rf "${out}/exp"

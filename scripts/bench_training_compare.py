@@ -11,7 +11,8 @@ shared machine; the first step pays first-touch allocations in both), from the m
 2..N ("steady") and over all steps ("loop"). Both timers span the same work per step: batch
 fetch, forward, backward, clipping, optimizer and scheduler step. Ours also includes writing the
 log line and JSONL record of every step; Python's includes one loss.item() per step (Modalities).
-Standard library only.
+Standard library only (run with python3); the reference JSON comes from the .deps/bench venv
+(scripts/setup_bench_env.sh), whose torch version it records.
 """
 import argparse
 import json

@@ -3,13 +3,15 @@ checkpointing plugin, plugins/checkpointing/README.md).
 
 Python Modalities writes `torch.save` pickles (FSDP1: a model and an optimizer `.bin`) or PyTorch
 Distributed Checkpoint folders (DCP); neither can be read from LibTorch. Modalities C++ writes a
-folder with `app_state.safetensors` + `manifest.json`. Needs `torch` and `safetensors`.
+folder with `app_state.safetensors` + `manifest.json`. Needs `torch` and `safetensors`: the venv
+.deps/bench of scripts/setup_bench_env.sh (torch 2.11.0, as our LibTorch), or the Python
+environment that wrote or will read the checkpoint.
 
-    python scripts/convert_checkpoint.py dcp-to-modalities   <DCP folder> <checkpoint_path>
-    python scripts/convert_checkpoint.py fsdp1-to-modalities <model.bin> <optimizer.bin> <checkpoint_path>
-    python scripts/convert_checkpoint.py bin-to-safetensors  <model.bin> <model.safetensors>
-    python scripts/convert_checkpoint.py modalities-to-dcp   <folder> <checkpoint_path> [--optimizer adam]
-    python scripts/convert_checkpoint.py modalities-to-fsdp1 <folder> <checkpoint_path>
+    .deps/bench/bin/python scripts/convert_checkpoint.py dcp-to-modalities   <DCP folder> <checkpoint_path>
+    .deps/bench/bin/python scripts/convert_checkpoint.py fsdp1-to-modalities <model.bin> <optimizer.bin> <checkpoint_path>
+    .deps/bench/bin/python scripts/convert_checkpoint.py bin-to-safetensors  <model.bin> <model.safetensors>
+    .deps/bench/bin/python scripts/convert_checkpoint.py modalities-to-dcp   <folder> <checkpoint_path> [--optimizer adam]
+    .deps/bench/bin/python scripts/convert_checkpoint.py modalities-to-fsdp1 <folder> <checkpoint_path>
 
 Checkpoints keep their name (eid_<E>-seen_steps_<S>-...; the FSDP1 `-model`/`-optimizer` infix is
 dropped or added) and get a last_checkpoint_info.json in <checkpoint_path>. Non-numeric optimizer
@@ -228,7 +230,7 @@ def optimizer_groups(opt: dict):
 
 
 # torch.optim options this format drops (not numbers); DCP loading needs every key, so they come back with
-# Modalities' values (training.md section 6: amsgrad, maximize, capturable, differentiable are false).
+# Modalities' values (as in Modalities: amsgrad, maximize, capturable, differentiable are false).
 def optimizer_defaults(adam_w: bool) -> dict:
     return {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
             "fused": None, "decoupled_weight_decay": adam_w}

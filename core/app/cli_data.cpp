@@ -156,7 +156,8 @@ int pack_encoded_data(const std::vector<std::string>& args) {
   const core::PipelineProfile* profile = core::find_pipeline("packing");
   auto b = build_config(config, *profile, popts, status);
   if (!b) return status;
-  const data::PackingSettings settings = data::parse_packing_settings(*b->built.get("settings"));
+  data::PackingSettings settings = data::parse_packing_settings(*b->built.get("settings"));
+  settings.config_file = config;
   const std::filesystem::path dst = settings.resolved_dst();
   if (!data::check_output_path(dst, pol)) {
     print_warning(fmt::format("'{}' exists; skipped (--file_existence_policy skip)", dst.string()));

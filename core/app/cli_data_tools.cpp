@@ -1,7 +1,7 @@
 // `modalities data merge_packed_data | shuffle_tokenized_data |
 // shuffle_jsonl_data | create_shuffled_dataset_chunk |
 // create_shuffled_jsonl_chunk`: option parsing and reporting around
-// core/data/pbin_tools.h. Flag names are Modalities' (spec data.md §9.1).
+// core/data/pbin_tools.h. Flag names are Modalities' (docs/data.md, "Other verbs").
 #include "cli.h"
 
 #include <modalities/core/data/pbin_tools.h>

@@ -1,5 +1,5 @@
 // `modalities run`, `modalities warmstart` and `modalities generate_text`
-// (spec training.md §1, §17): load plugins and the config, create the
+// (docs/training.md): load plugins and the config, create the
 // experiment folder, build the component graph, hand it to the gym.
 #include "cli.h"
 
@@ -86,7 +86,7 @@ void default_launcher_env() {
   }
 }
 
-/// "<YYYY-MM-DD__HH-MM-SS>_<first 16 hex of SHA-256 of the config path>" (spec §1.2).
+/// "<YYYY-MM-DD__HH-MM-SS>_<first 16 hex of SHA-256 of the config path>", as in Modalities.
 std::string default_experiment_id(const std::string& config_file_path) {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
@@ -118,7 +118,7 @@ Value json_to_value(simdjson::dom::element e) {
 }
 
 /// The `warmstart_env` resolver: `${warmstart_env:checkpoint_paths}` is the
-/// JSON object of last_checkpoint_info.json (spec §1.1, §10.4).
+/// JSON object of last_checkpoint_info.json (docs/training.md, "Warm start").
 ResolverSpec warmstart_resolver(const fs::path& info_file) {
   return {"warmstart_env",
           "Warm start facts (modalities warmstart only): checkpoint_paths = the object in "
@@ -134,6 +134,12 @@ ResolverSpec warmstart_resolver(const fs::path& info_file) {
             if (!doc.is_object())
               throw Error(fmt::format("{}: expected a JSON object like {{\"checkpoint_folder_path\": \"...\"}}",
                                       info_file.string()));
+            // Every entry is a path (checkpoint_folder_path, model_checkpoint_path, ...): a bad value is
+            // reported here, against this file, not later against the config line that reads it.
+            for (auto [key, value] : doc.get_object())
+              if (!value.is_string() || value.get_string().value().empty())
+                throw Error(fmt::format("{}: \"{}\" is {}, expected a non-empty checkpoint path string",
+                                        info_file.string(), std::string_view(key), simdjson::minify(value)));
             return json_to_value(doc);
           }};
 }
@@ -336,7 +342,7 @@ int run_generate_text(const std::vector<std::string>& args) {
   po::options_description desc("Text generation options");
   desc.add_options()("help,h", "this help")(
       "config_file_path", po::value(&config_file_path)->required(),
-      "text generation config with a top-level text_inference_component (spec §4.3)");
+      "text generation config with a top-level text_inference_component");
   desc.add(plugin_options(popts));
   po::variables_map vm;
   int status = kOk;

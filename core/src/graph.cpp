@@ -1,6 +1,6 @@
-// Validation and construction of the component graph (spec §3, §5).
+// Validation and construction of the component graph (docs/configs.md).
 //
-// Node kinds are detected more strictly than in Modalities (spec §3.1 "C++"):
+// Node kinds are detected more strictly than in Modalities (docs/differences.md):
 // a component node may only hold component_key, variant_key and config; a
 // reference must be exactly {instance_key, pass_type = "BY_REFERENCE"}; and
 // near misses are errors instead of silently becoming plain tables.

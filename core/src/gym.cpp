@@ -1,6 +1,6 @@
-// The training loop of spec training.md §5 on the SDK interfaces.
+// Modalities' training loop (docs/training.md, "The training loop") on the SDK interfaces.
 //
-// Deliberate differences from Modalities (README "Training"):
+// Deliberate differences from Modalities (docs/differences.md, "Training"):
 //  * no host synchronisation per micro-batch: losses, gradient norms and the
 //    first non-finite step are accumulated on the device and read at log,
 //    evaluation and checkpoint steps (Modalities calls loss.item() on every
@@ -83,7 +83,7 @@ std::string format_item(const ResultItem& item) {
   return s;
 }
 
-/// "step: n | k: v | ... | " (spec §4.1; the dataloader tag never appears, as in Modalities).
+/// "step: n | k: v | ... | " (Modalities' batch.py; the dataloader tag never appears, as in Modalities).
 std::string result_text(const EvaluationResultBatch& r) {
   // Each group is joined with " | " and followed by " | ", also when empty (as Modalities prints it).
   std::string s = fmt::format("step: {} | ", r.num_train_steps_done);
@@ -150,6 +150,40 @@ class Gym {
  public:
   Gym(GymComponents& c, const GymOptions& o) : c_(c), o_(o), out_(o.out ? *o.out : std::cout) {}
 
+  // The progress this run starts from (settings.training_progress, in a warm start read from the
+  // checkpoint folder's name) must agree with the state it resumes: the optimizer's step count
+  // (the largest state.<fqn>.step) and the scheduler's last_epoch. A renamed or mixed-up
+  // checkpoint would otherwise train on silently with the wrong steps and learning rates. A fresh
+  // optimizer (no state) or scheduler (last_epoch 0) is accepted: starting a new one is a choice.
+  // The check reads the live objects after loading, so it holds for any checkpoint format.
+  void check_resumed_state() const {
+    const auto contradiction = [&](const std::string& what, double value) {
+      return Error(fmt::format(
+          "settings.training_progress.num_seen_steps = {} (the step this run resumes from; a warm start reads it "
+          "from the checkpoint folder's name), but {} = {}: the loaded checkpoint does not hold the state of step {}; "
+          "was the checkpoint folder renamed or swapped?",
+          S0_, what, value, S0_));
+    };
+    if (optimizer_) {
+      double steps = -1;
+      std::string key;
+      for (const auto& [k, v] : optimizer_->state_dict())
+        if (k.starts_with("state.") && k.ends_with(".step") && v.defined() && v.numel() == 1) {
+          const double x = v.item<double>();
+          if (x > steps) steps = x, key = k;
+        }
+      if (steps > 0 && steps != static_cast<double>(S0_)) throw contradiction("the optimizer's " + key, steps);
+    }
+    if (scheduler_) {
+      const StateDict sd = scheduler_->state_dict();
+      if (auto it = sd.find("last_epoch"); it != sd.end() && it->second.defined() && it->second.numel() == 1) {
+        const double last_epoch = it->second.item<double>();
+        if (last_epoch > 0 && last_epoch != static_cast<double>(S0_))
+          throw contradiction("the learning-rate scheduler's last_epoch", last_epoch);
+      }
+    }
+  }
+
   GymSummary run() {
     const auto& s = c_.settings;
     const auto& sp = s.step_profile;
@@ -165,6 +199,7 @@ class Gym {
     parts_ = c_.app_state->model_parts();
     optimizer_ = c_.app_state->optimizer();
     scheduler_ = c_.app_state->lr_scheduler();
+    check_resumed_state();
     for (auto& part : parts_) {
       for (const auto& [name, t] : part->named_parameters())
         if (t.is_meta())
@@ -175,7 +210,7 @@ class Gym {
       part->to(o_.device, std::nullopt);
     }
 
-    // §5.1 setup.
+    // Setup before the first micro-batch.
     for (auto& part : parts_) part->train(true);
     const auto fopts = at::TensorOptions().dtype(at::kFloat).device(o_.device);
     loss_sum_ = at::zeros({}, fopts);
@@ -349,7 +384,7 @@ class Gym {
       c_.progress_subscriber->consume_message(m);
   }
 
-  // §5.5.
+  // What Modalities logs at a training-log step.
   void log_training(const TrainingProgress& progress, const std::string& tag) {
     check_finite();
     const auto now = Clock::now();
@@ -390,12 +425,12 @@ class Gym {
     grad_norms_.clear();
   }
 
-  // §5.6.
+  // Evaluation, as Modalities' evaluator.
   void evaluate(i64 step) {
     if (c_.eval_dataloaders.empty()) return;
     check_finite();
     // Evaluation must not move the training RNG streams (attention dropout also runs
-    // in eval mode, model.md §3.8): otherwise evaluating, or re-evaluating at the
+    // in eval mode, as in Modalities): otherwise evaluating, or re-evaluating at the
     // start of a warm start, would change every later dropout mask. Modalities lets
     // evaluation consume them.
     const RngStates rng(o_.device);
@@ -540,7 +575,7 @@ std::string training_report(const GymComponents& c, i64 num_parameters) {
                    ce.enforce_tokens_per_step_consistency, ce.enforce_last_step_logged,
                    ce.enforce_last_step_evaluated, ce.enforce_last_step_checkpointed,
                    ce.enforce_enough_tokens_in_dataset);
-  // Warnings (spec §2.3; uses world size like Modalities).
+  // Warnings of Modalities' training report (it uses the world size, like Modalities).
   std::vector<std::string> warnings;
   const double num_tokens = static_cast<double>(sp.local_train_micro_batch_size * sp.sequence_length *
                                                 sp.gradient_accumulation_steps * s.cuda_env.world_size *

@@ -1,4 +1,4 @@
-// The pipeline profiles of the commands (spec §4): which top-level keys each
+// The pipeline profiles of the commands (docs/configs.md): which top-level keys each
 // command builds, in which order, and what each must produce.
 #include <modalities/core/graph.h>
 #include <modalities/core/data/packing.h>
@@ -9,7 +9,7 @@ namespace modalities::core {
 const std::vector<PipelineProfile>& builtin_pipelines() {
   static const std::vector<PipelineProfile> profiles = {
       {"training",
-       "`modalities run` / `warmstart` (spec §4.1)",
+       "`modalities run` / `warmstart`",
        {
            {"settings", "table", true, "run settings: paths, intervals, step profile, training target and progress",
             check_training_settings},
@@ -30,20 +30,20 @@ const std::vector<PipelineProfile>& builtin_pipelines() {
        },
        check_training_set},
       {"packing",
-       "`modalities data pack_encoded_data` (spec §4.2)",
+       "`modalities data pack_encoded_data`",
        {
            {"tokenizer", "Tokenizer", true, "tokenizer used to encode the documents"},
            {"settings", "table", true, "src_path, dst_path, index_path, jq_pattern, num_cpus, eod_token, ...",
             data::check_packing_settings},
        }},
       {"text_generation",
-       "`modalities generate_text` (spec §4.3)",
+       "`modalities generate_text`",
        {
            {"text_inference_component", "TextInferenceComponent", true, "the generation loop"},
            {"settings", "table", true, "model_path, sequence_length, device, referencing_keys"},
        }},
       {"profiling",
-       "`modalities profile` (spec §4.5)",
+       "`modalities profile`",
        {
            {"steppable_component", "SteppableComponent", true, "the work to profile"},
            {"profiler", "SteppableProfiler", true, "the profiler; its size() is the number of steps"},

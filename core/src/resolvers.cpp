@@ -1,4 +1,4 @@
-// The built-in resolvers of spec §2.3 plus `${null:}` (spec §10.3).
+// The built-in resolvers (docs/configs.md, "Resolvers"), `${null:}` included.
 #include <modalities/core/interpolation.h>
 
 #include <fmt/format.h>
@@ -31,7 +31,7 @@ namespace {
 Value cuda_env(std::string_view name) {
   const std::string var(name);
   const char* raw = std::getenv(var.c_str());
-  // The three launcher variables are integers and must be set (spec §2.3).
+  // The three launcher variables are integers and must be set, as in Modalities.
   if (var == "LOCAL_RANK" || var == "RANK" || var == "WORLD_SIZE") {
     if (raw == nullptr)
       throw Error(fmt::format("environment variable {} is not set (launch with torchrun, srun or "

@@ -1,4 +1,4 @@
-// The Settings schema of the training pipeline (spec §4.1) and its
+// The Settings schema of the training pipeline (docs/training.md) and its
 // consistency validators. Settings ignore unknown keys (as in Modalities);
 // each validator raises an error when its `enforce_*` flag is true and a
 // warning otherwise. Unlike Modalities, a run with no steps left (target

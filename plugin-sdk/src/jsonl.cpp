@@ -409,6 +409,7 @@ std::string neutralise_numbers(std::string_view s) {
 struct JsonLineParser::Impl {
   simdjson::dom::parser parser;
   std::string scratch;
+  std::string result;  // the selected text when it had to be copied
 };
 
 JsonLineParser::JsonLineParser() : impl_(std::make_unique<Impl>()) {}
@@ -429,21 +430,57 @@ bool JsonLineParser::valid(std::string_view line, std::string* why) {
   return false;
 }
 
-std::string_view JsonLineParser::extract_string(std::string_view line, const JqPath& path) {
-  line = strip_bom(line);
-  simdjson::dom::element doc;
-  auto err = impl_->parser.parse(line.data(), line.size(), true).get(doc);
-  if (err) {
-    std::string why;
-    if (!utf8_valid_surrogatepass(line)) throw Error("invalid UTF-8");
-    PythonJsonChecker checker(line);
-    if (!checker.check(&why)) throw Error(fmt::format("invalid JSON ({})", why));
-    if (checker.has_lone_surrogate())
-      throw Error("the line contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), which no tokenizer can encode");
-    impl_->scratch = neutralise_numbers(line);
-    err = impl_->parser.parse(impl_->scratch.data(), impl_->scratch.size(), true).get(doc);
-    if (err) throw Error(fmt::format("cannot read the line ({})", simdjson::error_message(err)));
+namespace {
+
+// The line with every lone UTF-16 surrogate escape (a \\uD800-\\uDFFF not forming a pair)
+// replaced by the escape `replacement` ("\\ufffd"). The line is valid JSON (checked before).
+std::string replace_lone_surrogates(std::string_view line, std::string_view replacement) {
+  const auto hex4 = [&](std::size_t i) -> int {
+    if (i + 6 > line.size() || line[i] != '\\' || line[i + 1] != 'u') return -1;
+    int v = 0;
+    for (std::size_t k = i + 2; k < i + 6; ++k) {
+      const char c = line[k];
+      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      if (d < 0) return -1;
+      v = v * 16 + d;
+    }
+    return v;
+  };
+  std::string out;
+  out.reserve(line.size());
+  bool in_string = false;
+  for (std::size_t i = 0; i < line.size();) {
+    const char c = line[i];
+    if (!in_string) {
+      if (c == '"') in_string = true;
+      out.push_back(c);
+      ++i;
+    } else if (c == '"') {
+      in_string = false;
+      out.push_back(c);
+      ++i;
+    } else if (c != '\\') {
+      out.push_back(c);
+      ++i;
+    } else if (const int v = hex4(i); v >= 0xD800 && v <= 0xDFFF) {
+      const int low = v <= 0xDBFF ? hex4(i + 6) : -1;
+      if (low >= 0xDC00 && low <= 0xDFFF) {  // a pair: kept
+        out.append(line.substr(i, 12));
+        i += 12;
+      } else {
+        out.append(replacement);
+        i += 6;
+      }
+    } else {
+      out.append(line.substr(i, 2));
+      i += 2;
+    }
   }
+  return out;
+}
+
+// The string `path` selects in `doc` (jq semantics for a path of keys and indices).
+std::string_view select_string(const simdjson::dom::element& doc, const JqPath& path) {
   simdjson::dom::element cur = doc;
   for (const auto& step : path.steps()) {
     if (cur.is_null()) break;  // jq: null.key -> null
@@ -477,6 +514,42 @@ std::string_view JsonLineParser::extract_string(std::string_view line, const JqP
     throw Error(fmt::format("{} selects {}, not a string", path.program(), type));
   }
   return text;
+}
+
+}  // namespace
+
+std::string_view JsonLineParser::extract_string(std::string_view line, const JqPath& path) {
+  line = strip_bom(line);
+  simdjson::dom::element doc;
+  auto err = impl_->parser.parse(line.data(), line.size(), true).get(doc);
+  if (!err) return select_string(doc, path);
+  std::string why;
+  if (!utf8_valid_surrogatepass(line)) throw Error("invalid UTF-8");
+  PythonJsonChecker checker(line);
+  if (!checker.check(&why)) throw Error(fmt::format("invalid JSON ({})", why));
+  if (!checker.has_lone_surrogate()) {
+    impl_->scratch = neutralise_numbers(line);
+    if (auto e = impl_->parser.parse(impl_->scratch.data(), impl_->scratch.size(), true).get(doc))
+      throw Error(fmt::format("cannot read the line ({})", simdjson::error_message(e)));
+    return select_string(doc, path);
+  }
+  // Python accepts lone surrogates in any string; only the selected text must be encodable.
+  // Read the line twice, the lone surrogates replaced by two different characters: the selected
+  // text differs between the two exactly when it holds one.
+  std::string texts[2];
+  const std::string_view replacements[2] = {"\\ufffd", "\\ufffe"};
+  for (int k = 0; k < 2; ++k) {
+    impl_->scratch = neutralise_numbers(replace_lone_surrogates(line, replacements[k]));
+    if (auto e = impl_->parser.parse(impl_->scratch.data(), impl_->scratch.size(), true).get(doc))
+      throw Error(fmt::format("cannot read the line ({})", simdjson::error_message(e)));
+    texts[k] = std::string(select_string(doc, path));
+  }
+  if (texts[0] != texts[1])
+    throw Error(fmt::format("the text selected by {} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                            "which no tokenizer can encode",
+                            path.program()));
+  impl_->result = std::move(texts[0]);
+  return impl_->result;
 }
 
 std::string json_quote(std::string_view s) {

@@ -1,4 +1,4 @@
-// Memory-mapped `.pbin` reader (see formats/packed_file.h, spec data.md §4).
+// Memory-mapped `.pbin` reader (see formats/packed_file.h; layout: docs/data.md).
 // POSIX mmap rather than a library: the mapping is the whole point (O(1)
 // random access into multi-GB files without reading them), and it is 20 lines.
 #include <modalities/sdk/error.h>
@@ -158,29 +158,47 @@ const std::vector<IndexEntry>& PackedFile::index() const {
     if (bytes.empty())
       throw Error(fmt::format("{}: the file has no index segment after its {} data bytes (truncated?)", s.name,
                               s.header.data_len));
-    std::vector<IndexEntry> index = unpickle_index(bytes, s.name + " (index segment)");
-    const std::uint64_t data_len = s.header.data_len;
-    bool legacy = false;
-    if (!index.empty() && index.front().first == kPackedHeaderSize) {
-      const IndexEntry& last = index.back();
-      legacy = last.first + last.second == kPackedHeaderSize + data_len;
-    }
-    const std::uint32_t ts = s.header.token_size;
-    for (std::size_t k = 0; k < index.size(); ++k) {
-      auto& [offset, length] = index[k];
-      if (legacy) {
-        if (offset < kPackedHeaderSize)
-          throw Error(fmt::format("{}: document {}: legacy (absolute) offset {} lies inside the 12-byte header",
-                                  s.name, k, offset));
-        offset -= kPackedHeaderSize;
-      }
-      if (offset > data_len || length > data_len - offset)
+    const std::vector<SignedIndexEntry> raw = unpickle_signed_index(bytes, s.name + " (index segment)");
+    const auto data_len = static_cast<std::int64_t>(s.header.data_len);
+    const auto header = static_cast<std::int64_t>(kPackedHeaderSize);
+    // Legacy writers stored absolute file positions: the first document at 12, the last ending at
+    // 12 + data_len.
+    const bool legacy = !raw.empty() && raw.front().first == header &&
+                        raw.back().first + raw.back().second == header + data_len;
+    // Every writer lays the documents out back to back, so the index must tile the data section
+    // exactly: a lost, duplicated or shifted entry (a flipped byte) is an error, never a silently
+    // missing document. One exception is accepted and corrected: Modalities' merge_packed_data
+    // shifts the entries of its k-th input by the data lengths before it minus 12 per input (a
+    // leftover of the legacy format), so in its files each input's run of entries starts 12 bytes
+    // before the previous run ends; such offsets (negative ones included) are put right here.
+    const std::int64_t ts = s.header.token_size;
+    std::vector<IndexEntry> index;
+    index.reserve(raw.size());
+    std::int64_t end = 0, shift = legacy ? -header : 0;
+    for (std::size_t k = 0; k < raw.size(); ++k) {
+      const auto [stored, length] = raw[k];
+      if (stored > data_len + header || stored < -header * static_cast<std::int64_t>(k + 1))
+        throw Error(fmt::format("{}: document {}: stored offset {} lies outside the data section of {} bytes", s.name,
+                                k, stored, data_len));
+      if (k > 0 && stored + shift != end && stored + shift + header == end) shift += header;  // a merge boundary
+      const std::int64_t offset = stored + shift;
+      if (offset != end)
+        throw Error(fmt::format("{}: document {}: stored offset {} does not continue the documents before it, "
+                                "which end at byte {} of the data section (corrupt index?)",
+                                s.name, k, stored, end));
+      if (length > data_len - offset)
         throw Error(fmt::format("{}: document {}: bytes [{}, {}) lie outside the data section of {} bytes", s.name, k,
                                 offset, offset + length, data_len));
       if (offset % ts != 0 || length % ts != 0)
         throw Error(fmt::format("{}: document {}: offset {} / length {} are not multiples of the token size {}",
                                 s.name, k, offset, length, ts));
+      index.emplace_back(static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length));
+      end = offset + length;
     }
+    if (end != data_len)
+      throw Error(fmt::format("{}: the index's {} documents cover {} of the {} data bytes (corrupt or truncated "
+                              "index?)",
+                              s.name, index.size(), end, data_len));
     s.index = std::move(index);
     s.legacy = legacy;
   });

@@ -3,14 +3,14 @@
 
 Produces tests/data/data_tools_reference.inc (C++ initializers) from the real
 CPython `random`, numpy's `default_rng` and `hashlib`, and from a Python
-re-statement of the Modalities data tools (spec data.md §9.2-§9.5) that uses
+re-statement of the Modalities data tools (docs/data.md) that uses
 those real libraries for every random draw and hash.
 
-Usage (needs numpy; any Python 3.10-3.13):
-    python3 scripts/reference/data_tools_reference.py <shared-fixtures-dir> > tests/data/data_tools_reference.inc
+Usage (needs numpy: the venv .deps/bench of scripts/setup_bench_env.sh):
+    .deps/bench/bin/python scripts/reference/data_tools_reference.py [fixtures-dir] > tests/data/data_tools_reference.inc
 
-<shared-fixtures-dir> is the directory holding modalities/data/... (the
-MODALITIES_TEST_SHARED_DIR of the tests). The C++ tests re-create the same
+[fixtures-dir] is the Modalities fixtures directory holding data/..., derived/... and tests/...
+(default: tests/fixtures/modalities). The C++ tests re-create the same
 inputs (list files, synthetic JSONL) exactly as described in the comments below.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(sys.argv[1]) / "modalities"
+ROOT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "tests/fixtures/modalities"
 OUT = []
 
 
@@ -81,7 +81,7 @@ r = random.Random(5)
 rb = [r._randbelow(n) for n in (2**32 + 1, 2**40 + 3, 2**63 + 11, 2**64 - 1, 3, 1000)]
 emit(f"inline const std::vector<std::uint64_t> kCPythonRandbelowSeed5 = {u64_list(rb)};")
 
-# choices: spec §10.2 vector (seed 1234, 70/0/30) as indices, and an uneven float-weight vector.
+# choices: the CPython vector (seed 1234, 70/0/30) as indices, and an uneven float-weight vector.
 random.seed(1234)
 ch = [random.choices([0, 1, 2], weights=[70, 0, 30])[0] for _ in range(40)]
 emit(f"inline const std::vector<int> kChoices1234 = {int_list(ch)};")
@@ -113,7 +113,7 @@ random.Random(123).shuffle(x)
 emit(f'inline const char* const kCPythonShuffle70000Seed123Sha = "{sha(np.asarray(x, dtype="<u8").tobytes())}";')
 
 
-# --------------------------------------------------------------------------- data tools (§9.2-§9.5)
+# --------------------------------------------------------------------------- data tools -----------
 
 def read_pbin(path: Path):
     b = path.read_bytes()
@@ -200,7 +200,7 @@ def jsonl_chunk(list_text, root, chunk_id, num_chunks, global_seed):
     return b"".join(samples)
 
 
-emit("// §9.5 seed rule: (sum of int(sha256_hex(s), 16)) mod (2^32 - 1) over [str(global_seed), str(chunk_id)].")
+emit("// Chunk seed rule (docs/data.md): (sum of int(sha256_hex(s), 16)) mod (2^32 - 1) over [str(global_seed), str(chunk_id)].")
 emit("struct HashedSeedVector { const char* global_seed; std::uint64_t chunk_id; std::uint64_t seed; };")
 emit("inline const std::vector<HashedSeedVector> kHashedSeeds = {")
 for g, c in [(42, 0), (42, 1), (0, 0), (-1, 3), (2**80, 12), (123456789, 999999)]:
@@ -229,7 +229,7 @@ for rel, seed in [("data/lorem_ipsum.jsonl", "42"), ("data/lorem_ipsum_long.json
     emit(f'  {{"{seed}", {{"{rel}", {len(out)}, "{sha(out)}"}}}},')
 emit("};")
 
-# The list files the C++ test writes: exactly these bytes, root = <shared>/modalities.
+# The list files the C++ test writes: exactly these bytes, root = the fixtures directory.
 PBIN_LIST = ("data/lorem_ipsum\n"
              "  data/lorem_ipsum_long.idx  \n"
              "derived/tests/data/datasets/danish_test_dataset.gpt2_eod50256.pbin\n"

@@ -28,7 +28,8 @@ Outputs (under plugins/gpt2/tests/data/):
   <case>.f32       logits [2, 16, 256], little-endian float32
   <case>.bf16      logits of the bf16 cases, little-endian bfloat16 bit patterns
 
-Usage (needs modalities 0.5.0 and torch; CPU is enough):
+Usage (needs modalities 0.5.0 and torch 2.11.0: the venv .deps/bench of scripts/setup_bench_env.sh;
+CPU is enough):
     .deps/bench/bin/python scripts/reference/gpt2_reference.py plugins/gpt2/tests/data
 """
 

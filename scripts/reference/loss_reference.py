@@ -10,7 +10,8 @@ writes inputs and results to plugins/losses/tests/data/loss_reference.txt:
     loss <value>                 (in the case's dtype, printed as float32 with 9 digits)
     loss_fp64 <value>            (the same loss in float64, for information)
 
-Run with a Python that has torch:  python scripts/reference/loss_reference.py
+Run with the venv .deps/bench of scripts/setup_bench_env.sh (torch 2.11.0, as our LibTorch):
+    .deps/bench/bin/python scripts/reference/loss_reference.py
 """
 import pathlib
 

@@ -8,6 +8,7 @@ The C++ test restores the converted checkpoint into layer_norm/layer_norm + opti
 the same third step and compares (tolerance 1e-6; both sides run PyTorch's AdamW arithmetic).
 
 Run: .deps/bench/bin/python scripts/reference/make_checkpoint_fixture.py
+(the venv of scripts/setup_bench_env.sh: torch 2.11.0 and safetensors as pinned in scripts/bench-requirements.txt).
 """
 import pathlib
 import shutil

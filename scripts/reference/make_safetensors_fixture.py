@@ -2,6 +2,7 @@
 reference implementation) for the SDK reader test (tests/formats/safetensors_test.cpp).
 
 Run: .deps/bench/bin/python scripts/reference/make_safetensors_fixture.py
+(the venv of scripts/setup_bench_env.sh, with the safetensors version pinned in scripts/bench-requirements.txt).
 The values are deterministic (arange-based), so the C++ test recomputes them.
 """
 import pathlib

@@ -18,7 +18,7 @@ values, and writes what the C++ tests compare against byte for byte:
 
 The samples are rebuilt in tests/subscribers_test.cpp (keep both in sync).
 Usage: .deps/bench/bin/python scripts/reference/make_subscribers_reference.py
-(the venv with modalities 0.5.0 and torch).
+(the venv with modalities 0.5.0 and torch 2.11.0, made by scripts/setup_bench_env.sh).
 """
 import json
 import math

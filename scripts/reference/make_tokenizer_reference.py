@@ -23,16 +23,16 @@ tests compare against, without needing Python in CI:
     expected/<name>.jsonl            {"ids": [...]} per corpus line (+ "decoded" when != text)
     facts.json                       piece count, control ids, PieceToId of some pieces
 
-Names: gpt2 = <shared>/modalities/data/tokenizer/hf_gpt2 (the Modalities fixture),
-en32k = <shared>/modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model.
+Names: gpt2 = <fixtures>/data/tokenizer/hf_gpt2 (the Modalities fixture),
+en32k = <fixtures>/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model.
 
 Trained tokenizers are only (re)trained when missing or with --retrain, so the
-committed fixtures stay fixed. Usage (venv .deps/pyref with tokenizers,
-transformers<5, sentencepiece):
+committed fixtures stay fixed. Usage (the venv .deps/bench of scripts/setup_bench_env.sh, with
+the tokenizers, transformers<5 and sentencepiece versions pinned in scripts/bench-requirements.txt):
 
-    .deps/pyref/bin/python scripts/reference/make_tokenizer_reference.py <shared-fixtures-dir> [--retrain]
+    .deps/bench/bin/python scripts/reference/make_tokenizer_reference.py [fixtures-dir] [--retrain]
 
-<shared-fixtures-dir> holds modalities/data/... (MODALITIES_TEST_SHARED_DIR/fixtures of the tests).
+[fixtures-dir] (<fixtures> above) holds data/tokenizer/... (default: tests/fixtures/modalities).
 """
 
 import argparse
@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "data/multilingual/multilingual.jsonl"
 HF_DATA = ROOT / "plugins/hf_tokenizer/tests/data"
 SP_DATA = ROOT / "plugins/sp_tokenizer/tests/data"
+FIXTURES = ROOT / "tests/fixtures/modalities"
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -610,14 +611,15 @@ def sp_expected(name, model, texts, facts):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("shared", type=Path, help="directory holding modalities/data/...")
+    ap.add_argument("fixtures", type=Path, nargs="?", default=FIXTURES,
+                    help="Modalities fixtures directory holding data/... (default: tests/fixtures/modalities)")
     ap.add_argument("--retrain", action="store_true", help="retrain the small tokenizers even if present")
     args = ap.parse_args()
     print(f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}, sentencepiece {spm.__version__}")
     texts = load_corpus()
 
     folders = {
-        "gpt2": args.shared / "modalities/data/tokenizer/hf_gpt2",
+        "gpt2": args.fixtures / "data/tokenizer/hf_gpt2",
         "llama3_style": HF_DATA / "llama3_style",
         "qwen2_style": HF_DATA / "qwen2_style",
     }
@@ -638,8 +640,7 @@ def main():
     config_cases()
     wrapper_cases(folders)
     sp_facts = {}
-    sp_expected("en32k", args.shared / "modalities/data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model", texts,
-                sp_facts)
+    sp_expected("en32k", args.fixtures / "data/tokenizer/sentencepiece_dclm/en_32k_tokenizer.model", texts, sp_facts)
     sp_expected("tiny_bpe", tiny, texts, sp_facts)
     write_json(SP_DATA / "facts.json", sp_facts)
 

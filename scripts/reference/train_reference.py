@@ -16,9 +16,10 @@ The initial weights are written to --init (safetensors), so that our run can
 start from the very same weights (see scripts/bench_training.sh), and the
 per-step losses to --out (JSON).
 
-  python scripts/reference/train_reference.py --config resolved.toml \
+  .deps/bench/bin/python scripts/reference/train_reference.py --config resolved.toml \
       --init out/ref/init.safetensors --out out/ref/losses.json
-where resolved.toml is `modalities config resolve configs/quickstart/train.toml ...`.
+where resolved.toml is `modalities config resolve configs/quickstart/train.toml ...` and .deps/bench
+is the venv of scripts/setup_bench_env.sh (Modalities 0.5.0, torch 2.11.0).
 """
 import argparse
 import json
@@ -42,7 +43,7 @@ from modalities.batch import InferenceResultBatch
 
 
 def init_weights(model, n_layer, seed):
-    """Composed 'scaled' initialisation (model.md §6.2): N(0, 0.02), output projections 0.02/sqrt(2L)."""
+    """Composed 'scaled' initialisation: N(0, 0.02), output projections 0.02/sqrt(2L)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -2,7 +2,7 @@
 // subprocess with the bundled plugins (layer_norm, number_conversion), and
 // each test checks the exit status (0 ok, 1 failed, 2 usage) and what the
 // messages say: usage text, schemas, did-you-mean hints, and config errors
-// pointing at file:line:col and the dotted config path (style.md §5).
+// pointing at file:line:col and the dotted config path.
 #include "run_command.h"
 #include "scratch_dir.h"
 

@@ -1,4 +1,4 @@
-// The component graph (spec §3, §5, Appendix B): sharing through references,
+// The component graph (docs/configs.md; the conformance cases of Modalities' config tests): sharing through references,
 // private inline instances, build order, profiles, strict node shapes, typed
 // fields, aggregated errors with file:line:col and dotted paths.
 #include "test_components.h"

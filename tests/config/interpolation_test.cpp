@@ -1,4 +1,4 @@
-// Interpolation semantics of spec §2.2-§2.3 and §10.3-§10.4: typed whole-string
+// Interpolation semantics of docs/configs.md ("Interpolation", "Resolvers"): typed whole-string
 // substitution, string concatenation, subtree copies, chained paths, escapes,
 // the built-in resolvers, and errors (unknown paths and resolvers, cycles).
 #include <modalities/core/interpolation.h>

@@ -1,4 +1,4 @@
-// In-process test components for the config-engine tests (spec Appendix B):
+// In-process test components for the config-engine tests (Modalities' tests/config cases):
 // a Widget interface with a plain variant, holders referencing one or a list
 // of Widgets, a Gadget interface to provoke interface mismatches, and a
 // variant whose factory throws. Every construction is recorded in build_log()

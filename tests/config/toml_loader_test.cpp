@@ -77,6 +77,25 @@ TEST(TomlLoaderTest, RejectsAbsurdNesting) {
   EXPECT_THAT(error_of(header + "]\nx = 1\n"), HasSubstr("nesting deeper than"));
 }
 
+// Regression: ~40,000 dotted parts overflowed the stack inside toml::parse (SIGSEGV).
+TEST(TomlLoaderTest, RefusesKeysOfTensOfThousandsOfPartsBeforeParsing) {
+  std::string dotted = "a";
+  for (int i = 0; i < 100000; ++i) dotted += ".b";
+  for (const std::string& text : {"x = 1\n" + dotted + " = 1\n", "x = 1\n[" + dotted + "]\ny = 1\n",
+                                  "x = 1\n[[" + dotted + "]]\n", "x = 1\nt = { y = 2, " + dotted + " = 3 }\n",
+                                  "x = [1, { " + dotted + " = 3 }]\n"}) {
+    const std::string e = error_of(text);
+    EXPECT_THAT(e, HasSubstr("nesting deeper than 64 levels: this key has 100001 dotted parts"));
+    EXPECT_THAT(e, HasSubstr("bad.toml:"));
+  }
+  EXPECT_THAT(error_of("x = 1\n" + dotted + " = 1\n"), HasSubstr("bad.toml:2:1"));
+  // Quoted parts count once; dots inside strings and comments do not count.
+  const std::string quoted = "\"" + std::string(1000, '.') + "\"";
+  EXPECT_EQ(error_of(quoted + " = 1\ns = \"" + dotted + "\" # " + dotted + "\nm = \"\"\"\n" + dotted +
+                     "\n\"\"\"\nl = '''\n" + dotted + "'''\n"),
+            "");
+}
+
 TEST(TomlLoaderTest, RejectsInvalidUtf8) {
   const std::string bad = std::string("name = \"caf") + "\xC3\x28" + "\"\n";
   EXPECT_THAT(error_of(bad), HasSubstr("bad.toml:1:"));

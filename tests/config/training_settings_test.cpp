@@ -1,4 +1,4 @@
-// The training pipeline profile (spec §4.1): required top-level keys, the
+// The training pipeline profile (docs/configs.md, docs/training.md): required top-level keys, the
 // Settings schema (unknown keys ignored, strict ints) and the consistency
 // validators with their enforce flags, checked before and after building.
 #include "test_components.h"
@@ -94,6 +94,18 @@ TEST(TrainingSettingsTest, SchemaIsStrictAboutTypesButIgnoresUnknownKeys) {
   const std::string errors = all_text(validate_settings(toml), false);
   EXPECT_THAT(errors, HasSubstr("settings.step_profile.sequence_length: expected an integer, got float"));
   EXPECT_THAT(errors, Not(HasSubstr("some_unknown_setting")));
+  EXPECT_THAT(all_text(validate_settings(toml), true), Not(HasSubstr("some_unknown_setting")));
+}
+
+// Regression: a misspelt enforce_* flag switched its check off without a word.
+TEST(TrainingSettingsTest, LikelyTyposOfKnownKeysWarnWithAHint) {
+  const auto ds = validate_settings(
+      settings_toml("consistency_enforcement = { enforce_last_step_checkpointd = false }\nintervalls = {}\n"));
+  EXPECT_EQ(all_text(ds, false), "");
+  const std::string warnings = all_text(ds, true);
+  EXPECT_THAT(warnings, HasSubstr("settings.consistency_enforcement.enforce_last_step_checkpointd: unknown key, "
+                                  "ignored; did you mean 'enforce_last_step_checkpointed'?"));
+  EXPECT_THAT(warnings, HasSubstr("settings.intervalls: unknown key, ignored; did you mean 'intervals'?"));
 }
 
 TEST(TrainingSettingsTest, PathsNeedTheExperimentsRoot) {

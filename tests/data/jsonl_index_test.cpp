@@ -1,5 +1,5 @@
-// `modalities data create_raw_index`: the line rule of spec §3.1, Python
-// json.loads acceptance (§3.2), jq paths, byte-identical .idx files for every
+// `modalities data create_raw_index`: the line rule of docs/data.md, Python
+// json.loads acceptance, jq paths, byte-identical .idx files for every
 // JSONL fixture, and the CLI's policies and error messages.
 #include "../cli/run_command.h"
 #include "../cli/scratch_dir.h"
@@ -22,7 +22,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Pair;
 
-const std::filesystem::path kFixtures = std::filesystem::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const std::filesystem::path kFixtures = std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR);
 
 testing::CommandResult modalities(std::vector<std::string> args) {
   args.insert(args.begin(), MODALITIES_TEST_BINARY);
@@ -90,6 +90,20 @@ TEST(JqPath, ExtractsLikeJq) {
   EXPECT_THAT(error_of(R"(["a"])", ".text"), HasSubstr("cannot index an array"));
   EXPECT_THAT(error_of(R"({"text": "a"} junk)", ".text"), HasSubstr("invalid JSON"));
   EXPECT_THAT(error_of(R"({"text": "\ud800"})", ".text"), HasSubstr("lone UTF-16 surrogate"));
+  EXPECT_THAT(error_of(R"({"meta": "x", "text": "a\udc00b"})", ".text"),
+              HasSubstr("the text selected by .text contains a lone UTF-16 surrogate"));
+}
+
+// Like Python, a lone surrogate in a field other than the selected text does not matter (it used
+// to refuse the whole line although the docs said only the text is checked).
+TEST(JsonLineParser, LoneSurrogatesOutsideTheSelectedTextAreAccepted) {
+  JsonLineParser p;
+  const JqPath text = JqPath::parse(".text");
+  EXPECT_EQ(p.extract_string(R"({"title": "\ud800", "text": "caf\u00e9 \ud83d\ude00", "n": 1e400})", text),
+            "caf\xc3\xa9 \xf0\x9f\x98\x80");
+  EXPECT_EQ(p.extract_string(R"({"meta": {"a": ["\udfff\ud800x"]}, "text": "plain"})", text), "plain");
+  EXPECT_EQ(p.extract_string(R"({"text": "\ufffd and \ufffe", "t": "\ud800"})", text),
+            "\xef\xbf\xbd and \xef\xbf\xbe");
 }
 
 // Every JSONL fixture indexes to the shipped (or derived) .idx byte for byte.

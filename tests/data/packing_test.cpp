@@ -23,7 +23,7 @@ using modalities::testing::run_command;
 using modalities::testing::ScratchDir;
 using ::testing::HasSubstr;
 
-const std::filesystem::path kFixtures = std::filesystem::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const std::filesystem::path kFixtures = std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR);
 const std::filesystem::path kGpt2 = kFixtures / "data" / "tokenizer" / "hf_gpt2";
 const std::filesystem::path kSpModel = kFixtures / "data" / "tokenizer" / "sentencepiece_dclm" / "en_32k_tokenizer.model";
 
@@ -100,7 +100,7 @@ TEST(PackEncodedData, Gpt2FixturesByteIdentical) {
                                                        {"lorem_ipsum_long", "data/lorem_ipsum_long.pbin"}};
   int n = 0;
   for (const auto& [stem, expected] : cases) {
-    for (const auto [cpus, batch] : {std::pair{1, 10}, std::pair{2, 1}, std::pair{3, 7}}) {
+    for (const auto& [cpus, batch] : {std::pair{1, 10}, std::pair{2, 1}, std::pair{3, 7}}) {
       PackConfig c;
       c.src = kFixtures / "data" / fmt::format("{}.jsonl", stem);
       c.index = kFixtures / "data" / fmt::format("{}.idx", stem);
@@ -287,7 +287,9 @@ TEST(PackEncodedData, UnwritableDestinationAndFullDisk) {
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("big.pbin': write failed: File too large"));
   EXPECT_FALSE(std::filesystem::exists(c.dst));
-  if (std::filesystem::exists(dir.path() / "out")) EXPECT_EQ(files_in(dir.path() / "out"), 0u) << "temporary file left behind";
+  if (std::filesystem::exists(dir.path() / "out")) {
+    EXPECT_EQ(files_in(dir.path() / "out"), 0u) << "temporary file left behind";
+  }
 }
 
 }  // namespace
@@ -357,6 +359,15 @@ TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("in.jsonl:2: token id 256 does not fit in 1 byte(s) per token (vocab_size 256)"));
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "in.pbin"));
+
+  // The same id as the EOD token: the message names the config file, its key and the tokenizer.
+  std::string eod_cfg = cfg;
+  eod_cfg.replace(eod_cfg.find("eod_token = \"!\""), 15, "eod_token = \"<|big|>\"");
+  const auto e = modalities({"data", "pack_encoded_data", dir.write("pack_eod.toml", eod_cfg).string()});
+  EXPECT_EQ(e.exit_code, 1) << e;
+  EXPECT_THAT(e.err, HasSubstr("pack_eod.toml: settings.eod_token = '<|big|>': the tokenizer (config key "
+                               "'tokenizer') gives it the id 256, which does not fit in the 1 byte(s) per token"))
+      << e;
 }
 
 }  // namespace

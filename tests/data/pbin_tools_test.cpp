@@ -1,5 +1,5 @@
-// merge_packed_data, the shuffles and the shuffled chunks (spec data.md
-// §9.2-§9.5): outputs against a Python reference that uses the real `random`,
+// merge_packed_data, the shuffles and the shuffled chunks (docs/data.md)
+//: outputs against a Python reference that uses the real `random`,
 // numpy and hashlib (expected sizes and SHA-256 in data_tools_reference.inc,
 // from scripts/reference/data_tools_reference.py), the fixed quirks Q4 and
 // Q11, file-existence policies, bad inputs, and that no partial output is left
@@ -38,7 +38,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAreArray;
 
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 const fs::path kTiny = kFixtures / "derived" / "tiny" / "tiny.pbin";
 
 std::string slurp(const fs::path& p) {
@@ -82,7 +82,7 @@ std::string error_of(F&& f) {
   return "<no error>";
 }
 
-// --- merge_packed_data (§9.2) ---------------------------------------------------------------
+// --- merge_packed_data ---------------------------------------------------------------------
 
 TEST(MergePackedDataTest, TinyWithItselfHasCorrectOffsets) {
   ScratchDir dir;
@@ -179,7 +179,7 @@ TEST(MergePackedDataTest, DamagedIndexMidWayLeavesNoOutput) {
   EXPECT_THAT(names_in(dir.path()), ElementsAre("bad.pbin"));
 }
 
-// --- shuffle_tokenized_data (§9.3) --------------------------------------------------------------
+// --- shuffle_tokenized_data --------------------------------------------------------------------
 
 TEST(ShuffleTokenizedDataTest, MatchesPythonReference) {
   ScratchDir dir;
@@ -255,7 +255,7 @@ TEST(ShuffleTokenizedDataTest, BadInputsFailWithoutOutput) {
   EXPECT_THAT(names_in(dir.path()), UnorderedElementsAreArray({"t.pbin", "corrupt.pbin", "ts3.pbin", "blocker"}));
 }
 
-// --- shuffle_jsonl_data (§9.4) ---------------------------------------------------------------------
+// --- shuffle_jsonl_data ---------------------------------------------------------------------------
 
 TEST(ShuffleJsonlDataTest, MatchesPythonReference) {
   ScratchDir dir;
@@ -298,7 +298,7 @@ TEST(ShuffleJsonlDataTest, EmptyFileGivesEmptyOutput) {
   EXPECT_EQ(slurp(dir.path() / "out.jsonl"), "");
 }
 
-// --- chunks (§9.5) ---------------------------------------------------------------------------------------
+// --- chunks ---------------------------------------------------------------------------------------------
 
 TEST(ChunkTest, Ranges) {
   auto r = [](std::uint64_t n, std::uint64_t k, std::uint64_t c) {
@@ -320,7 +320,7 @@ TEST(ChunkTest, Ranges) {
 TEST(ChunkTest, HashedSeeds) {
   for (const auto& v : kHashedSeeds)
     EXPECT_EQ(data::chunk_seed(data::PyInt::parse(v.global_seed), v.chunk_id), v.seed) << v.global_seed << " " << v.chunk_id;
-  // spec §9.5
+  // Modalities' hashed chunk seed (docs/data.md)
   EXPECT_EQ(data::chunk_seed(data::PyInt::from(42), 0), 769357083u);
   EXPECT_EQ(data::chunk_seed(data::PyInt::from(42), 1), 3240006108u);
 }

@@ -1,5 +1,5 @@
 // CPythonRandom and NumpyRandom against vectors from the real CPython `random`
-// module and numpy (spec data.md §10.2, §10.3; generated values in
+// module and numpy (docs/data.md, "Shuffles and chunks"; generated values in
 // data_tools_reference.inc by scripts/reference/data_tools_reference.py).
 #include <modalities/core/data/pbin_tools.h>
 #include <modalities/core/data/reference_rng.h>
@@ -101,13 +101,13 @@ TEST(CPythonRandomTest, LargeShuffle) {
 }
 
 TEST(CPythonRandomTest, ChoicesSplitVectorOfSpec) {
-  // random.seed(1234); random.choices(["train", "val", "test"], weights=[70, 0, 30]) per entry (spec §9.7).
+  // random.seed(1234); random.choices(["train", "val", "test"], weights=[70, 0, 30]) per entry (Modalities' instruction-tuning split).
   CPythonRandom r(1234);
   const double weights[] = {70, 0, 30};
   std::vector<int> got;
   for (std::size_t i = 0; i < kChoices1234.size(); ++i) got.push_back(static_cast<int>(r.choice(weights)));
   EXPECT_THAT(got, ElementsAreArray(kChoices1234));
-  // The spec's first 12: test, train, train, test, test, train, train, train, test, train, train, test
+  // Python's first 12: test, train, train, test, test, train, train, train, test, train, train, test
   EXPECT_THAT(std::vector<int>(got.begin(), got.begin() + 12), ElementsAre(2, 0, 0, 2, 2, 0, 0, 0, 2, 0, 0, 2));
 
   CPythonRandom f(99);

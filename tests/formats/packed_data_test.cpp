@@ -1,9 +1,11 @@
 // The pickle subset and .pbin header against real Modalities files
-// (shared/fixtures/modalities, byte-for-byte CPython output) and the frame
-// layout of spec data.md §2.1.
+// (tests/fixtures/modalities, byte-for-byte CPython output) and the frame
+// layout of docs/data.md ("Index pickle").
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/testing/harness.h>
+
+#include "../cli/scratch_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,13 +16,24 @@
 namespace modalities::formats {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 
 std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 TEST(PickleIndexTest, ReproducesEveryFixtureIndexByteForByte) {
@@ -52,7 +65,7 @@ TEST(PickleIndexTest, ReproducesThePbinIndexSegments) {
 }
 
 TEST(PickleIndexTest, FramesLargeListsLikeCPython) {
-  // Spec test vector: [(3*i, 7) for i in range(10000)] -> 69 957 bytes, frames of 65 539 and 4 398 bytes.
+  // Test vector (CPython pickle.dumps): [(3*i, 7) for i in range(10000)] -> 69 957 bytes, frames of 65 539 and 4 398 bytes.
   std::vector<IndexEntry> entries;
   for (std::uint64_t i = 0; i < 10000; ++i) entries.emplace_back(3 * i, 7);
   const std::string p = pickle_index(entries);
@@ -89,6 +102,117 @@ TEST(PickleIndexTest, RefusesAnythingButAListOfPairs) {
     EXPECT_THAT(e.what(), HasSubstr("opcode 0x63 is not allowed"));
   }
   EXPECT_THROW(unpickle_index(bytes_of(std::string("\x80\x04\x5d\x94", 4)), "trunc"), Error);
+}
+
+// What CPython's pickle.dumps([(0, 17), (18, 18), (2**40, 3)], protocol=p) writes, p = 0..5.
+TEST(PickleIndexTest, ReadsEveryProtocolCPythonWrites) {
+  const std::vector<std::string> pickles = {
+      std::string("(lp0\n(I0\nI17\ntp1\na(I18\nI18\ntp2\na(L1099511627776L\nI3\ntp3\na."),
+      std::string("]q\x00((K\x00K\x11tq\x01(K\x12K\x12tq\x02(L1099511627776L\nK\x03tq\x03" "e.", 44),
+      std::string("\x80\x02]q\x00(K\x00K\x11\x86q\x01K\x12K\x12\x86q\x02\x8a\x06\x00\x00\x00\x00\x00\x01K\x03\x86q\x03"
+                  "e.",
+                  35),
+      std::string("\x80\x03]q\x00(K\x00K\x11\x86q\x01K\x12K\x12\x86q\x02\x8a\x06\x00\x00\x00\x00\x00\x01K\x03\x86q\x03"
+                  "e.",
+                  35),
+      std::string("\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00]\x94(K\x00K\x11\x86\x94K\x12K\x12\x86\x94\x8a\x06\x00"
+                  "\x00\x00\x00\x00\x01K\x03\x86\x94" "e.",
+                  40),
+      std::string("\x80\x05\x95\x1d\x00\x00\x00\x00\x00\x00\x00]\x94(K\x00K\x11\x86\x94K\x12K\x12\x86\x94\x8a\x06\x00"
+                  "\x00\x00\x00\x00\x01K\x03\x86\x94" "e.",
+                  40)};
+  const std::vector<IndexEntry> expected = {{0, 17}, {18, 18}, {1ULL << 40, 3}};
+  for (std::size_t p = 0; p < pickles.size(); ++p)
+    EXPECT_EQ(unpickle_index(bytes_of(pickles[p]), "p.idx"), expected) << "protocol " << p;
+  // The same tuple pickled twice is a memo reference (BINGET).
+  const std::string twice("\x80\x02]q\x00(K\x05K\x06\x86q\x01h\x01" "e.", 17);
+  EXPECT_EQ(unpickle_index(bytes_of(twice), "twice"), (std::vector<IndexEntry>{{5, 6}, {5, 6}}));
+  // Negative offsets (Modalities' merged files) are kept by the signed reader only.
+  const std::string negative("\x80\x04\x95\x0d\x00\x00\x00\x00\x00\x00\x00]\x94J\xfe\xff\xff\xffK\x04\x86\x94" "a.", 24);
+  EXPECT_EQ(unpickle_signed_index(bytes_of(negative), "neg"), (std::vector<SignedIndexEntry>{{-2, 4}}));
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(negative), "neg.idx"); }),
+              AllOf(HasSubstr("neg.idx"), HasSubstr("negative offset -2")));
+}
+
+// Regression: FRAME (0x95) was skipped wherever it appeared, so turning one MEMOIZE (0x94) into
+// 0x95 silently dropped an entry (11 of 12 documents). Python's pickle refuses every such file,
+// and so must we: every single flip of that kind, in an .idx and in a .pbin index segment.
+TEST(PickleIndexTest, AFlippedMemoizeByteNeverDropsAnEntrySilently) {
+  for (const char* name : {"data/lorem_ipsum.idx", "data/lorem_ipsum_long.idx"}) {
+    const std::string original = testing::read_file(kFixtures / name);
+    const std::size_t n = unpickle_index(bytes_of(original), name).size();
+    int refused = 0;
+    for (std::size_t i = 0; i < original.size(); ++i) {
+      if (original[i] != '\x94') continue;
+      std::string bad = original;
+      bad[i] = '\x95';
+      // A 0x94 inside an integer's bytes is data: the flip changes that number (Python reads the
+      // same), and the entry count stays. A MEMOIZE turned into FRAME must be refused.
+      std::vector<IndexEntry> got;
+      const std::string error = error_of([&] { got = unpickle_index(bytes_of(bad), name); });
+      if (error.empty()) {
+        EXPECT_EQ(got.size(), n) << "byte " << i << " flipped: an entry was dropped silently";
+      } else {
+        EXPECT_THAT(error, HasSubstr(name)) << "byte " << i << " flipped";
+        ++refused;
+      }
+    }
+    EXPECT_GT(refused, 10) << name;
+  }
+}
+
+TEST(PickleIndexTest, FramesAreCheckedLikePythonsUnframer) {
+  // A FRAME whose length runs past the data.
+  EXPECT_THAT(error_of([&] {
+                unpickle_index(bytes_of(std::string("\x80\x04\x95\xff\x00\x00\x00\x00\x00\x00\x00]\x94.", 14)), "f");
+              }),
+              HasSubstr("FRAME of 255 bytes, but only 3 bytes follow"));
+  // A FRAME inside a frame that is not used up.
+  EXPECT_THAT(error_of([&] {
+                unpickle_index(
+                    bytes_of(std::string("\x80\x04\x95\x03\x00\x00\x00\x00\x00\x00\x00]\x95\x01\x00\x00\x00\x00\x00\x00\x00"
+                                         "\x94.",
+                                         23)),
+                    "f");
+              }),
+              HasSubstr("FRAME inside a frame"));
+  // An argument crossing the end of its frame (BININT2's second byte lies outside the frame).
+  EXPECT_THAT(error_of([&] {
+                unpickle_index(bytes_of(std::string("\x80\x04\x95\x04\x00\x00\x00\x00\x00\x00\x00](M\x01\x00K\x02\x86"
+                                                    "e.",
+                                                    21)),
+                               "f");
+              }),
+              HasSubstr("the frame ends"));
+  // Bytes after STOP, a leftover stack, booleans, nested containers.
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]\x94.junk", 9)), "f"); }),
+              HasSubstr("4 bytes after STOP"));
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04K\x01]\x94.", 7)), "f"); }),
+              HasSubstr("left on the stack"));
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]\x88K\x01\x86" "a.", 8)), "f"); }),
+              HasSubstr("boolean"));
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]]\x85" "a.", 6)), "f"); }),
+              HasSubstr("other than integers"));
+}
+
+// A raw index whose entries overlap or go backwards (a corrupt entry) is refused; gaps are lines
+// dropped as faulty when the index was made.
+TEST(PickleIndexTest, RawIndexEntriesMustBeOrderedLines) {
+  testing::ScratchDir dir;
+  std::ofstream(dir.path() / "overlap.idx", std::ios::binary) << pickle_index(std::vector<IndexEntry>{{0, 17}, {10, 5}});
+  EXPECT_THAT(error_of([&] { read_raw_index(dir.path() / "overlap.idx"); }),
+              AllOf(HasSubstr("overlap.idx"), HasSubstr("entry 1 starts at byte 10, inside or before the line of entry 0")));
+  std::ofstream(dir.path() / "back.idx", std::ios::binary) << pickle_index(std::vector<IndexEntry>{{30, 5}, {0, 17}});
+  EXPECT_THAT(error_of([&] { read_raw_index(dir.path() / "back.idx"); }), HasSubstr("entry 1 starts at byte 0"));
+  std::ofstream(dir.path() / "gap.idx", std::ios::binary) << pickle_index(std::vector<IndexEntry>{{0, 17}, {30, 0}});
+  EXPECT_EQ(read_raw_index(dir.path() / "gap.idx").size(), 2u);
+  // Against the JSONL: an entry must be a whole line.
+  const std::string jsonl = "{\"a\": 1}\n{\"b\": 22}\n";
+  EXPECT_EQ(raw_index_entry_mismatch(jsonl, {0, 8}), std::nullopt);
+  EXPECT_EQ(raw_index_entry_mismatch(jsonl, {9, 9}), std::nullopt);
+  EXPECT_EQ(raw_index_entry_mismatch(jsonl, {1, 7}), "it does not start at the beginning of a line");
+  EXPECT_EQ(raw_index_entry_mismatch(jsonl, {0, 7}), "it does not end at the end of a line");
+  EXPECT_EQ(raw_index_entry_mismatch(jsonl, {9, 40}), "it lies beyond the end of the file");
 }
 
 TEST(PackedHeaderTest, ReadsFixtureHeaders) {

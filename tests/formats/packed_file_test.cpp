@@ -1,6 +1,6 @@
 // The memory-mapped .pbin reader against the real Modalities files of
-// shared/fixtures/modalities (expected values from its README / spec data.md
-// §4, §6.2) and against broken files written into a scratch directory.
+// tests/fixtures/modalities (expected values from its README; format in docs/data.md)
+// and against broken files written into a scratch directory.
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_file.h>
 #include <modalities/sdk/formats/packed_writer.h>
@@ -24,7 +24,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 
 // A .pbin built in memory: header, tokens of width `token_size`, pickled index.
 std::string make_pbin(std::uint32_t token_size, const std::vector<std::uint64_t>& tokens,
@@ -76,7 +76,7 @@ TEST(PackedFileTest, ReadsLoremIpsumLongAtTheSpecSample) {
   PackedFile f(kFixtures / "data/lorem_ipsum_long.pbin");
   EXPECT_EQ(f.num_tokens(), 332875u);
   EXPECT_EQ(f.num_documents(), 500u);
-  // Continuous dataset, S = 256: sample 642 starts at token 164 352 (spec §6.2).
+  // Continuous dataset, S = 256: sample 642 starts at token 164 352 (plugins/datasets/README.md).
   EXPECT_THAT(f.tokens(164352, 6), ElementsAre(2797, 3384, 2248, 382, 2123, 288));
   EXPECT_EQ(f.token(f.num_tokens() - 1), 50256u);
 }
@@ -178,6 +178,37 @@ TEST(PackedFileTest, RejectsIndexEntriesOutsideTheDataOrMisaligned) {
               AllOf(HasSubstr("misaligned.pbin"), HasSubstr("document 0"), HasSubstr("multiples of the token size")));
 }
 
+// Modalities' merge_packed_data shifts the k-th input's entries by the data lengths before it
+// minus 12 per input: merging tiny.pbin with itself stores [(0,4),(4,6),(-2,4),(2,6)].
+TEST(PackedFileTest, CorrectsTheOffsetsOfFilesMergedByModalities) {
+  testing::ScratchDir dir;
+  std::string bytes = make_pbin(2, {15496, 50256, 10603, 0, 50256, 15496, 50256, 10603, 0, 50256}, {});
+  bytes.resize(12 + 20);
+  bytes += std::string("\x80\x02](K\x00K\x04\x86K\x04K\x06\x86J\xfe\xff\xff\xffK\x04\x86K\x02K\x06\x86" "e.", 29);
+  PackedFile f(dir.write("merged.pbin", bytes));
+  EXPECT_EQ(f.index(), (std::vector<IndexEntry>{{0, 4}, {4, 6}, {10, 4}, {14, 6}}));
+  EXPECT_THAT(f.document(3), ElementsAre(10603, 0, 50256));
+}
+
+// Regression: a lost entry (one flipped pickle byte dropped a document) or a gap between
+// documents must be an error, never a file that silently holds fewer documents.
+TEST(PackedFileTest, RefusesAnIndexThatDoesNotTileTheData) {
+  testing::ScratchDir dir;
+  const std::vector<std::uint64_t> tokens = {1, 2, 3, 4, 5, 6};
+  PackedFile lost_last(dir.write("lost_last.pbin", make_pbin(2, tokens, {{0, 4}, {4, 4}})));
+  EXPECT_THAT(error_of([&] { lost_last.index(); }),
+              AllOf(HasSubstr("lost_last.pbin"), HasSubstr("2 documents cover 8 of the 12 data bytes")));
+  PackedFile lost_middle(dir.write("lost_middle.pbin", make_pbin(2, tokens, {{0, 4}, {8, 4}})));
+  EXPECT_THAT(error_of([&] { lost_middle.index(); }),
+              AllOf(HasSubstr("lost_middle.pbin"), HasSubstr("document 1: stored offset 8 does not continue")));
+  PackedFile overlap(dir.write("overlap.pbin", make_pbin(2, tokens, {{0, 8}, {4, 8}})));
+  EXPECT_THAT(error_of([&] { overlap.index(); }), HasSubstr("document 1: stored offset 4 does not continue"));
+  PackedFile late(dir.write("late.pbin", make_pbin(2, tokens, {{2, 10}})));
+  EXPECT_THAT(error_of([&] { late.index(); }), HasSubstr("document 0: stored offset 2 does not continue"));
+  PackedFile none(dir.write("none.pbin", make_pbin(2, tokens, {})));
+  EXPECT_THAT(error_of([&] { none.index(); }), HasSubstr("0 documents cover 0 of the 12 data bytes"));
+}
+
 TEST(PackedFileTest, RangeChecksTokenAccess) {
   PackedFile f(kFixtures / "derived/tiny/tiny.pbin");
   EXPECT_THAT(error_of([&] { f.token(5); }), AllOf(HasSubstr("tiny.pbin"), HasSubstr("token 5 is out of range")));
@@ -199,7 +230,7 @@ TEST(PackedFileTest, MovesAndLoadsTheIndexOnceAcrossThreads) {
   for (auto s : sizes) EXPECT_EQ(s, 500u);
 }
 
-// The writer reproduces the worked example of spec §4.4 (tiny.pbin) from its
+// The writer reproduces the example of docs/data.md (tiny.pbin) from its
 // documents, one at a time and as one block, and refuses inconsistent input.
 TEST(PackedWriterTest, WritesTheWorkedExampleAndChecksItsInput) {
   modalities::testing::ScratchDir dir;

@@ -12,6 +12,7 @@
 #include <modalities/sdk/formats/safetensors.h>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -319,8 +320,9 @@ TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
     for (const auto& e : fs::directory_iterator(checkpoints)) {
       std::smatch s;
       const std::string name = e.path().filename().string();
-      if (std::regex_search(name, s, std::regex("seen_steps_([0-9]+)-")))
+      if (std::regex_search(name, s, std::regex("seen_steps_([0-9]+)-"))) {
         EXPECT_LT(std::stoi(s[1]), bad_step) << "checkpoint written at or after the NaN step: " << name;
+      }
     }
 }
 
@@ -390,6 +392,73 @@ TEST_F(WarmStartFaultTest, CorruptedCheckpointIsRefused) {
   const CommandResult r = warm_start({});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr(step4_.filename().string())) << r;
+}
+
+// Regression: renaming the step-4 folder to "…seen_steps_2…" made warmstart train on from step 2
+// with the step-4 state (the schedule shifted, exit 0). The folder name, the manifest and the
+// optimizer/scheduler state are now checked against each other.
+class WarmStartProgressTest : public WarmStartFaultTest {
+ protected:
+  // Renames the step-4 checkpoint to claim `steps` steps (tokens scaled alike) and points the
+  // warm-start info at it.
+  fs::path rename_to(int steps) {
+    const std::string name = step4_.filename().string();
+    std::smatch m;
+    EXPECT_TRUE(std::regex_match(name, m, std::regex(R"((.*-seen_steps_)4(-seen_tokens_)(\d+)(-.*))")));
+    tokens4_ = std::stoll(m[3].str());
+    const fs::path renamed =
+        step4_.parent_path() / (m[1].str() + std::to_string(steps) + m[2].str() +
+                                std::to_string(tokens4_ / 4 * steps) + m[4].str());
+    fs::rename(step4_, renamed);
+    info_ = dir_.write("info.json", "{\"checkpoint_folder_path\": \"" + renamed.string() + "\"}");
+    return renamed;
+  }
+  void edit_manifest(const fs::path& folder, const std::string& from, const std::string& to) {
+    std::string text = read_file(folder / "manifest.json");
+    const auto at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    std::ofstream(folder / "manifest.json", std::ios::trunc) << text;
+  }
+  long long tokens4_ = 0;
+};
+
+TEST_F(WarmStartProgressTest, RenamedCheckpointFolderIsRefusedNamingBothValues) {
+  rename_to(2);
+  const CommandResult r = warm_start({});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("its folder name says seen_steps_2, but manifest.json records num_seen_steps_total = 4"))
+      << r;
+}
+
+TEST_F(WarmStartProgressTest, ManifestAgreeingWithAWrongNameIsRefusedByTheOptimizerState) {
+  const fs::path renamed = rename_to(2);
+  edit_manifest(renamed, "\"num_seen_steps_total\": 4", "\"num_seen_steps_total\": 2");
+  edit_manifest(renamed, fmt::format("\"num_seen_tokens_total\": {}", tokens4_),
+                fmt::format("\"num_seen_tokens_total\": {}", tokens4_ / 2));
+  // Step 2 is off the checkpointing interval; that check would refuse first, so it is off here.
+  const CommandResult r =
+      warm_start({{"enforce_last_step_checkpointed = true", "enforce_last_step_checkpointed = false"}});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("settings.training_progress.num_seen_steps = 2")) << r;
+  EXPECT_THAT(r.err, HasSubstr("the optimizer's state.")) << r;
+  EXPECT_THAT(r.err, HasSubstr(".step = 4")) << r;
+}
+
+TEST_F(WarmStartProgressTest, ManifestWithAStringForANumberIsRefused) {
+  edit_manifest(step4_, "\"num_seen_steps_total\": 4", "\"num_seen_steps_total\": \"4\"");
+  const CommandResult r = warm_start({});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("'training_progress.num_seen_steps_total' is \"4\", expected a non-negative integer"))
+      << r;
+}
+
+TEST_F(WarmStartProgressTest, BadValueInTheInfoFileIsReportedAgainstThatFile) {
+  info_ = dir_.write("info.json", "{\"checkpoint_folder_path\": 5}");
+  const CommandResult r = warm_start({});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("info.json: \"checkpoint_folder_path\" is 5, expected a non-empty checkpoint path"))
+      << r;
 }
 
 TEST_F(TrainingRunTest, MissingDatasetIsNamed) {

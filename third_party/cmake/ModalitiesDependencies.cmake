@@ -30,7 +30,7 @@ pkg_check_modules(MODALITIES_SENTENCEPIECE REQUIRED IMPORTED_TARGET GLOBAL sente
 add_library(modalities::pcre2 ALIAS PkgConfig::MODALITIES_PCRE2)
 add_library(modalities::utf8proc ALIAS PkgConfig::MODALITIES_UTF8PROC)
 add_library(modalities::sentencepiece ALIAS PkgConfig::MODALITIES_SENTENCEPIECE)
-#   OpenSSL::Crypto  SHA-256 (seed derivation of the chunking tools, spec data.md §9.5)
+#   OpenSSL::Crypto  SHA-256 (seed derivation of the chunking tools, docs/data.md)
 find_package(OpenSSL 3 REQUIRED COMPONENTS Crypto)
 #   modalities::allocator  the process-wide malloc of the `modalities` binary. A training step
 #   allocates and frees hundreds of small tensors; glibc's malloc spends ~0.3 ms per step of the

@@ -68,7 +68,7 @@ PackingSettings parse_packing_settings(const Value& settings) {
 }
 
 std::uint32_t token_size_for_vocab(std::int64_t vocab_size) {
-  // Spec §4.2 in integers (Modalities computes ceil(log2(V) / 8) in floating point).
+  // docs/data.md "Token size", in integers (Modalities computes ceil(log2(V) / 8) in floating point).
   if (vocab_size < 1) throw Error(fmt::format("the tokenizer reports a vocabulary size of {}", vocab_size));
   if (vocab_size == 1) return 4;  // Modalities' quirk (n = 0 -> 4 bytes), kept for identical files
   if (vocab_size <= 256) return 1;
@@ -115,18 +115,34 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
   const std::int64_t eod = tokenizer.token_id(settings.eod_token);
   const std::uint64_t limit = width == 4 ? (std::uint64_t{1} << 32) : (std::uint64_t{1} << (8 * width));
   if (eod < 0 || static_cast<std::uint64_t>(eod) >= limit)
-    throw Error(fmt::format("eod_token '{}' has id {}, which does not fit in {} byte(s) per token",
-                            settings.eod_token, eod, width));
+    throw Error(fmt::format("{}settings.eod_token = '{}': the tokenizer (config key 'tokenizer') gives it the id {}, "
+                            "which does not fit in the {} byte(s) per token that its vocab_size {} calls for; the "
+                            "tokenizer's vocab_size must count its special tokens",
+                            settings.config_file.empty() ? "" : settings.config_file + ": ", settings.eod_token, eod,
+                            width, tokenizer.vocab_size()));
 
   MappedFile file(src);
   file.advise_sequential();
   const std::string_view text = file.text();
   const std::vector<formats::IndexEntry> index = formats::read_raw_index(idx_path);
-  for (std::size_t k = 0; k < index.size(); ++k)
-    if (index[k].first > text.size() || index[k].second > text.size() - index[k].first)
-      throw Error(fmt::format("the raw index '{}' does not belong to '{}': entry {} ({}, {}) lies beyond the end of "
-                              "the file ({} bytes); re-create it with `modalities data create_raw_index`",
-                              idx_path.string(), src.string(), k, index[k].first, index[k].second, text.size()));
+  formats::check_raw_index_fits(index, text.size(), idx_path, src);
+  // Every entry must be a whole line; lines without an entry (dropped as faulty when the index was
+  // made) are reported, never skipped silently.
+  std::size_t gaps = 0;
+  for (std::size_t k = 0; k < index.size(); ++k) {
+    if (auto why = formats::raw_index_entry_mismatch(text, index[k]))
+      throw Error(fmt::format("the raw index '{}' does not belong to '{}': entry {} ({}, {}) is not a line of the "
+                              "file: {}; re-create it with `modalities data create_raw_index`",
+                              idx_path.string(), src.string(), k, index[k].first, index[k].second, *why));
+    const std::uint64_t expected = k == 0 ? 0 : index[k - 1].first + index[k - 1].second + 1;
+    if (index[k].first != expected) ++gaps;
+  }
+  const std::uint64_t end = index.empty() ? 0 : index.back().first + index.back().second + 1;
+  if (end < text.size()) ++gaps;
+  if (gaps > 0 && hooks.warn)
+    hooks.warn(fmt::format("the raw index '{}' leaves out {} stretch(es) of lines of '{}' (lines dropped as faulty "
+                           "when it was created?); they are not packed",
+                           idx_path.string(), gaps, src.string()));
 
   const std::size_t batch = static_cast<std::size_t>(settings.processing_batch_size);
   const std::size_t num_items = (index.size() + batch - 1) / batch;

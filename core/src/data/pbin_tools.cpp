@@ -1,5 +1,5 @@
 // merge_packed_data, shuffle_tokenized_data, shuffle_jsonl_data and the
-// shuffled chunk tools (spec data.md §9.2-§9.5; see pbin_tools.h).
+// shuffled chunk tools (docs/data.md; see pbin_tools.h).
 // Note [Streaming outputs]: every tool first decides the output order as a
 // list of (file, offset, length) references into memory-mapped inputs, then
 // copies the referenced bytes into an AtomicFile. Only the references and the
@@ -31,7 +31,6 @@ namespace {
 
 constexpr std::uint64_t kProgressEvery = 4096;  // documents between progress updates
 
-std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
 
 void require_input_file(const fs::path& p, std::string_view what) {
   std::error_code ec;
@@ -105,7 +104,7 @@ std::string short_name(const fs::path& p) { return p.filename().string(); }
 
 }  // namespace
 
-// --- §9.2 -------------------------------------------------------------------------
+// --- merge_packed_data ----------------------------------------------------------
 
 std::vector<fs::path> find_pbin_inputs(std::span<const fs::path> sources) {
   MODALITIES_CHECK(!sources.empty(), "merge_packed_data needs at least one source path");
@@ -180,7 +179,7 @@ ToolResult merge_packed_data(std::span<const fs::path> sources, const fs::path& 
   return finish_packed(out, bar, result);
 }
 
-// --- §9.3 / §9.4 --------------------------------------------------------------------
+// --- shuffle_tokenized_data / shuffle_jsonl_data ------------------------------------
 
 ToolResult shuffle_tokenized_data(const fs::path& input, const fs::path& output, const PyInt& seed,
                                   FileExistencePolicy policy) {
@@ -225,7 +224,7 @@ ToolResult shuffle_jsonl_data(const fs::path& input, const fs::path& output, con
   return result;
 }
 
-// --- §9.5 ---------------------------------------------------------------------------------
+// --- shuffled chunks ----------------------------------------------------------------------
 
 ChunkRange chunk_range(std::uint64_t num_items, std::uint64_t num_chunks, std::uint64_t chunk_id) {
   MODALITIES_CHECK(num_chunks > 0, "--num_chunks must be greater than 0");

@@ -1,5 +1,5 @@
 // CPython random.Random and numpy default_rng streams (see reference_rng.h and
-// spec data.md §10.2/§10.3). Hand-written: the outputs must equal Python's bit
+// docs/data.md, "Shuffles and chunks"). Hand-written: the outputs must equal Python's bit
 // for bit, which no C++ library RNG guarantees.
 #include <modalities/core/data/reference_rng.h>
 #include <modalities/sdk/error.h>

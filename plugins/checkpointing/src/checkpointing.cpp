@@ -1,4 +1,4 @@
-// Checkpointing (spec training.md §10, catalogue §8.9, §8.18-8.21): saving
+// Checkpointing (README.md; docs/training.md, "Checkpoints"): saving
 // strategies, the saving entry point, the two executions (`dcp`, `fsdp1`, both
 // writing this plugin's format v1, see format.h / README.md), the app states
 // (`raw`, `dcp` = raw + load at build time) and the loaders (`dcp` into an
@@ -47,7 +47,7 @@ StateDict with_prefix_removed(const StateDict& state, std::string_view prefix) {
   return out;
 }
 
-// --- strategies (§8.19) -----------------------------------------------------------
+// --- strategies ------------------------------------------------------------------
 
 struct SaveKMostRecentConfig {
   std::int64_t k = -1;
@@ -102,7 +102,7 @@ class SaveEveryKSteps final : public CheckpointSavingStrategy {
   std::int64_t k_;
 };
 
-// --- checkpoint_saving/default (§8.18) ----------------------------------------------
+// --- checkpoint_saving/default ----------------------------------------------------
 
 struct CheckpointSavingConfig {
   Ref<CheckpointSavingStrategy> checkpoint_saving_strategy;
@@ -133,7 +133,7 @@ class DefaultCheckpointSaving final : public CheckpointSaving {
   std::shared_ptr<CheckpointSavingExecution> execution_;
 };
 
-// --- executions (§8.20) -------------------------------------------------------------
+// --- executions ---------------------------------------------------------------------
 
 struct ExecutionConfig {
   fs::path checkpoint_path;
@@ -234,7 +234,7 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
   bool fsdp1_keys_;
 };
 
-// --- app_state/raw (§8.9) -------------------------------------------------------------
+// --- app_state/raw ----------------------------------------------------------------------
 
 struct RawAppStateConfig {
   ModelParts model;
@@ -389,7 +389,7 @@ class DcpCheckpointLoading final : public DistributedCheckpointLoading {
   }
 };
 
-// --- checkpoint_loading/torch (§8.21, §10.5) ---------------------------------------
+// --- checkpoint_loading/torch -----------------------------------------------------
 
 struct TorchLoadingConfig {
   DeviceSetting device;

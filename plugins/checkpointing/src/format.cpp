@@ -326,6 +326,9 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
                             version > kFormatVersion ? " (written by a newer version: update Modalities C++)" : ""));
   std::string_view eid;
   if (!root["experiment_id"].get_string().get(eid)) experiment_id_ = std::string(eid);
+  simdjson::dom::element progress;
+  if (root["training_progress"].get(progress)) throw bad("'training_progress' is missing");
+  read_and_check_progress(progress, bad);
   simdjson::dom::object tensors;
   if (root["tensors"].get_object().get(tensors)) throw bad("'tensors' is missing");
   std::map<std::string, std::string> dtypes;
@@ -365,6 +368,50 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
     if (header.tensors.count(name) == 0)
       throw Error(fmt::format("checkpoint '{}' is corrupt: tensor '{}' listed in {} is missing from {}", where, name,
                               kManifestFile, kAppStateFile));
+}
+
+// The progress written inside the checkpoint is the truth; the folder name is what the warm-start
+// config reads it from (number_conversion/*_from_checkpoint_path), so a renamed folder would resume
+// with the wrong step count and learning rate. Both must agree.
+void CheckpointReader::read_and_check_progress(const simdjson::dom::element& progress,
+                                               const std::function<Error(std::string_view)>& bad) {
+  if (progress.type() != simdjson::dom::element_type::OBJECT) throw bad("'training_progress' is not an object");
+  const auto field = [&](const char* key) {
+    simdjson::dom::element e;
+    if (progress[key].get(e)) throw bad(fmt::format("'training_progress.{}' is missing", key));
+    std::int64_t v = 0;
+    if (e.get_int64().get(v) || v < 0)
+      throw bad(fmt::format("'training_progress.{}' is {}, expected a non-negative integer", key,
+                            simdjson::minify(e)));
+    return v;
+  };
+  RecordedProgress r;
+  r.num_seen_steps = field("num_seen_steps_total");
+  r.num_seen_tokens = field("num_seen_tokens_total");
+  r.num_target_steps = field("num_target_steps");
+  r.num_target_tokens = field("num_target_tokens");
+  progress_ = r;
+
+  static const std::regex name_re(
+      R"(^eid_(.*)-seen_steps_(\d+)-seen_tokens_(\d+)-target_steps_(\d+)-target_tokens_(\d+)$)");
+  std::smatch m;
+  const std::string name = folder_.filename().string();
+  if (!std::regex_match(name, m, name_re)) return;  // a folder named by the user: nothing to compare
+  const std::pair<const char*, std::int64_t> pairs[] = {{"seen_steps", r.num_seen_steps},
+                                                        {"seen_tokens", r.num_seen_tokens},
+                                                        {"target_steps", r.num_target_steps},
+                                                        {"target_tokens", r.num_target_tokens}};
+  for (std::size_t i = 0; i < 4; ++i) {
+    const std::string in_name = m[i + 2].str();
+    if (in_name != std::to_string(pairs[i].second))
+      throw Error(fmt::format("checkpoint '{}' contradicts itself: its folder name says {}_{}, but {} records {} = "
+                              "{}; the folder was renamed or its files were swapped; rename the folder back to the "
+                              "progress it holds (training from the wrong step would silently change the schedule)",
+                              folder_.string(), pairs[i].first, in_name, kManifestFile,
+                              i < 2 ? fmt::format("num_{}_total", pairs[i].first)
+                                    : fmt::format("num_{}", pairs[i].first),
+                              pairs[i].second));
+  }
 }
 
 void CheckpointReader::check_shapes(const StateDict& live, std::string_view strip_prefix) const {

@@ -5,6 +5,7 @@
 // checkpoint folder either is complete or does not exist.
 #pragma once
 
+#include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/interfaces/batch.h>
 
@@ -16,6 +17,10 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+namespace simdjson::dom {
+class element;
+}
 
 namespace modalities::plugins::checkpointing {
 
@@ -77,6 +82,13 @@ class CheckpointReader {
   const std::map<std::string, std::vector<std::int64_t>>& shapes() const { return shapes_; }
   const std::string& experiment_id() const { return experiment_id_; }
 
+  /// The training progress recorded in the manifest (checked against the folder name when that
+  /// has Modalities' "eid_…-seen_steps_…" form).
+  struct RecordedProgress {
+    std::int64_t num_seen_steps = 0, num_seen_tokens = 0, num_target_steps = 0, num_target_tokens = 0;
+  };
+  const RecordedProgress& progress() const { return progress_; }
+
   /// Throws "checkpoint '<folder>' was written by a model of a different
   /// shape: <name> is [..] in the checkpoint, [..] in this model" for the first
   /// entry present in both with different shapes. `strip_prefix` is removed
@@ -90,8 +102,12 @@ class CheckpointReader {
   }
 
  private:
+  void read_and_check_progress(const simdjson::dom::element& progress,
+                               const std::function<Error(std::string_view)>& bad);
+
   std::filesystem::path folder_;
   std::string experiment_id_;
+  RecordedProgress progress_;
   std::map<std::string, std::vector<std::int64_t>> shapes_;
   std::map<std::string, std::string> sha256_;
 };

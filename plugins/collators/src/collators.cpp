@@ -1,4 +1,4 @@
-// The `collate_fn` variants of Modalities (spec data.md §8):
+// The `collate_fn` variants of Modalities (README.md):
 //   gpt_2_llm_collator          stack, then inputs = X[:, :-1], targets = X[:, 1:]
 //   mask_loss_collator_wrapper  wrap another collator; keep only target tokens strictly
 //                               between a begin and an end marker (instruction tuning)
@@ -176,7 +176,7 @@ class MaskLossCollator final : public CollateFn {
     return batch;
   }
 
-  // Spec §8.2, exactly as Modalities' _mask_target: y: [b, L] -> [b, L].
+  // README "Loss masking", exactly as Modalities' _mask_target: y: [b, L] -> [b, L].
   at::Tensor mask(const at::Tensor& y) const {
     MODALITIES_CHECK(y.dim() == 2, "mask_loss_collator_wrapper: targets must be [batch, length], got shape {}",
                      c10::str(y.sizes()));

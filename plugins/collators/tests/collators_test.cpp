@@ -1,6 +1,6 @@
-// Collators built through the registry: the GPT-2 shift (spec data.md §8.1),
-// the loss-masking wrapper against the spec's example and Modalities' error
-// cases (§8.2), the CoCa split (§8.3); marker ids come from an in-process
+// Collators built through the registry: the GPT-2 shift,
+// the loss-masking wrapper against the README's example and Modalities' error
+// cases, the CoCa split; marker ids come from an in-process
 // tokenizer. One negative test per validator asserts the config path.
 #include <modalities/sdk/interfaces/collate_fn.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
@@ -227,7 +227,7 @@ TEST_F(CollatorsTest, CocaCollatorValidatorsNameTheConfigPath) {
 
 TEST(MaskLossGpt2Test, ResolvesMarkersWithTheGpt2Tokenizer) {
   const std::filesystem::path gpt2 =
-      std::filesystem::path(MODALITIES_TEST_SHARED_DIR) / "fixtures/modalities/data/tokenizer/hf_gpt2";
+      std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR) / "data/tokenizer/hf_gpt2";
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
   h.set_config_text(fmt::format(R"(

@@ -1,4 +1,4 @@
-// `data_loader/default` (Modalities' LLMDataLoader, spec data.md §7.3): yields
+// `data_loader/default` (Modalities' LLMDataLoader, see README.md): yields
 // the batches of the batch sampler in order: for batch [i1..ib] it fetches
 // dataset[i1..ib] and collates them. With num_workers > 0, that many worker
 // threads build batches ahead of the consumer, at most num_workers *

@@ -150,7 +150,7 @@ TEST_F(DataLoaderTest, DeliversTheSpecOrder) {
   const at::Tensor& x = b->samples.at("input_ids");
   EXPECT_EQ(x.sizes(), (std::vector<std::int64_t>{4, 256}));
   EXPECT_EQ(b->targets.at("target_ids").sizes(), (std::vector<std::int64_t>{4, 256}));
-  // Rank 0's first sample is 642 (spec §7.1), which starts 2797, 3384, 2248, ... (spec §6.2).
+  // Rank 0's first sample is 642 (plugins/samplers/README.md), which starts 2797, 3384, 2248, ... (plugins/datasets/README.md).
   EXPECT_TRUE(x[0].slice(0, 0, 3).equal(at::tensor({2797, 3384, 2248}, at::kLong)));
   EXPECT_EQ(b->targets.at("target_ids")[0][0].item<std::int64_t>(), 3384);
   EXPECT_EQ(b->size(), 4);

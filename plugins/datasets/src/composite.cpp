@@ -1,8 +1,8 @@
 // Datasets built from other datasets or from nothing:
-//   combined          concatenation (spec data.md §6.5)
+//   combined          concatenation (README.md)
 //   weighted_mixture  NEW: exact, seed-determined weighted mixture (see
 //                     mixture_schedule.h, Note [Mixture order])
-//   dummy_dataset     random samples of fixed shapes (spec §6.5); optionally
+//   dummy_dataset     random samples of fixed shapes (README.md); optionally
 //                     seeded per index, which Modalities is not
 #include "datasets.h"
 #include "mixture_schedule.h"

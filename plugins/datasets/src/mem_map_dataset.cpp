@@ -1,5 +1,5 @@
-// `dataset/mem_map_dataset` (spec data.md §6.4): a JSONL file and its raw
-// index (§3), tokenized on the fly. Item k = tokenizer(first output of the jq
+// `dataset/mem_map_dataset` (README.md): a JSONL file and its raw
+// index (docs/data.md), tokenized on the fly. Item k = tokenizer(first output of the jq
 // path on line k). Deviation (quirk Q7): Modalities returns a bare list of
 // ids, which no collator accepts; here the item is {sample_key: int64 ids}.
 // No EOD token is appended, as in Modalities.
@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -66,13 +67,12 @@ class MemMapDataset final : public Dataset {
     }
     std::error_code ec;
     const auto size = static_cast<std::uint64_t>(std::filesystem::file_size(path_, ec));
+    size_ = size;
     if (ec) throw ConfigError("raw_data_path", fmt::format("{}: {}", path_.string(), ec.message()));
-    for (std::size_t k = 0; k < index_.size(); ++k) {
-      const auto [off, len] = index_[k];
-      if (off > size || len > size - off)
-        throw ConfigError(c.index_path ? "index_path" : "raw_data_path",
-                          fmt::format("{}: entry {} = ({}, {}) lies beyond the end of {} ({} bytes); stale index?",
-                                      index.string(), k, off, len, path_.string(), size));
+    try {
+      formats::check_raw_index_fits(index_, size, index, path_);
+    } catch (const Error& e) {
+      throw ConfigError(c.index_path ? "index_path" : "raw_data_path", e.what());
     }
     fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);  // last: nothing below can throw and leak it
     if (fd_ < 0)
@@ -88,15 +88,24 @@ class MemMapDataset final : public Dataset {
     MODALITIES_CHECK(index >= 0 && index < size(), "{}: sample index {} is out of range [0, {})", path_.string(), index,
                      size());
     const auto [off, len] = index_[static_cast<std::size_t>(index)];
-    std::string line(len, '\0');
+    // Read the line with the byte before and after it: an entry of a stale or corrupt index that
+    // is not a whole line is an error, not a wrong sample.
+    const std::uint64_t lo = off > 0 ? off - 1 : 0;
+    const std::uint64_t hi = std::min<std::uint64_t>(off + len + 1, size_);
+    std::string buf(hi - lo, '\0');
     std::size_t done = 0;
-    while (done < len) {
-      const ssize_t got = ::pread(fd_, line.data() + done, len - done, static_cast<off_t>(off + done));
+    while (done < buf.size()) {
+      const ssize_t got = ::pread(fd_, buf.data() + done, buf.size() - done, static_cast<off_t>(lo + done));
       if (got < 0 && errno == EINTR) continue;
       MODALITIES_CHECK(got > 0, "{}: read of line {} failed: {}", path_.string(), index,
-                       got < 0 ? std::strerror(errno) : "unexpected end of file");
+                       got < 0 ? std::strerror(errno) : "unexpected end of file (the file shrank?)");
       done += static_cast<std::size_t>(got);
     }
+    MODALITIES_CHECK((off == 0 || buf.front() == '\n') && (off + len == size_ || buf.back() == '\n'),
+                     "{}: index entry {} = ({}, {}) is not a whole line of the file; the index is stale or corrupt "
+                     "(re-create it with `modalities data create_raw_index`)",
+                     path_.string(), index, off, len);
+    const std::string line = buf.substr(off - lo, len);
     const std::string text = select_text(line, index);
     const std::vector<std::int64_t> ids = tokenizer_->tokenize(text);
     at::Tensor t = at::empty({static_cast<std::int64_t>(ids.size())}, at::kLong);
@@ -120,6 +129,7 @@ class MemMapDataset final : public Dataset {
   std::string key_;
   std::vector<formats::IndexEntry> index_;
   int fd_ = -1;
+  std::uint64_t size_ = 0;  // of the JSONL file when the dataset was built
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-// `dataset/packed_mem_map_dataset_continuous` (spec data.md §6.2): a `.pbin`
+// `dataset/packed_mem_map_dataset_continuous` (README.md): a `.pbin`
 // file read as one token stream cut into fixed-size blocks. Sample i is tokens
 // [i*S, i*S + B) with B = S + 1 when reuse_last_target (consecutive samples
 // share one token) and B = S otherwise. The index segment is never read, so

@@ -1,5 +1,5 @@
 // The datasets plugin: every `dataset/*` variant of Modalities except the
-// broken `packed_mem_map_dataset_megatron` (spec data.md §6.3, quirk Q6),
+// broken `packed_mem_map_dataset_megatron` (quirk Q6, docs/differences.md),
 // plus the new `weighted_mixture`. See README.md for the config keys.
 #include "datasets.h"
 

@@ -1,6 +1,6 @@
 // The dataset variants built through the registry from configs/example.toml:
-// the continuous packed dataset against the expected values of spec data.md
-// §6.2 (fixtures of shared/fixtures/modalities), combined and weighted
+// the continuous packed dataset against the expected values of
+// README.md (fixtures in tests/fixtures/modalities), combined and weighted
 // mixtures against their index arithmetic, the dummy dataset's shapes and
 // ranges, mem_map_dataset with an in-process byte tokenizer, and one test per
 // validator asserting that the message names the config path.
@@ -29,7 +29,7 @@ using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 
 // The example config names its data relative to the repository root.
 class InSourceRoot : public ::testing::Environment {
@@ -329,7 +329,7 @@ TEST_F(MemMapDatasetTest, FollowsNestedAndBracketedPaths) {
   fs::create_directories(dir);
   const std::string jsonl = "{\"a\": {\"b c\": \"xy\"}}\n{\"a\": {\"b c\": 5}}\n{\"a\": [1]}\n{\"z\": 1}\nnot json";
   std::ofstream(dir / "nested.jsonl", std::ios::binary) << jsonl;
-  std::vector<formats::IndexEntry> index;  // spec §3.1 line splitting
+  std::vector<formats::IndexEntry> index;  // the line splitting of docs/data.md
   for (std::size_t p = 0; p < jsonl.size();) {
     const std::size_t q = std::min(jsonl.find('\n', p), jsonl.size());
     index.emplace_back(p, q - p);
@@ -370,7 +370,7 @@ TEST_F(MemMapDatasetTest, ValidatorsNameTheConfigPath) {
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("index pickle")));
   h.set("jsonl_dataset.config.raw_data_path", Value((kFixtures / "derived/tiny/tiny.jsonl").string()));
   h.set("jsonl_dataset.config.index_path", Value((kFixtures / "data/lorem_ipsum.idx").string()));  // longer file's index
-  EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("stale index")));
+  EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("does not belong to")));
   h.erase("jsonl_dataset.config.index_path");
   h.set("jsonl_dataset.config.tokenizer", Value(7));
   EXPECT_THAT(h.build_error(), HasSubstr("jsonl_dataset.config.tokenizer: expected a Tokenizer"));

@@ -1,9 +1,9 @@
-// The GPT-2 family decoder of Modalities (`model/gpt2`, spec model.md) and a
+// The GPT-2 family decoder of Modalities (`model/gpt2`, see README.md) and a
 // single-process stand-in for FSDP2's mixed precision (`model/mixed_precision`).
 // The torch::nn::Module tree reproduces Modalities' GPT2LLM names and
-// registration order exactly (model.md §2), so state dicts and checkpoints
-// interchange with Modalities; the forward follows model.md §3 op for op, so
-// logits match Modalities to float rounding (see tests/gpt2_test.cpp).
+// registration order exactly, so state dicts and checkpoints
+// interchange with Modalities; the forward follows Modalities' op for op, so
+// logits match Modalities within the tolerances of tests/gpt2_test.cpp.
 //
 // Shape legend: B batch, T sequence length, d = n_embd, V = vocab_size,
 // Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
@@ -38,12 +38,12 @@ namespace modalities::plugins::gpt2 {
 namespace {
 
 // ===================================================================================
-// Configuration (spec config-and-components.md §8.1, model.md §1)
+// Configuration (README.md, "`model/gpt2` config")
 // ===================================================================================
 
 enum class NormKind { kLayerNorm, kRmsLayerNorm, kTorchRmsNorm };
 
-// The three norm config schemas of the `layer_norm` component (§8.24).
+// The three norm config schemas of the `layer_norm` component.
 struct LayerNormFields {
   std::int64_t normalized_shape = 0;
   double eps = 1e-6;
@@ -55,7 +55,7 @@ struct LayerNormFields {
         .at_least(1);
     s.field("eps", &LayerNormFields::eps,
             "Added to the variance. Effective default: 1e-5 unless elementwise_affine or bias is given, "
-            "then 1e-6 (Modalities' config-union resolution, model.md §1.2).")
+            "then 1e-6 (Modalities' config-union resolution).")
         .positive();
     s.field("elementwise_affine", &LayerNormFields::elementwise_affine, "Learn a per-feature weight (and bias).");
     s.field("bias", &LayerNormFields::bias, "Learn a per-feature bias (only with elementwise_affine).");
@@ -218,7 +218,7 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
       // union tried as (RMSNorm config, RMSLayerNorm config, LayerNorm config); a table
       // giving neither elementwise_affine nor bias is taken by the RMSNorm config class,
       // whose eps default is 1e-5. Only with one of them present does the LayerNorm
-      // class (default 1e-6) win. model.md §1.2.
+      // class (default 1e-6) win. README.md describes it for users.
       const bool layer_norm_class = cfg->find("elementwise_affine") != nullptr || cfg->find("bias") != nullptr;
       out.eps = cfg->find("eps") != nullptr ? f.eps : (layer_norm_class ? 1e-6 : 1e-5);
       out.weight = f.elementwise_affine;
@@ -450,7 +450,7 @@ struct GPT2Config {
 // ===================================================================================
 
 // Mixed precision: parameters keep their storage dtype; every use casts to `Dt`
-// when set (FSDP2's param_dtype, training.md §11.3). See Module::set_param_dtype.
+// when set (FSDP2's param_dtype, README.md). See Module::set_param_dtype.
 using Dt = std::optional<c10::ScalarType>;
 
 at::Tensor cast(const at::Tensor& t, Dt dt) {
@@ -471,7 +471,7 @@ using Remap = std::function<at::Tensor(const at::Tensor&)>;
 class Leaf : public torch::nn::Module {
  public:
   explicit Leaf(std::string name) : torch::nn::Module(std::move(name)) {}
-  /// Constructor-time values again (model.md §6.1), on whatever device the tensors live.
+  /// Constructor-time values again (README.md), on whatever device the tensors live.
   virtual void reset() = 0;
   /// Replaces every own parameter and buffer by f(old).
   virtual void remap(const Remap& f) {
@@ -552,7 +552,7 @@ class NormImpl final : public Leaf {
     if (weight.defined()) weight.fill_(1.0);
     if (bias.defined()) bias.zero_();
   }
-  // x: [..., n] -> [..., n], formulas of model.md §3.7
+  // x: [..., n] -> [..., n], Modalities' norm formulas (README.md)
   at::Tensor operator()(const at::Tensor& x, Dt dt) const {
     switch (kind_) {
       case NormKind::kLayerNorm:
@@ -594,7 +594,7 @@ class IdentityImpl final : public torch::nn::Module {  // wpe with poe_type NOPE
   IdentityImpl() : torch::nn::Module("Identity") {}
 };
 
-// RoPE, half-split (NeoX) convention, model.md §3.4 step 3 and §5.
+// RoPE, half-split (NeoX) convention; precision as in README.md, "Numerics".
 class RotaryTransformImpl final : public Leaf {
  public:
   RotaryTransformImpl(std::int64_t head_dim, std::int64_t base_freq, const at::TensorOptions& o)
@@ -996,7 +996,7 @@ class GPT2 final : public Module {
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
 
-  // With weight tying the shared tensor is listed once, as transformer.wte.weight (model.md §2).
+  // With weight tying the shared tensor is listed once, as transformer.wte.weight (as in Modalities).
   NamedTensors named_parameters() const override {
     NamedTensors out;
     std::unordered_set<const void*> seen;
@@ -1042,7 +1042,7 @@ class GPT2 final : public Module {
   std::string sample_key() const override { return config_.sample_key; }
   std::string prediction_key() const override { return config_.prediction_key; }
 
-  // model.md §7: regexes searched in parameter names.
+  // Modalities' GPT-2 weight-decay groups: regexes searched in parameter names.
   std::map<std::string, std::vector<std::string>> weight_decay_groups() const override {
     return {{"linear", {".attn", ".mlp", ".lm_head.weight"}},
             {"embedding", {".wte", ".wpe"}},

@@ -3,10 +3,10 @@
 //    configs (cases.toml), the logits and loss Modalities computes with every
 //    state-dict tensor filled by an integer hash (scripts/reference/gpt2_reference.py).
 //    We fill the same values and compare: fp32 logits within 1e-5 absolute, loss
-//    within 1e-5, gradient norms within 1e-5 relative; bf16 mixed precision vs
-//    Modalities' model cast to bf16 (tolerances at the test).
-//  * Structure: FQNs and order, parameter counts of model.md §8, weight-decay groups,
-//    RoPE frequencies of §5, tying, meta device + reset_parameters, clone, errors.
+//    within 1e-5, gradient norms within 1e-5 relative plus 1e-6 of the whole gradient's
+//    norm; bf16 mixed precision vs Modalities' model cast to bf16 (tolerances at the test).
+//  * Structure: FQNs and order, parameter counts (plugins/gpt2/README.md), weight-decay
+//    groups, RoPE frequencies, tying, meta device + reset_parameters, clone, errors.
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/testing/harness.h>
 
@@ -216,18 +216,26 @@ TEST(Gpt2ParityTest, Fp32LogitsAndLossMatchModalities) {
     const at::Tensor logits = m->forward({{"input_ids", inputs}}).at("logits");
     ASSERT_EQ(logits.scalar_type(), at::kFloat);
     const at::Tensor expected = read_logits(c);
-    // Stated tolerance: 1e-5 absolute on logits of magnitude <= ~3 (same ATen kernels; LibTorch
-    // 2.11 vs PyTorch 2.15 may differ in vectorised transcendental/reduction rounding).
+    // Stated tolerance: 1e-5 absolute on logits of magnitude <= ~3, about 40 float32 ulps at that
+    // magnitude (the reference comes from Python PyTorch 2.11, possibly on another CPU: vectorised transcendental and
+    // reduction kernels round differently across CPUs and vector widths).
     const double diff = max_abs_diff(logits, expected);
     EXPECT_LE(diff, 1e-5) << "max |logits - Modalities| = " << diff;
     const at::Tensor loss_t = clm_loss(logits, targets);
     const double loss = loss_t.item<double>();
     EXPECT_NEAR(loss, c.loss, 1e-5) << "loss " << loss << " vs Modalities " << c.loss;
-    // Backward: per parameter, the L2 norm of the gradient within 1e-5 relative and its sum
-    // within 1e-5 * sqrt(numel) * norm (the bound of 1e-5 relative error per element).
+    // Backward, per parameter: the L2 norm of the gradient within 1e-5 relative plus 1e-6 of the
+    // whole gradient's norm G, and its sum within sqrt(numel) times that. The G term: fp32 rounding
+    // noise in a gradient element scales with the upstream gradients, i.e. with G, not with the
+    // element's own value; a gradient that is mathematically zero (attn.k_attn.bias: softmax is
+    // invariant to a key bias) is pure noise (~1e-9 here) that no relative bound can hold, and
+    // 1e-6 * G is about 16 float32 ulps of G.
     loss_t.backward();
     const NamedTensors params = m->named_parameters();
     ASSERT_EQ(params.size(), c.grads.size());
+    double total = 0;
+    for (const RefCase::Grad& g : c.grads) total += g.norm * g.norm;
+    total = std::sqrt(total);
     double worst = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const auto& [name, p] = params[i];
@@ -236,11 +244,12 @@ TEST(Gpt2ParityTest, Fp32LogitsAndLossMatchModalities) {
       ASSERT_TRUE(p.grad().defined()) << name;
       const at::Tensor gd = p.grad().to(at::kDouble);
       const double norm = gd.norm().item<double>(), sum = gd.sum().item<double>();
-      EXPECT_NEAR(norm, g.norm, 1e-5 * g.norm + 1e-12) << name;
-      EXPECT_NEAR(sum, g.sum, 1e-5 * std::sqrt(static_cast<double>(p.numel())) * g.norm + 1e-12) << name;
-      worst = std::max(worst, std::abs(norm - g.norm) / (g.norm + 1e-30));
+      const double tol = 1e-5 * g.norm + 1e-6 * total;
+      EXPECT_NEAR(norm, g.norm, tol) << name << " (whole gradient's norm " << total << ")";
+      EXPECT_NEAR(sum, g.sum, std::sqrt(static_cast<double>(p.numel())) * tol) << name;
+      worst = std::max(worst, std::abs(norm - g.norm) / tol);
     }
-    std::printf("[parity fp32] %-48s max|dlogits| = %.3g  loss %.9g vs %.9g  max rel d|grad| = %.3g\n",
+    std::printf("[parity fp32] %-48s max|dlogits| = %.3g  loss %.9g vs %.9g  max |d norm(grad)| / tol = %.3g\n",
                 c.name.c_str(), diff, loss, c.loss, worst);
     ++checked;
   }
@@ -320,7 +329,7 @@ TEST(Gpt2ParityTest, RopeInvFreqMatchesModalitiesBitForBit) {
   EXPECT_GT(checked, 0);
 }
 
-// ---- the tutorial configuration (model.md §8) -------------------------------------------------
+// ---- the tutorial configuration (Modalities') --------------------------------------------------
 
 // The tutorial model with variations: Tutorial().meta().tied()...
 struct Tutorial {
@@ -405,7 +414,7 @@ config = { normalized_shape = 128, eps = 1e-5 })"))),
   EXPECT_EQ(buffers, 16);
 }
 
-// Optimizer split of model.md §8 with weight_decay_groups_excluded = [embedding, layernorm].
+// Optimizer split of Modalities' tutorial config with weight_decay_groups_excluded = [embedding, layernorm].
 std::pair<std::int64_t, std::int64_t> decay_split(const Module& m) {
   const auto groups = m.weight_decay_groups();
   std::int64_t decayed = 0, not_decayed = 0;
@@ -447,7 +456,7 @@ config = { normalized_shape = 16 })"));
   EXPECT_EQ(g.at("transformer.wte.weight"), "embedding");  // the tied matrix, listed once
   EXPECT_EQ(g.count("transformer.lm_head.weight"), 0u);
   EXPECT_EQ(g.at("transformer.h.0.attn.q_attn.bias"), "linear");
-  EXPECT_EQ(g.at("transformer.h.0.attn.q_norm.weight"), "linear");  // qk-norm weights are decayed (model.md §7)
+  EXPECT_EQ(g.at("transformer.h.0.attn.q_norm.weight"), "linear");  // qk-norm weights are decayed (as in Modalities)
   EXPECT_EQ(g.at("transformer.h.1.mlp.W_2.weight"), "linear");
   EXPECT_EQ(g.at("transformer.h.1.attention_norm.bias"), "layernorm");
   EXPECT_EQ(g.at("transformer.lm_head_norm.weight"), "layernorm");

@@ -1,4 +1,4 @@
-// `gradient_clipper` variants for unsharded models (training.md §5.4, catalogue §8.25):
+// `gradient_clipper` variants for unsharded models (README.md):
 //   fsdp1, fsdp1_logging_only  Modalities' FSDP1 clippers on one process (no sharding): the
 //                              norm of the fp32 per-gradient norms, gradients scaled by
 //                              min(max_norm / (total + 1e-6), 1) (max_norm = inf for logging)

@@ -1,5 +1,5 @@
-// tokenizer/pretrained_hf_tokenizer: Modalities' PreTrainedHFTokenizer (spec
-// data.md §5.3). Loads a local Hugging Face tokenizer folder the way
+// tokenizer/pretrained_hf_tokenizer: Modalities' PreTrainedHFTokenizer (see
+// README.md). Loads a local Hugging Face tokenizer folder the way
 // transformers' AutoTokenizer does for the supported fast-tokenizer classes
 // (tokenizer.json + tokenizer_config.json + special_tokens_map.json), then
 // tokenizes like `tokenizer(text, max_length, padding, truncation)["input_ids"]`.
@@ -328,7 +328,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
 
   std::int64_t vocab_size() const override { return static_cast<std::int64_t>(tok_->model_vocab_size()); }
 
-  // Spec quirk Q9: transformers maps an unknown string to the unk id (GPT-2:
+  // Quirk Q9 (docs/differences.md): transformers maps an unknown string to the unk id (GPT-2:
   // 50256 = <|endoftext|>) with only a warning; we refuse strings that are not
   // literally in the vocabulary.
   std::int64_t token_id(std::string_view token) const override {

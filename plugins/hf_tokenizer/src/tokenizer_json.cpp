@@ -20,6 +20,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <absl/container/flat_hash_map.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <pcre2.h>
 #include <simdjson.h>
 #include <utf8proc.h>
@@ -460,8 +461,12 @@ class Regex {
     }
     jit_ = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
     code_ = std::shared_ptr<pcre2_code>(code, pcre2_code_free);
+    properties_ = pattern.find("\\p") != std::string::npos || pattern.find("\\P") != std::string::npos;
   }
   explicit operator bool() const { return static_cast<bool>(code_); }
+  // Whether the pattern uses Unicode property classes (\p{..}, \P{..}), whose result depends on
+  // the Unicode version of PCRE2's tables.
+  bool uses_properties() const { return properties_; }
 
   // Leftmost match starting at or after `from`, as [start, end).
   bool search(std::string_view text, std::size_t from, std::size_t* start, std::size_t* end) const {
@@ -509,6 +514,7 @@ class Regex {
  private:
   std::shared_ptr<pcre2_code> code_;
   bool jit_ = false;
+  bool properties_ = false;
 };
 
 constexpr std::string_view kGpt2Pattern =
@@ -735,6 +741,9 @@ struct TokenizerJson::Impl {
   bool byte_level_use_regex = true;
   bool byte_level_top_level = false;
   Regex gpt2_regex;
+  // Note [Unicode version]: set when a pre-tokenizer regex uses Unicode property classes.
+  bool property_classes = false;
+  bool only_gpt2_classes = false;  // ... and the only such regex is ByteLevel's (\p{L}, \p{N}, \s)
 
   // BPE model.
   absl::flat_hash_map<std::string, std::int32_t> vocab;
@@ -773,6 +782,7 @@ struct TokenizerJson::Impl {
   // ---- encoding ----
   bool normalize(std::string_view in, std::string& out) const;
   void encode(std::string_view text, std::vector<std::int64_t>& out) const;
+  void check_unicode_version(std::string_view text) const;
   void encode_normalizable(std::string_view segment, std::vector<std::int64_t>& out) const;
   template <class F>
   void split_added(std::string_view sentence, const Trie& trie, F&& on_split) const;
@@ -793,6 +803,58 @@ struct TokenizerJson::Impl {
 // ---------------------------------------------------------------------------
 // Loading
 
+namespace {
+
+// The `truncation` and `padding` blocks of tokenizer.json: transformers sets its own per call, so
+// their values do not matter here, but `tokenizers` refuses a file whose blocks do not have its
+// shape (serde: required fields, enum spellings, unsigned integers; extra keys are ignored), and
+// so do we.
+void check_padding_and_truncation(const Json& j, dom::element root) {
+  const auto unsigned_at = [&](dom::element obj, std::string_view key, std::string_view where, std::uint64_t max) {
+    const dom::element v = j.member(obj, key, where);
+    std::uint64_t u = 0;
+    if (v.type() == dom::element_type::DOUBLE || v.get_uint64().get(u) != simdjson::SUCCESS || u > max)
+      fail(j.file, fmt::format("{}.{}", where, key),
+           fmt::format("expected an unsigned integer{}", max < UINT64_MAX ? " below 2^32" : ""));
+  };
+  const auto one_of = [&](dom::element v, std::string_view where, std::initializer_list<std::string_view> allowed) {
+    std::string_view s;
+    if (v.get_string().get(s) != simdjson::SUCCESS ||
+        std::find(allowed.begin(), allowed.end(), s) == allowed.end())
+      fail(j.file, where, fmt::format("expected one of {}", fmt::join(allowed, ", ")));
+  };
+  if (auto t = j.optional_member(root, "truncation")) {
+    if (t->type() != dom::element_type::OBJECT) fail(j.file, "truncation", "expected null or an object");
+    unsigned_at(*t, "max_length", "truncation", UINT64_MAX);
+    unsigned_at(*t, "stride", "truncation", UINT64_MAX);
+    one_of(j.member(*t, "strategy", "truncation"), "truncation.strategy", {"LongestFirst", "OnlyFirst", "OnlySecond"});
+    if (dom::element d; t->at_key("direction").get(d) == simdjson::SUCCESS)
+      one_of(d, "truncation.direction", {"Left", "Right"});
+  }
+  if (auto p = j.optional_member(root, "padding")) {
+    if (p->type() != dom::element_type::OBJECT) fail(j.file, "padding", "expected null or an object");
+    const dom::element strategy = j.member(*p, "strategy", "padding");
+    if (strategy.type() == dom::element_type::STRING) {
+      one_of(strategy, "padding.strategy", {"BatchLongest"});
+    } else {
+      dom::object o;
+      if (strategy.get_object().get(o) != simdjson::SUCCESS || o.size() != 1)
+        fail(j.file, "padding.strategy", "expected \"BatchLongest\" or {\"Fixed\": <length>}");
+      if (dom::element fixed; o.at_key("Fixed").get(fixed) == simdjson::SUCCESS)
+        unsigned_at(strategy, "Fixed", "padding.strategy", UINT64_MAX);
+      else if (dom::element bl; o.at_key("BatchLongest").get(bl) != simdjson::SUCCESS || !bl.is_null())
+        fail(j.file, "padding.strategy", "expected \"BatchLongest\" or {\"Fixed\": <length>}");
+    }
+    one_of(j.member(*p, "direction", "padding"), "padding.direction", {"Left", "Right"});
+    unsigned_at(*p, "pad_id", "padding", UINT32_MAX);
+    unsigned_at(*p, "pad_type_id", "padding", UINT32_MAX);
+    j.string(j.member(*p, "pad_token", "padding"), "padding.pad_token");
+    if (auto m = j.optional_member(*p, "pad_to_multiple_of")) unsigned_at(*p, "pad_to_multiple_of", "padding", UINT64_MAX);
+  }
+}
+
+}  // namespace
+
 void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<std::int64_t>& suffix,
                                std::vector<std::string>& warnings) {
   dom::parser parser;
@@ -807,6 +869,7 @@ void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<st
     fail(file, "version", fmt::format("unknown tokenizer version '{}' (expected \"1.0\")", j.string(*v, "version")));
 
   parse_model(j, j.member(root, "model", "tokenizer.json"));
+  check_padding_and_truncation(j, root);
   if (auto n = j.optional_member(root, "normalizer")) parse_normalizer(j, *n, "normalizer");
   if (auto p = j.optional_member(root, "pre_tokenizer")) parse_pre_tokenizer(j, *p, "pre_tokenizer", true);
   finish_model();
@@ -974,6 +1037,11 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
 }
 
 void TokenizerJson::Impl::finish_model() {
+  bool split_properties = false;
+  for (const SplitStage& st : stages) split_properties = split_properties || st.regex.uses_properties();
+  const bool gpt2_properties = byte_level && byte_level_use_regex;
+  property_classes = split_properties || gpt2_properties;
+  only_gpt2_classes = gpt2_properties && !split_properties;
   if (!byte_level) return;
   const auto& abc = alphabet();
   byte_fast = subword_prefix.empty() && word_suffix.empty();
@@ -1170,6 +1238,37 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
   if (start_offset != s.size()) on_split(start_offset, s.size(), -1);
 }
 
+// Note [Unicode version]: PCRE2's tables (Debian 12: PCRE2 10.42, Unicode 14.0) are older than
+// those of Hugging Face's tokenizers, so a code point assigned in a later Unicode version (new
+// emoji such as U+1FAE8, new scripts) falls outside every \p{..} class here but inside one there:
+// a regex like [\p{P}\p{S}] splits such text differently and the document would silently get
+// other token ids. Until the tables match, such a document is refused. For ByteLevel's own
+// pattern (\p{L}, \p{N}, \s) a code point that utf8proc (Unicode 15.0) knows to be neither a
+// letter, a number nor a separator splits exactly as an unassigned one, so that case is allowed.
+void TokenizerJson::Impl::check_unicode_version(std::string_view text) const {
+  static const Regex unassigned("\\p{Cn}", "<built-in>", "unassigned code points");
+  std::size_t from = 0, start = 0, end = 0;
+  while (unassigned.search(text, from, &start, &end)) {
+    std::size_t len = 0;
+    const char32_t cp = decode_at(text, start, &len);
+    from = start + len;
+    const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
+    const bool letter_number_or_separator =
+        (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
+        (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO) ||
+        (cat >= UTF8PROC_CATEGORY_ZS && cat <= UTF8PROC_CATEGORY_ZP);
+    if (only_gpt2_classes && cat != UTF8PROC_CATEGORY_CN && !letter_number_or_separator) continue;
+    char unicode[24] = "?";
+    pcre2_config(PCRE2_CONFIG_UNICODE_VERSION, unicode);
+    throw Error(fmt::format(
+        "text contains U+{:04X} (at byte {}), which the Unicode {} tables of this build's regex engine do not "
+        "assign; Hugging Face's tokenizers know newer Unicode and may split it differently with this tokenizer's "
+        "\\p{{..}} pre-tokenizer classes, so the document is refused rather than given different token ids "
+        "(remove the character, or set skip_invalid_documents)",
+        static_cast<std::uint32_t>(cp), start, unicode));
+  }
+}
+
 void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t>& out) const {
   if (!simdjson::validate_utf8(text.data(), text.size())) {
     const std::string fixed = utf8_lossy(text);
@@ -1177,6 +1276,7 @@ void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t
     while (bad < text.size() && text[bad] == fixed[bad]) ++bad;
     throw Error(fmt::format("text is not valid UTF-8 (first bad byte at offset {} of {})", bad, text.size()));
   }
+  if (property_classes) check_unicode_version(text);
   split_added(text, raw_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
     if (index >= 0) out.push_back(added[index].first);
     else if (e > b) encode_normalizable(text.substr(b, e - b), out);

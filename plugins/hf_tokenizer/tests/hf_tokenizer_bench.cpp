@@ -42,7 +42,7 @@ const std::vector<std::string>& corpus() {
 
 fs::path tokenizer_file(const std::string& name) {
   if (name == "gpt2")
-    return fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities" / "data" / "tokenizer" / "hf_gpt2" /
+    return fs::path(MODALITIES_TEST_FIXTURES_DIR) / "data" / "tokenizer" / "hf_gpt2" /
            "tokenizer.json";
   return fs::path(MODALITIES_TEST_SOURCE_ROOT) / "plugins" / "hf_tokenizer" / "tests" / "data" / name /
          "tokenizer.json";

@@ -33,7 +33,7 @@ namespace dom = simdjson::dom;
 
 const fs::path kPluginDir = MODALITIES_TEST_PLUGIN_SOURCE_DIR;
 const fs::path kData = kPluginDir / "tests" / "data";
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 const fs::path kCorpus = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl";
 
 fs::path folder_of(const std::string& name) {
@@ -486,6 +486,39 @@ std::string engine_error(const std::string& json) {
   return "";
 }
 
+// Regression: invalid `padding` / `truncation` blocks were accepted although `tokenizers` refuses
+// the file (cases and verdicts checked with tokenizers 0.22.2 from Python).
+TEST(HfTokenizerTest, PaddingAndTruncationBlocksHaveTheShapeTokenizersRequires) {
+  const auto with = [](const std::string& key, const std::string& value) {
+    std::string json = tiny_json();
+    const std::string null_block = "\"" + key + "\":null";
+    json.replace(json.find(null_block), null_block.size(), "\"" + key + "\":" + value);
+    return engine_error(json);
+  };
+  const std::string pad = R"("direction":"Right","pad_to_multiple_of":null,"pad_id":0,"pad_type_id":0,"pad_token":"[PAD]")";
+  EXPECT_EQ(with("padding", R"({"strategy":"BatchLongest",)" + pad + "}"), "");
+  EXPECT_EQ(with("padding", R"({"strategy":{"Fixed":12},"x":1,)" + pad + "}"), "");
+  EXPECT_EQ(with("truncation", R"({"max_length":10,"strategy":"LongestFirst","stride":0})"), "");
+  EXPECT_THAT(with("padding", "{}"), HasSubstr("padding.strategy"));
+  EXPECT_THAT(with("padding", R"({"strategy":"Longest",)" + pad + "}"), HasSubstr("padding.strategy"));
+  EXPECT_THAT(with("padding", R"({"strategy":{"Fixed":-1},)" + pad + "}"), HasSubstr("padding.strategy.Fixed"));
+  EXPECT_THAT(with("padding", R"({"strategy":"BatchLongest","direction":"Up","pad_id":0,"pad_type_id":0,"pad_token":"x"})"),
+              HasSubstr("padding.direction: expected one of Left, Right"));
+  EXPECT_THAT(with("padding", R"({"strategy":"BatchLongest","direction":"Left","pad_id":4294967296,"pad_type_id":0,"pad_token":"x"})"),
+              HasSubstr("padding.pad_id: expected an unsigned integer below 2^32"));
+  EXPECT_THAT(with("padding", R"({"strategy":"BatchLongest","direction":"Left","pad_id":0,"pad_type_id":0})"),
+              HasSubstr("padding.pad_token"));
+  EXPECT_THAT(with("padding", R"("x")"), HasSubstr("padding: expected null or an object"));
+  EXPECT_THAT(with("truncation", R"({"max_length":10,"strategy":"LongestFirst"})"), HasSubstr("truncation.stride"));
+  EXPECT_THAT(with("truncation", R"({"max_length":"10","strategy":"LongestFirst","stride":0})"),
+              HasSubstr("truncation.max_length: expected an unsigned integer"));
+  EXPECT_THAT(with("truncation", R"({"max_length":10,"strategy":"LongestFirst","stride":0.5})"),
+              HasSubstr("truncation.stride"));
+  EXPECT_THAT(with("truncation", R"({"direction":null,"max_length":10,"strategy":"LongestFirst","stride":0})"),
+              HasSubstr("truncation.direction"));
+  EXPECT_THAT(with("truncation", "true"), HasSubstr("truncation: expected null or an object"));
+}
+
 TEST(HfTokenizerTest, TinyJsonLoadsAndMerges) {
   TempDir dir;
   dir.write("tokenizer.json", tiny_json());
@@ -596,6 +629,27 @@ TEST(HfTokenizerTest, RejectsInvalidUtf8AndUnknownIds) {
   }
   EXPECT_THROW(tok->decode(std::vector<std::int64_t>{15496, 99999}), Error);
   EXPECT_THROW(tok->decode(std::vector<std::int64_t>{-1}), Error);
+}
+
+// Regression: with \p{..} classes in a pre-tokenizer regex, a code point newer than PCRE2's
+// Unicode 14 tables (U+1FAE8, an emoji of Unicode 15) was split unlike Hugging Face's tokenizers
+// (Unicode 16) and packed as other token ids. Now it is refused, naming the code point; with
+// ByteLevel's own pattern a symbol splits the same either way and is accepted, a new letter not.
+TEST(HfTokenizerTest, RefusesCodePointsNewerThanTheRegexTables) {
+  TokenizerJson llama(folder_of("llama3_style") / "tokenizer.json");
+  const std::string shaking_face = "Hi \xF0\x9F\xAB\xA8!";  // U+1FAE8
+  try {
+    llama.encode(shaking_face);
+    FAIL() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("text contains U+1FAE8 (at byte 3)"));
+    EXPECT_THAT(e.what(), HasSubstr("Unicode 14"));
+  }
+  TokenizerJson gpt2(folder_of("gpt2") / "tokenizer.json");
+  EXPECT_FALSE(gpt2.encode(shaking_face).empty());
+  const std::string kawi = "a \xF0\x91\xBC\x84";  // U+11F04 KAWI LETTER A (Unicode 15, a letter)
+  EXPECT_THROW(gpt2.encode(kawi), Error);
+  EXPECT_FALSE(llama.encode("Hi \xF0\x9F\x98\x80!").empty());  // U+1F600, known to Unicode 14
 }
 
 // The Oniguruma -> PCRE2 translation, class by class over every code point:

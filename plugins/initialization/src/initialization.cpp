@@ -1,4 +1,4 @@
-// Weight initialization (spec model.md §6, training.md §12 step 8, catalogue §8.1/§8.6):
+// Weight initialization (README.md):
 //   model_initialization/composed          normal init by parameter-name regexes, in stages
 //                                          plain -> scaled -> scaled_embed (GPT-2 or CoCa names)
 //   model_initialization/gpt2_llama3_like  TorchTitan's Llama-3 scheme: truncated normals,
@@ -35,7 +35,7 @@ namespace {
 // Modalities matches the names of torch's model.named_parameters(), which carry
 // wrapper infixes. It deletes only torch.compile's `_orig_mod.`, so after
 // activation checkpointing (`_checkpoint_wrapped_module.`) the block parameters
-// silently keep their default values (training.md §20 item 15). Here names come
+// silently keep their default values (docs/differences.md). Here names come
 // from Module::named_parameters(), which by contract are canonical (wrappers
 // override it), so the wrapping order cannot make an initializer skip
 // parameters. As a safety net for a wrapper that leaks its infix anyway, the
@@ -89,7 +89,7 @@ std::string name_list(const std::vector<std::string>& names, std::size_t limit =
 
 // --- model_initialization/composed ------------------------------------------------
 
-// Regex groups of Modalities' NAMED_PARAMETER_INIT_GROUPS (spec model.md §6.2),
+// Regex groups of Modalities' NAMED_PARAMETER_INIT_GROUPS,
 // verbatim, including the unescaped '.' in "W_2.weight".
 struct RegexFilter {
   std::vector<std::string> weights, biases;

@@ -21,7 +21,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Tutorial architecture (model.md §8) with a small vocabulary: RoPE, GQA 8/4,
+// Tutorial architecture (Modalities' tutorial config) with a small vocabulary: RoPE, GQA 8/4,
 // SwiGLU (hidden 256), bias-free linears and norms, untied.
 const std::string kGraph = R"(
 [model_raw]

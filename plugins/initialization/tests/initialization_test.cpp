@@ -102,7 +102,7 @@ class TinyGpt2 final : public Module {
   torch::nn::Module& module() override { return *root_; }
   const torch::nn::Module& module() const override { return *root_; }
 
-  // Constructor-time values (spec model.md §6.1), simplified.
+  // Constructor-time values (plugins/gpt2/README.md), simplified.
   void reset_parameters() override {
     if (!c_.supports_reset) return Module::reset_parameters();
     fill_defaults();

@@ -1,4 +1,4 @@
-// The three `layer_norm` variants (spec §8.24), each a Module over one tensor:
+// The three `layer_norm` variants (README.md), each a Module over one tensor:
 // forward({"input": x}) -> {"output": y}, normalising over the last dimension.
 //   layer_norm        standard LayerNorm (optional affine weight and bias)
 //   rms_norm          Modalities' RMSLayerNorm: x / sqrt(mean(x^2) + epsilon) in fp32,

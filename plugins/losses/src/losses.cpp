@@ -1,4 +1,4 @@
-// loss/clm_cross_entropy_loss (spec training.md §5.3, catalogue §8.7): mean
+// loss/clm_cross_entropy_loss (README.md): mean
 // token cross-entropy of a causal LM's logits [B, T, V] against the collator's
 // already-shifted targets [B, T], ignore index -100, computed in the logits'
 // dtype (so a bf16 forward gives a bf16 loss, exactly as Modalities logs it).

@@ -1,4 +1,4 @@
-// mfu_calculator/gpt2 (spec training.md §8, catalogue §8.26): model FLOPs
+// mfu_calculator/gpt2 (README.md): model FLOPs
 // utilization of a GPT-2-style decoder from the global samples per second,
 //   flops_per_token = 6·N + 12·n_layer·sequence_length·n_embd
 //   mfu = samples/s · sequence_length · flops_per_token / (peak_per_gpu · world_size)

@@ -1,4 +1,4 @@
-// Peak 16-bit FLOP/s per GPU for the MFU denominator (spec training.md §8.2),
+// Peak 16-bit FLOP/s per GPU for the MFU denominator (README.md),
 // looked up by CUDA device-name prefix. Header-only so the plugin test can
 // check the table without a GPU.
 #pragma once
@@ -11,7 +11,7 @@
 namespace modalities::plugins::mfu {
 
 /// Dense bf16/fp16 tensor-core peaks (FLOP/s). Modalities' table plus H200,
-/// which Modalities lacks (it reports MFU = -1 there, training.md §20 item 11);
+/// which Modalities lacks (it reports MFU = -1 there, docs/differences.md);
 /// H200 has the same compute as H100 SXM.
 inline constexpr std::array<std::pair<std::string_view, double>, 5> kPeakFlops16Bit = {{
     {"NVIDIA A100", 312e12},

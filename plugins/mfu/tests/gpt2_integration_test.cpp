@@ -1,5 +1,5 @@
 // mfu with the real model/gpt2 (in-tree only: loads the bundled gpt2 plugin).
-// The Modalities tutorial model (model.md section 8) must give the spec's
+// The Modalities tutorial model must give Modalities'
 // flops_per_token exactly: 79,830,528 untied (built on the meta device, nothing
 // allocated) and 41,197,056 tied (the shared matrix counts once).
 #include <modalities/sdk/interfaces/mfu_calculator.h>

@@ -1,7 +1,7 @@
 // mfu: mfu_calculator/gpt2 built from TOML over a stand-in model with the
-// parameter shapes of the Modalities tutorial config (model.md §8; meta-device
+// parameter shapes of the Modalities tutorial config (plugins/gpt2/README.md; meta-device
 // tensors, so nothing is allocated). Checks flops_per_token = 6·N + 12·L·T·d
-// against the spec's numbers (79,830,528 untied, 41,197,056 tied) exactly, the
+// against Modalities' numbers (79,830,528 untied, 41,197,056 tied) exactly, the
 // peak table, and the -1 cases.
 #include "../src/peak_flops.h"
 

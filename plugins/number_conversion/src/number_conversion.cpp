@@ -1,8 +1,8 @@
-// The 14 `number_conversion` variants (spec §8.5): integer arithmetic over
+// The 14 `number_conversion` variants (README.md): integer arithmetic over
 // token budgets, step counts, checkpoint folder names and dataset files, used
 // through interpolation to keep a run's numbers consistent. All integer
 // fields are strict; `//` is floor division of non-negative integers.
-// Deviations from Modalities (all fixes the spec recommends):
+// Deviations from Modalities (fixes of registrations that cannot work there):
 //   * num_steps_from_num_samples takes `dp_degree` (alias `num_ranks`);
 //     Modalities' registration can never be instantiated.
 //   * num_target_steps_from_checkpoint_path checks that the tokens per step
@@ -193,7 +193,7 @@ struct NumTokensFromPackedDatasetConfig {
   }
 };
 
-// Samples of packed_mem_map_dataset_continuous (spec data.md §6.2).
+// Samples of packed_mem_map_dataset_continuous (plugins/datasets/README.md).
 i64 continuous_num_samples(const NumTokensFromPackedDatasetConfig& c) {
   const auto header = formats::read_packed_header(c.dataset_path);
   const i64 tokens = static_cast<i64>(header.num_tokens());

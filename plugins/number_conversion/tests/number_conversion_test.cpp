@@ -1,5 +1,5 @@
 // number_conversion: every variant built through the registry by id (from the
-// plugin's example config and small inline configs), the values of spec §8.5,
+// plugin's example config and small inline configs), the values in README.md,
 // and one negative test per validator with the config path in the message.
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/testing/harness.h>
@@ -14,10 +14,11 @@ namespace modalities::plugins::number_conversion {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::AllOf;
 namespace fs = std::filesystem;
 
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 
 // A device mesh with fixed dimensions, registered in-process for parallel_degree.
 class FixedMesh final : public DeviceMesh {
@@ -90,7 +91,7 @@ TEST(NumberConversionTest, NumStepsFromNumSamplesAcceptsTheNumRanksAlias) {
 }
 
 TEST(NumberConversionTest, NumTokensFromPackedDatasetMatchesTheFixture) {
-  // Spec fixture value: lorem_ipsum_long.pbin, S = 256, dp = mbs = gas = 1 -> 332 800.
+  // Expected value (tests/fixtures/modalities/README.md): lorem_ipsum_long.pbin, S = 256, dp = mbs = gas = 1 -> 332 800.
   const std::string path = (kFixtures / "data/lorem_ipsum_long.pbin").string();
   EXPECT_EQ(build_one("num_tokens_from_packed_mem_map_dataset_continuous",
                       "{ dataset_path = \"" + path +
@@ -134,7 +135,7 @@ TEST(NumberConversionTest, NumStepsFromRawIndexCountsDocuments) {
   EXPECT_THAT(error_of("num_steps_from_raw_dataset_index",
                        "{ raw_index_path = \"" + pbin +
                            "\", num_ranks = 2, local_micro_batch_size = 4, gradient_accumulation_steps = 3 }"),
-              HasSubstr("unsupported or corrupt index pickle"));
+              AllOf(HasSubstr("lorem_ipsum.pbin"), HasSubstr("corrupt or unsupported index pickle")));
 }
 
 TEST(NumberConversionTest, CheckpointPathsMustContainEachNumberExactlyOnce) {

@@ -1,10 +1,11 @@
-// optimizer/adam and optimizer/adam_w (training.md §6, catalogue §8.8): PyTorch's Adam (L2
+// optimizer/adam and optimizer/adam_w (README.md): PyTorch's Adam (L2
 // weight decay) and AdamW (decoupled) over the parameter groups of Modalities' weight-decay
-// split. The update is written on ATen ops in exactly PyTorch's order instead of torch::optim
-// (whose state layout and rounding differ, §6.1), so parameters and state are bit-identical to
-// torch.optim: the single-tensor path op for op, the foreach path (at::_foreach_*, a few
-// multi-tensor kernels on CUDA) like PyTorch's foreach path, and `fused = true` calls PyTorch's
-// own fused kernels. State per parameter is PyTorch's: step (float32 0-dim), exp_avg, exp_avg_sq.
+// split. The update is written on ATen ops in exactly torch.optim's order instead of
+// torch::optim (whose state layout and rounding differ): the single-tensor path op for op, the
+// foreach path (at::_foreach_*, a few multi-tensor kernels on CUDA) like PyTorch's foreach path,
+// and `fused = true` calls PyTorch's own fused kernels. Same library, same machine: bit-identical
+// to torch.optim's algorithm; against Python torch.optim run elsewhere: within a few ulps (the
+// vectorised kernels may round differently on another CPU; tests/optimizers_test.cpp). State per parameter is PyTorch's: step (float32 0-dim), exp_avg, exp_avg_sq.
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
@@ -115,7 +116,7 @@ std::string count_with_commas(std::int64_t n) {
   return out;
 }
 
-// Groups of one model part, as Modalities' get_optimizer_groups (training.md §6.2). Returns
+// Groups of one model part, as Modalities' get_optimizer_groups (README.md). Returns
 // (group name, weight decay, named parameters) triples.
 struct PartGroup {
   std::string name;
@@ -591,12 +592,13 @@ class Adam final : public Optimizer {
 void register_components(Registrar& r) {
   r.add<Optimizer, AdamConfig>(
       "adam",
-      "Adam (weight decay as L2 on the gradient) over Modalities' weight-decay groups; bit-identical to "
-      "torch.optim.Adam.",
+      "Adam (weight decay as L2 on the gradient) over Modalities' weight-decay groups; torch.optim.Adam's "
+      "update, op for op.",
       [](const AdamConfig& c, BuildContext& ctx) { return std::make_shared<Adam>(c, /*decoupled=*/false, ctx); });
   r.add<Optimizer, AdamConfig>(
       "adam_w",
-      "AdamW (decoupled weight decay) over Modalities' weight-decay groups; bit-identical to torch.optim.AdamW.",
+      "AdamW (decoupled weight decay) over Modalities' weight-decay groups; torch.optim.AdamW's update, "
+      "op for op.",
       [](const AdamConfig& c, BuildContext& ctx) { return std::make_shared<Adam>(c, /*decoupled=*/true, ctx); });
 }
 

@@ -1,10 +1,10 @@
-// The `sampler` variants of Modalities (spec data.md §7.1-§7.3) and
+// The `sampler` variants of Modalities (README.md) and
 // `batch_sampler/default`. Exact sample order is the point: shuffling uses
 // LibTorch's own randperm with a CPU generator seeded seed + epoch, exactly
 // as torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
 // does in Modalities, so every rank reads the same indices as a Python run.
 //
-// Resumable order (§7.1): with n = len(dataset), K skipped, G = n - K,
+// Resumable order: with n = len(dataset), K skipped, G = n - K,
 // L = G div R if drop_last and G mod R != 0 else ceil(G / R), E = L * R:
 // full = permutation (or identity); rest = full[K:]; drop_last keeps
 // rest[:E], otherwise rest is padded to E from the start of the *whole*
@@ -83,7 +83,7 @@ constexpr const char* kDropLastHelp =
     "Drop the tail that does not divide evenly among the replicas. Modalities only accepts true; "
     "false pads by repeating the start of the (shuffled) order, like the Python class.";
 
-// The order fields shared by the two resumable samplers (spec §7.1, §7.2).
+// The order fields shared by the two resumable samplers (README.md, "Order").
 template <class C>
 void describe_resumable_order(Schema<C>& s) {
     s.field("epoch", &C::epoch, "Added to the seed (shuffle generator seed = seed + epoch).").non_negative();

@@ -1,4 +1,4 @@
-// Samplers against the exact index vectors of spec data.md §7.1 (verified
+// Samplers against the exact index vectors in README.md (verified
 // there against LibTorch / Modalities) and Modalities' own multi-dim sampler
 // test; datasets and device meshes of a given size are registered in-process.
 // One negative test per validator asserts that the message names the config path.
@@ -153,7 +153,7 @@ TEST_F(SamplersTest, ResumableSamplerPadsFromTheWholePermutationWithoutDropLast)
 }
 
 TEST_F(SamplersTest, ResumableSamplerMatchesLoremIpsumVectors) {
-  // lorem_ipsum_long.pbin, S = 256 -> 1 300 samples; R = 2, seed 42 (spec §7.1).
+  // lorem_ipsum_long.pbin, S = 256 -> 1 300 samples; R = 2, seed 42.
   const std::string extra = "shuffle = true, seed = 42";
   auto r0 = all(*resumable(1300, 0, 2, extra));
   auto r1 = all(*resumable(1300, 1, 2, extra));

@@ -1,4 +1,4 @@
-// The seven `scheduler` variants (training.md §7, catalogue §8.10): Modalities' DummyLRScheduler,
+// The seven `scheduler` variants (README.md): Modalities' DummyLRScheduler,
 // PyTorch's StepLR, ConstantLR, LinearLR, OneCycleLR and CosineAnnealingLR, and Modalities'
 // linear warmup + cosine factory (LinearLR and CosineAnnealingLR inside a SequentialLR).
 // PyTorch's mechanics are re-created exactly, so the learning rates are bit-identical: the

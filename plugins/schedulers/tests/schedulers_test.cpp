@@ -191,7 +191,7 @@ TEST_F(SchedulerTest, FreshRunsMatchTorchBitForBit) {
   }
 }
 
-// training.md section 7.2: W=2, total=6, initial 0.1, final 0.2, max 1.0 gives
+// Modalities' warmup-cosine factory: W=2, total=6, initial 0.1, final 0.2, max 1.0 gives
 // lr(0) < lr(1) < lr(2) = 1.0 > lr(3) > ... > lr(6) = 0.2.
 TEST_F(SchedulerTest, WarmupCosineSpecExample) {
   const RefSchedulerCase& c = kSchedulerCases[10];
@@ -344,7 +344,7 @@ TEST_F(SchedulerTest, ExampleConfigRunsOverAdamW) {
   for (const char* key : {"dummy_lr", "step_lr", "constant_lr", "linear_lr", "cosine_annealing_lr", "onecycle_lr",
                           "linear_warmup_cosine_annealing_lr"})
     EXPECT_NE(h.get<LRScheduler>(key), nullptr) << key;
-  // The spec's OneCycle example (reference case onecycle_spec_example): about 6e-5 at step 0,
+  // The OneCycle example (reference case onecycle_spec_example): about 6e-5 at step 0,
   // 6e-4 at step 9.
   const RefSchedulerCase& spec = kSchedulerCases[7];
   ASSERT_EQ(spec.name, "onecycle_spec_example");

@@ -1,5 +1,5 @@
-// tokenizer/pretrained_sp_tokenizer: Modalities' PreTrainedSPTokenizer (spec
-// data.md §5.3) on the SentencePiece C++ library: Encode without BOS/EOS,
+// tokenizer/pretrained_sp_tokenizer: Modalities' PreTrainedSPTokenizer (see
+// README.md) on the SentencePiece C++ library: Encode without BOS/EOS,
 // Decode, piece count as vocabulary size, PieceToId (the unknown piece is an
 // error) and IsControl for special ids.
 // (sentencepiece_processor.h aliases absl::string_view to std::string_view, so

@@ -27,7 +27,7 @@ namespace dom = simdjson::dom;
 
 const fs::path kPluginDir = MODALITIES_TEST_PLUGIN_SOURCE_DIR;
 const fs::path kData = kPluginDir / "tests" / "data";
-const fs::path kFixtures = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities";
+const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 const fs::path kCorpus = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl";
 
 fs::path model_of(const std::string& name) {

@@ -1,5 +1,5 @@
-// The logging-broker subscribers of Modalities (training.md §9.3, catalogue
-// §8.22, §8.23): `progress_subscriber/{dummy,rich}` and
+// The logging-broker subscribers of Modalities (see
+// README.md): `progress_subscriber/{dummy,rich}` and
 // `results_subscriber/{dummy,to_disc,rich}`.
 //   progress rich  a live progress bar on rank 0 (stderr): step/target, the
 //                  latest train loss, lr, tokens/s and ETA; one line per eval pass
@@ -50,7 +50,7 @@ class DummySubscriber final : public MessageSubscriber {
 };
 
 // ---------------------------------------------------------------------------
-// Text form of a result (batch.py EvaluationResultBatch.__str__, training.md §4.1)
+// Text form of a result (Modalities' batch.py EvaluationResultBatch.__str__)
 
 // "k: v" items of one group joined by " | ", then " | " (also after an empty group).
 std::string group_text(const ResultItems& items) {

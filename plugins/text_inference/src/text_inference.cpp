@@ -1,5 +1,5 @@
-// inference_component/text: Modalities' TextInferenceComponent (training.md
-// §17, catalogue §8.31), the loop behind `modalities generate_text`. Fills the
+// inference_component/text: Modalities' TextInferenceComponent (see
+// README.md), the loop behind `modalities generate_text`. Fills the
 // prompt template's {placeholders} from the input stream, then samples one
 // token at a time (re-running the whole sequence; no KV cache, as Modalities)
 // until the end-of-document token or the length limit, streaming the text.

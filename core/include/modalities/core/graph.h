@@ -1,5 +1,5 @@
 // The component graph of a resolved config: validation before anything is
-// built, then construction by dependency injection in the order of spec §3.2
+// built, then construction by dependency injection in the order of docs/configs.md
 // (children before parents, top-level nodes built once and shared through
 // references, inline nodes private), and a DOT rendering.
 #pragma once
@@ -15,7 +15,7 @@
 
 namespace modalities::core {
 
-/// One top-level key a pipeline needs (spec §4): its name, what it must
+/// One top-level key a pipeline needs (docs/configs.md): its name, what it must
 /// produce ("Module", "int", "table", "list<DataLoader>", or "" for anything).
 struct BuiltGraph;
 

@@ -1,5 +1,5 @@
 // The gym: trainer + evaluator + checkpoint and logging callbacks of a
-// training run (spec training.md §5). It sees components only through the
+// training run (docs/training.md). It sees components only through the
 // SDK interfaces, so every model, optimizer, loss or subscriber plugin (and
 // the sharding wrappers) plugs in unchanged.
 //
@@ -8,7 +8,7 @@
 //
 // Step order, intervals and logged metrics follow Modalities exactly; the
 // differences (no per-micro-batch host sync, NaN/inf stop, signal handling)
-// are listed in the README.
+// are listed in docs/differences.md.
 #pragma once
 
 #include <modalities/core/training_settings.h>
@@ -89,12 +89,12 @@ class NonFiniteLossError : public Error {
   i64 step_;
 };
 
-/// Runs the training loop of spec §5 to the target step (or until the train
+/// Runs Modalities' training loop to the target step (or until the train
 /// loader is exhausted, or a stop request). Throws NonFiniteLossError when a
 /// loss or gradient norm is NaN/inf (no checkpoint is written after it).
 GymSummary run_gym(GymComponents& components, const GymOptions& options);
 
-/// The "Training Report" printed at start (spec §2.3).
+/// The "Training Report" printed at start, as Modalities prints it.
 std::string training_report(const GymComponents& components, i64 num_parameters);
 
 /// Trainable parameters over all model parts, tied tensors counted once.

@@ -1,4 +1,4 @@
-// `${...}` interpolation over a whole config document (spec §2.2-§2.3, §10.4):
+// `${...}` interpolation over a whole config document (docs/configs.md):
 //   "${a.b[0].c}"      whole-string: replaced by a copy of the target, type kept
 //   "x/${a.b}/y"       embedded: each part rendered as text, result is a string
 //   "${name:argument}" a registered resolver (cuda_env, modalities_env, node_env, null, ...)

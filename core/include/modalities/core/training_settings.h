@@ -1,4 +1,4 @@
-// The training pipeline's Settings schema and consistency checks (spec §4.1).
+// The training pipeline's Settings schema and consistency checks (docs/training.md).
 // Settings ignore unknown keys (as in Modalities); each validator raises an
 // error when its `enforce_*` flag is true and a warning otherwise. Unlike
 // Modalities, a run with no steps left (target steps = seen steps) is
@@ -145,7 +145,7 @@ struct TrainingSettings {
     });
   }
 
-  // Spec §4.1 validators 1-4, in Modalities' order.
+  // Modalities' four settings validators, in Modalities' order.
   static void check_consistency(const TrainingSettings& c, ParseContext& ctx) {
     const auto& e = c.consistency_enforcement;
     auto report = [&](bool enforce, std::string path, std::string message) {

@@ -1,6 +1,6 @@
 // Example third-party plugin: adds the variant number_conversion/tokens_per_step
 // (global tokens per optimizer step) to an existing component key. Built out
-// of tree against the installed SDK; see ../CMakeLists.txt and the README.
+// of tree against the installed SDK; see ../CMakeLists.txt and docs/plugins.md.
 #include <modalities/sdk/plugin.h>
 
 #include <cstdint>

@@ -541,6 +541,11 @@ class Schema {
         if (auto near = closest_match(key, known); !near.empty()) hint = fmt::format("did you mean '{}'?", near);
         else if (!known.empty()) hint = "valid keys: " + quoted_list(known);
         ctx.fail(join_path(path, key), "unknown key", hint);
+      } else if (!matched) {
+        // Tables that allow extra keys (Modalities' settings) still warn about a likely typo: a
+        // misspelt enforce_* flag would otherwise switch a check off without a word.
+        if (auto near = closest_match(key, known); !near.empty())
+          ctx.warn(join_path(path, key), fmt::format("unknown key, ignored; did you mean '{}'?", near));
       }
     }
     std::vector<Parsed> status(records_.size(), Parsed::kOk);

@@ -1,5 +1,5 @@
 // The raw index (`.idx`) builder behind `modalities data create_raw_index`
-// (spec data.md §3). Line splitting, JSON validation and jq paths live in the
+// (docs/data.md, "Raw index (.idx)"). Line splitting, JSON validation and jq paths live in the
 // SDK (modalities/sdk/formats/jsonl.h), shared with the dataset plugins.
 #pragma once
 
@@ -40,7 +40,7 @@ struct RawIndexResult {
   std::uint64_t dropped = 0;
 };
 
-/// Splits and validates a JSONL file (spec §3.1, §3.2). Throws
+/// Splits and validates a JSONL file (docs/data.md). Throws
 /// modalities::Error "FILE:LINE: ..." at the first invalid line unless
 /// drop_faulty_entries is set.
 RawIndexResult index_jsonl(const std::filesystem::path& src, const RawIndexOptions& options = {});

@@ -1,4 +1,4 @@
-// `modalities data pack_encoded_data` (spec data.md §5): JSONL + raw index ->
+// `modalities data pack_encoded_data` (docs/data.md): JSONL + raw index ->
 // tokenized `.pbin`, byte-identical to Modalities for clean inputs.
 //
 // Work is split into items of `processing_batch_size` consecutive lines.
@@ -8,7 +8,7 @@
 // raw_samples_queue_size + processed_samples_queue_size items are in flight,
 // which bounds memory whatever the file size.
 //
-// Deviations from Modalities (spec §11): a bad document is an error that
+// Deviations from Modalities (docs/differences.md): a bad document is an error that
 // names the line and leaves no output (Modalities silently truncates the file,
 // Q1-Q3) unless `skip_invalid_documents` is set, which skips only the bad
 // documents and reports them; `dst_path` is optional (Q13); an EOD string that
@@ -41,6 +41,7 @@ struct PackingSettings {
   std::int64_t raw_samples_queue_size = 20;
   std::int64_t processed_samples_queue_size = 20;
   bool skip_invalid_documents = false;
+  std::string config_file;  // for messages only (not a config key): the file these settings came from
 
   static void describe(Schema<PackingSettings>& s);
 
@@ -53,7 +54,7 @@ void check_packing_settings(const Value& settings, ParseContext& ctx);
 /// Parses `settings`; throws ConfigError listing every problem.
 PackingSettings parse_packing_settings(const Value& settings);
 
-/// Bytes per token for a vocabulary of `vocab_size` ids (spec §4.2): 1, 2 or 4.
+/// Bytes per token for a vocabulary of `vocab_size` ids (docs/data.md, "Token size"): 1, 2 or 4.
 std::uint32_t token_size_for_vocab(std::int64_t vocab_size);
 
 struct PackingResult {

@@ -1,5 +1,5 @@
 // The `modalities data` tools that rewrite packed (`.pbin`) and JSONL files
-// (spec data.md §9.2-§9.5): merge, shuffle of a .pbin or JSONL file with
+// (docs/data.md): merge, shuffle of a .pbin or JSONL file with
 // CPython's random.Random, and the shuffled dataset chunks with numpy's
 // default_rng. Outputs are byte-identical to what Modalities writes for the
 // same inputs and seeds, except for the bugs fixed deliberately (Q4, Q11; see
@@ -32,7 +32,7 @@ struct ToolResult {
   std::uint64_t numpy_seed = 0;  // chunk tools: the seed given to default_rng
 };
 
-// --- §9.2 merge_packed_data ------------------------------------------------------
+// --- merge_packed_data -----------------------------------------------------------
 
 /// Expands `sources` (files, or directories searched recursively for `*.pbin`)
 /// into the list of files to merge, in argument order. Files found in one
@@ -51,7 +51,7 @@ std::vector<std::filesystem::path> find_pbin_inputs(std::span<const std::filesys
 /// whole, so bytes outside any document survive like in Modalities.
 ToolResult merge_packed_data(std::span<const std::filesystem::path> sources, const std::filesystem::path& target);
 
-// --- §9.3 / §9.4 shuffles -----------------------------------------------------------
+// --- shuffles -----------------------------------------------------------------------
 
 /// Writes the documents of `input` (.pbin) in the order of CPython's
 /// random.Random(seed).shuffle applied to the index, followed by a new
@@ -69,7 +69,7 @@ ToolResult shuffle_tokenized_data(const std::filesystem::path& input, const std:
 ToolResult shuffle_jsonl_data(const std::filesystem::path& input, const std::filesystem::path& output,
                               const PyInt& seed, FileExistencePolicy policy);
 
-// --- §9.5 shuffled chunks -------------------------------------------------------------
+// --- shuffled chunks ------------------------------------------------------------------
 
 /// [begin, end) of chunk `chunk_id` of `num_chunks` over `num_items` items:
 /// the first (num_items mod K, or K if 0) chunks have ceil(n/K) items, the

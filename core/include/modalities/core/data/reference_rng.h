@@ -1,5 +1,5 @@
 // Bit-exact re-implementations of the two Python random streams the Modalities
-// data tools depend on (spec data.md §10.2, §10.3):
+// data tools depend on (docs/data.md, "Shuffles and chunks"):
 //   * CPythonRandom — `random.Random(seed)` (MT19937 seeded by init_by_array),
 //     used by shuffle_tokenized_data / shuffle_jsonl_data and the split of
 //     prepare_instruction_tuning_data;

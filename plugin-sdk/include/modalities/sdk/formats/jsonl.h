@@ -1,5 +1,5 @@
-// JSONL handling shared by the data tools and the datasets (spec data.md §3,
-// §5.2): Modalities' line splitting, JSON validation with exactly the
+// JSONL handling shared by the data tools and the datasets (docs/data.md,
+// "Raw index (.idx)"): Modalities' line splitting, JSON validation with exactly the
 // acceptance rules of Python's json.loads, and the jq subset used to pick the
 // text out of a line.
 #pragma once
@@ -18,11 +18,11 @@
 namespace modalities::formats {
 
 /// Lines of a JSONL buffer as (offset, length) without the '\n', by the rule
-/// of spec §3.1: a trailing '\n' ends the last line, an empty buffer is one
+/// of docs/data.md: a trailing '\n' ends the last line, an empty buffer is one
 /// empty line, '\r' stays inside the line.
 MODALITIES_SDK_API std::vector<IndexEntry> split_lines(std::string_view text);
 
-/// Default raw index path of a JSONL file: <parent>/<stem>.idx (spec §3.3).
+/// Default raw index path of a JSONL file: <parent>/<stem>.idx, as in Modalities.
 MODALITIES_SDK_API std::filesystem::path default_index_path(const std::filesystem::path& src);
 
 /// `s` as a JSON string literal, quotes included: '"' and '\\' escaped, control

@@ -1,5 +1,5 @@
-// Read-only, memory-mapped access to a Modalities `.pbin` file (spec data.md
-// §4.1, §4.3): the checked header, O(1) token access into the data section and,
+// Read-only, memory-mapped access to a Modalities `.pbin` file (docs/data.md,
+// "Packed file (.pbin)"): the checked header, O(1) token access into the data section and,
 // on first use, the document index (with detection of the legacy format whose
 // offsets are absolute file positions). Shared by the dataset plugins and the
 // data tools, so it deliberately depends on nothing but the standard library.

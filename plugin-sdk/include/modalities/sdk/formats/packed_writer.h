@@ -1,4 +1,4 @@
-// Writes a Modalities `.pbin` (spec data.md §4.1) the way every Modalities
+// Writes a Modalities `.pbin` (docs/data.md, "Packed file") the way every Modalities
 // writer lays it out: 12-byte header, token data, pickled (offset, length)
 // index with data-relative offsets; data_len is patched in at the end. The
 // file goes through AtomicFile, so it appears under its name only once

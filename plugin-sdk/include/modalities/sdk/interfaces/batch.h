@@ -1,8 +1,8 @@
 // Plain data types that travel between the component interfaces: batches of
 // named tensors, the training progress that drives checkpointing, and the
 // messages published to subscribers. They mirror Modalities' batch.py and its
-// logging-broker payloads (spec/config-and-components.md §7, training.md §4.1,
-// §9). Members that report errors are defined in the SDK library
+// logging-broker payloads (see interfaces/README.md and
+// plugins/subscribers/README.md). Members that report errors are in the SDK library
 // (src/interfaces.cpp), so the structs that have them are exported.
 #pragma once
 

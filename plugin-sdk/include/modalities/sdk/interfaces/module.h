@@ -148,7 +148,7 @@ class MODALITIES_SDK_API Module {
   /// to `dtype` when given. Used for inference and single-device runs.
   virtual void to(const c10::Device& device, std::optional<c10::ScalarType> dtype);
 
-  /// Mixed precision the way FSDP2 applies it (training.md §11.3): parameters
+  /// Mixed precision the way FSDP2 applies it (docs/training.md): parameters
   /// keep their storage dtype (the fp32 master weights that optimizers,
   /// clippers and checkpoints see) and forward() computes with copies cast to
   /// `dtype` at each use, so activations, logits and the loss are in `dtype`
