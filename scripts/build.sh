@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set-up (idempotent) and build of a CMake preset. Usage: scripts/build.sh [cpu|cuda|debug]
+# Set-up (idempotent) and build of a CMake preset. Usage: scripts/build.sh [cpu|cuda|debug|asan]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 preset="${1:-cpu}"

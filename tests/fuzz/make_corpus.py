@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/seed_*).
+
+Standard library only. The seeds are the repository's own valid files (configs, fixture
+.idx/.pbin/.jsonl files, tokenizer.json variants, the checkpoint fixture, the SentencePiece test
+model) and hand-made adversarial inputs, one per defect class of issue 16 (deep TOML nesting, a
+flipped pickle FRAME byte, code-running pickles, truncated files, contradicting checkpoint
+manifests, ...). Inputs found by scripts/fuzz.sh and kept are stored beside them under other
+names; this script replaces only files named seed_*.
+
+    python3 tests/fuzz/make_corpus.py          # rewrite the seeds
+"""
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = ROOT / "tests" / "fuzz" / "corpus"
+FIX = ROOT / "tests" / "fixtures" / "modalities"
+CKPT = ROOT / "plugins" / "checkpointing" / "tests" / "data"
+CKPT_FOLDER = CKPT / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320"
+TOK = ROOT / "plugins" / "hf_tokenizer" / "tests" / "data" / "variants"
+
+
+def put(target: str, name: str, data) -> None:
+    folder = CORPUS / target
+    folder.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    (folder / f"seed_{name}").write_bytes(data)
+
+
+def copy(target: str, name: str, source: Path) -> None:
+    put(target, name, source.read_bytes())
+
+
+def config_seeds() -> None:
+    for toml in sorted((ROOT / "configs").rglob("*.toml")):
+        rel = toml.relative_to(ROOT / "configs").as_posix().replace("/", "_")
+        copy("config", rel, toml)
+    deep = 40_000  # issue 16: about 40,000 parts overflowed the stack inside toml::parse
+    put("config", "deep_dotted_key.toml", "a" + ".a" * (deep - 1) + " = 1\n")
+    put("config", "deep_table_header.toml", "[" + ".".join(["t"] * deep) + "]\nx = 1\n")
+    put("config", "deep_array_of_tables.toml", "[[" + ".".join(["t"] * deep) + "]]\nx = 1\n")
+    put("config", "deep_inline_key.toml", "a = { " + ".".join(["k"] * deep) + " = 1 }\n")
+    put("config", "deep_inline_arrays.toml", "a = " + "[" * 5000 + "]" * 5000 + "\n")
+    put("config", "deep_inline_tables.toml", "a = " + "{ b = " * 5000 + "1" + " }" * 5000 + "\n")
+    put("config", "key_depth_65.toml", ".".join(["k"] * 65) + " = 1\n")
+    put("config", "interpolation_cycle.toml", 'a = "${b}"\nb = "${a}"\n')
+    put("config", "interpolation_unknown_resolver.toml", 'a = "${no_such_resolver:x}"\n')
+    put("config", "interpolation_unterminated.toml", 'a = "${b"\nb = 1\n')
+    put("config", "interpolation_nested.toml", 'a = "${modalities_env:${b}}"\nb = "config_file_path"\n')
+    put("config", "invalid_utf8.toml", b'a = "\xff\xfe"\n')
+    put("config", "unterminated_string.toml", 'a = """never closed\n')
+    put("config", "component_without_variant.toml",
+        '[model]\ncomponent_key = "model"\n[model.config]\nn_layer = 2\n')
+    put("config", "reference_to_nothing.toml",
+        '[settings]\n[loss_fn]\ncomponent_key = "loss"\nvariant_key = "clm_cross_entropy_loss"\n'
+        '[loss_fn.config]\nother = { instance_key = "missing", pass_type = "BY_REFERENCE" }\n')
+
+
+def pickle_seeds() -> None:
+    copy("pickle_index", "lorem_ipsum.idx", FIX / "data" / "lorem_ipsum.idx")
+    copy("pickle_index", "lorem_ipsum_long.idx", FIX / "data" / "lorem_ipsum_long.idx")
+    copy("pickle_index", "tiny.idx", FIX / "derived" / "tiny" / "tiny.idx")
+    index = [(0, 10), (10, 300), (310, 70000), (70310, 5)]
+    for protocol in range(0, 6):
+        put("pickle_index", f"protocol_{protocol}.idx", pickle.dumps(index, protocol=protocol))
+    put("pickle_index", "empty_list.idx", pickle.dumps([], protocol=4))
+    put("pickle_index", "negative_offsets.idx", pickle.dumps([(-12, 10), (-2, 8)], protocol=4))
+    put("pickle_index", "big_ints.idx", pickle.dumps([(2**63, 1), (2**70, 2**64)], protocol=4))
+    # Issue 16: one 0x94 (MEMOIZE) turned into 0x95 (FRAME) made our old reader skip an entry.
+    raw = bytearray((FIX / "data" / "lorem_ipsum.idx").read_bytes())
+    flip = raw.index(0x94, 20)
+    raw[flip] = 0x95
+    put("pickle_index", "flipped_memoize_to_frame.idx", bytes(raw))
+    put("pickle_index", "truncated.idx", (FIX / "data" / "lorem_ipsum.idx").read_bytes()[:40])
+    put("pickle_index", "data_after_stop.idx", (FIX / "data" / "lorem_ipsum.idx").read_bytes() + b"\x80\x04N.")
+
+    class RunsCode:  # never unpickled here: only its bytes (GLOBAL/STACK_GLOBAL + REDUCE) are written
+        def __reduce__(self):
+            return (print, ("an index must never run code",))
+
+    for protocol in (0, 2, 4):
+        put("pickle_index", f"reduce_protocol_{protocol}.idx", pickle.dumps([RunsCode()], protocol=protocol))
+
+
+def pbin_seeds() -> None:
+    copy("pbin", "lorem_ipsum.pbin", FIX / "data" / "lorem_ipsum.pbin")
+    copy("pbin", "tiny.pbin", FIX / "derived" / "tiny" / "tiny.pbin")
+    derived = FIX / "derived" / "tests" / "data" / "datasets"
+    copy("pbin", "danish_sp.pbin", derived / "danish_test_dataset.sp_en32k_eod2.pbin")
+    tiny = (FIX / "derived" / "tiny" / "tiny.pbin").read_bytes()
+    put("pbin", "header_only.pbin", tiny[:12])
+    put("pbin", "truncated_index.pbin", tiny[:-3])
+    put("pbin", "huge_data_length.pbin", b"\xff" * 8 + tiny[8:])
+    put("pbin", "token_size_3.pbin", tiny[:8] + (3).to_bytes(4, "little") + tiny[12:])
+    # A Modalities-merged file of two copies of tiny.pbin: data concatenated, index runs shifted
+    # the way Modalities' merge writes them (each later run's offsets 12 bytes short per input).
+    data_len = int.from_bytes(tiny[:8], "little")
+    token_size = tiny[8:12]
+    data = tiny[12:12 + data_len]
+    entries = pickle.loads(tiny[12 + data_len:])
+    merged_index = list(entries) + [(o + data_len - 12, n) for o, n in entries]
+    merged = (2 * data_len).to_bytes(8, "little") + token_size + data + data + pickle.dumps(merged_index, protocol=4)
+    put("pbin", "merged_like_modalities.pbin", merged)
+
+
+def jsonl_seeds() -> None:
+    copy("jsonl", "tiny.jsonl", FIX / "derived" / "tiny" / "tiny.jsonl")
+    copy("jsonl", "lorem_ipsum_without_last_newline.jsonl",
+         FIX / "tests" / "data" / "datasets" / "lorem_ipsum_without_last_newline.jsonl")
+    put("jsonl", "lone_surrogates.jsonl",
+        '{"text": "ok", "meta": "\\ud800"}\n{"text": "bad \\udc00 text"}\n{"text": "pair \\ud83d\\ude00"}\n')
+    put("jsonl", "mixed_faults.jsonl",
+        '{"text": "a"}\n\n{"text": 1}\n{"txt": "b"}\n{"text": "c"\n{"text": "d"}\r\n \n{"text": "\\u0000"}')
+    put("jsonl", "invalid_utf8.jsonl", b'{"text": "\xc3\x28"}\n{"text": "fine"}\n')
+    put("jsonl", "deep_nesting.jsonl", '{"text": "x", "deep": ' + "[" * 3000 + "]" * 3000 + "}\n")
+    put("jsonl", "jq_first_line.jsonl", '.meta.title\n{"meta": {"title": "t"}, "text": "x"}\n')
+
+
+def tokenizer_seeds() -> None:
+    for name in ("bl_gpt2_regex", "bl_bert", "bl_nfkc", "bl_classes", "ch_byte_fallback", "ch_unk"):
+        copy("tokenizer_json", f"{name}.json", TOK / f"{name}.json")
+    base = json.loads((TOK / "bl_gpt2_regex.json").read_text(encoding="utf-8"))
+    bad_padding = dict(base, padding={"strategy": "Nonsense", "direction": "Sideways"})
+    put("tokenizer_json", "bad_padding.json", json.dumps(bad_padding))
+    bad_truncation = dict(base, truncation={"max_length": -1})
+    put("tokenizer_json", "bad_truncation.json", json.dumps(bad_truncation))
+    classes = json.loads(json.dumps(base))
+    classes["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "[\\p{P}\\p{S}]+|\\s+|[^\\p{P}\\p{S}\\s]+"},
+                                "behavior": "Isolated", "invert": False}
+    put("tokenizer_json", "property_classes.json", json.dumps(classes))
+    put("tokenizer_json", "not_json.json", "{ this is not json")
+
+
+def checkpoint_seeds() -> None:
+    manifest = (CKPT_FOLDER / "manifest.json").read_bytes()
+    put("checkpoint", "manifest_plain", b"\x00" + manifest)
+    put("checkpoint", "manifest_named", b"\x01" + manifest)
+    m = json.loads(manifest)
+    m["training_progress"]["num_seen_steps_total"] = 4  # contradicts the folder name seen_steps_2
+    put("checkpoint", "manifest_contradicts_name", b"\x01" + json.dumps(m, indent=2).encode())
+    m = json.loads(manifest)
+    m["training_progress"]["num_seen_tokens_total"] = "64"
+    put("checkpoint", "manifest_string_progress", b"\x01" + json.dumps(m, indent=2).encode())
+    m = json.loads(manifest)
+    del m["tensors"]
+    put("checkpoint", "manifest_without_tensors", b"\x00" + json.dumps(m).encode())
+    put("checkpoint", "manifest_truncated", b"\x00" + manifest[: len(manifest) // 2])
+    app_state = (CKPT_FOLDER / "app_state.safetensors").read_bytes()
+    put("checkpoint", "safetensors_app_state", b"\x02" + app_state)
+    put("checkpoint", "safetensors_after_step_3", b"\x02" + (CKPT / "after_step_3.safetensors").read_bytes())
+    put("checkpoint", "safetensors_truncated", b"\x02" + app_state[:100])
+    put("checkpoint", "safetensors_huge_header", b"\x02" + (2**62).to_bytes(8, "little") + app_state[8:])
+
+
+def sentencepiece_seeds() -> None:
+    model = (ROOT / "plugins" / "sp_tokenizer" / "tests" / "data" / "tiny_bpe.model").read_bytes()
+    put("sentencepiece", "tiny_bpe.model", model)
+    put("sentencepiece", "tiny_bpe_truncated.model", model[: len(model) // 2])
+    put("sentencepiece", "empty.model", b"")
+
+
+def main() -> None:
+    for old in CORPUS.glob("*/seed_*"):
+        old.unlink()
+    config_seeds()
+    pickle_seeds()
+    pbin_seeds()
+    jsonl_seeds()
+    tokenizer_seeds()
+    checkpoint_seeds()
+    sentencepiece_seeds()
+    total = sum(f.stat().st_size for f in CORPUS.rglob("*") if f.is_file())
+    print(f"seeds written to {CORPUS.relative_to(ROOT)} ({total / 1024:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()
