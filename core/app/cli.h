@@ -42,6 +42,10 @@ int run_config(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
 /// `modalities run` (warmstart = false) and `modalities warmstart` (cli_run.cpp).
 int run_training(const std::vector<std::string>& args, bool warmstart);
+/// `modalities launch` (cli_launch.cpp): one process per rank with torchrun's environment.
+int run_launch(const std::vector<std::string>& args);
+/// `modalities dist check` (cli_dist.cpp): collectives checked on known values, and timed.
+int run_dist(const std::vector<std::string>& args);
 /// `modalities generate_text` (cli_run.cpp).
 int run_generate_text(const std::vector<std::string>& args);
 

@@ -1,5 +1,5 @@
 // `modalities`: the host binary. Verbs mirror the Python Modalities CLI
-// (spec §9); each verb lives in its own cli_*.cpp.
+// (docs/configs.md); each verb lives in its own cli_*.cpp.
 #include "cli.h"
 
 #include <modalities/core/registry.h>
@@ -27,6 +27,9 @@ Commands:
   config resolve <file.toml>    print the fully interpolated config as TOML
   config graph <file.toml>      print the component graph in Graphviz DOT
   config build <file.toml>      build the component graph and print what each top-level key produced
+  launch -- <command>           run a command as N ranks on this node with torchrun's environment
+                                (`modalities launch --help`)
+  dist check                    check and time the collectives of a multi-process run (under a launcher)
   data <command>                prepare training data: create_raw_index, pack_encoded_data, merge_packed_data,
                                 shuffles, chunks, inspect_packed_data (`modalities data --help`)
 
@@ -58,6 +61,8 @@ int main(int argc, char** argv) {
     if (verb == "data") return modalities::cli::run_data(args);
     if (verb == "run") return modalities::cli::run_training(args, /*warmstart=*/false);
     if (verb == "warmstart") return modalities::cli::run_training(args, /*warmstart=*/true);
+    if (verb == "launch") return modalities::cli::run_launch(args);
+    if (verb == "dist") return modalities::cli::run_dist(args);
     if (verb == "generate_text") return modalities::cli::run_generate_text(args);
   } catch (const std::exception& e) {
     modalities::cli::print_error(e.what());

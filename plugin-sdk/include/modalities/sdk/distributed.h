@@ -1,0 +1,120 @@
+// The process-group runtime of a run: which process this is (the launch environment of
+// torchrun, `modalities launch` or SLURM) and the communicator over all processes, built on
+// LibTorch's c10d (ProcessGroupGloo on CPU, ProcessGroupNCCL in the CUDA build) with a c10d
+// TCPStore rendezvous. The host initialises it once, before building a config; plugins (device
+// mesh, FSDP wrappers, gradient clippers, subscribers) read it.
+//
+// Light header: c10d types are forward-declared. Code that calls into a process group includes
+// <torch/csrc/distributed/c10d/ProcessGroup.hpp> itself.
+#pragma once
+
+#include <modalities/sdk/export.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+}  // namespace c10d
+
+namespace modalities::dist {
+
+/// Who this process is in the run. Read from the environment by launch_env().
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  /// Rendezvous address of the store (hosted by rank 0, or by torchrun's agent).
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  /// TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent hosts the TCPStore, every rank is a
+  /// client, and keys live under /worker/attempt_<TORCHELASTIC_RESTART_COUNT>/.
+  bool agent_store = false;
+  int restart_count = 0;
+  /// Where the values came from: "single process", "RANK/WORLD_SIZE" or "SLURM".
+  std::string source = "single process";
+
+  bool distributed() const { return world_size > 1; }
+};
+
+/// Environment lookup (getenv's contract: nullptr when unset).
+using EnvLookup = std::function<const char*(const char*)>;
+
+/// Reads the launch contract:
+///  - RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun,
+///    `modalities launch`, any launcher that sets them); LOCAL_* default to the single-node
+///    values when absent;
+///  - when RANK is unset and SLURM_PROCID is set: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+///    SLURM_NTASKS_PER_NODE (or SLURM_TASKS_PER_NODE), MASTER_ADDR (default: the first host of
+///    SLURM_STEP_NODELIST / SLURM_JOB_NODELIST), MASTER_PORT (default: 15000 + SLURM_JOB_ID % 20000);
+///  - neither: one process (world size 1).
+/// Throws modalities::Error naming the variable and its value when one is malformed, missing or
+/// contradicts another (RANK >= WORLD_SIZE, ...).
+MODALITIES_SDK_API LaunchEnv launch_env(const EnvLookup& lookup);
+/// launch_env() on the process environment.
+MODALITIES_SDK_API LaunchEnv launch_env();
+
+/// The first host of a SLURM node list ("node[003-004,7],login" -> "node003").
+MODALITIES_SDK_API std::string first_slurm_host(std::string_view nodelist);
+
+struct RuntimeOptions {
+  /// "gloo", "nccl", or "auto" (nccl when the run device is CUDA and the build has NCCL, else gloo).
+  std::string backend = "auto";
+  /// Rendezvous and collective timeout. A collective that does not complete in time fails
+  /// with an error on the ranks that wait (Gloo) instead of hanging.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+/// Creates the store and the world process group (a collective: every rank calls it, in the
+/// same order as every other collective). A no-op returning immediately for world size 1.
+/// Throws modalities::Error (with the address, the rank and the timeout) when the rendezvous
+/// fails or times out. Calling it twice throws.
+MODALITIES_SDK_API void init(const LaunchEnv& env, const RuntimeOptions& options);
+
+/// Creates the world process group over an existing store (tests: a c10d FileStore in a temp
+/// folder). Same contract as init().
+MODALITIES_SDK_API void init_with_store(const LaunchEnv& env, const RuntimeOptions& options,
+                                        c10::intrusive_ptr<c10d::Store> store);
+
+/// Drops the world group and the store (the host calls it at exit; tests between cases).
+MODALITIES_SDK_API void shutdown();
+
+/// Whether init() created a process group (false for one process).
+MODALITIES_SDK_API bool initialized();
+
+/// The environment init() was called with; a single process's defaults before that.
+MODALITIES_SDK_API const LaunchEnv& env();
+MODALITIES_SDK_API int rank();
+MODALITIES_SDK_API int world_size();
+MODALITIES_SDK_API int local_rank();
+/// True on the one process that prints progress and results.
+MODALITIES_SDK_API bool is_rank0();
+
+/// The backend init() chose ("gloo", "nccl"); "" before init or for one process.
+MODALITIES_SDK_API const std::string& backend_name();
+MODALITIES_SDK_API std::chrono::milliseconds timeout();
+
+/// The communicator over all ranks. Throws modalities::Error when not initialized().
+MODALITIES_SDK_API c10::intrusive_ptr<c10d::ProcessGroup> world();
+
+/// The rendezvous store (for sub-groups and small exchanges). Throws when not initialized().
+MODALITIES_SDK_API c10::intrusive_ptr<c10d::Store> store();
+
+/// A communicator over `ranks` (global ranks, ascending), for the device mesh. Every rank of the
+/// world calls it with the same arguments in the same order; a rank not in `ranks` gets null.
+/// `name` must be unique per group (it prefixes the group's keys in the store).
+MODALITIES_SDK_API c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::vector<int>& ranks,
+                                                                     const std::string& name);
+
+/// Blocks until every rank arrived (world group); no-op for one process.
+MODALITIES_SDK_API void barrier();
+
+}  // namespace modalities::dist

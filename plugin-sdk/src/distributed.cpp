@@ -1,0 +1,314 @@
+// The process-group runtime (distributed.h): launch environment, TCPStore rendezvous and the
+// c10d process groups. Compiled with USE_C10D_GLOO so that ProcessGroupGloo.hpp declares the
+// class; gloo's own headers come from Debian's libgloo-dev (the wheel ships c10d's headers but
+// not gloo's), its code from the wheel's libtorch_cpu.so. tests/distributed/ checks the pairing.
+#include <modalities/sdk/build_info.h>
+#include <modalities/sdk/distributed.h>
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/run_context.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#if MODALITIES_SDK_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+
+namespace modalities::dist {
+namespace {
+
+struct Runtime {
+  std::mutex mutex;
+  LaunchEnv env;
+  std::string backend;
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> world;
+  int groups_created = 0;
+};
+
+Runtime& runtime() {
+  static Runtime r;
+  return r;
+}
+
+std::optional<std::string> get(const EnvLookup& lookup, const char* name) {
+  const char* v = lookup(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+int parse_int(const std::string& text, const char* name, int min_value) {
+  int value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (text.empty() || ec != std::errc() || ptr != end)
+    throw Error(fmt::format("environment variable {}={:?}: expected a whole number", name, text));
+  if (value < min_value)
+    throw Error(fmt::format("environment variable {}={}: expected a number >= {}", name, value, min_value));
+  return value;
+}
+
+int require_int(const EnvLookup& lookup, const char* name, int min_value, const char* why) {
+  const auto v = get(lookup, name);
+  if (!v) throw Error(fmt::format("environment variable {} is not set ({})", name, why));
+  return parse_int(*v, name, min_value);
+}
+
+int optional_int(const EnvLookup& lookup, const char* name, int min_value, int fallback) {
+  const auto v = get(lookup, name);
+  return v ? parse_int(*v, name, min_value) : fallback;
+}
+
+// SLURM_TASKS_PER_NODE is "4(x2),3": the count of this node's first group is enough when all
+// nodes run the same number of tasks, which is the only layout a homogeneous mesh supports.
+std::optional<int> slurm_tasks_per_node(const EnvLookup& lookup) {
+  if (const auto v = get(lookup, "SLURM_NTASKS_PER_NODE")) return parse_int(*v, "SLURM_NTASKS_PER_NODE", 1);
+  const auto v = get(lookup, "SLURM_TASKS_PER_NODE");
+  if (!v) return std::nullopt;
+  const std::string first = v->substr(0, v->find_first_of("(,"));
+  return parse_int(first, "SLURM_TASKS_PER_NODE", 1);
+}
+
+void check_consistent(const LaunchEnv& e, const char* rank_var, const char* size_var, const char* local_var,
+                      const char* local_size_var) {
+  if (e.rank >= e.world_size)
+    throw Error(fmt::format("environment: {}={} is not below {}={}", rank_var, e.rank, size_var, e.world_size));
+  if (e.local_rank >= e.local_world_size)
+    throw Error(fmt::format("environment: {}={} is not below {}={}", local_var, e.local_rank, local_size_var,
+                            e.local_world_size));
+  if (e.local_world_size > e.world_size)
+    throw Error(fmt::format("environment: {}={} exceeds {}={}", local_size_var, e.local_world_size, size_var,
+                            e.world_size));
+  if (e.master_port < 0 || e.master_port > 65535)
+    throw Error(fmt::format("environment: MASTER_PORT={} is not a TCP port (0-65535)", e.master_port));
+}
+
+c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int size, std::chrono::milliseconds timeout) {
+  if (backend == "gloo") {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    // Loopback-capable default device: binds to the address this machine's hostname resolves
+    // to, or 127.0.0.1; GLOO_SOCKET_IFNAME selects an interface on clusters.
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0')
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    else
+      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  }
+#if MODALITIES_SDK_WITH_CUDA
+  if (backend == "nccl") {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+  }
+#endif
+  throw Error(fmt::format("process group backend \"{}\" is not available in this build (expected gloo{})", backend,
+                          MODALITIES_SDK_WITH_CUDA ? " or nccl" : "; nccl needs the CUDA build"));
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
+                                                  const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                  std::chrono::milliseconds timeout, const std::string& name) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  auto impl = make_backend(backend, store, rank, size, timeout);
+  const auto type = backend == "nccl" ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
+  group->setDefaultBackend(type);
+  // Gloo serves CPU tensors (and CUDA ones, slowly); NCCL serves CUDA tensors only.
+  group->setBackend(c10::DeviceType::CPU, type, impl);
+  if (backend == "nccl" || MODALITIES_SDK_WITH_CUDA) group->setBackend(c10::DeviceType::CUDA, type, impl);
+  group->setGroupName(name);
+  return group;
+}
+
+std::string choose_backend(const std::string& requested) {
+  if (requested == "gloo" || requested == "nccl") return requested;
+  if (requested != "auto")
+    throw Error(fmt::format("process group backend \"{}\": expected \"auto\", \"gloo\" or \"nccl\"", requested));
+  return run_device().is_cuda() && MODALITIES_SDK_WITH_CUDA ? "nccl" : "gloo";
+}
+
+}  // namespace
+
+std::string first_slurm_host(std::string_view nodelist) {
+  // Hosts are separated by commas outside brackets; a bracket holds ranges "003-004" or single
+  // numbers, of which the first gives the first host (zero padding kept).
+  std::size_t end = 0;
+  int depth = 0;
+  while (end < nodelist.size() && !(nodelist[end] == ',' && depth == 0)) {
+    if (nodelist[end] == '[') ++depth;
+    if (nodelist[end] == ']') --depth;
+    ++end;
+  }
+  const std::string_view first = nodelist.substr(0, end);
+  const std::size_t open = first.find('[');
+  if (open == std::string_view::npos) return std::string(first);
+  const std::size_t stop = first.find_first_of(",-]", open + 1);
+  if (stop == std::string_view::npos || stop == open + 1)
+    throw Error(fmt::format("SLURM node list \"{}\": cannot read the first host", nodelist));
+  std::string host(first.substr(0, open));
+  host += first.substr(open + 1, stop - open - 1);
+  const std::size_t close = first.find(']', open);
+  if (close != std::string_view::npos) host += first.substr(close + 1);
+  return host;
+}
+
+LaunchEnv launch_env(const EnvLookup& lookup) {
+  LaunchEnv e;
+  if (get(lookup, "RANK")) {
+    e.source = "RANK/WORLD_SIZE";
+    e.rank = require_int(lookup, "RANK", 0, "set by the launcher with RANK");
+    e.world_size = require_int(lookup, "WORLD_SIZE", 1, "RANK is set, so the launcher must set WORLD_SIZE too");
+    e.local_rank = optional_int(lookup, "LOCAL_RANK", 0, e.rank);
+    e.local_world_size = optional_int(lookup, "LOCAL_WORLD_SIZE", 1, e.world_size);
+    if (e.world_size > 1) {
+      e.master_addr = get(lookup, "MASTER_ADDR").value_or("");
+      if (e.master_addr.empty())
+        throw Error(fmt::format("environment variable MASTER_ADDR is not set (WORLD_SIZE={} needs a rendezvous "
+                                "address; `modalities launch` and torchrun set it)",
+                                e.world_size));
+      e.master_port = require_int(lookup, "MASTER_PORT", 1, "the rendezvous port of rank 0's store");
+    }
+    check_consistent(e, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  } else if (get(lookup, "SLURM_PROCID")) {
+    e.source = "SLURM";
+    e.rank = require_int(lookup, "SLURM_PROCID", 0, "set by srun");
+    e.world_size = require_int(lookup, "SLURM_NTASKS", 1, "set by srun with SLURM_PROCID");
+    e.local_rank = optional_int(lookup, "SLURM_LOCALID", 0, 0);
+    e.local_world_size = slurm_tasks_per_node(lookup).value_or(e.world_size);
+    if (const auto addr = get(lookup, "MASTER_ADDR"); addr && !addr->empty()) {
+      e.master_addr = *addr;
+    } else if (const auto list = get(lookup, "SLURM_STEP_NODELIST") ? get(lookup, "SLURM_STEP_NODELIST")
+                                                                      : get(lookup, "SLURM_JOB_NODELIST")) {
+      e.master_addr = first_slurm_host(*list);
+    } else if (e.world_size > 1) {
+      throw Error("environment: SLURM_PROCID is set but neither MASTER_ADDR nor SLURM_STEP_NODELIST / "
+                  "SLURM_JOB_NODELIST names the host of rank 0");
+    }
+    if (const auto port = get(lookup, "MASTER_PORT")) {
+      e.master_port = parse_int(*port, "MASTER_PORT", 1);
+    } else {
+      const int job = optional_int(lookup, "SLURM_JOB_ID", 0, 0);
+      e.master_port = 15000 + job % 20000;
+    }
+    check_consistent(e, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
+  }
+  if (const auto agent = get(lookup, "TORCHELASTIC_USE_AGENT_STORE")) e.agent_store = *agent == "True" || *agent == "1";
+  e.restart_count = optional_int(lookup, "TORCHELASTIC_RESTART_COUNT", 0, 0);
+  return e;
+}
+
+LaunchEnv launch_env() {
+  return launch_env([](const char* name) { return std::getenv(name); });
+}
+
+void init_with_store(const LaunchEnv& env, const RuntimeOptions& options, c10::intrusive_ptr<c10d::Store> store) {
+  Runtime& r = runtime();
+  std::lock_guard lock(r.mutex);
+  if (r.world) throw Error("the distributed runtime is initialised already (dist::init called twice)");
+  r.env = env;
+  r.timeout = options.timeout;
+  if (!env.distributed()) return;
+  r.backend = choose_backend(options.backend);
+  store->setTimeout(options.timeout);
+  try {
+    r.world = make_group(r.backend, store, env.rank, env.world_size, options.timeout, "world");
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank {} of {}: creating the {} process group failed (timeout {} s): {}", env.rank,
+                            env.world_size, r.backend, options.timeout.count() / 1000.0, e.what()));
+  }
+  r.store = std::move(store);
+}
+
+void init(const LaunchEnv& env, const RuntimeOptions& options) {
+  if (!env.distributed()) {
+    init_with_store(env, options, {});
+    return;
+  }
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<std::uint16_t>(env.master_port);
+    o.isServer = !env.agent_store && env.rank == 0;
+    o.numWorkers = env.agent_store ? std::nullopt : std::optional<std::size_t>(env.world_size);
+    o.waitWorkers = !env.agent_store;
+    o.timeout = options.timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+    // torchrun's agent store holds every restart's keys: the ranks of one attempt use their own prefix.
+    if (env.agent_store)
+      store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), tcp);
+    else
+      store = tcp;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} s ({}): {}", env.rank,
+                            env.world_size, env.master_addr, env.master_port, options.timeout.count() / 1000.0,
+                            env.agent_store ? "torchrun's agent store" : env.rank == 0 ? "hosting the store"
+                                                                                       : "connecting to rank 0",
+                            e.what()));
+  }
+  init_with_store(env, options, std::move(store));
+}
+
+void shutdown() {
+  Runtime& r = runtime();
+  std::lock_guard lock(r.mutex);
+  r.world.reset();
+  r.store.reset();
+  r.env = LaunchEnv{};
+  r.backend.clear();
+  r.groups_created = 0;
+}
+
+bool initialized() { return static_cast<bool>(runtime().world); }
+const LaunchEnv& env() { return runtime().env; }
+int rank() { return runtime().env.rank; }
+int world_size() { return runtime().env.world_size; }
+int local_rank() { return runtime().env.local_rank; }
+bool is_rank0() { return runtime().env.rank == 0; }
+const std::string& backend_name() { return runtime().backend; }
+std::chrono::milliseconds timeout() { return runtime().timeout; }
+
+c10::intrusive_ptr<c10d::ProcessGroup> world() {
+  if (!runtime().world) throw Error("no process group: the distributed runtime is not initialised (world size 1)");
+  return runtime().world;
+}
+
+c10::intrusive_ptr<c10d::Store> store() {
+  if (!runtime().store) throw Error("no store: the distributed runtime is not initialised (world size 1)");
+  return runtime().store;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& name) {
+  Runtime& r = runtime();
+  std::lock_guard lock(r.mutex);
+  if (!r.world) throw Error(fmt::format("process group '{}': the distributed runtime is not initialised", name));
+  if (ranks.empty() || !std::is_sorted(ranks.begin(), ranks.end()) ||
+      std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || ranks.front() < 0 ||
+      ranks.back() >= r.env.world_size)
+    throw Error(fmt::format("process group '{}': ranks must be distinct, ascending and below the world size {}",
+                            name, r.env.world_size));
+  ++r.groups_created;
+  const auto it = std::find(ranks.begin(), ranks.end(), r.env.rank);
+  if (it == ranks.end()) return {};
+  const int group_rank = static_cast<int>(it - ranks.begin());
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("group/{}/", name), r.store);
+  return make_group(r.backend, prefixed, group_rank, static_cast<int>(ranks.size()), r.timeout, name);
+}
+
+void barrier() {
+  if (!initialized()) return;
+  world()->barrier()->wait();
+}
+
+}  // namespace modalities::dist

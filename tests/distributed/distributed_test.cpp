@@ -1,0 +1,285 @@
+// The multi-process runtime: launch environment parsing (unit), `modalities launch` (rank
+// environment, prefixes, failure and signal propagation, with small shell programs), and the
+// collectives of this build's c10d on 2 and 3 Gloo processes (`modalities dist check`, which
+// compares every collective with an exactly known result). Multi-process cases run under
+// coreutils `timeout` and the launcher's own grace period, so a broken case fails, never hangs.
+#include "run_command.h"
+
+#include <modalities/sdk/distributed.h>
+#include <modalities/sdk/error.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>  // world()'s result is destroyed here
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace modalities::dist {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using modalities::testing::CommandResult;
+using modalities::testing::run_command;
+
+const std::string kHost = MODALITIES_TEST_HOST_BINARY;
+
+EnvLookup lookup_in(const std::map<std::string, std::string>& vars) {
+  return [vars](const char* name) -> const char* {
+    const auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+}
+
+std::string error_of(const std::map<std::string, std::string>& vars) {
+  try {
+    (void)launch_env(lookup_in(vars));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(LaunchEnvTest, NoVariablesMeansOneProcess) {
+  const LaunchEnv e = launch_env(lookup_in({}));
+  EXPECT_EQ(e.rank, 0);
+  EXPECT_EQ(e.world_size, 1);
+  EXPECT_FALSE(e.distributed());
+  EXPECT_EQ(e.source, "single process");
+}
+
+TEST(LaunchEnvTest, ReadsTorchrunsContract) {
+  const LaunchEnv e = launch_env(lookup_in({{"RANK", "5"},
+                                            {"WORLD_SIZE", "8"},
+                                            {"LOCAL_RANK", "1"},
+                                            {"LOCAL_WORLD_SIZE", "4"},
+                                            {"MASTER_ADDR", "node7"},
+                                            {"MASTER_PORT", "29500"},
+                                            {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                            {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  EXPECT_EQ(e.rank, 5);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.master_addr, "node7");
+  EXPECT_EQ(e.master_port, 29500);
+  EXPECT_TRUE(e.agent_store);
+  EXPECT_EQ(e.restart_count, 2);
+  EXPECT_TRUE(e.distributed());
+}
+
+TEST(LaunchEnvTest, FallsBackToSlurmWhenRankIsUnset) {
+  const LaunchEnv e = launch_env(lookup_in({{"SLURM_PROCID", "9"},
+                                            {"SLURM_NTASKS", "16"},
+                                            {"SLURM_LOCALID", "1"},
+                                            {"SLURM_TASKS_PER_NODE", "8(x2)"},
+                                            {"SLURM_JOB_ID", "123456"},
+                                            {"SLURM_STEP_NODELIST", "gpu[017-018]"}}));
+  EXPECT_EQ(e.source, "SLURM");
+  EXPECT_EQ(e.rank, 9);
+  EXPECT_EQ(e.world_size, 16);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 8);
+  EXPECT_EQ(e.master_addr, "gpu017");
+  EXPECT_EQ(e.master_port, 15000 + 123456 % 20000);
+}
+
+TEST(LaunchEnvTest, RankWinsOverSlurm) {
+  // torchrun inside an srun allocation: the launcher's variables describe this process.
+  const LaunchEnv e = launch_env(lookup_in({{"RANK", "1"},
+                                            {"WORLD_SIZE", "2"},
+                                            {"MASTER_ADDR", "127.0.0.1"},
+                                            {"MASTER_PORT", "1234"},
+                                            {"SLURM_PROCID", "0"},
+                                            {"SLURM_NTASKS", "1"}}));
+  EXPECT_EQ(e.source, "RANK/WORLD_SIZE");
+  EXPECT_EQ(e.rank, 1);
+  EXPECT_EQ(e.local_world_size, 2);
+}
+
+TEST(LaunchEnvTest, FirstSlurmHost) {
+  EXPECT_EQ(first_slurm_host("node1"), "node1");
+  EXPECT_EQ(first_slurm_host("node1,node2"), "node1");
+  EXPECT_EQ(first_slurm_host("node[003-004,7],login"), "node003");
+  EXPECT_EQ(first_slurm_host("rack[2]-gpu[5-6]"), "rack2-gpu[5-6]");
+  EXPECT_EQ(first_slurm_host("a[12,14]b"), "a12b");
+  EXPECT_THAT([] { (void)first_slurm_host("node[]"); }, ::testing::Throws<Error>());
+}
+
+TEST(LaunchEnvTest, BadValuesNameTheVariable) {
+  EXPECT_THAT(error_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}), HasSubstr("RANK=\"x\": expected a whole number"));
+  EXPECT_THAT(error_of({{"RANK", "0"}}), HasSubstr("WORLD_SIZE is not set"));
+  EXPECT_THAT(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+              HasSubstr("RANK=2 is not below WORLD_SIZE=2"));
+  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}), HasSubstr("MASTER_ADDR is not set"));
+  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}), HasSubstr("MASTER_PORT is not set"));
+  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}),
+              HasSubstr("MASTER_PORT=70000 is not a TCP port"));
+  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), HasSubstr("WORLD_SIZE=0: expected a number >= 1"));
+  EXPECT_THAT(error_of({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+              HasSubstr("LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2"));
+  EXPECT_THAT(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}), HasSubstr("SLURM_STEP_NODELIST"));
+}
+
+TEST(RuntimeTest, OneProcessNeedsNoProcessGroup) {
+  init(launch_env(lookup_in({})), RuntimeOptions{});
+  EXPECT_FALSE(initialized());
+  EXPECT_TRUE(is_rank0());
+  EXPECT_EQ(world_size(), 1);
+  EXPECT_THAT([] { (void)world(); }, ::testing::Throws<Error>());
+  barrier();  // no-op
+  shutdown();
+}
+
+// --- the launcher ------------------------------------------------------------------------
+
+// The launcher and its ranks under coreutils timeout (a hang fails the test after `limit_s`).
+CommandResult launch(const std::vector<std::string>& args, int limit_s = 60) {
+  std::vector<std::string> argv = {"timeout", "-k", "5", std::to_string(limit_s), kHost, "launch"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_command(argv);
+}
+
+TEST(LauncherTest, GivesEveryRankTorchrunsEnvironmentAndPrefixesItsLines) {
+  const CommandResult r = launch({"--nproc-per-node", "3", "--exec", "--", "sh", "-c",
+                                  "echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR "
+                                  "$MASTER_PORT\"; echo oops >&2"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  std::set<std::string> ports;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "] env " + std::to_string(rank) + " " +
+                               std::to_string(rank) + " 3 3 0 127.0.0.1 ";
+    const auto at = r.out.find(prefix);
+    ASSERT_NE(at, std::string::npos) << r;
+    ports.insert(r.out.substr(at + prefix.size(), r.out.find('\n', at) - at - prefix.size()));
+    EXPECT_THAT(r.err, HasSubstr("[rank " + std::to_string(rank) + "] oops")) << r;
+  }
+  ASSERT_EQ(ports.size(), 1u) << r;  // one free port, the same for every rank
+  EXPECT_GT(std::stoi(*ports.begin()), 0);
+}
+
+TEST(LauncherTest, OutputRank0ShowsOnlyRank0sStandardOutputButEveryonesErrors) {
+  const CommandResult r =
+      launch({"--nproc-per-node", "2", "--output", "rank0", "--exec", "--", "sh", "-c", "echo out$RANK; echo err$RANK >&2"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] out0"), Not(HasSubstr("out1")))) << r;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("[rank 0] err0"), HasSubstr("[rank 1] err1"))) << r;
+}
+
+TEST(LauncherTest, AFailingRankStopsTheOthersAndGivesItsStatus) {
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r = launch({"--nproc-per-node", "3", "--grace-s", "2", "--exec", "--", "sh", "-c",
+                                  "if [ \"$RANK\" = 1 ]; then exit 7; fi; sleep 50"});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 7) << r;
+  EXPECT_THAT(r.err, HasSubstr("rank 1 (pid")) << r;
+  EXPECT_THAT(r.err, HasSubstr("exited with status 7; stopping the other ranks")) << r;
+  EXPECT_LT(seconds, 20) << r;
+}
+
+TEST(LauncherTest, ARankKilledBySignalIsNamedWithTheSignal) {
+  const CommandResult r = launch({"--nproc-per-node", "3", "--grace-s", "2", "--exec", "--", "sh", "-c",
+                                  "if [ \"$RANK\" = 2 ]; then kill -9 $$; fi; sleep 50"});
+  EXPECT_EQ(r.exit_code, 128 + 9) << r;
+  EXPECT_THAT(r.err, HasSubstr("rank 2 (pid")) << r;
+  EXPECT_THAT(r.err, HasSubstr("was killed by signal 9 (SIGKILL)")) << r;
+}
+
+TEST(LauncherTest, RanksThatIgnoreSigtermAreKilledAfterTheGracePeriod) {
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "1", "--exec", "--", "sh", "-c",
+                                  "if [ \"$RANK\" = 0 ]; then sleep 0.5; exit 3; fi; trap '' TERM; "
+                                  "while :; do sleep 0.1; done"});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 3) << r;
+  EXPECT_THAT(r.err, HasSubstr("sending SIGKILL")) << r;
+  EXPECT_LT(seconds, 20) << r;
+}
+
+TEST(LauncherTest, ForwardsSigtermToEveryRank) {
+  // The launcher gets SIGTERM from `timeout` after 2 s; every rank traps it and reports.
+  const CommandResult r = run_command({"timeout", "--preserve-status", "-k", "20", "2", kHost, "launch", "--nproc-per-node", "2", "--exec",
+                                       "--", "sh", "-c", "trap 'echo got TERM; exit 5' TERM; sleep 30 & wait"});
+  EXPECT_EQ(r.exit_code, 128 + 15) << r;
+  EXPECT_THAT(r.err, HasSubstr("received SIGTERM, forwarding it to every rank")) << r;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] got TERM"), HasSubstr("[rank 1] got TERM"))) << r;
+}
+
+TEST(LauncherTest, BadUsageIsRefusedWithAHint) {
+  CommandResult r = launch({"--nproc-per-node", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("no command after `--`")) << r;
+  r = launch({"--nproc-per-node", "0", "--", "dist", "check"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("--nproc-per-node must be >= 1")) << r;
+  r = launch({"--nproc-per-node", "2", "--nnodes", "2", "--", "dist", "check"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("same --master-port")) << r;
+  r = launch({"--nproc-per-node", "1", "--exec", "--", "/nonexistent/program"});
+  EXPECT_EQ(r.exit_code, 127) << r;
+  EXPECT_THAT(r.err, HasSubstr("cannot execute '/nonexistent/program'")) << r;
+}
+
+// --- collectives through this build's c10d ---------------------------------------------------
+
+void expect_dist_check_passes(int ranks) {
+  const CommandResult r = launch({"--nproc-per-node", std::to_string(ranks), "--", "dist", "check", "--device", "cpu",
+                                  "--timeout-s", "30", "--size-mb", "1", "--iters", "2"},
+                                 120);
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("[rank 0] dist check: " + std::to_string(ranks) + " ranks")) << r;
+  EXPECT_THAT(r.out, HasSubstr("backend gloo")) << r;
+  EXPECT_THAT(r.out, HasSubstr("all exact on every rank")) << r;
+  EXPECT_THAT(r.out, HasSubstr("_reduce_scatter_base")) << r;
+  // Only rank 0 reports.
+  EXPECT_THAT(r.out, Not(HasSubstr("[rank 1] dist check"))) << r;
+}
+
+TEST(CollectivesTest, TwoGlooProcessesGetExactResults) { expect_dist_check_passes(2); }
+TEST(CollectivesTest, ThreeGlooProcessesGetExactResults) { expect_dist_check_passes(3); }
+
+TEST(CollectivesTest, OneProcessIsToldToUseALauncher) {
+  const CommandResult r = run_command({"env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "SLURM_PROCID", "timeout", "30",
+                                       kHost, "dist", "check"});
+  EXPECT_EQ(r.exit_code, 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("needs several processes")) << r;
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(sa);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+  close(fd);
+  return ntohs(sa.sin_port);
+}
+
+TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
+  // WORLD_SIZE 2 but only rank 0 starts: its store waits for a worker that never comes.
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r =
+      run_command({"timeout", "-k", "5", "60", kHost, "dist", "check", "--device", "cpu", "--timeout-s", "3"},
+                  {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("rank 0 of 2: rendezvous at 127.0.0.1:")) << r;
+  EXPECT_LT(seconds, 40) << r;
+}
+
+}  // namespace
+}  // namespace modalities::dist
