@@ -65,7 +65,7 @@ for t in "${targets[@]}"; do
   mkdir -p "${work}" "${findings}"
   echo "[fuzz] ${t}: ${seconds} s, seed ${MODALITIES_FUZZ_SEED:-1}, corpus tests/fuzz/corpus/${t}"
   # -timeout: one input may take at most 30 s (a hang is a finding); -rss_limit_mb: 4 GiB.
-  if ! "${build}/tests/fuzz/fuzz_${t}" -seed="${MODALITIES_FUZZ_SEED:-1}" -max_total_time="${seconds}" \
+  if ! "${build}/bin/fuzz_${t}" -seed="${MODALITIES_FUZZ_SEED:-1}" -max_total_time="${seconds}" \
         -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="${findings}/" \
         "${work}" "${root}/tests/fuzz/corpus/${t}" >"${build}/fuzz_${t}.log" 2>&1; then
     failed+=("${t}")

@@ -45,6 +45,11 @@ std::filesystem::path default_index_path(const std::filesystem::path& src) {
 
 namespace {
 
+// simdjson copies the text into its padded buffer with memcpy, which must not receive a null
+// pointer even for zero bytes (an empty line of an empty mapping has data() == nullptr).
+const char* non_null(std::string_view s) { return s.data() != nullptr ? s.data() : ""; }
+
+
 [[noreturn]] void bad_jq(std::string_view program, std::string_view why) {
   throw Error(fmt::format("unsupported jq_pattern '{}': {}. Supported: a path of keys and array indices such as "
                           "., .text, .a.b, .[\"some key\"], .messages[0].content",
@@ -418,7 +423,7 @@ JsonLineParser::~JsonLineParser() = default;
 bool JsonLineParser::valid(std::string_view line, std::string* why) {
   line = strip_bom(line);
   simdjson::dom::element doc;
-  const auto err = impl_->parser.parse(line.data(), line.size(), true).get(doc);
+  const auto err = impl_->parser.parse(non_null(line), line.size(), true).get(doc);
   if (!err) return true;
   if (!utf8_valid_surrogatepass(line)) {
     if (why) *why = "invalid UTF-8";
@@ -521,7 +526,7 @@ std::string_view select_string(const simdjson::dom::element& doc, const JqPath& 
 std::string_view JsonLineParser::extract_string(std::string_view line, const JqPath& path) {
   line = strip_bom(line);
   simdjson::dom::element doc;
-  auto err = impl_->parser.parse(line.data(), line.size(), true).get(doc);
+  auto err = impl_->parser.parse(non_null(line), line.size(), true).get(doc);
   if (!err) return select_string(doc, path);
   std::string why;
   if (!utf8_valid_surrogatepass(line)) throw Error("invalid UTF-8");

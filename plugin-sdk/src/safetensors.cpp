@@ -251,7 +251,7 @@ void write_safetensors(const std::filesystem::path& path, const StateDict& tenso
   std::vector<Item> items;
   items.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
-    const auto bad = [&](std::string_view what) {
+    const auto bad = [&, &name = name](std::string_view what) {  // clang < 16 cannot capture a binding implicitly
       return Error(fmt::format("cannot write '{}': tensor '{}' {}", file, name, what));
     };
     if (name == "__metadata__") throw bad("uses the reserved name __metadata__");

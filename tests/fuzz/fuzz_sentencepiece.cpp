@@ -1,13 +1,14 @@
-// The SentencePiece target (see fuzz_targets.h). The sp_tokenizer plugin's loader lives inside
-// its component (plugins/sp_tokenizer/src/sp_tokenizer.cpp, anonymous namespace), so this runs
-// the same calls on the same library: SentencePieceProcessor::Load(path) (a failed Load is the
-// plugin's ConfigError "'<file>' is not a SentencePiece model: ..."), then what the plugin's
-// Tokenizer does with a loaded model: Encode, the id range check and Decode, GetPieceSize,
+// The SentencePiece target (see fuzz_targets.h): the sp_tokenizer plugin's loader
+// (plugins/sp_tokenizer/src/sp_load.cpp, compiled in), then what the plugin's Tokenizer does
+// with a loaded model: Encode, the id range check and Decode, GetPieceSize,
 // PieceToId/unk_id, IsControl.
 // Own translation unit: sentencepiece_processor.h declares absl::string_view itself, so no
 // Abseil header may be included next to it (as in the plugin).
 #include "fuzz_support.h"
 #include "fuzz_targets.h"
+#include "sp_tokenizer/src/sp_load.h"
+
+#include <modalities/sdk/error.h>
 
 #include <sentencepiece_processor.h>
 
@@ -44,7 +45,12 @@ int modalities_fuzz_sentencepiece(const std::uint8_t* data, std::size_t size) {
   const std::filesystem::path file = scratch_dir() / "fuzz.model";
   modalities::fuzz::write_file(file, data, size);
   sentencepiece::SentencePieceProcessor sp;
-  if (!sp.Load(file.string()).ok()) return 0;  // the plugin turns this into a ConfigError naming the file
+  try {
+    modalities::plugins::sp_tokenizer::load_model(sp, file);  // the plugin's loader
+  } catch (const modalities::Error& e) {
+    modalities::fuzz::expect_names_file("sentencepiece: load_model", e.what(), file.string());
+    return 0;
+  }
   const int size_pieces = sp.GetPieceSize();
   (void)sp.unk_id();
   (void)sp.PieceToId("<unk>");

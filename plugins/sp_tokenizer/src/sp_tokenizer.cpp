@@ -4,6 +4,8 @@
 // error) and IsControl for special ids.
 // (sentencepiece_processor.h aliases absl::string_view to std::string_view, so
 // this file must not include Abseil headers.)
+#include "sp_load.h"
+
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/sdk/plugin.h>
 
@@ -29,9 +31,7 @@ struct SpTokenizerConfig {
 class PretrainedSpTokenizer final : public Tokenizer {
  public:
   explicit PretrainedSpTokenizer(const SpTokenizerConfig& c) : file_(c.tokenizer_model_file) {
-    if (const auto status = sp_.Load(file_.string()); !status.ok())
-      throw ConfigError("tokenizer_model_file", fmt::format("'{}' is not a SentencePiece model: {}", file_.string(),
-                                                            status.ToString()));
+    load_model(sp_, file_);
   }
 
   // SentencePieceProcessor's const methods are safe to call concurrently after Load.

@@ -445,7 +445,7 @@ class Schema {
 
    private:
     friend class Schema;
-    typename Schema::Record& rec() { return s_->records_[i_]; }
+    auto& rec() { return s_->records_[i_]; }  // Record is declared below; the body sees the complete class
     template <class Pred>
     FieldBuilder& number_check(std::string desc, Pred pred) {
       rec().info.constraints.push_back(desc);
