@@ -46,6 +46,9 @@ int run_training(const std::vector<std::string>& args, bool warmstart);
 int run_launch(const std::vector<std::string>& args);
 /// `modalities dist check` (cli_dist.cpp): collectives checked on known values, and timed.
 int run_dist(const std::vector<std::string>& args);
+/// Every collective of the world group on exactly known values (cli_dist.cpp); throws
+/// modalities::Error naming the collective and the first wrong element. `run --test_comm`.
+void check_collective_values();
 /// `modalities generate_text` (cli_run.cpp).
 int run_generate_text(const std::vector<std::string>& args);
 

@@ -195,6 +195,13 @@ std::string rank_label() {
 
 }  // namespace
 
+void check_collective_values() {
+  check_values(*dist::world(), at::TensorOptions().dtype(at::kFloat).device(run_device()));
+  if (dist::is_rank0())
+    fmt::print(stderr, "test_comm: every collective gave exact results on {} ranks ({})\n", dist::world_size(),
+               dist::backend_name());
+}
+
 int run_dist(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "-h" || args[0] == "--help") {
     std::cout << kDistUsage << "\n";

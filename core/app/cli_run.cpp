@@ -7,6 +7,7 @@
 #include <modalities/core/graph.h>
 #include <modalities/core/gym.h>
 #include <modalities/sdk/atomic_file.h>
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
@@ -20,6 +21,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <ctime>
@@ -75,15 +77,21 @@ class StopSignals {
   void (*old_term_)(int) = SIG_DFL;
 };
 
-/// Single-process runs need no launcher: default the launcher variables.
-void default_launcher_env() {
-  if (std::getenv("WORLD_SIZE") == nullptr && std::getenv("RANK") == nullptr) {
-    setenv("WORLD_SIZE", "1", 0);
-    setenv("RANK", "0", 0);
-    setenv("LOCAL_RANK", "0", 0);
-  } else if (std::getenv("LOCAL_RANK") == nullptr) {
-    setenv("LOCAL_RANK", "0", 0);
-  }
+/// The launch environment (torchrun, `modalities launch`, SLURM, or one process without a
+/// launcher), exported as RANK / WORLD_SIZE / LOCAL_RANK so that ${cuda_env:...} in configs reads
+/// the same values under srun as under torchrun.
+dist::LaunchEnv export_launcher_env() {
+  const dist::LaunchEnv e = dist::launch_env();
+  setenv("RANK", std::to_string(e.rank).c_str(), 0);
+  setenv("WORLD_SIZE", std::to_string(e.world_size).c_str(), 0);
+  setenv("LOCAL_RANK", std::to_string(e.local_rank).c_str(), 0);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(e.local_world_size).c_str(), 0);
+  return e;
+}
+
+/// "rank N: " in front of messages of a multi-process run, nothing for one process.
+std::string rank_prefix(const dist::LaunchEnv& e) {
+  return e.distributed() ? fmt::format("rank {}: ", e.rank) : std::string();
 }
 
 /// "<YYYY-MM-DD__HH-MM-SS>_<first 16 hex of SHA-256 of the config path>", as in Modalities.
@@ -151,6 +159,7 @@ struct RunArgs {
   std::string error_log_folder;
   std::string last_checkpoint_info_file_path;
   bool test_comm = false;
+  double process_group_timeout_s = 600;
   bool checkpoint_on_interrupt = false;
   bool verbose = false;
 };
@@ -172,8 +181,10 @@ po::options_description run_options(RunArgs& a, bool warmstart) {
        "on failure, also write the error as JSON to <folder>/error_logs_<host>_<local_rank>.log")
       ("checkpoint_on_interrupt", po::bool_switch(&a.checkpoint_on_interrupt),
        "on SIGINT/SIGTERM, finish the step and write a checkpoint before stopping")
-      ("test_comm", po::bool_switch(&a.test_comm), "accepted for compatibility; single-process runs have no "
-                                                   "communication to test")
+      ("test_comm", po::bool_switch(&a.test_comm),
+       "before training, check every collective on known values (as `modalities dist check`); a no-op in one process")
+      ("process_group_timeout_s", po::value(&a.process_group_timeout_s)->default_value(600),
+       "several processes: rendezvous and collective timeout; a rank that waits longer fails with an error")
       ("verbose,v", po::bool_switch(&a.verbose), "print every component as it is built");
   return d;
 }
@@ -239,13 +250,29 @@ std::string human_seconds(double s) {
   return fmt::format("{:.2f} h", s / 3600);
 }
 
-int train(const RunArgs& a, const core::PluginOptions& popts, bool warmstart) {
-  default_launcher_env();
+int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
+  dist::LaunchEnv launch;
+  try {
+    launch = export_launcher_env();
+  } catch (const std::exception& e) {
+    print_error(e.what());
+    return kFailed;
+  }
+  const std::string who = rank_prefix(launch);
   core::Registry registry;
   core::PluginHost host(registry);
   if (!load_plugins_or_report(host, popts)) return kPluginError;
   record_plugin_versions(registry);
   try {
+    if (launch.distributed()) {
+      if (a.process_group_timeout_s <= 0)
+        throw Error(fmt::format("--process_group_timeout_s must be positive, got {}", a.process_group_timeout_s));
+      dist::RuntimeOptions ro;
+      ro.timeout = std::chrono::milliseconds(static_cast<long>(a.process_group_timeout_s * 1000));
+      dist::init(launch, ro);
+      // Every rank must use rank 0's id: the default one comes from each rank's clock.
+      a.experiment_id = dist::broadcast_from_rank0("experiment_id", a.experiment_id);
+    }
     core::ModalitiesEnv env = core::env_for_config(a.config_file_path);
     env.values["experiments_root_path"] = fs::absolute(a.experiments_root_path).string();
     env.values["experiment_id"] = a.experiment_id;
@@ -258,17 +285,32 @@ int train(const RunArgs& a, const core::PluginOptions& popts, bool warmstart) {
     core::ConfigNode root = core::load_toml_file(a.config_file_path);
     core::resolve_interpolations(root, resolvers);
     choose_device(root);
-    const fs::path folder = prepare_experiment_folder(a, root);
-    std::cerr << fmt::format("experiment {} in {} (device {})\n", a.experiment_id, folder.string(),
-                             run_device().str());
+    if (a.test_comm && launch.distributed()) check_collective_values();
+    // Rank 0 writes the experiment folder; the others wait for it (same order of collectives everywhere).
+    const fs::path folder = fs::path(a.experiments_root_path) / a.experiment_id;
+    if (launch.rank == 0) {
+      prepare_experiment_folder(a, root);
+      std::cerr << fmt::format("experiment {} in {} (device {}{})\n", a.experiment_id, folder.string(),
+                               run_device().str(),
+                               launch.distributed() ? fmt::format(", {} ranks, {}", launch.world_size,
+                                                                  dist::backend_name())
+                                                    : "");
+    }
+    dist::barrier();
 
     core::ComponentGraph graph(registry, root, core::find_pipeline("training"));
     for (const auto& d : graph.validate())
-      if (d.warning) std::cerr << d.str() << "\n";
+      if (d.warning && launch.rank == 0) std::cerr << d.str() << "\n";
     const core::BuiltGraph built = graph.build([&](const std::string& line) {
       if (a.verbose) std::cerr << line << "\n";
     });
     core::GymComponents components = core::GymComponents::from(built);
+    const auto& cuda_env = components.settings.cuda_env;
+    if (cuda_env.world_size != launch.world_size || cuda_env.global_rank != launch.rank)
+      throw Error(fmt::format(
+          "settings.cuda_env says global_rank {} of world_size {}, but this process is rank {} of {} (from {}): set "
+          "them to \"${{cuda_env:RANK}}\" and \"${{cuda_env:WORLD_SIZE}}\"",
+          cuda_env.global_rank, cuda_env.world_size, launch.rank, launch.world_size, launch.source));
     const core::i64 num_parameters = core::count_trainable_parameters(*components.app_state);
     components.evaluation_subscriber->consume_dict({{"No. parameters", DictValue(num_parameters)}});
     if (components.settings.cuda_env.global_rank == 0)
@@ -286,13 +328,14 @@ int train(const RunArgs& a, const core::PluginOptions& popts, bool warmstart) {
                                              components.settings.step_profile.gradient_accumulation_steps) /
                             s.seconds
                       : 0.0;
-    std::cout << fmt::format(
+    if (launch.rank == 0)
+      std::cout << fmt::format(
         "{} after {} steps ({} in this run) and {} tokens in {} ({:.0f} tokens/s){}. Results: {}\n",
         s.stopped_on_request ? "Stopped on request" : "Training finished", s.steps_total, s.steps_done,
         s.tokens_total, human_seconds(s.seconds), tokens_per_s,
         std::isnan(s.last_train_loss) ? std::string() : fmt::format(", last train loss avg {:.4f}", s.last_train_loss),
         folder.string());
-    if (s.stopped_on_request)
+    if (s.stopped_on_request && launch.rank == 0)
       std::cout << (s.checkpoint_written_on_stop ? "A checkpoint of the last step was written.\n"
                                                  : "No checkpoint was written for the last step "
                                                    "(use --checkpoint_on_interrupt).\n");
@@ -300,15 +343,15 @@ int train(const RunArgs& a, const core::PluginOptions& popts, bool warmstart) {
   } catch (const core::ConfigFileError& e) {
     for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
     write_error_log(a.error_log_folder, "ConfigFileError", e.what());
-    print_error(fmt::format("{}: invalid training config", a.config_file_path));
+    print_error(fmt::format("{}{}: invalid training config", who, a.config_file_path));
     return kFailed;
   } catch (const core::NonFiniteLossError& e) {
     write_error_log(a.error_log_folder, "NonFiniteLossError", e.what());
-    print_error(e.what());
+    print_error(who + e.what());
     return kFailed;
   } catch (const std::exception& e) {
     write_error_log(a.error_log_folder, "Error", e.what());
-    print_error(e.what());
+    print_error(who + e.what());
     return kFailed;
   }
 }
@@ -329,8 +372,9 @@ int run_training(const std::vector<std::string>& args, bool warmstart) {
                   "${warmstart_env:checkpoint_paths} (see configs/quickstart/warmstart.toml)."
                 : "usage: modalities run --config_file_path F --experiments_root_path R [options]\n\n"
                   "Trains the model described by the config on CPU or one GPU (settings.device or\n"
-                  "MODALITIES_DEVICE). Writes <R>/<experiment_id>/ with the config, its resolved form,\n"
-                  "results and checkpoints. Ctrl-C finishes the current step and stops.";
+                  "MODALITIES_DEVICE); under a launcher (modalities launch, torchrun, srun) on every\n"
+                  "rank. Writes <R>/<experiment_id>/ with the config, its resolved form, results and\n"
+                  "checkpoints. Ctrl-C finishes the current step and stops.";
   if (!parse(args, desc, {}, vm, usage, status)) return status;
   if (a.experiment_id.empty()) a.experiment_id = default_experiment_id(a.config_file_path);
   return train(a, popts, warmstart);
@@ -352,7 +396,12 @@ int run_generate_text(const std::vector<std::string>& args) {
              "prompt template on stdin (pipe the answers in for non-interactive use).",
              status))
     return status;
-  default_launcher_env();
+  try {
+    (void)export_launcher_env();
+  } catch (const std::exception& e) {
+    print_error(e.what());
+    return kFailed;
+  }
   core::Registry registry;
   core::PluginHost host(registry);
   if (!load_plugins_or_report(host, popts)) return kPluginError;

@@ -188,9 +188,11 @@ class Gym {
     const auto& s = c_.settings;
     const auto& sp = s.step_profile;
     if (s.cuda_env.world_size != 1)
-      throw Error(fmt::format("settings.cuda_env.world_size = {}: this version trains in one process only; "
-                              "multi-process data parallelism comes with the sharding wrappers",
-                              s.cuda_env.world_size));
+      throw Error(fmt::format(
+          "settings.cuda_env.world_size = {}: training on several processes needs a model wrapper that "
+          "synchronises gradients (model/fsdp2_wrapped, model/fsdp1_wrapped), which this version does not have "
+          "yet. The runtime, the launcher and device_mesh/default work: `modalities dist check` tests them",
+          s.cuda_env.world_size));
     G_ = sp.gradient_accumulation_steps;
     S0_ = s.training_progress.num_seen_steps;
     K0_ = s.training_progress.global_num_seen_tokens;

@@ -5,7 +5,7 @@
 #include <modalities/sdk/build_info.h>
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
-#include <modalities/sdk/run_context.h>
+#include <ATen/Context.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -134,7 +134,9 @@ std::string choose_backend(const std::string& requested) {
   if (requested == "gloo" || requested == "nccl") return requested;
   if (requested != "auto")
     throw Error(fmt::format("process group backend \"{}\": expected \"auto\", \"gloo\" or \"nccl\"", requested));
-  return run_device().is_cuda() && MODALITIES_SDK_WITH_CUDA ? "nccl" : "gloo";
+  // Like torch.distributed's default: NCCL where there are GPUs. Independent of the config's
+  // run device, so the runtime can start before the config is read.
+  return MODALITIES_SDK_WITH_CUDA && at::hasCUDA() ? "nccl" : "gloo";
 }
 
 }  // namespace
@@ -304,6 +306,17 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::vector<int>& ranks, 
   const int group_rank = static_cast<int>(it - ranks.begin());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("group/{}/", name), r.store);
   return make_group(r.backend, prefixed, group_rank, static_cast<int>(ranks.size()), r.timeout, name);
+}
+
+std::string broadcast_from_rank0(const std::string& key, const std::string& value) {
+  if (!initialized()) return value;
+  const std::string k = "modalities/broadcast/" + key;
+  if (rank() == 0) {
+    runtime().store->set(k, std::vector<std::uint8_t>(value.begin(), value.end()));
+    return value;
+  }
+  const std::vector<std::uint8_t> got = runtime().store->get(k);  // waits up to the store's timeout
+  return std::string(got.begin(), got.end());
 }
 
 void barrier() {

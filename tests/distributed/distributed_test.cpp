@@ -4,6 +4,7 @@
 // compares every collective with an exactly known result). Multi-process cases run under
 // coreutils `timeout` and the launcher's own grace period, so a broken case fails, never hangs.
 #include "run_command.h"
+#include "scratch_dir.h"
 
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
@@ -15,10 +16,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -279,6 +284,52 @@ TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("rank 0 of 2: rendezvous at 127.0.0.1:")) << r;
   EXPECT_LT(seconds, 40) << r;
+}
+
+// --- `run` under the launcher ----------------------------------------------------------------
+
+TEST(DistributedRunTest, TwoRanksAgreeOnTheRunTestCommAndStopAtTheMissingWrapperOnEveryRank) {
+  const modalities::testing::ScratchDir dir;
+  const std::string config = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/quickstart/train.toml";
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path", config,
+                                  "--experiments_root_path", (dir.path() / "experiments").string(), "--test_comm",
+                                  "--process_group_timeout_s", "30"},
+                                 120);
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("[rank 0] test_comm: every collective gave exact results on 2 ranks (gloo)")) << r;
+  for (int rank = 0; rank < 2; ++rank)
+    EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}: settings.cuda_env.world_size = 2: training on "
+                                             "several processes needs a model wrapper",
+                                             rank, rank)))
+        << r;
+  // Rank 0 alone wrote the experiment folder, under the id both ranks used.
+  std::vector<std::string> folders;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() / "experiments"))
+    folders.push_back(e.path().filename().string());
+  ASSERT_EQ(folders.size(), 1u) << r;
+  EXPECT_THAT(r.err, HasSubstr("[rank 0] experiment " + folders[0] + " in ")) << r;
+  EXPECT_THAT(r.err, Not(HasSubstr("[rank 1] experiment "))) << r;
+  EXPECT_THAT(r.out, Not(HasSubstr("[rank 1] Training Report"))) << r;
+}
+
+TEST(DistributedRunTest, ASettingsWorldSizeThatIsNotTheLaunchersIsRefused) {
+  const modalities::testing::ScratchDir dir;
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/quickstart/train.toml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string from = "world_size = \"${cuda_env:WORLD_SIZE}\"";
+  ASSERT_NE(text.find(from), std::string::npos);
+  text.replace(text.find(from), from.size(), "world_size = 1");
+  // The copy lives elsewhere: make its data path absolute.
+  const std::string data = "${modalities_env:config_folder_path}/../../data";
+  ASSERT_NE(text.find(data), std::string::npos);
+  text.replace(text.find(data), data.size(), std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
+  const auto config = dir.write("train.toml", text);
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                  config.string(), "--experiments_root_path", (dir.path() / "experiments").string()},
+                                 120);
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("settings.cuda_env says global_rank")) << r;
+  EXPECT_THAT(r.err, HasSubstr("of world_size 1, but this process is rank")) << r;
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ MODALITIES_SDK_API LaunchEnv launch_env();
 MODALITIES_SDK_API std::string first_slurm_host(std::string_view nodelist);
 
 struct RuntimeOptions {
-  /// "gloo", "nccl", or "auto" (nccl when the run device is CUDA and the build has NCCL, else gloo).
+  /// "gloo", "nccl", or "auto" (nccl when the build has NCCL and a CUDA device is available, else gloo).
   std::string backend = "auto";
   /// Rendezvous and collective timeout. A collective that does not complete in time fails
   /// with an error on the ranks that wait (Gloo) instead of hanging.
@@ -116,5 +116,9 @@ MODALITIES_SDK_API c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::v
 
 /// Blocks until every rank arrived (world group); no-op for one process.
 MODALITIES_SDK_API void barrier();
+
+/// Rank 0's `value` on every rank, through the store under `key` (unique per use): e.g. the
+/// experiment id that rank 0 derived from its clock. Returns `value` for one process.
+MODALITIES_SDK_API std::string broadcast_from_rank0(const std::string& key, const std::string& value);
 
 }  // namespace modalities::dist

@@ -1,0 +1,267 @@
+// device_mesh/default (README.md): the ranks of the run as a named row-major grid
+// (pp, dp_replicate, dp_shard, cp, tp), with Modalities' DeviceMeshConfig validation, and c10d
+// process groups along its dims built on the host's runtime (modalities/sdk/distributed.h).
+//
+// Process groups are created when the mesh is built, on every rank in the same order (a
+// collective): one per dim and one per run of adjacent dims (the flattened groups, e.g.
+// dp_replicate x dp_shard for hybrid sharding, or the whole mesh). A sub-mesh over dims that are
+// not adjacent has no flattened group (its per-dim groups exist); asking for one is an error
+// that says so. In a single process the mesh has every dim of size 1 and no process groups.
+#include <modalities/sdk/distributed.h>
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/device_mesh.h>
+#include <modalities/sdk/plugin.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::device_mesh {
+namespace {
+
+using i64 = std::int64_t;
+
+constexpr std::array<std::string_view, 5> kDimOrder = {"pp", "dp_replicate", "dp_shard", "cp", "tp"};
+
+struct DeviceMeshConfig {
+  std::string device_type = "cuda";
+  i64 data_parallel_replicate_degree = 1;
+  std::optional<i64> data_parallel_shard_degree;
+  i64 tensor_parallel_degree = 1;
+  i64 pipeline_parallel_degree = 1;
+  i64 context_parallel_degree = 1;
+  std::optional<bool> enable_loss_parallel = false;
+  std::optional<i64> world_size;
+
+  static void describe(Schema<DeviceMeshConfig>& s) {
+    using C = DeviceMeshConfig;
+    s.field("device_type", &C::device_type, "Device of the mesh: \"cuda\" (NCCL) or \"cpu\" (Gloo).")
+        .one_of({"cuda", "cpu"});
+    s.field("data_parallel_replicate_degree", &C::data_parallel_replicate_degree,
+            "Replicas of the sharded model (HSDP); -1 = infer from the world size.")
+        .at_least(-1);
+    s.field("data_parallel_shard_degree", &C::data_parallel_shard_degree,
+            "Ranks a model replica is sharded over (FSDP); -1 = infer from the world size.")
+        .required()
+        .at_least(-1);
+    s.field("tensor_parallel_degree", &C::tensor_parallel_degree, "Tensor-parallel ranks.").positive();
+    s.field("pipeline_parallel_degree", &C::pipeline_parallel_degree, "Pipeline stages.").positive();
+    s.field("context_parallel_degree", &C::context_parallel_degree, "Context-parallel ranks.").positive();
+    s.field("enable_loss_parallel", &C::enable_loss_parallel,
+            "Loss parallelism over the tensor-parallel dim; needs tensor_parallel_degree > 1.");
+    s.field("world_size", &C::world_size, "Number of ranks, usually ${cuda_env:WORLD_SIZE}.").required().positive();
+    s.rule([](const C& c, ParseContext& ctx) {
+      if (c.data_parallel_replicate_degree == 0) ctx.fail("data_parallel_replicate_degree", "must be -1 or >= 1, got 0");
+      if (c.data_parallel_shard_degree && *c.data_parallel_shard_degree == 0)
+        ctx.fail("data_parallel_shard_degree", "must be -1 or >= 1, got 0");
+      if (c.data_parallel_replicate_degree == -1 && c.data_parallel_shard_degree == -1)
+        ctx.fail("data_parallel_shard_degree", "at most one of the two data-parallel degrees may be -1 (inferred)");
+      if (c.enable_loss_parallel.value_or(false) && c.tensor_parallel_degree <= 1)
+        ctx.fail("enable_loss_parallel", "needs tensor_parallel_degree > 1");
+    });
+  }
+};
+
+// The degrees in kDimOrder, after inferring the -1 one; the product must be the world size.
+std::array<i64, 5> resolve_degrees(const DeviceMeshConfig& c) {
+  const i64 world = c.world_size.value_or(1);
+  std::array<i64, 5> d = {c.pipeline_parallel_degree, c.data_parallel_replicate_degree,
+                          c.data_parallel_shard_degree.value_or(1), c.context_parallel_degree, c.tensor_parallel_degree};
+  const auto product_without = [&](std::size_t skip) {
+    i64 p = 1;
+    for (std::size_t k = 0; k < d.size(); ++k)
+      if (k != skip) p *= d[k];
+    return p;
+  };
+  for (std::size_t k : {std::size_t{1}, std::size_t{2}}) {
+    if (d[k] != -1) continue;
+    const i64 others = product_without(k);
+    if (world % others != 0)
+      throw ConfigError(std::string(k == 1 ? "data_parallel_replicate_degree" : "data_parallel_shard_degree"),
+                        fmt::format("cannot infer -1: world_size {} is not divisible by the product {} of the other "
+                                    "degrees",
+                                    world, others));
+    d[k] = world / others;
+  }
+  i64 product = 1;
+  for (i64 x : d) product *= x;
+  if (product != world)
+    throw ConfigError("world_size", fmt::format("the degrees multiply to {} (pp {} x dp_replicate {} x dp_shard {} x cp {} "
+                                                "x tp {}), but world_size is {}",
+                                                product, d[0], d[1], d[2], d[3], d[4], world));
+  return d;
+}
+
+// State shared by a mesh and its sub-meshes.
+struct MeshState {
+  std::vector<std::string> names;  // mesh dims, in kDimOrder
+  std::vector<i64> sizes;
+  std::vector<i64> coord;          // this rank's coordinate per dim
+  std::string device_type;
+  std::map<std::vector<std::size_t>, c10::intrusive_ptr<c10d::ProcessGroup>> groups;  // by adjacent dim run
+  bool distributed = false;
+};
+
+class Mesh final : public DeviceMesh {
+ public:
+  Mesh(std::shared_ptr<const MeshState> state, std::vector<std::size_t> dims)
+      : s_(std::move(state)), dims_(std::move(dims)) {}
+
+  std::vector<std::string> dim_names() const override {
+    std::vector<std::string> out;
+    for (std::size_t d : dims_) out.push_back(s_->names[d]);
+    return out;
+  }
+  bool has_dim(std::string_view dim) const override { return find(dim).has_value(); }
+  std::int64_t size() const override {
+    i64 n = 1;
+    for (std::size_t d : dims_) n *= s_->sizes[d];
+    return n;
+  }
+  std::int64_t size(std::string_view dim) const override { return s_->sizes[at(dim)]; }
+  std::int64_t coordinate(std::string_view dim) const override { return s_->coord[at(dim)]; }
+  std::int64_t rank() const override {
+    i64 r = 0;
+    for (std::size_t d : dims_) r = r * s_->sizes[d] + s_->coord[d];
+    return r;
+  }
+  std::string device_type() const override { return s_->device_type; }
+
+  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<std::string>& dims) const override {
+    if (dims.empty()) throw Error("device_mesh: sub_mesh needs at least one dim");
+    std::vector<std::size_t> picked;
+    for (const std::string& name : dims) {
+      const std::size_t d = at(name);
+      if (!picked.empty() && d <= picked.back())
+        throw Error(fmt::format("device_mesh: sub_mesh dims {} must be distinct and in mesh order ({})", dims,
+                                dim_names()));
+      picked.push_back(d);
+    }
+    return std::make_shared<Mesh>(s_, std::move(picked));
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view dim) const override {
+    return group({at(dim)});
+  }
+  c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return group(dims_); }
+
+ private:
+  std::optional<std::size_t> find(std::string_view dim) const {
+    for (std::size_t d : dims_)
+      if (s_->names[d] == dim) return d;
+    return std::nullopt;
+  }
+  std::size_t at(std::string_view dim) const {
+    if (auto d = find(dim)) return *d;
+    throw Error(fmt::format("device_mesh: no dim '{}' in this mesh (dims: {})", dim, dim_names()));
+  }
+  c10::intrusive_ptr<c10d::ProcessGroup> group(const std::vector<std::size_t>& dims) const {
+    if (!s_->distributed)
+      throw Error("device_mesh: a single-process mesh has no process groups (every dim has size 1)");
+    const auto it = s_->groups.find(dims);
+    if (it == s_->groups.end()) {
+      std::vector<std::string> names;
+      for (std::size_t d : dims) names.push_back(s_->names[d]);
+      throw Error(fmt::format("device_mesh: no process group over {}: flattened groups exist for adjacent mesh dims "
+                              "only (mesh: {})",
+                              names, s_->names));
+    }
+    return it->second;
+  }
+
+  std::shared_ptr<const MeshState> s_;
+  std::vector<std::size_t> dims_;
+};
+
+std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
+  const std::array<i64, 5> degrees = resolve_degrees(c);
+  auto state = std::make_shared<MeshState>();
+  state->device_type = c.device_type;
+  for (std::size_t k = 0; k < kDimOrder.size(); ++k)
+    if (degrees[k] > 1 || kDimOrder[k] == "dp_shard") {
+      state->names.emplace_back(kDimOrder[k]);
+      state->sizes.push_back(degrees[k]);
+    }
+  const i64 world = c.world_size.value_or(1);
+  if (world != dist::world_size())
+    throw ConfigError("world_size", fmt::format("is {}, but this run has {} process(es) ({}){}", world,
+                                                dist::world_size(), dist::env().source,
+                                                dist::world_size() == 1 ? ": start it with `modalities launch`, torchrun "
+                                                                          "or srun"
+                                                                        : ""));
+  // This rank's coordinates: row-major over the mesh dims.
+  const std::size_t n = state->names.size();
+  state->coord.assign(n, 0);
+  i64 rest = dist::rank();
+  for (std::size_t k = n; k-- > 0;) {
+    state->coord[k] = rest % state->sizes[k];
+    rest /= state->sizes[k];
+  }
+  state->distributed = world > 1;
+  static int meshes_built = 0;  // every rank builds the same meshes in the same order
+  const int mesh_id = meshes_built++;
+  if (state->distributed) {
+    // Row-major strides of the global rank.
+    std::vector<i64> stride(n, 1);
+    for (std::size_t k = n - 1; k-- > 0;) stride[k] = stride[k + 1] * state->sizes[k + 1];
+    // For every run [a, b) of adjacent dims: one group per assignment of the other dims' coordinates.
+    for (std::size_t a = 0; a < n; ++a)
+      for (std::size_t b = a + 1; b <= n; ++b) {
+        std::vector<std::size_t> run;
+        for (std::size_t k = a; k < b; ++k) run.push_back(k);
+        std::string run_name;
+        for (std::size_t k : run) run_name += (run_name.empty() ? "" : "+") + state->names[k];
+        // Enumerate the other dims' coordinates (row-major), then the run's (row-major): ascending ranks.
+        std::vector<std::size_t> others;
+        for (std::size_t k = 0; k < n; ++k)
+          if (k < a || k >= b) others.push_back(k);
+        i64 outer = 1, inner = 1;
+        for (std::size_t k : others) outer *= state->sizes[k];
+        for (std::size_t k : run) inner *= state->sizes[k];
+        for (i64 o = 0; o < outer; ++o) {
+          i64 base = 0, left = o;
+          for (std::size_t j = others.size(); j-- > 0;) {
+            base += (left % state->sizes[others[j]]) * stride[others[j]];
+            left /= state->sizes[others[j]];
+          }
+          std::vector<int> ranks;
+          for (i64 i = 0; i < inner; ++i) {
+            i64 r = base, l = i;
+            for (std::size_t j = run.size(); j-- > 0;) {
+              r += (l % state->sizes[run[j]]) * stride[run[j]];
+              l /= state->sizes[run[j]];
+            }
+            ranks.push_back(static_cast<int>(r));
+          }
+          auto g = dist::new_group(ranks, fmt::format("mesh{}/{}/{}", mesh_id, run_name, o));
+          if (g) state->groups[run] = std::move(g);
+        }
+      }
+  }
+  std::vector<std::size_t> all(n);
+  for (std::size_t k = 0; k < n; ++k) all[k] = k;
+  return std::make_shared<Mesh>(std::move(state), std::move(all));
+}
+
+void register_components(Registrar& r) {
+  r.add<DeviceMesh, DeviceMeshConfig>(
+      "default",
+      "The ranks as a named grid (pp, dp_replicate, dp_shard, cp, tp) with a process group per dim and per run of "
+      "adjacent dims; Modalities' DeviceMeshConfig.",
+      [](const DeviceMeshConfig& c) { return build_mesh(c); });
+}
+
+}  // namespace
+}  // namespace modalities::plugins::device_mesh
+
+MODALITIES_PLUGIN(device_mesh, "0.1.0", modalities::plugins::device_mesh::register_components)
