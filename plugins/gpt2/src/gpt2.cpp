@@ -10,6 +10,7 @@
 #include "fused_ops.h"
 
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/removable_handle.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
@@ -28,7 +29,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -845,6 +848,66 @@ class GPT2BlockImpl final : public torch::nn::Module {
   std::shared_ptr<TransformerMLPImpl> gelu_mlp;
 };
 
+// Module hooks (Module::add_hook) on the root ("") and the blocks ("transformer.h.<i>"): the
+// points where wrappers act (a sharding wrapper gathers a block's parameters before it runs and
+// frees them after; debugging hooks look at activations). Hooks are added and removed between
+// steps; kBackward hooks run on autograd's threads, so the list is read-only during a step.
+class ModuleHooks {
+ public:
+  struct Entry {
+    std::uint64_t id;
+    ModuleHook hook;
+    std::unordered_set<std::string> fqns;  // empty: every hookable submodule
+  };
+  bool empty() const { return entries_->empty(); }
+  bool wants(std::string_view fqn) const {
+    for (const Entry& e : *entries_)
+      if (e.fqns.empty() || e.fqns.contains(std::string(fqn))) return true;
+    return false;
+  }
+  void call(HookPoint point, std::string_view fqn, std::string_view cls, std::span<const at::Tensor> in,
+            std::span<const at::Tensor> out) const {
+    call(*entries_, point, fqn, cls, in, out);
+  }
+  // Calls the kBackward hooks of `fqn` when the gradient w.r.t. `output` is known.
+  void on_backward(const at::Tensor& output, std::string fqn, std::string cls) const {
+    if (!output.requires_grad()) return;
+    auto entries = entries_;  // the list outlives the graph's hook
+    output.register_hook([entries, fqn = std::move(fqn), cls = std::move(cls)](const at::Tensor& grad) {
+      const at::Tensor g[] = {grad};
+      call(*entries, HookPoint::kBackward, fqn, cls, {}, g);
+    });
+  }
+  std::uint64_t add(ModuleHook hook, std::unordered_set<std::string> fqns) {
+    entries_->push_back({next_id_, std::move(hook), std::move(fqns)});
+    return next_id_++;
+  }
+  std::weak_ptr<std::vector<Entry>> list() const { return entries_; }
+
+ private:
+  static void call(const std::vector<Entry>& entries, HookPoint point, std::string_view fqn, std::string_view cls,
+                   std::span<const at::Tensor> in, std::span<const at::Tensor> out) {
+    const ModuleHookCall c{point, fqn, cls, in, out};
+    for (const Entry& e : entries)
+      if (e.fqns.empty() || e.fqns.contains(std::string(fqn))) e.hook(c);
+  }
+  std::shared_ptr<std::vector<Entry>> entries_ = std::make_shared<std::vector<Entry>>();
+  std::uint64_t next_id_ = 1;
+};
+
+class HookHandle final : public RemovableHandle {
+ public:
+  HookHandle(std::weak_ptr<std::vector<ModuleHooks::Entry>> list, std::uint64_t id) : list_(std::move(list)), id_(id) {}
+  void remove() noexcept override {
+    if (auto l = list_.lock()) std::erase_if(*l, [&](const ModuleHooks::Entry& e) { return e.id == id_; });
+    list_.reset();
+  }
+
+ private:
+  std::weak_ptr<std::vector<ModuleHooks::Entry>> list_;
+  std::uint64_t id_;
+};
+
 // The root (Modalities' GPT2LLM): a `transformer` ModuleDict holding wte, wpe,
 // drop, h (ModuleDict of GPT2Block), lm_head_norm, lm_head.
 class GPT2LLMImpl final : public torch::nn::Module {
@@ -908,12 +971,40 @@ class GPT2LLMImpl final : public torch::nn::Module {
         h = (h.view({B, T, -1}) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
     }
     if (is_training() && dropout_ > 0) h = at::dropout(h, dropout_, /*train=*/true);
-    if (transformer_->contains("h"))
-      for (const auto& item : *h_) h = (*item.value()->as<GPT2BlockImpl>())(h, B, T, dt);
+    if (transformer_->contains("h")) {
+      for (const auto& item : *h_) {
+        auto& block = *item.value()->as<GPT2BlockImpl>();
+        if (hooks_.empty()) {
+          h = block(h, B, T, dt);
+          continue;
+        }
+        const std::string fqn = "transformer.h." + item.key();
+        const at::Tensor in[] = {h};
+        hooks_.call(HookPoint::kPreForward, fqn, "GPT2Block", in, {});
+        h = block(h, B, T, dt);
+        const at::Tensor out[] = {h};
+        hooks_.call(HookPoint::kForward, fqn, "GPT2Block", in, out);
+        if (hooks_.wants(fqn)) hooks_.on_backward(h, fqn, "GPT2Block");
+      }
+    }
     if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
     if (transformer_->contains("lm_head")) h = (*lm_head_)(h, dt);  // [B*T, V]
     return h.view({B, T, -1});
   }
+
+  // The root's forward with its hooks around it (kPreForward, kForward, kBackward of "").
+  at::Tensor hooked_forward(const at::Tensor& input, Dt dt) {
+    if (hooks_.empty()) return forward(input, dt);
+    const at::Tensor in[] = {input};
+    hooks_.call(HookPoint::kPreForward, "", "GPT2LLM", in, {});
+    at::Tensor out = forward(input, dt);
+    const at::Tensor outs[] = {out};
+    hooks_.call(HookPoint::kForward, "", "GPT2LLM", in, outs);
+    if (hooks_.wants("")) hooks_.on_backward(out, "", "GPT2LLM");
+    return out;
+  }
+
+  ModuleHooks& hooks() { return hooks_; }
 
   std::vector<std::string> block_keys() const {
     std::vector<std::string> keys;
@@ -964,6 +1055,7 @@ class GPT2LLMImpl final : public torch::nn::Module {
   std::shared_ptr<LinearImpl> lm_head_;
   torch::nn::ModuleDict h_{nullptr};
   torch::nn::ModuleDict transformer_{nullptr};
+  ModuleHooks hooks_;
 };
 
 // ===================================================================================
@@ -991,7 +1083,7 @@ class GPT2 final : public Module {
       throw Error(fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key,
                               quoted_list(keys)));
     }
-    return {{config_.prediction_key, impl_->forward(it->second, param_dtype_)}};
+    return {{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_)}};
   }
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
@@ -1053,6 +1145,22 @@ class GPT2 final : public Module {
     std::vector<std::string> out;
     for (const auto& key : impl_->block_keys()) out.push_back("transformer.h." + key);
     return out;
+  }
+
+  // Hooks fire on the root ("") and the blocks; `fqns` empty means all of them.
+  std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
+    if (!hook) throw Error("gpt2: add_hook needs a callable hook");
+    const std::vector<std::string> blocks = block_fqns();
+    std::unordered_set<std::string> wanted;
+    for (const std::string& fqn : fqns) {
+      if (!fqn.empty() && std::find(blocks.begin(), blocks.end(), fqn) == blocks.end())
+        throw Error(fmt::format("gpt2: cannot hook '{}': hooks fire on the root (\"\") and the blocks ({})", fqn,
+                                blocks.empty() ? std::string("none in this part")
+                                               : fmt::format("\"{}\" ... \"{}\"", blocks.front(), blocks.back())));
+      wanted.insert(fqn);
+    }
+    const std::uint64_t id = impl_->hooks().add(std::move(hook), std::move(wanted));
+    return std::make_shared<HookHandle>(impl_->hooks().list(), id);
   }
 
   void reset_parameters() override {

@@ -7,7 +7,9 @@
 //    norm; bf16 mixed precision vs Modalities' model cast to bf16 (tolerances at the test).
 //  * Structure: FQNs and order, parameter counts (plugins/gpt2/README.md), weight-decay
 //    groups, RoPE frequencies, tying, meta device + reset_parameters, clone, errors.
+#include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/removable_handle.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
@@ -462,6 +464,49 @@ config = { normalized_shape = 16 })"));
   EXPECT_EQ(g.at("transformer.lm_head_norm.weight"), "layernorm");
   auto untied = build(h, Tutorial());
   EXPECT_EQ(group_of(*untied).at("transformer.lm_head.weight"), "linear");
+}
+
+// Module hooks on the root and the blocks: the order a sharding wrapper relies on (gather before
+// a block's forward, free after it, gather again when its output's gradient arrives), the
+// gradients they see, and removal.
+TEST(Gpt2HookTest, RootAndBlockHooksFireInForwardAndBackwardOrder) {
+  testing::Harness h{MODALITIES_TEST_PLUGIN};
+  auto m = build(h, Tutorial());
+  std::vector<std::string> calls;
+  std::map<std::string, std::vector<std::int64_t>> grad_shapes;
+  const auto record = [&](const ModuleHookCall& c) {
+    const char* point = c.point == HookPoint::kPreForward ? "pre" : c.point == HookPoint::kForward ? "fwd" : "bwd";
+    calls.push_back(fmt::format("{} {} {}", point, c.fqn.empty() ? "<root>" : std::string(c.fqn), c.class_name));
+    if (c.point == HookPoint::kBackward) grad_shapes[std::string(c.fqn)] = c.outputs[0].sizes().vec();
+    if (c.point == HookPoint::kForward) EXPECT_EQ(c.outputs.size(), 1u);
+  };
+  auto handle = m->add_hook(record, {});
+  const at::Tensor ids = at::randint(0, 50304, {2, 16}, at::kLong);
+  at::Tensor logits = m->forward({{"input_ids", ids}}).at("logits");
+  EXPECT_THAT(calls, ElementsAre("pre <root> GPT2LLM", "pre transformer.h.0 GPT2Block", "fwd transformer.h.0 GPT2Block",
+                                 "pre transformer.h.1 GPT2Block", "fwd transformer.h.1 GPT2Block", "fwd <root> GPT2LLM"));
+  calls.clear();
+  logits.to(at::kFloat).square().mean().backward();
+  EXPECT_THAT(calls, ElementsAre("bwd <root> GPT2LLM", "bwd transformer.h.1 GPT2Block", "bwd transformer.h.0 GPT2Block"));
+  EXPECT_EQ(grad_shapes[""], (std::vector<std::int64_t>{2, 16, 50304}));
+  EXPECT_EQ(grad_shapes["transformer.h.0"], (std::vector<std::int64_t>{2 * 16, 128}));  // blocks see [B*T, d]
+
+  // Selected blocks only; a removed hook stays silent.
+  calls.clear();
+  const std::vector<std::string> one = {"transformer.h.1"};
+  auto second = m->add_hook(record, one);
+  handle->remove();
+  handle->remove();  // a second remove does nothing
+  (void)m->forward({{"input_ids", ids}});
+  EXPECT_THAT(calls, ElementsAre("pre transformer.h.1 GPT2Block", "fwd transformer.h.1 GPT2Block"));
+  second->remove();
+  calls.clear();
+  (void)m->forward({{"input_ids", ids}});
+  EXPECT_TRUE(calls.empty());
+
+  const std::vector<std::string> bad = {"transformer.h.0.attn"};
+  EXPECT_THAT([&] { (void)m->add_hook(record, bad); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("cannot hook 'transformer.h.0.attn'")));
 }
 
 TEST(Gpt2TutorialTest, CanonicalNamesOrderAndBlocks) {

@@ -1,0 +1,495 @@
+// See fully_shard.h for what the engine does; the notes here are about how.
+//
+// Parameter identity. The inner model's parameter tensors (the ones its forward uses, "module
+// parameters") keep their TensorImpl for the whole run. While their unit is gathered, each is
+// pointed (set_data) at a view of a buffer of its full, padded shape; otherwise at an empty
+// tensor, so that nothing outside a forward/backward can read freed bytes. Gathering and freeing
+// change only the buffer's storage bytes (StorageImpl data pointer and size), never a tensor:
+// views that autograd saved in forward (e.g. a transposed weight) share that storage and see the
+// re-gathered bytes in backward, and set_data leaves version counters alone. The shards the optimizer updates are separate leaf tensors,
+// views into one flat buffer per unit.
+//
+// Ordering. Every collective is issued in an order that is the same on every rank: forward in
+// block order, backward in autograd's order (reverse block order on CPU, the same graph on every
+// rank), reduce-scatters when a unit's last gradient has accumulated.
+#include "fully_shard.h"
+
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/removable_handle.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace modalities::plugins::fsdp {
+namespace {
+
+using i64 = std::int64_t;
+
+struct Param {
+  std::string fqn;
+  at::Tensor module_param;  // the inner model's tensor; data: a view of `full`
+  at::Tensor full;          // [rows_per_rank * world, rest...]; its storage bytes come and go
+  at::Tensor empty;         // [0, rest...]: the module parameter's data while the unit is not gathered
+  at::Tensor shard;         // leaf the optimizer sees: [local_rows, rest...], a view into the unit's flat shard
+  at::Tensor shard_padded;  // [rows_per_rank, rest...] view into the flat shard (zero rows past the end)
+  std::vector<i64> full_shape;
+  i64 rows = 0, rows_per_rank = 0, local_rows = 0, row_numel = 0;
+  i64 offset = 0;  // into the unit's flat shard, in elements
+  i64 padded_numel() const { return rows_per_rank * row_numel; }
+};
+
+struct Unit {
+  std::string name;                  // "root" or the first block's FQN (+ "..last")
+  std::vector<std::string> blocks;   // hook points in forward order (empty for the root)
+  std::vector<std::size_t> params;   // indexes into Engine::params_
+  at::Tensor flat_shard;             // [shard_numel], fp32 master values
+  i64 shard_numel = 0;
+  bool root = false;
+  bool gathered = false;
+  int pending_grads = 0;             // module parameters of this unit still to accumulate this backward
+  bool awaiting_grads = false;
+};
+
+// Frees / re-allocates the bytes of a tensor's storage without touching the tensor.
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const std::size_t bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes) return;
+  TORCH_CHECK(s->allocator() != nullptr, "fsdp: a parameter buffer has no allocator");
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+class Engine;
+
+struct GradAccumulated final : torch::autograd::PostAccumulateGradHook {
+  Engine* engine;
+  std::size_t unit;
+  GradAccumulated(Engine* e, std::size_t u) : engine(e), unit(u) {}
+  void operator()(const torch::autograd::Variable& /*param*/) override;
+};
+
+class Engine {
+ public:
+  Engine(std::shared_ptr<Module> inner, ShardingOptions o) : inner_(std::move(inner)), o_(std::move(o)) {
+    if (o_.blocks_per_unit < 1) throw Error(fmt::format("fsdp: blocks per unit must be >= 1, got {}", o_.blocks_per_unit));
+    if (o_.shard_group) {  // none: one process, nothing to communicate (same code path otherwise)
+      world_ = o_.shard_group->getSize();
+      rank_ = o_.shard_group->getRank();
+    }
+    // Mixed precision: the inner model casts its (gathered, fp32) parameters at each use, as
+    // model/mixed_precision does in one process; gradients reach the fp32 buffers.
+    if (o_.param_dtype) inner_->set_param_dtype(o_.param_dtype);
+    build_units();
+    install_hooks();
+  }
+
+  ~Engine() {
+    for (auto& h : hooks_) h->remove();
+    for (Param& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p.module_param, nullptr);
+  }
+
+  Module& inner() { return *inner_; }
+  const Module& inner() const { return *inner_; }
+  const std::vector<Param>& params() const { return params_; }
+  int world() const { return world_; }
+  int rank() const { return rank_; }
+
+  // Gathers every unit (e.g. to read or re-initialize full parameters), then frees them.
+  template <class F>
+  void with_all_gathered(F&& f) {
+    for (std::size_t u = 0; u < units_.size(); ++u) gather(u);
+    f();
+    for (std::size_t u = 0; u < units_.size(); ++u) release(u);
+  }
+
+  // Copies the module parameters' current (gathered) values into this rank's shards.
+  void shards_from_module_params() {
+    at::NoGradGuard no_grad;
+    for (Param& p : params_) {
+      p.shard_padded.zero_();
+      if (p.local_rows > 0)
+        p.shard.copy_(p.module_param.narrow(0, static_cast<i64>(rank_) * p.rows_per_rank, p.local_rows));
+    }
+  }
+
+  void on_grad_accumulated(std::size_t u) {
+    std::lock_guard lock(mutex_);
+    Unit& unit = units_[u];
+    if (!unit.awaiting_grads) return;
+    if (--unit.pending_grads > 0) return;
+    unit.awaiting_grads = false;
+    reduce_scatter(u);
+    release(u);
+    // The root's last gradient (the embedding's) is the last of the backward pass: units whose
+    // parameters did not all receive a gradient are reduced now, with zeros for the missing ones.
+    if (unit.root)
+      for (std::size_t k = 0; k < units_.size(); ++k)
+        if (units_[k].awaiting_grads) {
+          units_[k].awaiting_grads = false;
+          reduce_scatter(k);
+          release(k);
+        }
+  }
+
+ private:
+  void build_units() {
+    const NamedTensors named = inner_->named_parameters();
+    std::unordered_set<const void*> seen;
+    // Unit of each parameter: the unit of the block whose FQN prefixes it, else the root.
+    std::vector<std::vector<std::string>> groups;
+    for (std::size_t b = 0; b < o_.block_fqns.size(); b += static_cast<std::size_t>(o_.blocks_per_unit)) {
+      const std::size_t end = std::min(o_.block_fqns.size(), b + static_cast<std::size_t>(o_.blocks_per_unit));
+      groups.emplace_back(o_.block_fqns.begin() + static_cast<std::ptrdiff_t>(b),
+                          o_.block_fqns.begin() + static_cast<std::ptrdiff_t>(end));
+    }
+    units_.resize(groups.size() + 1);
+    Unit& root = units_.back();
+    root.name = "root";
+    root.root = true;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      units_[g].blocks = groups[g];
+      units_[g].name = groups[g].size() == 1 ? groups[g][0] : groups[g].front() + ".." + groups[g].back();
+    }
+    std::unordered_map<std::string, std::size_t> unit_of_block;
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      for (const std::string& b : groups[g]) unit_of_block[b] = g;
+
+    for (const auto& [fqn, t] : named) {
+      if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      if (t.is_meta())
+        throw Error(fmt::format("fsdp: parameter {} is on the meta device; wrap a materialized model (or initialize "
+                                "it with model/model_initialized after wrapping, once supported)",
+                                fqn));
+      if (t.dim() == 0) throw Error(fmt::format("fsdp: parameter {} is a 0-dim tensor, which cannot be sharded on dim 0", fqn));
+      std::size_t u = units_.size() - 1;
+      for (const auto& [block, g] : unit_of_block)
+        if (fqn.size() > block.size() && fqn.compare(0, block.size(), block) == 0 && fqn[block.size()] == '.') u = g;
+      Param p;
+      p.fqn = fqn;
+      p.module_param = t;
+      p.full_shape = t.sizes().vec();
+      p.rows = t.size(0);
+      p.row_numel = t.numel() / std::max<i64>(p.rows, 1);
+      p.rows_per_rank = (p.rows + world_ - 1) / world_;
+      p.local_rows = std::clamp<i64>(p.rows - static_cast<i64>(rank_) * p.rows_per_rank, 0, p.rows_per_rank);
+      p.offset = units_[u].shard_numel;
+      units_[u].shard_numel += p.padded_numel();
+      units_[u].params.push_back(params_.size());
+      params_.push_back(std::move(p));
+    }
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      Unit& unit = units_[u];
+      if (unit.params.empty()) continue;
+      const at::Tensor& first = params_[unit.params.front()].module_param;
+      unit.flat_shard = at::zeros({unit.shard_numel}, first.options().requires_grad(false));
+      for (std::size_t i : unit.params) {
+        Param& p = params_[i];
+        std::vector<i64> padded_shape = p.full_shape;
+        padded_shape[0] = p.rows_per_rank;
+        p.shard_padded = unit.flat_shard.narrow(0, p.offset, p.padded_numel()).view(padded_shape);
+        at::Tensor local = p.shard_padded.narrow(0, 0, p.local_rows);
+        {
+          at::NoGradGuard no_grad;
+          if (p.local_rows > 0)
+            local.copy_(p.module_param.detach().narrow(0, static_cast<i64>(rank_) * p.rows_per_rank, p.local_rows));
+        }
+        p.shard = local.detach().requires_grad_(p.module_param.requires_grad());
+        // The module parameter becomes a view of its full (padded) buffer, in the compute dtype.
+        std::vector<i64> full_padded_shape = p.full_shape;
+        full_padded_shape[0] = p.rows_per_rank * world_;
+        p.full = at::empty(full_padded_shape, p.module_param.options().requires_grad(false));
+        std::vector<i64> empty_shape = p.full_shape;
+        empty_shape[0] = 0;
+        p.empty = at::empty(empty_shape, p.module_param.options().requires_grad(false));
+        free_storage(p.full);
+        // Not gathered: the module parameter is an empty tensor, so anything that reads it
+        // outside a forward (the inner model's own state_dict(), conformance checks) reads no bytes.
+        at::NoGradGuard no_grad;
+        p.module_param.set_data(p.empty);
+        torch::autograd::impl::set_post_acc_grad_hooks(p.module_param, std::make_unique<GradAccumulated>(this, u));
+      }
+    }
+  }
+
+  void install_hooks() {
+    // The root's hooks ("") gather it before the whole forward; each unit's first block gathers
+    // it, its last block frees it after forward and gathers it again when its gradient arrives.
+    std::vector<std::string> points = {""};
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      for (const std::string& b : units_[u].blocks) {
+        points.push_back(b);
+        unit_of_point_[b] = u;
+      }
+    const std::size_t root = units_.size() - 1;
+    hooks_.push_back(inner_->add_hook(
+        [this, root](const ModuleHookCall& c) {
+          if (c.fqn.empty()) {
+            if (c.point == HookPoint::kPreForward) begin_forward(root);
+            return;
+          }
+          const std::size_t u = unit_of_point_.at(std::string(c.fqn));
+          const Unit& unit = units_[u];
+          if (c.point == HookPoint::kPreForward && c.fqn == unit.blocks.front()) {
+            begin_forward(u);
+          } else if (c.point == HookPoint::kForward && c.fqn == unit.blocks.back()) {
+            // Without autograd (evaluation) nothing comes back for these parameters.
+            if (o_.reshard_after_forward || !at::GradMode::is_enabled()) {
+              std::lock_guard lock(mutex_);
+              release(u);
+            }
+          } else if (c.point == HookPoint::kBackward && c.fqn == unit.blocks.back()) {
+            std::lock_guard lock(mutex_);
+            gather(u);
+          }
+        },
+        points));
+  }
+
+  void begin_forward(std::size_t u) {
+    std::lock_guard lock(mutex_);
+    Unit& unit = units_[u];
+    // Always from the current shards: the optimizer may have changed them since the last gather.
+    release(u);
+    gather(u);
+    if (at::GradMode::is_enabled()) {
+      unit.pending_grads = 0;
+      for (std::size_t i : unit.params)
+        if (params_[i].module_param.requires_grad()) ++unit.pending_grads;
+      unit.awaiting_grads = unit.pending_grads > 0;
+    }
+  }
+
+  void gather(std::size_t u) {
+    Unit& unit = units_[u];
+    if (unit.gathered || unit.params.empty()) {
+      unit.gathered = true;
+      return;
+    }
+    at::NoGradGuard no_grad;
+    at::Tensor send = unit.flat_shard;
+    at::Tensor gathered = at::empty({unit.shard_numel * world_}, send.options());
+    if (world_ > 1) o_.shard_group->_allgather_base(gathered, send)->wait();
+    else gathered.copy_(send);
+    const at::Tensor by_rank = gathered.view({world_, unit.shard_numel});
+    for (std::size_t i : unit.params) {
+      Param& p = params_[i];
+      allocate_storage(p.full);
+      p.full.view({world_, p.padded_numel()}).copy_(by_rank.narrow(1, p.offset, p.padded_numel()));
+      // set_data keeps the parameter's identity and version counter; views of it that autograd
+      // saved in forward share `full`'s storage and see these bytes.
+      p.module_param.set_data(p.full.narrow(0, 0, p.rows));
+    }
+    unit.gathered = true;
+  }
+
+  void release(std::size_t u) {
+    Unit& unit = units_[u];
+    if (!unit.gathered) return;
+    at::NoGradGuard no_grad;
+    for (std::size_t i : unit.params) {
+      params_[i].module_param.set_data(params_[i].empty);
+      free_storage(params_[i].full);
+    }
+    unit.gathered = false;
+  }
+
+  void reduce_scatter(std::size_t u) {
+    Unit& unit = units_[u];
+    if (unit.params.empty()) return;
+    at::NoGradGuard no_grad;
+    const c10::ScalarType reduce = o_.reduce_dtype.value_or(unit.flat_shard.scalar_type());
+    at::Tensor send = at::zeros({world_, unit.shard_numel}, unit.flat_shard.options().dtype(reduce));
+    for (std::size_t i : unit.params) {
+      Param& p = params_[i];
+      const at::Tensor& g = p.module_param.grad();
+      if (!g.defined()) continue;
+      // Rows [r * rows_per_rank, ...) of the (zero-padded) full gradient go to rank r.
+      at::Tensor padded = at::zeros({p.rows_per_rank * world_, p.row_numel}, send.options());
+      padded.narrow(0, 0, p.rows).copy_(g.reshape({p.rows, p.row_numel}));
+      send.narrow(1, p.offset, p.padded_numel()).copy_(padded.view({world_, p.padded_numel()}));
+      p.module_param.mutable_grad().reset();
+    }
+    at::Tensor mine = at::empty({unit.shard_numel}, send.options());
+    at::Tensor flat = send.view({-1});
+    if (world_ > 1) o_.shard_group->_reduce_scatter_base(mine, flat)->wait();
+    else mine.copy_(flat);
+    mine.div_(static_cast<double>(world_));
+    if (o_.replicate_group && o_.replicate_group->getSize() > 1) {
+      std::vector<at::Tensor> t = {mine};
+      o_.replicate_group->allreduce(t)->wait();
+      mine.div_(static_cast<double>(o_.replicate_group->getSize()));
+    }
+    const at::Tensor master = mine.scalar_type() == unit.flat_shard.scalar_type() ? mine : mine.to(unit.flat_shard.scalar_type());
+    for (std::size_t i : unit.params) {
+      Param& p = params_[i];
+      if (!p.shard.requires_grad()) continue;
+      std::vector<i64> padded_shape = p.full_shape;
+      padded_shape[0] = p.rows_per_rank;
+      const at::Tensor g = master.narrow(0, p.offset, p.padded_numel()).view(padded_shape).narrow(0, 0, p.local_rows);
+      at::Tensor& grad = p.shard.mutable_grad();
+      if (grad.defined()) grad.add_(g);
+      else grad = g.clone();
+    }
+  }
+
+  std::shared_ptr<Module> inner_;
+  ShardingOptions o_;
+  int world_ = 1, rank_ = 0;
+  std::vector<Param> params_;
+  std::vector<Unit> units_;
+  std::unordered_map<std::string, std::size_t> unit_of_point_;
+  std::vector<std::shared_ptr<RemovableHandle>> hooks_;
+  std::recursive_mutex mutex_;  // backward hooks run on autograd's threads
+};
+
+void GradAccumulated::operator()(const torch::autograd::Variable&) { engine->on_grad_accumulated(unit); }
+
+// --- the Module ---------------------------------------------------------------------------
+
+class FullyShardedModule final : public Module {
+ public:
+  FullyShardedModule(std::shared_ptr<Module> inner, ShardingOptions o)
+      : engine_(std::make_unique<Engine>(std::move(inner), std::move(o))) {}
+
+  TensorMap forward(const TensorMap& inputs) override { return engine_->inner().forward(inputs); }
+  torch::nn::Module& module() override { return engine_->inner().module(); }
+  const torch::nn::Module& module() const override { return engine_->inner().module(); }
+
+  NamedTensors named_parameters() const override {
+    NamedTensors out;
+    for (const Param& p : engine_->params()) out.emplace_back(p.fqn, p.shard);
+    return out;
+  }
+
+  // Parameters as this rank's shards (with shard_placements()), buffers as the inner model has them.
+  StateDict state_dict() const override {
+    StateDict out;
+    std::unordered_map<const void*, const Param*> by_impl;
+    for (const Param& p : engine_->params()) by_impl[p.module_param.unsafeGetTensorImpl()] = &p;
+    for (const auto& item : engine_->inner().module().named_parameters(/*recurse=*/true)) {
+      const auto it = by_impl.find(item.value().unsafeGetTensorImpl());
+      if (it != by_impl.end()) out[item.key()] = it->second->shard.detach();
+    }
+    for (const auto& item : engine_->inner().module().named_buffers(/*recurse=*/true)) out[item.key()] = item.value();
+    return out;
+  }
+
+  // Accepts this rank's shards (the shapes state_dict() gives) or full tensors (this rank's rows
+  // are taken). Buffers go to the inner model.
+  void load_state_dict(const StateDict& state, bool strict) override {
+    at::NoGradGuard no_grad;
+    std::unordered_map<const void*, const Param*> by_impl;
+    for (const Param& p : engine_->params()) by_impl[p.module_param.unsafeGetTensorImpl()] = &p;
+    std::unordered_set<std::string> used;
+    for (const auto& item : engine_->inner().module().named_parameters(/*recurse=*/true)) {
+      const auto it = by_impl.find(item.value().unsafeGetTensorImpl());
+      if (it == by_impl.end()) continue;
+      const Param& p = *it->second;
+      const auto s = state.find(item.key());
+      if (s == state.end()) {
+        if (strict) throw Error(fmt::format("fsdp: load_state_dict: missing key {}", item.key()));
+        continue;
+      }
+      used.insert(item.key());
+      const at::Tensor& v = s->second;
+      if (v.sizes() == p.shard.sizes()) {
+        p.shard.copy_(v);
+      } else if (v.sizes().vec() == p.full_shape) {
+        if (p.local_rows > 0)
+          p.shard.copy_(v.narrow(0, static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.local_rows));
+      } else {
+        throw Error(fmt::format("fsdp: load_state_dict: {} has shape {}, expected the full shape {} or this rank's "
+                                "shard {}",
+                                item.key(), v.sizes().vec(), p.full_shape, p.shard.sizes().vec()));
+      }
+    }
+    StateDict buffers;
+    for (const auto& item : engine_->inner().module().named_buffers(/*recurse=*/true))
+      if (auto s = state.find(item.key()); s != state.end()) {
+        item.value().copy_(s->second);
+        used.insert(item.key());
+      }
+    if (strict)
+      for (const auto& [k, v] : state)
+        if (!used.contains(k)) throw Error(fmt::format("fsdp: load_state_dict: unexpected key {}", k));
+  }
+
+  std::map<std::string, ShardPlacement> shard_placements() const override {
+    std::map<std::string, ShardPlacement> out;
+    for (const Param& p : engine_->params()) {
+      ShardPlacement s;
+      s.global_shape = p.full_shape;
+      s.offsets.assign(p.full_shape.size(), 0);
+      s.offsets[0] = std::min<std::int64_t>(static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.rows);
+      out[p.fqn] = std::move(s);
+    }
+    return out;
+  }
+
+  void train(bool on) override { engine_->inner().train(on); }
+  bool is_training() const override { return engine_->inner().is_training(); }
+
+  void to(const c10::Device& device, std::optional<c10::ScalarType> dtype) override {
+    const c10::Device mine = engine_->params().empty() ? device : engine_->params().front().shard.device();
+    if (device != mine || dtype)
+      throw Error(fmt::format("fsdp: a sharded model cannot be moved or cast after wrapping (it is on {}; asked for "
+                              "{}{}); build the model on the run device before model/fsdp2_wrapped",
+                              mine.str(), device.str(), dtype ? std::string(", ") + c10::toString(*dtype) : ""));
+  }
+
+  std::string sample_key() const override { return engine_->inner().sample_key(); }
+  std::string prediction_key() const override { return engine_->inner().prediction_key(); }
+  std::map<std::string, std::vector<std::string>> weight_decay_groups() const override {
+    return engine_->inner().weight_decay_groups();
+  }
+  std::vector<std::string> block_fqns() const override { return engine_->inner().block_fqns(); }
+  std::vector<std::string> submodules_of_class(std::string_view class_name) const override {
+    return engine_->inner().submodules_of_class(class_name);
+  }
+
+  // Every rank re-initializes the full model the same way (same seed, same RNG use as one
+  // process), then keeps its rows.
+  void reset_parameters() override {
+    engine_->with_all_gathered([&] {
+      engine_->inner().reset_parameters();
+      engine_->shards_from_module_params();
+    });
+  }
+
+  std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
+    return engine_->inner().add_hook(std::move(hook), fqns);
+  }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace
+
+std::shared_ptr<Module> fully_shard(std::shared_ptr<Module> inner, ShardingOptions options) {
+  if (!inner) throw Error("fsdp: no model to wrap");
+  return std::make_shared<FullyShardedModule>(std::move(inner), std::move(options));
+}
+
+}  // namespace modalities::plugins::fsdp

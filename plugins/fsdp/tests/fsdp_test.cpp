@@ -1,0 +1,232 @@
+// model/fsdp2_wrapped against the same GPT-2 unwrapped in one process. Every rank builds the
+// sharded model and an unwrapped reference from the same seed, runs the reference on the whole
+// global batch and the sharded model on its own slice, and compares: the mean of the ranks' losses
+// with the reference loss, and each rank's gradient shard with the rows of the reference gradient
+// it owns; then one SGD step on both and the same comparison again (the next gather must see the
+// updated shards). Tolerances: 1e-6 relative + 1e-7 absolute on fp32 values that are sums over the
+// same terms in a different order.
+//
+// The multi-rank cases run this binary again as N ranks (`modalities launch --exec`,
+// MODALITIES_TEST_WORKER=1) with a filter selecting one FsdpWorker case and its layout in
+// MODALITIES_TEST_LAYOUT; outside a launch those cases skip themselves.
+#include "run_command.h"
+
+#include <modalities/sdk/distributed.h>
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/testing/harness.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::fsdp {
+namespace {
+
+using ::testing::HasSubstr;
+using modalities::testing::CommandResult;
+using modalities::testing::Harness;
+using modalities::testing::run_command;
+
+std::string read_example() {
+  std::ifstream in(std::filesystem::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Layout {
+  int world = 1;
+  int replicate = 1;
+  bool reshard_after_forward = true;
+  int layers_per_unit = 1;
+};
+
+// The example config for `l`, plus an unwrapped `reference` GPT-2 with the same seed.
+std::string config_for(const Layout& l) {
+  std::string text = read_example();
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    if (at == std::string::npos) throw std::runtime_error("example.toml has no '" + from + "'");
+    text.replace(at, from.size(), to);
+  };
+  replace("data_parallel_shard_degree = -1, world_size = 1",
+          fmt::format("data_parallel_replicate_degree = {}, data_parallel_shard_degree = -1, world_size = {}",
+                      l.replicate, l.world));
+  replace("reshard_after_forward = true", fmt::format("reshard_after_forward = {}", l.reshard_after_forward));
+  replace("layers_per_fsdp_unit = 1", fmt::format("layers_per_fsdp_unit = {}", l.layers_per_unit));
+  // The reference: the same model_raw table under another key (same seed: same initial weights).
+  const auto begin = text.find("[model_raw]");
+  const auto end = text.find("[model]\n");
+  std::string reference = text.substr(begin, end - begin);
+  for (std::size_t at; (at = reference.find("model_raw")) != std::string::npos;) reference.replace(at, 9, "reference");
+  return text + "\n" + reference;
+}
+
+at::Tensor loss_of(Module& m, const at::Tensor& ids) {
+  const at::Tensor logits = m.forward({{"input_ids", ids}}).at("logits");
+  const std::int64_t V = logits.size(-1);
+  return at::cross_entropy_loss(logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, V}),
+                                ids.narrow(1, 1, ids.size(1) - 1).reshape({-1}));
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const double err = (got - want).abs().max().item<double>();
+  const double tol = 1e-6 * want.abs().max().item<double>() + 1e-7;
+  EXPECT_LE(err, tol) << what << ": max |difference| " << err;
+}
+
+// One comparison round; returns nothing, asserts on the way.
+void compare_step(Module& sharded, Module& reference, const at::Tensor& global_ids, int rank, int dp, int round,
+                  bool reshard) {
+  const std::int64_t rows = global_ids.size(0) / dp;
+  const at::Tensor mine = global_ids.narrow(0, rank * rows, rows);
+
+  at::Tensor loss = loss_of(sharded, mine);
+  // After forward, with reshard_after_forward, the blocks' gathered bytes are freed (the root's
+  // stay until its backward); in backward they are gathered again.
+  for (const auto& item : sharded.module().named_parameters(/*recurse=*/true)) {
+    const bool block = item.key().starts_with("transformer.h.");
+    EXPECT_EQ(item.value().storage().nbytes() == 0, block && reshard) << "round " << round << ": " << item.key();
+  }
+  loss.backward();
+  at::Tensor ref_loss = loss_of(reference, global_ids);
+  ref_loss.backward();
+
+  at::Tensor mean_loss = loss.detach().clone().reshape({1});
+  if (dist::initialized()) {
+    std::vector<at::Tensor> t = {mean_loss};
+    dist::world()->allreduce(t)->wait();
+    mean_loss.div_(dist::world_size());
+  }
+  expect_close(mean_loss.reshape({}), ref_loss.detach(), fmt::format("round {}: loss", round));
+
+  const auto placements = sharded.shard_placements();
+  std::map<std::string, at::Tensor> ref_grads;
+  for (const auto& [name, p] : reference.named_parameters()) ref_grads[name] = p.grad();
+  for (const auto& [name, shard] : sharded.named_parameters()) {
+    ASSERT_TRUE(ref_grads.count(name)) << name;
+    const auto& place = placements.at(name);
+    ASSERT_TRUE(shard.grad().defined()) << name;
+    expect_close(shard.grad(), ref_grads[name].narrow(0, place.offsets[0], shard.size(0)),
+                 fmt::format("round {}: gradient of {}", round, name));
+  }
+  // SGD on both, then clear the gradients.
+  at::NoGradGuard no_grad;
+  for (const auto& [name, p] : sharded.named_parameters()) {
+    p.sub_(p.grad(), 0.5);
+    p.mutable_grad().reset();
+  }
+  for (const auto& [name, p] : reference.named_parameters()) {
+    p.sub_(p.grad(), 0.5);
+    p.mutable_grad().reset();
+  }
+}
+
+void run_layout(const Layout& l) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_MESH_PLUGIN);
+  h.set_config_text(config_for(l));
+  const auto sharded = h.get<Module>("model");
+  ASSERT_NE(sharded, nullptr) << h.build_error();
+  const auto reference = h.get<Module>("reference");
+  ASSERT_NE(reference, nullptr) << h.build_error();
+  const int rank = dist::rank();
+  const int dp = dist::world_size();
+  // Every rank draws the same global batch; rank r trains on rows [r*b, (r+1)*b).
+  at::manual_seed(7);
+  const at::Tensor ids = at::randint(0, 128, {2 * dp, 16}, at::kLong);
+  for (int round = 0; round < 3; ++round) {
+    compare_step(*sharded, *reference, ids, rank, dp, round, l.reshard_after_forward);
+    if (::testing::Test::HasFailure()) return;
+  }
+  // The shards tile the full parameter: their rows over all ranks add up to its first dim.
+  for (const auto& [name, shard] : sharded->named_parameters()) {
+    at::Tensor rows = at::full({1}, static_cast<double>(shard.size(0)), at::kDouble);
+    if (dist::initialized()) {
+      std::vector<at::Tensor> t = {rows};
+      // HSDP: each replicate group holds every row once; the whole world holds it `replicate` times.
+      dist::world()->allreduce(t)->wait();
+    }
+    EXPECT_EQ(rows.item<double>(), static_cast<double>(sharded->shard_placements().at(name).global_shape[0] * l.replicate))
+        << name;
+  }
+}
+
+TEST(FsdpTest, OneProcessEqualsTheUnwrappedModel) { run_layout(Layout{}); }
+
+TEST(FsdpTest, OneProcessWithTwoBlocksPerUnitAndNoReshard) {
+  Layout l;
+  l.layers_per_unit = 2;
+  l.reshard_after_forward = false;
+  run_layout(l);
+}
+
+TEST(FsdpTest, TheModelCannotBeMovedAfterWrapping) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_MESH_PLUGIN);
+  h.set_config_text(config_for(Layout{}));
+  const auto sharded = h.get<Module>("model");
+  ASSERT_NE(sharded, nullptr) << h.build_error();
+  EXPECT_THAT([&] { sharded->to(c10::Device(c10::kCPU), at::kHalf); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("cannot be moved or cast after wrapping")));
+  sharded->to(c10::Device(c10::kCPU), std::nullopt);  // where it is: fine
+}
+
+// --- several ranks ------------------------------------------------------------------------------
+
+bool in_worker() { return std::getenv("MODALITIES_TEST_WORKER") != nullptr; }
+
+std::string self_exe() {
+  char buf[4096] = {};
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+}
+
+void launch(int ranks, int replicate, int layers_per_unit) {
+  const CommandResult r = run_command(
+      {"timeout", "-k", "5", "180", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node", std::to_string(ranks),
+       "--grace-s", "2", "--exec", "--", self_exe(), "--gtest_filter=FsdpWorker.MatchesOneProcess"},
+      {{"MODALITIES_TEST_WORKER", "1"},
+       {"MODALITIES_TEST_LAYOUT", fmt::format("{} {}", replicate, layers_per_unit)},
+       {"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  for (int k = 0; k < ranks; ++k)
+    EXPECT_THAT(r.out, HasSubstr("[rank " + std::to_string(k) + "] [  PASSED  ] 1 test")) << r;
+}
+
+TEST(FsdpWorker, MatchesOneProcess) {
+  if (!in_worker()) GTEST_SKIP() << "runs as several ranks under FsdpTest.*Ranks*";
+  dist::RuntimeOptions o;
+  o.backend = "gloo";
+  o.timeout = std::chrono::seconds(60);
+  dist::init(dist::launch_env(), o);
+  Layout l;
+  l.world = dist::world_size();
+  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit;
+  run_layout(l);
+  dist::shutdown();
+}
+
+TEST(FsdpTest, TwoRanksMatchOneProcess) { launch(2, 1, 1); }
+TEST(FsdpTest, ThreeRanksWithPaddedShardsMatchOneProcess) { launch(3, 1, 2); }
+TEST(FsdpTest, FourRanksAsHsdpTwoByTwoMatchOneProcess) { launch(4, 2, 1); }
+
+}  // namespace
+}  // namespace modalities::plugins::fsdp
