@@ -12,6 +12,7 @@
 //  * a train loader that runs out before the target is reported.
 #include <modalities/core/graph.h>
 #include <modalities/core/gym.h>
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/checkpoint_saving.h>
@@ -32,6 +33,7 @@
 #include <fmt/chrono.h>
 #include <fmt/format.h>
 #include <sys/resource.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #ifdef MODALITIES_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -118,6 +120,15 @@ double peak_memory_mb(const c10::Device& device) {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
+/// The mean over all ranks of each element of `values` (a float32 CPU tensor), in place; a no-op
+/// for one process. Every rank calls it at the same step (log and evaluation steps).
+void mean_over_ranks(at::Tensor& values) {
+  if (!dist::initialized()) return;
+  std::vector<at::Tensor> t = {values};
+  dist::world()->allreduce(t)->wait();
+  values.div_(static_cast<double>(dist::world_size()));
+}
+
 /// A float32 0-dim tensor, as `torch.tensor(python_float)` makes it.
 at::Tensor fscalar(double v) { return at::scalar_tensor(v, at::kFloat); }
 
@@ -187,18 +198,26 @@ class Gym {
   GymSummary run() {
     const auto& s = c_.settings;
     const auto& sp = s.step_profile;
-    if (s.cuda_env.world_size != 1)
-      throw Error(fmt::format(
-          "settings.cuda_env.world_size = {}: training on several processes needs a model wrapper that "
-          "synchronises gradients (model/fsdp2_wrapped, model/fsdp1_wrapped), which this version does not have "
-          "yet. The runtime, the launcher and device_mesh/default work: `modalities dist check` tests them",
-          s.cuda_env.world_size));
     G_ = sp.gradient_accumulation_steps;
     S0_ = s.training_progress.num_seen_steps;
     K0_ = s.training_progress.global_num_seen_tokens;
-    dp_ = 1;
+    dp_ = sp.dp_degree;
     tokens_per_step_ = sp.local_train_micro_batch_size * sp.sequence_length * G_ * sp.dp_degree;
     parts_ = c_.app_state->model_parts();
+    if (s.cuda_env.world_size > 1) {
+      // Several ranks train one model only if every part synchronises its gradients across the
+      // data-parallel ranks, which the sharding wrappers do (their parameters are shards).
+      for (const auto& part : parts_)
+        if (part->shard_placements().empty())
+          throw Error(fmt::format(
+              "settings.cuda_env.world_size = {}: the model is not wrapped for data parallelism, so each rank would "
+              "train its own copy; wrap it in model/fsdp2_wrapped (configs/distributed/fsdp2_cpu.toml)",
+              s.cuda_env.world_size));
+      if (!dist::initialized())
+        throw Error(fmt::format("settings.cuda_env.world_size = {}, but no process group was created (launch with "
+                                "`modalities launch`, torchrun or srun)",
+                                s.cuda_env.world_size));
+    }
     optimizer_ = c_.app_state->optimizer();
     scheduler_ = c_.app_state->lr_scheduler();
     check_resumed_state();
@@ -401,10 +420,16 @@ class Gym {
     EvaluationResultBatch r;
     r.dataloader_tag = tag;
     r.num_train_steps_done = progress.num_seen_steps_total();
-    const at::Tensor loss_avg = (loss_sum_ / static_cast<float>(std::max<i64>(loss_count_, 1))).cpu();
+    // Losses are averaged over the ranks (each rank's loss is the mean over its own samples,
+    // and every rank has as many samples), as Modalities all-reduces them.
+    at::Tensor losses = at::stack({loss_sum_ / static_cast<float>(std::max<i64>(loss_count_, 1)), last_loss_})
+                            .to(at::kFloat)
+                            .cpu();
+    mean_over_ranks(losses);
+    const at::Tensor loss_avg = losses[0].clone();
     last_logged_loss_ = loss_avg.item<double>();
     r.losses.push_back({"train loss avg", {loss_avg, 2}});
-    r.losses.push_back({"train loss last", {last_loss_.cpu(), 2}});
+    r.losses.push_back({"train loss last", {losses[1].clone(), 2}});
     r.metrics.push_back({"consumed tokens", {at::scalar_tensor(progress.num_seen_tokens_total(), at::kLong), 0}});
     const at::Tensor norms =
         grad_norms_.empty() ? at::zeros({1}, at::kFloat) : at::stack(grad_norms_).to(at::kFloat).cpu();
@@ -462,7 +487,9 @@ class Gym {
       EvaluationResultBatch r;
       r.dataloader_tag = tag;
       r.num_train_steps_done = step;
-      const at::Tensor loss = count > 0 ? (sum / static_cast<float>(count)).cpu() : fscalar(std::nan(""));
+      at::Tensor loss = count > 0 ? (sum / static_cast<float>(count)).cpu().reshape({1}) : at::full({1}, std::nan(""));
+      mean_over_ranks(loss);
+      loss = loss.reshape({});
       r.losses.push_back({c_.loss_fn->tag(), {loss, 2}});
       r.throughput_metrics.push_back(
           {"evaluation_num_samples_per_second",

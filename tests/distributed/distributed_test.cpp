@@ -21,6 +21,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -288,7 +290,7 @@ TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
 
 // --- `run` under the launcher ----------------------------------------------------------------
 
-TEST(DistributedRunTest, TwoRanksAgreeOnTheRunTestCommAndStopAtTheMissingWrapperOnEveryRank) {
+TEST(DistributedRunTest, TwoRanksAgreeOnTheRunTestCommAndRefuseAnUnwrappedModelOnEveryRank) {
   const modalities::testing::ScratchDir dir;
   const std::string config = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/quickstart/train.toml";
   const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path", config,
@@ -298,8 +300,8 @@ TEST(DistributedRunTest, TwoRanksAgreeOnTheRunTestCommAndStopAtTheMissingWrapper
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("[rank 0] test_comm: every collective gave exact results on 2 ranks (gloo)")) << r;
   for (int rank = 0; rank < 2; ++rank)
-    EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}: settings.cuda_env.world_size = 2: training on "
-                                             "several processes needs a model wrapper",
+    EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}: settings.cuda_env.world_size = 2: the model "
+                                             "is not wrapped for data parallelism",
                                              rank, rank)))
         << r;
   // Rank 0 alone wrote the experiment folder, under the id both ranks used.
@@ -330,6 +332,87 @@ TEST(DistributedRunTest, ASettingsWorldSizeThatIsNotTheLaunchersIsRefused) {
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("settings.cuda_env says global_rank")) << r;
   EXPECT_THAT(r.err, HasSubstr("of world_size 1, but this process is rank")) << r;
+}
+
+// --- FSDP2 training through `run` ----------------------------------------------------------------
+
+// configs/distributed/fsdp2_cpu.toml for a short run, logged every step, with absolute data paths.
+std::string fsdp2_config(int micro_batch, int steps, int accumulation = 1) {
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/fsdp2_cpu.toml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    if (at == std::string::npos) throw std::runtime_error("fsdp2_cpu.toml has no '" + from + "'");
+    text.replace(at, from.size(), to);
+  };
+  replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
+  replace("local_train_micro_batch_size = 4", fmt::format("local_train_micro_batch_size = {}", micro_batch));
+  replace("num_target_steps = 80", fmt::format("num_target_steps = {}", steps));
+  replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
+  replace("checkpointing_interval_in_steps = 20", fmt::format("checkpointing_interval_in_steps = {}", steps));
+  replace("evaluation_interval_in_steps = 20", fmt::format("evaluation_interval_in_steps = {}", steps));
+  replace("warmup_steps = 10", "warmup_steps = 4");
+  replace("gradient_accumulation_steps = 1", fmt::format("gradient_accumulation_steps = {}", accumulation));
+  return text;
+}
+
+// (train loss avg, grad norm avg) of every logged step of evaluation_results.jsonl.
+std::vector<std::pair<double, double>> logged_losses_and_norms(const std::filesystem::path& results) {
+  std::ifstream in(results);
+  std::vector<std::pair<double, double>> out;
+  const auto number_after = [](const std::string& line, const std::string& key) {
+    const auto at = line.find("\"" + key + "\": ");
+    return at == std::string::npos ? std::nan("") : std::stod(line.substr(at + key.size() + 4));
+  };
+  for (std::string line; std::getline(in, line);)
+    if (line.find("\"train loss avg\"") != std::string::npos)
+      out.emplace_back(number_after(line, "train loss avg"), number_after(line, "grad norm avg"));
+  return out;
+}
+
+// The criterion: the 2-rank curve agrees with one process on the same global batch of 8
+// within 1e-5 relative, or within 10x the noise floor of splitting that batch differently inside
+// one process (2 micro-batches of 4, gradient accumulation 2), whichever is larger. Both printed.
+TEST(DistributedRunTest, Fsdp2OnTwoRanksTrainsLikeOneProcessOnTheSameGlobalBatch) {
+  const modalities::testing::ScratchDir dir;
+  constexpr int kSteps = 12;
+  const std::string root = (dir.path() / "experiments").string();
+  const auto run_one = [&](const std::string& id, const std::string& config) {
+    const auto file = dir.write(id + ".toml", config);
+    const CommandResult r = run_command({"timeout", "-k", "5", "300", kHost, "run", "--config_file_path", file.string(),
+                                         "--experiments_root_path", root, "--experiment_id", id},
+                                        {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+    EXPECT_EQ(r.exit_code, 0) << r;
+  };
+  run_one("batch8", fsdp2_config(8, kSteps));
+  run_one("batch4x2", fsdp2_config(4, kSteps, 2));
+  const auto two = dir.write("two.toml", fsdp2_config(4, kSteps));
+  const CommandResult b = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                  two.string(), "--experiments_root_path", root, "--experiment_id", "two"},
+                                 300);
+  ASSERT_EQ(b.exit_code, 0) << b;
+  const auto ref = logged_losses_and_norms(dir.path() / "experiments/batch8/evaluation_results.jsonl");
+  const auto floor = logged_losses_and_norms(dir.path() / "experiments/batch4x2/evaluation_results.jsonl");
+  const auto got = logged_losses_and_norms(dir.path() / "experiments/two/evaluation_results.jsonl");
+  ASSERT_EQ(ref.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(floor.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(got.size(), static_cast<std::size_t>(kSteps)) << b;
+  const auto rel = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
+  double loss_2r = 0, norm_2r = 0, loss_floor = 0, norm_floor = 0;
+  for (int k = 0; k < kSteps; ++k) {
+    loss_2r = std::max(loss_2r, rel(got[k].first, ref[k].first));
+    norm_2r = std::max(norm_2r, rel(got[k].second, ref[k].second));
+    loss_floor = std::max(loss_floor, rel(floor[k].first, ref[k].first));
+    norm_floor = std::max(norm_floor, rel(floor[k].second, ref[k].second));
+    std::printf("step %2d  loss: 1x8 %.9g | 4x2 %.9g | 2 ranks x4 %.9g    grad norm: 1x8 %.9g | 4x2 %.9g | 2 ranks x4 "
+                "%.9g\n",
+                k + 1, ref[k].first, floor[k].first, got[k].first, ref[k].second, floor[k].second, got[k].second);
+  }
+  std::printf("worst relative difference to 1x8: loss 2 ranks %.2e (noise floor 4x2: %.2e), grad norm 2 ranks %.2e "
+              "(noise floor 4x2: %.2e)\n",
+              loss_2r, loss_floor, norm_2r, norm_floor);
+  EXPECT_LE(loss_2r, std::max(1e-5, 10 * loss_floor));
+  EXPECT_LE(norm_2r, std::max(1e-5, 10 * norm_floor));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -92,7 +93,7 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
 
 // One comparison round; returns nothing, asserts on the way.
 void compare_step(Module& sharded, Module& reference, const at::Tensor& global_ids, int rank, int dp, int round,
-                  bool reshard) {
+                  bool reshard, int dp_shard_size) {
   const std::int64_t rows = global_ids.size(0) / dp;
   const at::Tensor mine = global_ids.narrow(0, rank * rows, rows);
 
@@ -125,6 +126,19 @@ void compare_step(Module& sharded, Module& reference, const at::Tensor& global_i
     expect_close(shard.grad(), ref_grads[name].narrow(0, place.offsets[0], shard.size(0)),
                  fmt::format("round {}: gradient of {}", round, name));
   }
+  // The whole gradient's norm from the shards (sum of squares over ranks) equals the reference's.
+  double local = 0, reference_sq = 0;
+  for (const auto& [name, shard] : sharded.named_parameters()) local += shard.grad().to(at::kDouble).square().sum().item<double>();
+  for (const auto& [name, g] : ref_grads) reference_sq += g.to(at::kDouble).square().sum().item<double>();
+  at::Tensor total = at::full({1}, local, at::kDouble);
+  if (dist::initialized()) {
+    std::vector<at::Tensor> t = {total};
+    // HSDP: every replica holds the whole gradient once.
+    dist::world()->allreduce(t)->wait();
+  }
+  const double replicas = dist::initialized() ? static_cast<double>(dist::world_size()) / static_cast<double>(dp_shard_size) : 1.0;
+  EXPECT_NEAR(std::sqrt(total.item<double>() / replicas), std::sqrt(reference_sq), 1e-6 * std::sqrt(reference_sq))
+      << "round " << round << ": gradient norm";
   // SGD on both, then clear the gradients.
   at::NoGradGuard no_grad;
   for (const auto& [name, p] : sharded.named_parameters()) {
@@ -152,7 +166,7 @@ void run_layout(const Layout& l) {
   at::manual_seed(7);
   const at::Tensor ids = at::randint(0, 128, {2 * dp, 16}, at::kLong);
   for (int round = 0; round < 3; ++round) {
-    compare_step(*sharded, *reference, ids, rank, dp, round, l.reshard_after_forward);
+    compare_step(*sharded, *reference, ids, rank, dp, round, l.reshard_after_forward, l.world / l.replicate);
     if (::testing::Test::HasFailure()) return;
   }
   // The shards tile the full parameter: their rows over all ranks add up to its first dim.

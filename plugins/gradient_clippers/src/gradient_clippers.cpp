@@ -4,10 +4,17 @@
 //                              min(max_norm / (total + 1e-6), 1) (max_norm = inf for logging)
 //   norm, logging_only         torch.nn.utils.clip_grad_norm_ / get_total_norm on all parts
 //   value                      torch.nn.utils.clip_grad_value_; returns the pre-clip L2 norm
-// The sharded (fsdp2) variants need the norm reduced across ranks and come with sharding.
+//   fsdp2, fsdp2_logging_only  the same over a sharded model (model/fsdp2_wrapped): each rank's
+//                              norm of its gradient shards, combined over the mesh's dp_shard
+//                              group (sum of p-th powers, or max), so every rank clips with the
+//                              norm of the whole gradient
+// The one-process variants refuse a sharded model on several ranks (their norm would be one
+// rank's, and the ranks would scale their shards differently).
 // Norms are computed with the same ATen calls as PyTorch (at::_foreach_norm, then the norm
 // of the stacked norms), so they are bit-identical to PyTorch. Non-finite norms are returned.
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/model_parts.h>
@@ -15,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -124,13 +132,52 @@ void scale(const std::vector<at::Tensor>& grads, double max_norm, const at::Tens
   }
 }
 
+// The norm of the whole gradient from each rank's shards: ranks hold disjoint rows of every
+// parameter (zero padding adds nothing), so the p-th powers add up and the maxima combine.
+// Accumulated in float64: float32 norms of large tensors (a 50k x 128 embedding) carry errors
+// of ~1e-5 relative that depend on how the rows are split, so float32 would log a norm that
+// changes with the number of ranks (tests/distributed measures this). In float64 the norm of
+// the same gradient is the same on 1, 2 or 4 ranks to ~1e-9.
+at::Tensor sharded_total_norm(const std::vector<at::Tensor>& grads, double order,
+                              const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const bool max = std::isinf(order);
+  at::Tensor local = at::zeros({1}, at::kDouble);
+  for (const auto& bucket : by_device_and_dtype(grads))
+    for (const at::Tensor& n : at::_foreach_norm(bucket, order, at::kDouble)) {
+      const at::Tensor v = n.cpu().reshape({1});
+      if (max) local = at::maximum(local, v);
+      else local.add_(v.pow(order));
+    }
+  if (group) {
+    std::vector<at::Tensor> t = {local};
+    c10d::AllreduceOptions o;
+    o.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    group->allreduce(t, o)->wait();
+  }
+  if (!max) local.pow_(1.0 / order);
+  const c10::Device device = grads.empty() ? c10::Device(c10::kCPU) : grads.front().device();
+  return local.reshape({}).to(device, at::kFloat);
+}
+
 // How the total norm is computed and what happens to the gradients.
-enum class Mode { kFsdp1, kTorch, kTorchLoggingOnly, kValue };
+enum class Mode { kFsdp1, kTorch, kTorchLoggingOnly, kValue, kSharded, kShardedLoggingOnly };
+
+// A one-process variant must not see shards of a model trained on several ranks.
+void refuse_shards(const std::vector<std::shared_ptr<Module>>& parts, const char* variant) {
+  if (dist::world_size() <= 1) return;
+  for (const auto& part : parts)
+    if (!part->shard_placements().empty())
+      throw ConfigError("wrapped_model", fmt::format("gradient_clipper/{} computes one rank's norm; the model is "
+                                                     "sharded over {} ranks: use gradient_clipper/fsdp2 (or "
+                                                     "fsdp2_logging_only) with the device_mesh",
+                                                     variant, dist::world_size()));
+}
 
 class Clipper final : public GradientClipper {
  public:
-  Clipper(Mode mode, std::vector<std::shared_ptr<Module>> parts, double order, double limit)
-      : mode_(mode), parts_(std::move(parts)), order_(order), limit_(limit) {}
+  Clipper(Mode mode, std::vector<std::shared_ptr<Module>> parts, double order, double limit,
+          c10::intrusive_ptr<c10d::ProcessGroup> group = {})
+      : mode_(mode), parts_(std::move(parts)), order_(order), limit_(limit), group_(std::move(group)) {}
 
   at::Tensor clip_gradients() override {
     at::NoGradGuard no_grad;
@@ -151,6 +198,13 @@ class Clipper final : public GradientClipper {
       }
       case Mode::kTorchLoggingOnly:
         return total_norm(grads, order_);
+      case Mode::kSharded: {
+        const at::Tensor total = sharded_total_norm(grads, order_, group_);
+        scale(grads, limit_, total, /*cast_coef=*/false);
+        return total;
+      }
+      case Mode::kShardedLoggingOnly:
+        return sharded_total_norm(grads, order_, group_);
       case Mode::kValue: {
         const at::Tensor total = total_norm(grads, 2.0);
         for (const auto& bucket : by_device_and_dtype(grads)) {
@@ -168,6 +222,7 @@ class Clipper final : public GradientClipper {
   std::vector<std::shared_ptr<Module>> parts_;
   double order_;
   double limit_;  // max_norm, or clip_value
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;  // sharded variants: the dp_shard group (null: one rank)
 };
 
 // --- configs --------------------------------------------------------------------------------------
@@ -238,36 +293,90 @@ struct ValueConfig {
   }
 };
 
+struct Fsdp2Config {
+  ModelParts model_parts;
+  double max_norm = 0;
+  std::string norm_type;
+  Ref<DeviceMesh> device_mesh;
+  static void describe(Schema<Fsdp2Config>& s) {
+    s.field("model_parts", &Fsdp2Config::model_parts, "The sharded model (model/fsdp2_wrapped) or its parts.")
+        .required()
+        .alias("wrapped_model");
+    s.field("max_norm", &Fsdp2Config::max_norm, "Gradients are scaled down to this total norm.").required().positive();
+    norm_type_field(s);
+    s.field("device_mesh", &Fsdp2Config::device_mesh, "The mesh the model is sharded over (its dp_shard dim).")
+        .required();
+  }
+};
+
+struct Fsdp2LoggingConfig {
+  ModelParts model_parts;
+  std::string norm_type;
+  Ref<DeviceMesh> device_mesh;
+  static void describe(Schema<Fsdp2LoggingConfig>& s) {
+    s.field("model_parts", &Fsdp2LoggingConfig::model_parts, "The sharded model (model/fsdp2_wrapped) or its parts.")
+        .required()
+        .alias("wrapped_model");
+    norm_type_field(s);
+    s.field("device_mesh", &Fsdp2LoggingConfig::device_mesh, "The mesh the model is sharded over (its dp_shard dim).")
+        .required();
+  }
+};
+
+// The group whose ranks hold different shards: dp_shard (replicas along dp_replicate hold the same).
+c10::intrusive_ptr<c10d::ProcessGroup> shard_group(const DeviceMesh& mesh) {
+  if (!mesh.has_dim("dp_shard"))
+    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {} dims", mesh.dim_names().size()));
+  return mesh.size() > 1 && mesh.size("dp_shard") > 1 ? mesh.process_group("dp_shard") : nullptr;
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
+  r.add<GradientClipper, Fsdp2Config>(
+      "fsdp2", "Clips a sharded model's gradients to max_norm of the whole gradient (norm combined over dp_shard).",
+      [](const Fsdp2Config& c) {
+        return std::make_shared<Clipper>(Mode::kSharded, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm,
+                                         shard_group(*c.device_mesh));
+      });
+  r.add<GradientClipper, Fsdp2LoggingConfig>(
+      "fsdp2_logging_only", "The whole gradient's norm of a sharded model (combined over dp_shard); no clipping.",
+      [](const Fsdp2LoggingConfig& c) {
+        return std::make_shared<Clipper>(Mode::kShardedLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
+                                         0.0, shard_group(*c.device_mesh));
+      });
   r.add<GradientClipper, Fsdp1Config>(
       "fsdp1", "FSDP1 clip_grad_norm_ on one process: clips to max_norm, returns the total norm.",
       [](const Fsdp1Config& c) {
+        refuse_shards(c.wrapped_model.shared(), "fsdp1");
         return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
                                          c.max_norm);
       });
   r.add<GradientClipper, Fsdp1LoggingConfig>(
       "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf on one process: the total norm, no clipping.",
       [](const Fsdp1LoggingConfig& c) {
+        refuse_shards(c.wrapped_model.shared(), "fsdp1_logging_only");
         return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
                                          std::numeric_limits<double>::infinity());
       });
   r.add<GradientClipper, NormConfig>(
       "norm", "torch.nn.utils.clip_grad_norm_ over all parts: clips to max_norm, returns the total norm.",
       [](const NormConfig& c) {
+        refuse_shards(c.model_parts.shared(), "norm");
         return std::make_shared<Clipper>(Mode::kTorch, c.model_parts.shared(), norm_order(c.norm_type),
                                          c.max_norm);
       });
   r.add<GradientClipper, LoggingOnlyConfig>(
       "logging_only", "The total gradient norm over all parts (torch.nn.utils.get_total_norm); gradients untouched.",
       [](const LoggingOnlyConfig& c) {
+        refuse_shards(c.model_parts.shared(), "logging_only");
         return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
                                          0.0);
       });
   r.add<GradientClipper, ValueConfig>(
       "value", "torch.nn.utils.clip_grad_value_: clamps every gradient element; returns the pre-clip L2 norm.",
       [](const ValueConfig& c) {
+        refuse_shards(c.model_parts.shared(), "value");
         return std::make_shared<Clipper>(Mode::kValue, c.model_parts.shared(), 2.0, c.clip_value);
       });
 }
