@@ -93,7 +93,7 @@ TEST(PickleIndexTest, EncodesIntegerWidthsLikeCPython) {
 
 TEST(PickleIndexTest, RefusesAnythingButAListOfPairs) {
   // GLOBAL opcode (what pickling numpy scalars produces) must never be executed.
-  const std::string global("\x80\x04\x63numpy\ncore\n\x2e", 17);
+  const std::string global("\x80\x04\x63numpy\ncore\n\x2e", 15);
   try {
     unpickle_index(bytes_of(global), "evil.idx");
     FAIL();
@@ -189,9 +189,9 @@ TEST(PickleIndexTest, FramesAreCheckedLikePythonsUnframer) {
               HasSubstr("4 bytes after STOP"));
   EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04K\x01]\x94.", 7)), "f"); }),
               HasSubstr("left on the stack"));
-  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]\x88K\x01\x86" "a.", 8)), "f"); }),
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]\x88K\x01\x86" "a.", 9)), "f"); }),
               HasSubstr("boolean"));
-  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]]\x85" "a.", 6)), "f"); }),
+  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]]\x85" "a.", 7)), "f"); }),
               HasSubstr("other than integers"));
 }
 
