@@ -325,7 +325,8 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
     const double tokens_per_s =
         s.seconds > 0 ? static_cast<double>(s.steps_done * components.settings.step_profile.local_train_micro_batch_size *
                                              components.settings.step_profile.sequence_length *
-                                             components.settings.step_profile.gradient_accumulation_steps) /
+                                             components.settings.step_profile.gradient_accumulation_steps *
+                                             components.settings.step_profile.dp_degree) /
                             s.seconds
                       : 0.0;
     if (launch.rank == 0)
