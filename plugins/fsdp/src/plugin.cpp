@@ -5,6 +5,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/mixed_precision.h>
 #include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/plugin.h>
 
@@ -19,27 +20,6 @@
 
 namespace modalities::plugins::fsdp {
 namespace {
-
-const std::vector<std::string> kDtypeNames = {"FP_16", "FP_32", "BF_16"};
-
-c10::ScalarType dtype_of(const std::string& name) {
-  if (name == "FP_16") return at::kHalf;
-  if (name == "BF_16") return at::kBFloat16;
-  return at::kFloat;
-}
-
-struct MixedPrecisionSettings {
-  std::string param_dtype;
-  std::string reduce_dtype;
-  static void describe(Schema<MixedPrecisionSettings>& s) {
-    s.field("param_dtype", &MixedPrecisionSettings::param_dtype, "dtype the model computes in (parameters cast at use).")
-        .required()
-        .one_of(kDtypeNames);
-    s.field("reduce_dtype", &MixedPrecisionSettings::reduce_dtype, "dtype of the gradient reduce-scatter.")
-        .required()
-        .one_of(kDtypeNames);
-  }
-};
 
 struct Fsdp2Config {
   ModelParts model;
@@ -85,9 +65,9 @@ std::shared_ptr<Module> wrap(const Fsdp2Config& c) {
   }
   o.reshard_after_forward = c.reshard_after_forward;
   o.blocks_per_unit = c.layers_per_fsdp_unit;
-  o.param_dtype = dtype_of(c.mixed_precision_settings.param_dtype);
+  o.param_dtype = mixed_precision_dtype(c.mixed_precision_settings.param_dtype);
   if (*o.param_dtype == at::kFloat) o.param_dtype.reset();
-  o.reduce_dtype = dtype_of(c.mixed_precision_settings.reduce_dtype);
+  o.reduce_dtype = mixed_precision_dtype(c.mixed_precision_settings.reduce_dtype);
   for (const std::string& name : c.block_names)
     for (const std::string& fqn : inner->submodules_of_class(name))
       if (std::find(o.block_fqns.begin(), o.block_fqns.end(), fqn) == o.block_fqns.end()) o.block_fqns.push_back(fqn);

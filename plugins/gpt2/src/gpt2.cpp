@@ -11,6 +11,7 @@
 
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
+#include <modalities/sdk/mixed_precision.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
@@ -1206,30 +1207,6 @@ class GPT2 final : public Module {
 // model/mixed_precision
 // ===================================================================================
 
-const std::vector<std::string> kDtypeNames = {"FP_16", "FP_32", "BF_16"};
-
-c10::ScalarType dtype_of(const std::string& name) {
-  if (name == "FP_16") return at::kHalf;
-  if (name == "BF_16") return at::kBFloat16;
-  return at::kFloat;
-}
-
-struct MixedPrecisionSettings {
-  std::string param_dtype;
-  std::string reduce_dtype;
-  static void describe(Schema<MixedPrecisionSettings>& s) {
-    s.field("param_dtype", &MixedPrecisionSettings::param_dtype,
-            "dtype the parameters are cast to at each use (activations, logits and loss follow).")
-        .required()
-        .one_of(kDtypeNames);
-    s.field("reduce_dtype", &MixedPrecisionSettings::reduce_dtype,
-            "dtype of gradient reduction across ranks; accepted for compatibility with fsdp2_wrapped, no effect "
-            "in a single process (gradients accumulate in the fp32 master parameters).")
-        .required()
-        .one_of(kDtypeNames);
-  }
-};
-
 struct MixedPrecisionConfig {
   Ref<Module> model;
   MixedPrecisionSettings mixed_precision_settings;
@@ -1259,7 +1236,7 @@ void register_components(Registrar& r) {
       "FSDP2-style mixed precision on one process: fp32 master parameters, each use cast to param_dtype. "
       "Returns the same model.",
       [](const MixedPrecisionConfig& c) {
-        c.model->set_param_dtype(dtype_of(c.mixed_precision_settings.param_dtype));
+        c.model->set_param_dtype(mixed_precision_dtype(c.mixed_precision_settings.param_dtype));
         return c.model.shared();
       });
 }
