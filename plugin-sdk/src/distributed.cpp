@@ -319,6 +319,42 @@ std::string broadcast_from_rank0(const std::string& key, const std::string& valu
   return std::string(got.begin(), got.end());
 }
 
+namespace {
+std::vector<std::string> gather_strings(const std::string& key, const std::string& value, bool everyone) {
+  if (!initialized()) return {value};
+  const std::string prefix = "modalities/gather/" + key + "/";
+  auto& store = *runtime().store;
+  store.set(prefix + std::to_string(rank()), std::vector<std::uint8_t>(value.begin(), value.end()));
+  std::vector<std::string> out;
+  if (!everyone && rank() != 0) return out;
+  out.reserve(static_cast<std::size_t>(world_size()));
+  for (int r = 0; r < world_size(); ++r) {
+    if (r == rank()) {
+      out.push_back(value);
+      continue;
+    }
+    std::vector<std::uint8_t> got;
+    try {
+      got = store.get(prefix + std::to_string(r));  // waits up to the store's timeout
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("rank {}: waiting for rank {}'s '{}' failed after up to {} s (did rank {} stop?): {}",
+                              rank(), r, key, std::chrono::duration_cast<std::chrono::seconds>(timeout()).count(), r,
+                              e.what()));
+    }
+    out.emplace_back(got.begin(), got.end());
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<std::string> all_gather_strings(const std::string& key, const std::string& value) {
+  return gather_strings(key, value, true);
+}
+
+std::vector<std::string> gather_strings_to_rank0(const std::string& key, const std::string& value) {
+  return gather_strings(key, value, false);
+}
+
 void barrier() {
   if (!initialized()) return;
   world()->barrier()->wait();

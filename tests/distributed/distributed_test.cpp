@@ -336,24 +336,31 @@ TEST(DistributedRunTest, ASettingsWorldSizeThatIsNotTheLaunchersIsRefused) {
 
 // --- FSDP2 training through `run` ----------------------------------------------------------------
 
-// configs/distributed/fsdp2_cpu.toml for a short run, logged every step, with absolute data paths.
-std::string fsdp2_config(int micro_batch, int steps, int accumulation = 1) {
-  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/fsdp2_cpu.toml");
+// configs/distributed/<file> for a short run, logged every step, with absolute data paths. The
+// config fixes the global batch (8 samples); the micro-batch size follows the world size and
+// `accumulation`. `checkpoint_every` > 0 keeps a checkpoint every that many steps.
+std::string distributed_config(const std::string& file, int steps, int accumulation = 1, int checkpoint_every = 0) {
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/" + file);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto replace = [&](const std::string& from, const std::string& to) {
     const auto at = text.find(from);
-    if (at == std::string::npos) throw std::runtime_error("fsdp2_cpu.toml has no '" + from + "'");
+    if (at == std::string::npos) throw std::runtime_error(file + " has no '" + from + "'");
     text.replace(at, from.size(), to);
   };
   replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
-  replace("local_train_micro_batch_size = 4", fmt::format("local_train_micro_batch_size = {}", micro_batch));
   replace("num_target_steps = 80", fmt::format("num_target_steps = {}", steps));
   replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
-  replace("checkpointing_interval_in_steps = 20", fmt::format("checkpointing_interval_in_steps = {}", steps));
+  replace("checkpointing_interval_in_steps = 20",
+          fmt::format("checkpointing_interval_in_steps = {}", checkpoint_every > 0 ? checkpoint_every : steps));
   replace("evaluation_interval_in_steps = 20", fmt::format("evaluation_interval_in_steps = {}", steps));
   replace("warmup_steps = 10", "warmup_steps = 4");
   replace("gradient_accumulation_steps = 1", fmt::format("gradient_accumulation_steps = {}", accumulation));
+  if (checkpoint_every > 0) replace("config = { k = 2 }", "config = { k = -1 }");
   return text;
+}
+
+std::string fsdp2_config(int steps, int accumulation = 1) {
+  return distributed_config("fsdp2_cpu.toml", steps, accumulation);
 }
 
 // (train loss avg, grad norm avg) of every logged step of evaluation_results.jsonl.
@@ -384,9 +391,9 @@ TEST(DistributedRunTest, Fsdp2OnTwoRanksTrainsLikeOneProcessOnTheSameGlobalBatch
                                         {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
     EXPECT_EQ(r.exit_code, 0) << r;
   };
-  run_one("batch8", fsdp2_config(8, kSteps));
-  run_one("batch4x2", fsdp2_config(4, kSteps, 2));
-  const auto two = dir.write("two.toml", fsdp2_config(4, kSteps));
+  run_one("batch8", fsdp2_config(kSteps));
+  run_one("batch4x2", fsdp2_config(kSteps, 2));
+  const auto two = dir.write("two.toml", fsdp2_config(kSteps));
   const CommandResult b = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
                                   two.string(), "--experiments_root_path", root, "--experiment_id", "two"},
                                  300);
@@ -413,6 +420,90 @@ TEST(DistributedRunTest, Fsdp2OnTwoRanksTrainsLikeOneProcessOnTheSameGlobalBatch
               loss_2r, loss_floor, norm_2r, norm_floor);
   EXPECT_LE(loss_2r, std::max(1e-5, 10 * loss_floor));
   EXPECT_LE(norm_2r, std::max(1e-5, 10 * norm_floor));
+}
+
+// --- sharded checkpoints ------------------------------------------------------------------
+
+// step -> (train loss avg, grad norm avg) of the training lines of evaluation_results.jsonl.
+std::map<int, std::pair<double, double>> logged_steps(const std::filesystem::path& results) {
+  std::ifstream in(results);
+  std::map<int, std::pair<double, double>> out;
+  const auto number_after = [](const std::string& line, const std::string& key) {
+    const auto at = line.find("\"" + key + "\": ");
+    return at == std::string::npos ? std::nan("") : std::stod(line.substr(at + key.size() + 4));
+  };
+  for (std::string line; std::getline(in, line);)
+    if (line.find("\"train loss avg\"") != std::string::npos)
+      out[static_cast<int>(number_after(line, "num_train_steps_done"))] = {number_after(line, "train loss avg"),
+                                                                            number_after(line, "grad norm avg")};
+  return out;
+}
+
+// The checkpoint folder of experiment `id` after `step` steps.
+std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std::string& id, int step) {
+  const std::string marker = fmt::format("-seen_steps_{}-", step);
+  for (const auto& e : std::filesystem::directory_iterator(root / id / "checkpoints"))
+    if (e.is_directory() && e.path().filename().string().find(marker) != std::string::npos) return e.path();
+  throw std::runtime_error(fmt::format("{} has no checkpoint of step {}", id, step));
+}
+
+// The acceptance: checkpoint at step 10 on 4 ranks; continued on 4 ranks the steps 11-20
+// are bit for bit those of the uninterrupted run, continued on 2 and on 1 rank within 1e-5; and
+// back: the 2-rank and 1-rank continuations' step-15 checkpoints continued on 4 ranks. Every run
+// has the global batch 8 (the config derives the micro-batch size from the world size).
+TEST(DistributedCheckpointTest, SavedOnFourRanksContinuesOnFourTwoAndOneAndBack) {
+  const modalities::testing::ScratchDir dir;
+  constexpr int kSteps = 20;
+  const std::filesystem::path root = dir.path() / "experiments";
+  const auto train = dir.write("train.toml", distributed_config("fsdp2_cpu.toml", kSteps, 1, 5));
+  const auto resume = dir.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", kSteps, 1, 5));
+  const std::vector<std::pair<std::string, std::string>> env{{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}};
+  const auto run_on = [&](int ranks, std::vector<std::string> args) {
+    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
+    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_command(argv, env);
+  };
+  const auto continue_on = [&](int ranks, const std::string& from, int step, const std::string& id) {
+    const auto info = dir.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
+                                                               checkpoint_of(root, from, step).string()));
+    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path", resume.string(), "--experiments_root_path",
+                                           root.string(), "--experiment_id", id, "--last_checkpoint_info_file_path",
+                                           info.string()});
+    EXPECT_EQ(r.exit_code, 0) << r;
+  };
+  const CommandResult b = run_on(4, {"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                     root.string(), "--experiment_id", "base"});
+  ASSERT_EQ(b.exit_code, 0) << b;
+  const auto folder = checkpoint_of(root, "base", 10);
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(std::filesystem::exists(folder / fmt::format("rank_{:05d}.safetensors", r)));
+  continue_on(4, "base", 10, "on4");
+  continue_on(2, "base", 10, "on2");
+  continue_on(1, "base", 10, "on1");
+  continue_on(4, "on2", 15, "on2_then4");
+  continue_on(4, "on1", 15, "on1_then4");
+
+  const auto base = logged_steps(root / "base/evaluation_results.jsonl");
+  ASSERT_EQ(base.size(), static_cast<std::size_t>(kSteps)) << b;
+  const auto rel = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
+  const auto compare = [&](const std::string& id, int first, double tolerance) {
+    const auto got = logged_steps(root / id / "evaluation_results.jsonl");
+    ASSERT_EQ(got.size(), static_cast<std::size_t>(kSteps - first + 1)) << id;
+    double worst = 0;
+    for (int k = first; k <= kSteps; ++k) {
+      ASSERT_TRUE(got.contains(k)) << id << " step " << k;
+      worst = std::max({worst, rel(got.at(k).first, base.at(k).first), rel(got.at(k).second, base.at(k).second)});
+      std::printf("%-10s step %2d  loss %.9g (uninterrupted %.9g)  grad norm %.9g (uninterrupted %.9g)\n", id.c_str(), k,
+                  got.at(k).first, base.at(k).first, got.at(k).second, base.at(k).second);
+    }
+    std::printf("%-10s worst relative difference %.2e (allowed %.0e)\n", id.c_str(), worst, tolerance);
+    EXPECT_LE(worst, tolerance) << id;
+  };
+  compare("on4", 11, 0.0);  // bit for bit
+  compare("on2", 11, 1e-5);
+  compare("on1", 11, 1e-5);
+  compare("on2_then4", 16, 1e-5);
+  compare("on1_then4", 16, 1e-5);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include "format.h"
 
 #include <modalities/sdk/device_setting.h>
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/interfaces/app_state.h>
@@ -45,6 +46,55 @@ StateDict with_prefix_removed(const StateDict& state, std::string_view prefix) {
   for (const auto& [k, v] : state)
     if (k.starts_with(prefix)) out.emplace(k.substr(prefix.size()), v);
   return out;
+}
+
+// Where this rank's part of a sharded tensor sits in the full tensor.
+struct Placement {
+  std::vector<std::int64_t> global_shape, offsets, local_shape;
+};
+
+// The sharded model.* entries of the app state (Module::shard_placements of every part), keyed
+// "model.<fqn>", with the shapes of the local shards in `state`.
+std::map<std::string, Placement> sharded_model_entries(const AppState& app_state, const StateDict& state) {
+  std::map<std::string, Placement> out;
+  for (const auto& part : app_state.model_parts())
+    for (const auto& [fqn, p] : part->shard_placements()) {
+      const std::string name = "model." + fqn;
+      const auto it = state.find(name);
+      if (it == state.end()) continue;
+      out[name] = {p.global_shape, p.offsets, it->second.sizes().vec()};
+    }
+  // An alias of a sharded entry (a tied weight under a second name) is the same shard, even when a
+  // wrapper lists only one name: taking it as a whole tensor would save one rank's rows as all.
+  std::map<const void*, const Placement*> by_data;
+  for (const auto& [name, p] : out)
+    if (const auto& t = state.at(name); t.numel() > 0) by_data.emplace(t.data_ptr(), &p);
+  for (const auto& [name, t] : state)
+    if (name.starts_with("model.") && !out.contains(name) && t.numel() > 0)
+      if (const auto it = by_data.find(t.data_ptr()); it != by_data.end() && it->second->local_shape == t.sizes().vec())
+        out.emplace(name, *it->second);
+  return out;
+}
+
+// Optimizer state is sharded like its parameter (Note [Optimizer state dict keys]): the
+// placement of "optimizer.state.<fqn>.<name>" is that of model.<fqn> when `matches` accepts it
+// (the shapes agree). The longest parameter FQN that prefixes the key wins.
+const Placement* optimizer_entry_placement(const std::string& key, const std::map<std::string, Placement>& sharded,
+                                           const std::function<bool(const Placement&)>& matches) {
+  static constexpr std::string_view kState = "optimizer.state.";
+  if (!key.starts_with(kState)) return nullptr;
+  const std::string_view rest = std::string_view(key).substr(kState.size());
+  const Placement* best = nullptr;
+  std::size_t best_len = 0;
+  for (const auto& [name, p] : sharded) {
+    const std::string_view fqn = std::string_view(name).substr(6);  // without "model."
+    if (rest.size() > fqn.size() && rest.starts_with(fqn) && rest[fqn.size()] == '.' && fqn.size() > best_len &&
+        matches(p)) {
+      best = &p;
+      best_len = fqn.size();
+    }
+  }
+  return best;
 }
 
 // --- strategies ------------------------------------------------------------------
@@ -161,6 +211,9 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
  public:
   FolderCheckpointExecution(const ExecutionConfig& c, std::string variant, bool fsdp1_keys)
       : c_(c), variant_(std::move(variant)), fsdp1_keys_(fsdp1_keys) {
+    if (dist::initialized() && c_.global_rank != dist::rank())
+      throw Error(fmt::format("{}: global_rank is {}, but this process is rank {} of {} (use \"${{settings.cuda_env.global_rank}}\")",
+                              variant_, c_.global_rank, dist::rank(), dist::world_size()));
     if (c_.global_rank == 0)
       for (const auto& name : remove_stale_temporaries(c_.checkpoint_path))
         std::cerr << fmt::format("warning: removed '{}' in {}, an unfinished checkpoint of a process that was "
@@ -174,22 +227,19 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
 
   void save(AppState& app_state, const TrainingProgress& progress) override {
     StateDict state = app_state.state_dict();  // on every rank: sharded state may need collectives
-    if (c_.global_rank != 0) return;
-    check_not_sharded(app_state);
     for (const auto& [name, t] : state)
       MODALITIES_CHECK(!name.starts_with(kRngPrefix), "{}: the app state uses the reserved key '{}' (rng.* holds RNG states)",
                        variant_, name);
-    add_rng_states(state);
     const fs::path folder = folder_for(progress);
-    write_checkpoint_folder(folder, state, {c_.experiment_id, progress, variant_});
-    const std::string absolute = fs::absolute(folder).string();
-    std::map<std::string, std::string> info{{"checkpoint_folder_path", absolute}};
-    if (fsdp1_keys_) {  // See Note [One format for both executions]
-      const std::string file = (fs::path(absolute) / kAppStateFile).string();
-      info["model_checkpoint_path"] = file;
-      info["optimizer_checkpoint_path"] = file;
+    if (dist::world_size() > 1) {
+      save_sharded(app_state, state, folder, progress);
+      return;
     }
-    write_last_checkpoint_info(c_.checkpoint_path, info);
+    if (c_.global_rank != 0) return;
+    check_not_sharded(app_state);
+    add_rng_states(state);
+    write_checkpoint_folder(folder, state, {c_.experiment_id, progress, variant_});
+    write_info(folder, /*folder_only=*/false);
   }
 
   void delete_checkpoint(const TrainingProgress& progress) override {
@@ -227,6 +277,39 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
                                   shape_string(placement.global_shape)));
       }
     }
+  }
+
+  // Format v2 (format.h): every rank writes what it holds; see Note [Writing a sharded checkpoint].
+  void save_sharded(const AppState& app_state, const StateDict& state, const fs::path& folder,
+                    const TrainingProgress& progress) {
+    const auto sharded = sharded_model_entries(app_state, state);
+    std::vector<LocalTensor> tensors;
+    tensors.reserve(state.size());
+    for (const auto& [name, t] : state) {
+      const std::vector<std::int64_t> local = t.sizes().vec();
+      const Placement* p = nullptr;
+      if (auto it = sharded.find(name); it != sharded.end()) p = &it->second;
+      else p = optimizer_entry_placement(name, sharded, [&](const Placement& q) { return q.local_shape == local; });
+      if (p) tensors.push_back({name, t, p->global_shape, p->offsets});
+      else tensors.push_back({name, t, local, std::vector<std::int64_t>(local.size(), 0)});
+    }
+    StateDict rng;
+    add_rng_states(rng);
+    write_sharded_checkpoint_folder(folder, tensors, rng, {c_.experiment_id, progress, variant_},
+                                    [&] { write_info(folder, /*folder_only=*/true); });
+  }
+
+  // last_checkpoint_info.json (rank 0). fsdp1 keys name the model and optimizer checkpoint: the
+  // single file of format v1, the folder of format v2 (both readers accept either).
+  void write_info(const fs::path& folder, bool folder_only) const {
+    const std::string absolute = fs::absolute(folder).string();
+    std::map<std::string, std::string> info{{"checkpoint_folder_path", absolute}};
+    if (fsdp1_keys_) {  // See Note [One format for both executions]
+      const std::string file = folder_only ? absolute : (fs::path(absolute) / kAppStateFile).string();
+      info["model_checkpoint_path"] = file;
+      info["optimizer_checkpoint_path"] = file;
+    }
+    write_last_checkpoint_info(c_.checkpoint_path, info);
   }
 
   ExecutionConfig c_;
@@ -323,6 +406,9 @@ class RawAppState final : public AppState {
 // Validates everything that can be checked without reading tensor data
 // (format, version, shapes, model keys), then reads, verifies checksums,
 // loads and restores the RNG states.
+// A checkpoint of either format, written at any world size, loads into this rank's app state:
+// each rank reads only the regions of the sharded tensors it holds (Module::shard_placements;
+// optimizer state follows its parameter) and the whole of everything else.
 void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
   if (app_state.is_loaded())
     throw Error(fmt::format("cannot load checkpoint '{}': the app state was already loaded (an app state is restored "
@@ -330,7 +416,13 @@ void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
                             checkpoint_dir.string()));
   const CheckpointReader reader(checkpoint_dir);
   const StateDict live = app_state.state_dict();
-  reader.check_shapes(live);
+  const auto sharded = sharded_model_entries(app_state, live);
+  std::map<std::string, std::vector<std::int64_t>> global;
+  for (const auto& [k, v] : live) {
+    const auto it = sharded.find(k);
+    global.emplace(k, it == sharded.end() ? v.sizes().vec() : it->second.global_shape);
+  }
+  reader.check_shapes(global);
   std::vector<std::string> missing, unknown;
   for (const auto& [k, v] : live)
     if (k.starts_with("model.") && reader.shapes().count(k) == 0) missing.push_back(k.substr(6));
@@ -341,18 +433,20 @@ void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
                             missing.empty() ? "" : fmt::format("this model's {} are not in the checkpoint", some_names(missing)),
                             missing.empty() || unknown.empty() ? "" : "; ",
                             unknown.empty() ? "" : fmt::format("the checkpoint's {} are not in this model", some_names(unknown))));
-  StateDict state = reader.read_all();
-  StateDict rng;
-  for (auto it = state.begin(); it != state.end();) {
-    if (it->first.starts_with(kRngPrefix)) {
-      rng.insert(*it);
-      it = state.erase(it);
-    } else {
-      ++it;
-    }
+  std::map<std::string, std::optional<Box>> regions;
+  for (const auto& [k, shape] : reader.shapes()) {
+    if (k.starts_with(kRngPrefix)) continue;
+    if (k.starts_with("lr_scheduler.") && !app_state.lr_scheduler()) continue;
+    const Placement* p = nullptr;
+    if (auto it = sharded.find(k); it != sharded.end()) p = &it->second;
+    else p = optimizer_entry_placement(k, sharded, [&](const Placement& q) { return q.global_shape == shape; });
+    regions.emplace(k, p ? std::optional<Box>(Box{p->offsets, p->local_shape}) : std::nullopt);
   }
-  if (!app_state.lr_scheduler())
-    for (auto it = state.begin(); it != state.end();) it = it->first.starts_with("lr_scheduler.") ? state.erase(it) : std::next(it);
+  const StateDict state = reader.read_regions(regions);
+  // Same world size: every rank gets its own generators back. Otherwise rank r takes rank r's
+  // when that rank existed, else rank 0's (resharding changes the numerics anyway).
+  const int rank = dist::rank();
+  const StateDict rng = reader.read_rng(rank < reader.saved_world_size() ? rank : 0);
   try {
     app_state.load_state_dict(state);
   } catch (const std::exception& e) {

@@ -629,9 +629,9 @@ TEST_F(CorruptionTest, TruncatedFileIsReported) {
 TEST_F(CorruptionTest, ManifestProblemsAreReported) {
   const std::string manifest = slurp(folder() / "manifest.json");
   std::string v2 = manifest;
-  v2.replace(v2.find("\"format_version\": 1"), 19, "\"format_version\": 2");
+  v2.replace(v2.find("\"format_version\": 1"), 19, "\"format_version\": 3");
   rewrite(folder() / "manifest.json", v2);
-  EXPECT_THAT(load_error(), AllOf(HasSubstr("format version 2"), HasSubstr("reads version 1"), HasSubstr("newer")));
+  EXPECT_THAT(load_error(), AllOf(HasSubstr("format version 3"), HasSubstr("reads versions 1 and 2"), HasSubstr("newer")));
   rewrite(folder() / "manifest.json", manifest.substr(0, manifest.size() / 2));
   EXPECT_THAT(load_error(), HasSubstr("manifest.json is not valid JSON"));
   fs::remove(folder() / "manifest.json");

@@ -435,14 +435,21 @@ class FullyShardedModule final : public Module {
         if (!used.contains(k)) throw Error(fmt::format("fsdp: load_state_dict: unexpected key {}", k));
   }
 
+  // Every state_dict() name of a sharded parameter, aliases included (a tied lm_head.weight is the
+  // same shard as wte.weight and must be placed like it, or a checkpoint would take it as whole).
   std::map<std::string, ShardPlacement> shard_placements() const override {
+    std::unordered_map<const void*, const Param*> by_impl;
+    for (const Param& p : engine_->params()) by_impl[p.module_param.unsafeGetTensorImpl()] = &p;
     std::map<std::string, ShardPlacement> out;
-    for (const Param& p : engine_->params()) {
+    for (const auto& item : engine_->inner().module().named_parameters(/*recurse=*/true)) {
+      const auto it = by_impl.find(item.value().unsafeGetTensorImpl());
+      if (it == by_impl.end()) continue;
+      const Param& p = *it->second;
       ShardPlacement s;
       s.global_shape = p.full_shape;
       s.offsets.assign(p.full_shape.size(), 0);
       s.offsets[0] = std::min<std::int64_t>(static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.rows);
-      out[p.fqn] = std::move(s);
+      out[item.key()] = std::move(s);
     }
     return out;
   }

@@ -46,6 +46,30 @@ i64 parallel_degree(const ParallelDegreeConfig& c) {
 
 // --- pure arithmetic ----------------------------------------------------------------
 
+// Our extension (Modalities has no such variant): the micro-batch size that keeps the global batch
+// fixed whatever the world size, so one config gives the same loss curve on 1, 2, 4 ... ranks.
+struct LocalMicroBatchSizeFromGlobalBatchSizeConfig {
+  i64 global_batch_size = 0, dp_degree = 0, gradient_accumulation_steps = 1;
+  static void describe(Schema<LocalMicroBatchSizeFromGlobalBatchSizeConfig>& s) {
+    using C = LocalMicroBatchSizeFromGlobalBatchSizeConfig;
+    s.field("global_batch_size", &C::global_batch_size, "Samples per optimizer step over all data-parallel ranks.")
+        .required()
+        .positive();
+    s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().positive();
+    s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
+        .positive();
+  }
+};
+
+i64 local_micro_batch_size_from_global_batch_size(const LocalMicroBatchSizeFromGlobalBatchSizeConfig& c) {
+  const i64 per_micro_step = c.dp_degree * c.gradient_accumulation_steps;
+  if (c.global_batch_size % per_micro_step != 0)
+    throw Error(fmt::format("global_batch_size {} is not divisible by dp_degree {} x gradient_accumulation_steps {} = "
+                            "{}: choose a global batch that is a multiple of it, or another world size",
+                            c.global_batch_size, c.dp_degree, c.gradient_accumulation_steps, per_micro_step));
+  return c.global_batch_size / per_micro_step;
+}
+
 struct LocalNumBatchesFromNumSamplesConfig {
   i64 num_ranks = 0, global_num_samples = 0, local_micro_batch_size = 0;
   static void describe(Schema<LocalNumBatchesFromNumSamplesConfig>& s) {
@@ -227,6 +251,10 @@ void register_components(Registrar& r) {
   r.add_value<i64, ParallelDegreeConfig>(kKey, "parallel_degree",
                                          "Product of the sizes of the listed device-mesh dimensions (absent ones count 1).",
                                          parallel_degree);
+  r.add_value<i64, LocalMicroBatchSizeFromGlobalBatchSizeConfig>(
+      kKey, "local_micro_batch_size_from_global_batch_size",
+      "global_batch_size / (dp_degree * gradient_accumulation_steps), which must divide exactly (our extension).",
+      local_micro_batch_size_from_global_batch_size);
   r.add_value<i64, LocalNumBatchesFromNumSamplesConfig>(
       kKey, "local_num_batches_from_num_samples", "global_num_samples // num_ranks // local_micro_batch_size.",
       [](const LocalNumBatchesFromNumSamplesConfig& c) { return c.global_num_samples / c.num_ranks / c.local_micro_batch_size; });

@@ -121,4 +121,12 @@ MODALITIES_SDK_API void barrier();
 /// experiment id that rank 0 derived from its clock. Returns `value` for one process.
 MODALITIES_SDK_API std::string broadcast_from_rank0(const std::string& key, const std::string& value);
 
+/// Every rank's `value`, indexed by rank, on every rank (through the store under `key`, unique per
+/// use): small exchanges such as the list of tensor chunks each rank will write into a checkpoint.
+/// Waits up to the store's timeout for the slowest rank. Returns {value} for one process.
+MODALITIES_SDK_API std::vector<std::string> all_gather_strings(const std::string& key, const std::string& value);
+
+/// Every rank's `value` on rank 0 (indexed by rank); an empty vector on the other ranks.
+MODALITIES_SDK_API std::vector<std::string> gather_strings_to_rank0(const std::string& key, const std::string& value);
+
 }  // namespace modalities::dist
