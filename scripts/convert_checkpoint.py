@@ -1,5 +1,6 @@
-"""Converts checkpoints between Python Modalities and Modalities C++ (format v1 of the
-checkpointing plugin, plugins/checkpointing/README.md).
+"""Converts checkpoints between Python Modalities and Modalities C++ (formats v1 and v2 of the
+checkpointing plugin, plugins/checkpointing/README.md: v1 is written by one process, v2 by several
+ranks; both are read, v1 is written).
 
 Python Modalities writes `torch.save` pickles (FSDP1: a model and an optimizer `.bin`) or PyTorch
 Distributed Checkpoint folders (DCP); neither can be read from LibTorch. Modalities C++ writes a
@@ -181,18 +182,48 @@ def write_info(directory: pathlib.Path, info: dict):
     (directory / "last_checkpoint_info.json").write_text(json.dumps(info))
 
 
-def read_modalities_folder(folder: pathlib.Path) -> dict:
-    manifest = json.loads((folder / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        sys.exit(f"error: {folder} is not a format-v{FORMAT_VERSION} Modalities C++ checkpoint")
-    data = (folder / "app_state.safetensors").read_bytes()
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def checked_tensors(folder: pathlib.Path, file: str, expected: dict) -> dict:
+    """The tensors of one safetensors file of the folder whose SHA-256 are `expected` (name -> hex)."""
+    data = (folder / file).read_bytes()
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
-    for name, e in manifest["tensors"].items():
+    for name, sha in expected.items():
+        if name not in header:
+            sys.exit(f"error: {folder}: {file} lacks tensor '{name}'")
         b, end = header[name]["data_offsets"]
-        if hashlib.sha256(data[8 + n + b:8 + n + end]).hexdigest() != e["sha256"]:
-            sys.exit(f"error: {folder}: tensor '{name}' does not match its SHA-256")
-    return load_file(str(folder / "app_state.safetensors"))
+        if hashlib.sha256(data[8 + n + b:8 + n + end]).hexdigest() != sha:
+            sys.exit(f"error: {folder}: tensor '{name}' in {file} does not match its SHA-256")
+    return load_file(str(folder / file))
+
+
+def read_modalities_folder(folder: pathlib.Path) -> dict:
+    """Every tensor of a format-v1 (one file) or format-v2 (one file per rank, tensors in chunks)
+    checkpoint, whole; RNG states (rng.*) of format v1 included, per-rank ones of v2 left out."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    version = manifest.get("format_version")
+    if manifest.get("format") != FORMAT or version not in (1, 2):
+        sys.exit(f"error: {folder} is not a Modalities C++ checkpoint of format version 1 or 2")
+    if version == 1:
+        return checked_tensors(folder, "app_state.safetensors",
+                               {name: e["sha256"] for name, e in manifest["tensors"].items()})
+    per_file = {}
+    for name, e in manifest["tensors"].items():
+        for c in e["chunks"]:
+            per_file.setdefault(c["file"], {})[name] = c["sha256"]
+    files = {file: checked_tensors(folder, file, expected) for file, expected in per_file.items()}
+    out = {}
+    for name, e in manifest["tensors"].items():
+        full = torch.empty(e["shape"], dtype=SAFETENSORS_DTYPES[e["dtype"]])
+        for c in e["chunks"]:
+            index = tuple(slice(o, o + s) for o, s in zip(c["offsets"], c["shape"]))
+            full[index] = files[c["file"]][name]
+        out[name] = full
+    return out
 
 
 def split(tensors: dict):
