@@ -13,6 +13,7 @@
 #include <modalities/core/graph.h>
 #include <modalities/core/gym.h>
 #include <modalities/sdk/distributed.h>
+#include <modalities/sdk/fault.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/checkpoint_saving.h>
@@ -288,7 +289,9 @@ class Gym {
       // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
       // node per step) is skipped.
       (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
-      const at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
+      fault_point("train_step");  // tests: a rank killed mid-step (modalities/sdk/fault.h)
+      at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
+      if (fault_point("train_loss_nan")) loss_f = at::full_like(loss_f, std::nan(""));  // tests only
       mark_non_finite(loss_f, step_number);
 
       // 2. step boundary.
@@ -317,7 +320,9 @@ class Gym {
         // 9. evaluation and checkpoint callbacks.
         if (steps_total > 0 && steps_total % s.intervals.evaluation_interval_in_steps == 0) evaluate(steps_total);
         if (steps_total > 0 && steps_total % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
-        if (o_.stop_request != nullptr && o_.stop_request->load() != 0) {
+        // Every rank stops at the same step (a signal reaches the ranks at slightly different
+        // times; a rank that stopped alone would leave the others waiting in a collective).
+        if (dist::any_rank(o_.stop_request != nullptr && o_.stop_request->load() != 0)) {
           summary.stopped_on_request = true;
           const bool on_interval = steps_total % s.intervals.checkpointing_interval_in_steps == 0;
           if (o_.checkpoint_on_stop && !on_interval) checkpoint(progress, /*stopping=*/true);
@@ -360,21 +365,27 @@ class Gym {
 
   // One stack + isfinite + sync for everything since the last check; names
   // the first step whose loss or gradient norm is NaN/inf.
+  // Every rank calls it at the same points and they agree on the result (the earliest bad step of
+  // any rank): a NaN in one rank's loss stops every rank at once, instead of one rank leaving while
+  // the others wait for it in the next collective.
   void check_finite() {
-    if (unchecked_.empty()) return;
-    std::vector<at::Tensor> values;
-    values.reserve(unchecked_.size());
-    for (const auto& [step, v] : unchecked_) values.push_back(v.to(at::kDouble).reshape({}));
-    const at::Tensor finite = at::isfinite(at::stack(values)).cpu();
-    const bool* ok = finite.data_ptr<bool>();
-    i64 bad = -1;
-    for (std::size_t k = 0; k < unchecked_.size(); ++k)
-      if (!ok[k]) {
-        bad = unchecked_[k].first;
-        break;
-      }
-    unchecked_.clear();
-    if (bad < 0) return;
+    constexpr i64 kNone = std::numeric_limits<i64>::max();
+    i64 bad = kNone;
+    if (!unchecked_.empty()) {
+      std::vector<at::Tensor> values;
+      values.reserve(unchecked_.size());
+      for (const auto& [step, v] : unchecked_) values.push_back(v.to(at::kDouble).reshape({}));
+      const at::Tensor finite = at::isfinite(at::stack(values)).cpu();
+      const bool* ok = finite.data_ptr<bool>();
+      for (std::size_t k = 0; k < unchecked_.size(); ++k)
+        if (!ok[k]) {
+          bad = unchecked_[k].first;
+          break;
+        }
+      unchecked_.clear();
+    }
+    bad = dist::min_over_ranks(bad);
+    if (bad == kNone) return;
     throw NonFiniteLossError(
         fmt::format("the training loss or gradient norm became NaN/inf at step {}; training stopped. Nothing was "
                     "checkpointed after that step: warm start from the last checkpoint (last_checkpoint_info.json) "

@@ -33,6 +33,7 @@ struct Runtime {
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> world;
+  c10::intrusive_ptr<c10d::ProcessGroup> control;  // Gloo: world itself, or a second group next to NCCL
   int groups_created = 0;
 };
 
@@ -224,6 +225,10 @@ void init_with_store(const LaunchEnv& env, const RuntimeOptions& options, c10::i
   store->setTimeout(options.timeout);
   try {
     r.world = make_group(r.backend, store, env.rank, env.world_size, options.timeout, "world");
+    r.control = r.backend == "gloo"
+                    ? r.world
+                    : make_group("gloo", c10::make_intrusive<c10d::PrefixStore>("control/", store), env.rank,
+                                 env.world_size, options.timeout, "control");
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -266,6 +271,7 @@ void shutdown() {
   Runtime& r = runtime();
   std::lock_guard lock(r.mutex);
   r.world.reset();
+  r.control.reset();
   r.store.reset();
   r.env = LaunchEnv{};
   r.backend.clear();
@@ -285,6 +291,25 @@ c10::intrusive_ptr<c10d::ProcessGroup> world() {
   if (!runtime().world) throw Error("no process group: the distributed runtime is not initialised (world size 1)");
   return runtime().world;
 }
+
+c10::intrusive_ptr<c10d::ProcessGroup> control() {
+  if (!runtime().control) throw Error("no process group: the distributed runtime is not initialised (world size 1)");
+  return runtime().control;
+}
+
+namespace {
+std::int64_t allreduce_int(std::int64_t value, c10d::ReduceOp::RedOpType op) {
+  if (!initialized()) return value;
+  std::vector<at::Tensor> t = {at::scalar_tensor(value, at::kLong).reshape({1})};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp(op);
+  control()->allreduce(t, o)->wait();
+  return t[0].item<std::int64_t>();
+}
+}  // namespace
+
+bool any_rank(bool flag) { return allreduce_int(flag ? 1 : 0, c10d::ReduceOp::MAX) != 0; }
+std::int64_t min_over_ranks(std::int64_t value) { return allreduce_int(value, c10d::ReduceOp::MIN); }
 
 c10::intrusive_ptr<c10d::Store> store() {
   if (!runtime().store) throw Error("no store: the distributed runtime is not initialised (world size 1)");

@@ -506,5 +506,114 @@ TEST(DistributedCheckpointTest, SavedOnFourRanksContinuesOnFourTwoAndOneAndBack)
   compare("on1_then4", 16, 1e-5);
 }
 
+// --- failures -----------------------------------------------------------------------------
+
+struct TimedResult {
+  CommandResult result;
+  double seconds = 0;
+};
+
+// `modalities launch` of 2 ranks training configs/distributed/fsdp2_cpu.toml, with
+// MODALITIES_FAULT = `fault` (modalities/sdk/fault.h), a 5 s process-group timeout and a launcher
+// grace period of `grace_s`.
+TimedResult run_with_fault(const modalities::testing::ScratchDir& dir, const std::string& id, const std::string& fault,
+                           int steps, int checkpoint_every, int grace_s) {
+  const auto config = dir.write(id + ".toml", distributed_config("fsdp2_cpu.toml", steps, 1, checkpoint_every));
+  const auto start = std::chrono::steady_clock::now();
+  TimedResult t;
+  t.result = run_command({"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s",
+                          std::to_string(grace_s), "--", "run", "--config_file_path", config.string(),
+                          "--experiments_root_path", (dir.path() / "experiments").string(), "--experiment_id", id,
+                          "--process_group_timeout_s", "5"},
+                         {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FAULT", fault}});
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return t;
+}
+
+// kill -9 of one rank in the middle of a step (after its backward), rank 0 (which hosts the
+// store) and rank 1: the launcher names the rank and the signal and exits with 128 + 9; the other
+// rank is out well within the 5 s timeout + 10 s (the launcher's grace period is 60 s, so it does
+// not kill it first).
+TEST(DistributedFailureTest, ARankKilledMidStepEndsTheRunNamingItOnEveryRank) {
+  const modalities::testing::ScratchDir dir;
+  for (const int victim : {1, 0}) {
+    const TimedResult t = run_with_fault(dir, fmt::format("kill{}", victim), fmt::format("train_step@{}:7", victim),
+                                         36, 6, 60);
+    EXPECT_EQ(t.result.exit_code, 128 + 9) << t.result;
+    EXPECT_THAT(t.result.err, HasSubstr(fmt::format("rank {} (pid", victim))) << t.result;
+    EXPECT_THAT(t.result.err, HasSubstr("was killed by signal 9 (SIGKILL)")) << t.result;
+    EXPECT_LT(t.seconds, 5 + 10) << t.result;
+    std::printf("rank %d killed at its 7th micro-batch: the launcher exited after %.1f s\n", victim, t.seconds);
+  }
+}
+
+// A rank that hangs (SIGSTOP: alive, but never reaches the next collective) makes the other fail
+// with the process-group timeout (5 s), which the launcher reports; the stopped rank is killed
+// after the grace period. Total: timeout + grace + start-up, well under timeout + 10 s + grace.
+TEST(DistributedFailureTest, AHungRankMakesTheOthersFailWithinTheTimeout) {
+  const modalities::testing::ScratchDir dir;
+  const TimedResult t = run_with_fault(dir, "hang", "train_step@1:7=stop", 36, 6, 3);
+  EXPECT_NE(t.result.exit_code, 0) << t.result;
+  EXPECT_THAT(t.result.err, HasSubstr("rank 0 (pid")) << t.result;
+  EXPECT_LT(t.seconds, 5 + 10 + 3) << t.result;
+  std::printf("rank 1 hung at its 7th micro-batch: the launcher exited after %.1f s (timeout 5 s, grace 3 s)\n",
+              t.seconds);
+}
+
+// A NaN loss on one rank only (rank 1, step 5): every rank stops with the error naming step 5 at
+// the next check (a log step), instead of rank 1 leaving and rank 0 waiting for it until the
+// timeout; nothing is checkpointed after it.
+TEST(DistributedFailureTest, ANanOnOneRankStopsEveryRankAtTheSameStep) {
+  const modalities::testing::ScratchDir dir;
+  const TimedResult t = run_with_fault(dir, "nan", "train_loss_nan@1:5=flag", 12, 6, 30);
+  EXPECT_NE(t.result.exit_code, 0) << t.result;
+  for (int rank : {0, 1})
+    EXPECT_THAT(t.result.err, HasSubstr(fmt::format("[rank {}] error: rank {}: the training loss or gradient norm "
+                                                    "became NaN/inf at step 5",
+                                                    rank, rank)))
+        << t.result;
+  EXPECT_LT(t.seconds, 5.0) << t.result;  // no rank waited for the 5 s timeout
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "experiments/nan/checkpoints/last_checkpoint_info.json"));
+}
+
+// kill -9 of rank 1 while the step-6 checkpoint is being written (after its file is on disk, before
+// rank 0 commits the folder): no step-6 folder appears, last_checkpoint_info.json still names step
+// 3, and continuing from it reproduces steps 4-12 of an uninterrupted run bit for bit.
+TEST(DistributedFailureTest, ARankKilledDuringACheckpointWriteLeavesThePreviousOneToResume) {
+  const modalities::testing::ScratchDir dir;
+  const std::filesystem::path root = dir.path() / "experiments";
+  const TimedResult full = run_with_fault(dir, "full", "", 12, 3, 5);
+  ASSERT_EQ(full.result.exit_code, 0) << full.result;
+  const TimedResult t = run_with_fault(dir, "killed", "checkpoint_file_written@1:2", 12, 3, 5);
+  EXPECT_EQ(t.result.exit_code, 128 + 9) << t.result;
+  EXPECT_THAT(t.result.err, HasSubstr("rank 1 (pid")) << t.result;
+  const std::filesystem::path checkpoints = root / "killed/checkpoints";
+  bool unfinished = false;  // the hidden temporary folder of the interrupted save
+  for (const auto& e : std::filesystem::directory_iterator(checkpoints)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with(".")) unfinished = unfinished || name.find("seen_steps_6-") != std::string::npos;
+    else EXPECT_EQ(name.find("seen_steps_6-"), std::string::npos) << e.path();
+  }
+  EXPECT_TRUE(unfinished);
+  std::ifstream in(checkpoints / "last_checkpoint_info.json");
+  const std::string info((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(info, HasSubstr("seen_steps_3-")) << info;
+
+  const auto resume = dir.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", 12, 1, 3));
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "warmstart", "--config_file_path",
+                                  resume.string(), "--experiments_root_path", root.string(), "--experiment_id",
+                                  "resumed", "--last_checkpoint_info_file_path",
+                                  (checkpoints / "last_checkpoint_info.json").string()},
+                                 120);
+  ASSERT_EQ(r.exit_code, 0) << r;
+  const auto expected = logged_steps(root / "full/evaluation_results.jsonl");
+  const auto got = logged_steps(root / "resumed/evaluation_results.jsonl");
+  ASSERT_EQ(got.size(), 9u) << r;
+  for (int k = 4; k <= 12; ++k) {
+    ASSERT_TRUE(got.contains(k)) << k;
+    EXPECT_EQ(got.at(k), expected.at(k)) << "step " << k;
+  }
+}
+
 }  // namespace
 }  // namespace modalities::dist

@@ -6,6 +6,7 @@
 #include <modalities/sdk/atomic_file.h>
 #include <modalities/sdk/build_info.h>
 #include <modalities/sdk/distributed.h>
+#include <modalities/sdk/fault.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/run_context.h>
@@ -460,6 +461,7 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
         hashes[i] = sha256_hex(map.data() + header.data_offset + e.begin, e.end - e.begin);
       });
     }
+    fault_point("checkpoint_file_written");  // tests: a rank killed mid-save (modalities/sdk/fault.h)
     report = fmt::format("ok\t{}\n", fs::file_size(file));
     for (std::size_t i = 0; i < names.size(); ++i) report += fmt::format("{}\t{}\n", names[i], hashes[i]);
   } catch (const std::exception& e) {

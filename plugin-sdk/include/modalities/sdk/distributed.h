@@ -105,6 +105,17 @@ MODALITIES_SDK_API std::chrono::milliseconds timeout();
 /// The communicator over all ranks. Throws modalities::Error when not initialized().
 MODALITIES_SDK_API c10::intrusive_ptr<c10d::ProcessGroup> world();
 
+/// A CPU communicator over all ranks for small control values (stop requests, error flags): the
+/// world group itself on Gloo, a second (Gloo) group next to NCCL. Throws when not initialized().
+MODALITIES_SDK_API c10::intrusive_ptr<c10d::ProcessGroup> control();
+
+/// Whether `flag` is true on any rank: a collective on control(), so every rank calls it at the
+/// same point. Returns `flag` for one process.
+MODALITIES_SDK_API bool any_rank(bool flag);
+
+/// The smallest `value` over all ranks (a collective on control()); `value` for one process.
+MODALITIES_SDK_API std::int64_t min_over_ranks(std::int64_t value);
+
 /// The rendezvous store (for sub-groups and small exchanges). Throws when not initialized().
 MODALITIES_SDK_API c10::intrusive_ptr<c10d::Store> store();
 
