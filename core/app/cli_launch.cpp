@@ -47,12 +47,15 @@ with the environment torchrun gives its workers: RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT (a free port unless given).
 Every output line is prefixed with its rank. Ctrl-C / SIGTERM reach every rank; when one rank
 fails, the others get SIGTERM (SIGKILL after --grace-s) and the launcher exits with the failed
-rank's status (128 + signal for a rank killed by a signal).
+rank's status (128 + signal for a rank killed by a signal). With --max-restarts N, a failed
+attempt is followed by up to N more, every rank started again (the command must resume itself).
 
 Examples:
   modalities launch --nproc-per-node 4 -- run --config_file_path configs/distributed/fsdp2_cpu.toml --experiments_root_path out
   modalities launch --nproc-per-node 2 -- dist check
   modalities launch --nproc-per-node 2 --exec -- env      # any program: here, print each rank's env
+  modalities launch --nproc-per-node 4 --max-restarts 3 -- run --config_file_path c.toml --experiments_root_path out \
+      --experiment_id x --resume_from_checkpoint_info out/x/checkpoints/last_checkpoint_info.json
 
 Several nodes without SLURM: run the same command on every node with --nnodes, --node-rank and
 --master-addr/--master-port of node 0 (docs/distributed.md).)";
@@ -66,6 +69,8 @@ struct LaunchOptions {
   std::string output = "all";
   double grace_s = 10.0;
   bool exec = false;
+  int max_restarts = 0;
+  int restart = 0;  // this attempt: 0, then 1 .. max_restarts
   std::vector<std::string> command;
 };
 
@@ -196,6 +201,7 @@ std::vector<std::string> child_environment(const LaunchOptions& o, int rank, int
       {"GROUP_RANK", std::to_string(o.node_rank)},
       {"MASTER_ADDR", o.master_addr},
       {"MASTER_PORT", std::to_string(o.master_port)},
+      {"MODALITIES_RESTART_COUNT", std::to_string(o.restart)},
   };
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
@@ -354,7 +360,11 @@ int run_launch(const std::vector<std::string>& all_args) {
        "always shown)")
       ("grace-s", po::value<double>(&o.grace_s)->default_value(10.0),
        "seconds between SIGTERM and SIGKILL when stopping the ranks")
-      ("exec", po::bool_switch(&o.exec), "the command is a program and its arguments, not a modalities command");
+      ("exec", po::bool_switch(&o.exec), "the command is a program and its arguments, not a modalities command")
+      ("max-restarts", po::value<int>(&o.max_restarts)->default_value(0),
+       "when a rank fails, stop all, then start every rank again, up to this many times (one node only); the "
+       "command must resume by itself, e.g. `run --resume_from_checkpoint_info <checkpoints>/last_checkpoint_info.json`; "
+       "each attempt gets MODALITIES_RESTART_COUNT and a new free port");
   po::variables_map vm;
   int status = kOk;
   if (!parse(args, desc, {}, vm, kLaunchUsage, status)) return status;
@@ -374,7 +384,11 @@ int run_launch(const std::vector<std::string>& all_args) {
   if (o.master_port == 0 && o.nnodes > 1)
     return usage_error("several nodes need the same --master-port on every node");
   if (o.grace_s < 0) return usage_error("--grace-s must not be negative");
-  if (o.master_port == 0) o.master_port = free_port(o.master_addr);
+  if (o.max_restarts < 0) return usage_error(fmt::format("--max-restarts must be >= 0, got {}", o.max_restarts));
+  if (o.max_restarts > 0 && o.nnodes > 1)
+    return usage_error("--max-restarts works on one node only (several nodes would have to agree on each restart)");
+  const bool pick_port = o.master_port == 0;
+  if (pick_port) o.master_port = free_port(o.master_addr);
   const std::string program = o.exec ? o.command.front() : self_exe();
   const int world_size = o.nnodes * o.nproc_per_node;
 
@@ -386,25 +400,33 @@ int run_launch(const std::vector<std::string>& all_args) {
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  std::vector<Rank> ranks(static_cast<std::size_t>(o.nproc_per_node));
-  for (int local = 0; local < o.nproc_per_node; ++local) {
-    Rank& r = ranks[static_cast<std::size_t>(local)];
-    r.local_rank = local;
-    r.rank = o.node_rank * o.nproc_per_node + local;
-  }
-  write_all(2, fmt::format("[launch] {} rank(s) on this node, world size {}, rendezvous {}:{}\n", o.nproc_per_node,
-                           world_size, o.master_addr, o.master_port));
-  for (Rank& r : ranks) {
-    try {
-      spawn(r, o, program, world_size);
-    } catch (const Error&) {
-      signal_all(ranks, SIGKILL);
-      for (Rank& s : ranks)
-        if (s.running) waitpid(s.pid, nullptr, 0);
-      throw;
+  for (;; ++o.restart) {
+    std::vector<Rank> ranks(static_cast<std::size_t>(o.nproc_per_node));
+    for (int local = 0; local < o.nproc_per_node; ++local) {
+      Rank& r = ranks[static_cast<std::size_t>(local)];
+      r.local_rank = local;
+      r.rank = o.node_rank * o.nproc_per_node + local;
     }
+    write_all(2, fmt::format("[launch] {} rank(s) on this node, world size {}, rendezvous {}:{}{}\n", o.nproc_per_node,
+                             world_size, o.master_addr, o.master_port,
+                             o.restart > 0 ? fmt::format(" (restart {} of {})", o.restart, o.max_restarts) : ""));
+    for (Rank& r : ranks) {
+      try {
+        spawn(r, o, program, world_size);
+      } catch (const Error&) {
+        signal_all(ranks, SIGKILL);
+        for (Rank& s : ranks)
+          if (s.running) waitpid(s.pid, nullptr, 0);
+        throw;
+      }
+    }
+    const int status = supervise(ranks, o);
+    // A signal to the launcher (Ctrl-C, the job's end) is never a reason to restart.
+    if (status == kOk || g_signal != 0 || o.restart >= o.max_restarts) return status;
+    write_all(2, fmt::format("[launch] restarting every rank ({} of {} restarts left after this one)\n",
+                             o.max_restarts - o.restart - 1, o.max_restarts));
+    if (pick_port) o.master_port = free_port(o.master_addr);  // the old store's port may still be in TIME_WAIT
   }
-  return supervise(ranks, o);
 }
 
 }  // namespace modalities::cli

@@ -152,12 +152,66 @@ ResolverSpec warmstart_resolver(const fs::path& info_file) {
           }};
 }
 
+/// Note [Resuming a run config]
+/// `run --resume_from_checkpoint_info F` turns the training config into its warm-start form when F
+/// exists, by the same edits a warm-start config makes by hand (configs/quickstart/warmstart.toml):
+/// settings.training_progress is read from the checkpoint folder's name by number_conversion
+/// components, and app_state/raw is wrapped in app_state/dcp, which restores it from the folder.
+/// The edits happen before interpolation, so everything that reads
+/// ${settings.training_progress.*} (the sampler's skip) sees the resumed values.
+/// Returns the checkpoint folder, or nothing when F does not exist (a fresh start).
+std::optional<std::string> resume_config_from(core::ConfigNode& root, const fs::path& info_file) {
+  std::error_code ec;
+  if (!fs::exists(info_file, ec)) return std::nullopt;
+  const Value info = warmstart_resolver(info_file).resolve("checkpoint_paths");
+  const Value* folder_value = info.find("checkpoint_folder_path");
+  if (folder_value == nullptr || !folder_value->is_string())
+    throw Error(fmt::format("--resume_from_checkpoint_info {}: no \"checkpoint_folder_path\" in it", info_file.string()));
+  const std::string folder = folder_value->as_string();
+  core::ConfigNode* settings = root.find("settings");
+  core::ConfigNode* progress = settings && settings->is_table() ? settings->find("training_progress") : nullptr;
+  core::ConfigNode* app_state = root.find("app_state");
+  if (progress == nullptr || !progress->is_table())
+    throw Error(fmt::format("--resume_from_checkpoint_info: {} has no settings.training_progress table to resume",
+                            root.where().str()));
+  if (app_state == nullptr || !app_state->is_table() || !app_state->find("variant_key") ||
+      !app_state->find("variant_key")->is_string() || app_state->find("variant_key")->as_string() != "raw")
+    throw Error(fmt::format("--resume_from_checkpoint_info: app_state must be app_state/raw (the run config, not a "
+                            "warm-start config) in {}",
+                            root.where().str()));
+  const core::SourceLocation where = progress->where();
+  const auto node = [&](core::ConfigNode::Data d) { return core::ConfigNode(std::move(d), where); };
+  const auto table = [&](core::ConfigNode::Table t) { return node(std::move(t)); };
+  const auto from_path = [&](const std::string& variant) {
+    return table({{"component_key", node(std::string("number_conversion"))},
+                  {"variant_key", node(variant)},
+                  {"config", table({{"checkpoint_path", node(folder)}})}});
+  };
+  core::ConfigNode::Table resumed;
+  resumed.emplace_back("global_num_seen_tokens", from_path("global_num_seen_tokens_from_checkpoint_path"));
+  resumed.emplace_back("num_seen_steps", from_path("num_seen_steps_from_checkpoint_path"));
+  resumed.emplace_back(
+      "num_seen_samples",
+      table({{"component_key", node(std::string("number_conversion"))},
+             {"variant_key", node(std::string("num_samples_from_num_tokens"))},
+             {"config", table({{"num_tokens", node(std::string("${settings.training_progress.global_num_seen_tokens}"))},
+                               {"sequence_length", node(std::string("${settings.step_profile.sequence_length}"))}})}}));
+  resumed.emplace_back("last_step", from_path("last_step_from_checkpoint_path"));
+  *progress = table(std::move(resumed));
+  core::ConfigNode raw = std::move(*app_state);
+  *app_state = table({{"component_key", node(std::string("app_state"))},
+                      {"variant_key", node(std::string("dcp"))},
+                      {"config", table({{"checkpoint_dir_path", node(folder)}, {"raw_app_state", std::move(raw)}})}});
+  return folder;
+}
+
 struct RunArgs {
   std::string config_file_path;
   std::string experiments_root_path;
   std::string experiment_id;
   std::string error_log_folder;
   std::string last_checkpoint_info_file_path;
+  std::string resume_from;
   bool test_comm = false;
   double process_group_timeout_s = 600;
   bool checkpoint_on_interrupt = false;
@@ -174,6 +228,12 @@ po::options_description run_options(RunArgs& a, bool warmstart) {
     d.add_options()("last_checkpoint_info_file_path", po::value(&a.last_checkpoint_info_file_path)->required(),
                     "last_checkpoint_info.json of the run to continue; its object is "
                     "${warmstart_env:checkpoint_paths} in the config");
+  }
+  if (!warmstart) {
+    d.add_options()("resume_from_checkpoint_info", po::value(&a.resume_from),
+                    "when this last_checkpoint_info.json exists, continue from the checkpoint it names instead of "
+                    "starting fresh (settings.training_progress and app_state are taken from the checkpoint, as a "
+                    "warm-start config would); for `modalities launch --max-restarts`");
   }
   d.add_options()("experiment_id", po::value(&a.experiment_id),
                   "run id (default: <date>__<time>_<hash of the config path>)")
@@ -283,6 +343,8 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
       resolvers.add(warmstart_resolver(a.last_checkpoint_info_file_path));
     }
     core::ConfigNode root = core::load_toml_file(a.config_file_path);
+    std::optional<std::string> resumed;
+    if (!a.resume_from.empty()) resumed = resume_config_from(root, a.resume_from);
     core::resolve_interpolations(root, resolvers);
     choose_device(root);
     if (a.test_comm && launch.distributed()) check_collective_values();
@@ -295,6 +357,9 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
                                launch.distributed() ? fmt::format(", {} ranks, {}", launch.world_size,
                                                                   dist::backend_name())
                                                     : "");
+      if (!a.resume_from.empty())
+        std::cerr << (resumed ? fmt::format("resuming from checkpoint {}\n", *resumed)
+                              : fmt::format("starting fresh: {} does not exist yet\n", a.resume_from));
     }
     dist::barrier();
 
@@ -321,6 +386,7 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
     options.device = run_device();
     options.stop_request = &g_stop_signal;
     options.checkpoint_on_stop = a.checkpoint_on_interrupt;
+    options.data_ledger_path = folder / "data_ledger.jsonl";
     const core::GymSummary s = core::run_gym(components, options);
     const double tokens_per_s =
         s.seconds > 0 ? static_cast<double>(s.steps_done * components.settings.step_profile.local_train_micro_batch_size *

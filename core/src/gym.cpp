@@ -158,6 +158,75 @@ class RngStates {
   std::vector<std::pair<at::Generator, at::Tensor>> saved_;
 };
 
+// Note [Data ledger]
+// Proof of which data a run trained on, per optimizer step: the hash of the global batch's sample
+// ids (dataset indices), independent of how the batch was split over ranks and micro-batches, so a
+// resumed, restarted or resharded run can be compared step by step with the uninterrupted one.
+// Each id contributes splitmix64(id) >> 16 (48 bits) to a sum: the sum of a global batch is the
+// sum of its ranks' sums (one all-reduce per log interval on the control group; < 2^15 samples per
+// step cannot overflow). Rank 0 appends {"step", "global_samples", "sample_ids_hash"} lines to
+// data_ledger.jsonl in the experiment folder; "sample_ids_hash" is null when the data loader does
+// not report sample ids.
+class DataLedger {
+ public:
+  explicit DataLedger(std::filesystem::path path) : path_(std::move(path)) {}
+
+  void add(const std::vector<std::int64_t>& ids, i64 batch_size) {
+    if (static_cast<i64>(ids.size()) != batch_size) unknown_ = 1;
+    for (const std::int64_t id : ids) hash_ += static_cast<std::int64_t>(mix(static_cast<std::uint64_t>(id)) >> 16);
+    samples_ += batch_size;
+  }
+
+  void end_step(i64 step) {
+    pending_.push_back({step, hash_, samples_, unknown_});
+    hash_ = samples_ = unknown_ = 0;
+  }
+
+  // A collective: every rank calls it at the same steps.
+  void flush() {
+    if (path_.empty()) return;
+    const auto n = static_cast<std::int64_t>(pending_.size());
+    at::Tensor t = at::empty({3, std::max<std::int64_t>(n, 1)}, at::kLong).zero_();
+    auto a = t.accessor<std::int64_t, 2>();
+    for (std::int64_t k = 0; k < n; ++k) {
+      a[0][k] = pending_[static_cast<std::size_t>(k)].hash;
+      a[1][k] = pending_[static_cast<std::size_t>(k)].samples;
+      a[2][k] = pending_[static_cast<std::size_t>(k)].unknown;
+    }
+    if (dist::initialized()) {
+      std::vector<at::Tensor> v = {t};
+      dist::control()->allreduce(v)->wait();
+    }
+    if (dist::rank() == 0 && n > 0) {
+      std::string lines;
+      for (std::int64_t k = 0; k < n; ++k)
+        lines += fmt::format("{{\"step\": {}, \"global_samples\": {}, \"sample_ids_hash\": {}}}\n",
+                             pending_[static_cast<std::size_t>(k)].step, a[1][k],
+                             a[2][k] != 0 ? std::string("null") : fmt::format("\"{:016x}\"", static_cast<std::uint64_t>(a[0][k])));
+      std::FILE* f = std::fopen(path_.c_str(), "ab");
+      if (f == nullptr) throw Error(fmt::format("cannot append to the data ledger '{}': {}", path_.string(), std::strerror(errno)));
+      const bool ok = std::fwrite(lines.data(), 1, lines.size(), f) == lines.size();
+      if (std::fclose(f) != 0 || !ok) throw Error(fmt::format("cannot write the data ledger '{}'", path_.string()));
+    }
+    pending_.clear();
+  }
+
+ private:
+  static std::uint64_t mix(std::uint64_t x) {  // splitmix64's finalizer
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  }
+  struct Step {
+    i64 step;
+    std::int64_t hash, samples, unknown;
+  };
+  std::filesystem::path path_;
+  std::int64_t hash_ = 0, samples_ = 0, unknown_ = 0;
+  std::vector<Step> pending_;
+};
+
 class Gym {
  public:
   Gym(GymComponents& c, const GymOptions& o) : c_(c), o_(o), out_(o.out ? *o.out : std::cout) {}
@@ -278,6 +347,7 @@ class Gym {
         break;
       }
       const std::int64_t batch_size = batch->size();
+      ledger_.add(batch->sample_ids, batch_size);
       batch->to(o_.device, /*non_blocking=*/o_.device.is_cuda());
       const i64 step_number = S0_ + i / G_ + 1;  // 1-based step this micro-batch belongs to
 
@@ -303,6 +373,7 @@ class Gym {
         if (scheduler_) scheduler_->step();
         optimizer_->zero_grad(true);
         grad_norms_.push_back(norm);
+        ledger_.end_step(step_number);
       }
       // 3-6. progress and statistics.
       progress.num_seen_steps_current_run = (i + 1) / G_;
@@ -337,6 +408,7 @@ class Gym {
     profiler_exit.p = nullptr;
     if (c_.profiler) c_.profiler->exit();
     check_finite();
+    ledger_.flush();
 
     summary.micro_batches = i;
     summary.steps_done = progress.num_seen_steps_current_run;
@@ -419,6 +491,7 @@ class Gym {
   // What Modalities logs at a training-log step.
   void log_training(const TrainingProgress& progress, const std::string& tag) {
     check_finite();
+    ledger_.flush();
     const auto now = Clock::now();
     const double dt = std::chrono::duration<double>(now - log_timer_).count();
     log_timer_ = now;
@@ -522,6 +595,7 @@ class Gym {
   GymComponents& c_;
   const GymOptions& o_;
   std::ostream& out_;
+  DataLedger ledger_{o_.data_ledger_path};
   i64 G_ = 1, S0_ = 0, K0_ = 0, dp_ = 1, tokens_per_step_ = 0;
   std::vector<std::shared_ptr<Module>> parts_;
   std::shared_ptr<Optimizer> optimizer_;

@@ -615,5 +615,69 @@ TEST(DistributedFailureTest, ARankKilledDuringACheckpointWriteLeavesThePreviousO
   }
 }
 
+// --- restarts and the data ledger ---------------------------------------------------------
+
+// step -> sample_ids_hash of data_ledger.jsonl (a later line for the same step wins: the attempt
+// that counted), and every step in the order of appearance.
+std::pair<std::map<int, std::string>, std::vector<int>> ledger_of(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::map<int, std::string> hashes;
+  std::vector<int> order;
+  for (std::string line; std::getline(in, line);) {
+    const auto step_at = line.find("\"step\": ");
+    const auto hash_at = line.find("\"sample_ids_hash\": ");
+    if (step_at == std::string::npos || hash_at == std::string::npos) continue;
+    const int step = std::stoi(line.substr(step_at + 8));
+    hashes[step] = line.substr(hash_at + 19, line.find('}', hash_at) - hash_at - 19);
+    order.push_back(step);
+  }
+  return {hashes, order};
+}
+
+// `modalities launch --max-restarts 1`: rank 1 is killed at step 8 (after the step-6 checkpoint);
+// every rank starts again, `run --resume_from_checkpoint_info` continues from step 6, and the run
+// ends with exit 0. The data ledger shows steps 7 and 8 twice (trained again after the restart)
+// with the same hashes, and every step's hash equals the uninterrupted run's (also at another
+// world size: the global batch, not its split over ranks, is hashed): no sample skipped or repeated.
+TEST(DistributedRestartTest, MaxRestartsResumesFromTheLastCheckpointAndTheLedgerProvesTheData) {
+  const modalities::testing::ScratchDir dir;
+  const std::filesystem::path root = dir.path() / "experiments";
+  const auto config = dir.write("train.toml", distributed_config("fsdp2_cpu.toml", 12, 1, 3));
+  const auto run = [&](int ranks, const std::string& id, const std::string& fault, int max_restarts) {
+    return run_command({"timeout", "-k", "5", "240", kHost, "launch", "--nproc-per-node", std::to_string(ranks),
+                        "--grace-s", "5", "--max-restarts", std::to_string(max_restarts), "--", "run",
+                        "--config_file_path", config.string(), "--experiments_root_path", root.string(),
+                        "--experiment_id", id, "--process_group_timeout_s", "10", "--resume_from_checkpoint_info",
+                        (root / id / "checkpoints/last_checkpoint_info.json").string()},
+                       {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FAULT", fault}});
+  };
+  const CommandResult full = run(2, "full", "", 0);
+  ASSERT_EQ(full.exit_code, 0) << full;
+  EXPECT_THAT(full.err, HasSubstr("starting fresh"));
+  const CommandResult four = run(4, "four", "", 0);
+  ASSERT_EQ(four.exit_code, 0) << four;
+  const CommandResult r = run(2, "restarted", "train_step@1:8", 1);
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.err, HasSubstr("rank 1 (pid"));
+  EXPECT_THAT(r.err, HasSubstr("was killed by signal 9 (SIGKILL)"));
+  EXPECT_THAT(r.err, HasSubstr("(restart 1 of 1)"));
+  EXPECT_THAT(r.err, HasSubstr("resuming from checkpoint"));
+  EXPECT_THAT(r.err, HasSubstr("seen_steps_6-"));
+
+  const auto [expected, expected_order] = ledger_of(root / "full/data_ledger.jsonl");
+  const auto [on4, on4_order] = ledger_of(root / "four/data_ledger.jsonl");
+  const auto [got, got_order] = ledger_of(root / "restarted/data_ledger.jsonl");
+  ASSERT_EQ(expected.size(), 12u);
+  EXPECT_EQ(on4, expected);  // 4 ranks x 2 samples hash like 2 ranks x 4
+  EXPECT_EQ(got, expected);
+  // The first attempt logged steps 1..7 (it died in step 8), the second 7..12.
+  EXPECT_EQ(got_order, (std::vector<int>{1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10, 11, 12}));
+  for (const auto& [step, hash] : expected) EXPECT_NE(hash, "null") << step;
+  // And the losses after the restart are the uninterrupted run's.
+  const auto losses = logged_steps(root / "full/evaluation_results.jsonl");
+  const auto resumed = logged_steps(root / "restarted/evaluation_results.jsonl");
+  for (int k = 9; k <= 12; ++k) EXPECT_EQ(resumed.at(k), losses.at(k)) << "step " << k;
+}
+
 }  // namespace
 }  // namespace modalities::dist

@@ -139,6 +139,7 @@ class DefaultDataLoader final : public DataLoader {
       samples.reserve(ids.size());
       for (std::int64_t i : ids) samples.push_back(dataset_->get(i));
       DatasetBatch batch = collate_ ? collate_->collate(samples) : stack_each_key(samples);
+      batch.sample_ids = ids;
       if (pin_) {
         for (auto& [k, t] : batch.samples) t = t.pin_memory();
         for (auto& [k, t] : batch.targets) t = t.pin_memory();

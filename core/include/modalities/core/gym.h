@@ -16,6 +16,7 @@
 #include <c10/core/Device.h>
 
 #include <atomic>
+#include <filesystem>
 #include <iosfwd>
 #include <memory>
 #include <string>
@@ -66,6 +67,8 @@ struct GymOptions {
   bool checkpoint_on_stop = false;
   /// Log lines (training log, report, summary). nullptr: std::cout.
   std::ostream* out = nullptr;
+  /// Where rank 0 appends the data ledger (Note [Data ledger] in gym.cpp); empty: none.
+  std::filesystem::path data_ledger_path;
 };
 
 struct GymSummary {

@@ -52,6 +52,9 @@ struct MODALITIES_SDK_API DatasetBatch {
   TensorMap samples;  // e.g. {"input_ids": [B, T]}
   TensorMap targets;  // e.g. {"target_ids": [B, T]}
   std::int64_t batch_dim = 0;
+  /// Dataset indices of the samples, in batch order (set by `data_loader/default`; empty when the
+  /// loader does not know them). The gym's data ledger hashes them per optimizer step.
+  std::vector<std::int64_t> sample_ids;
 
   /// Moves every sample and target tensor to `device`, in place.
   void to(const c10::Device& device, bool non_blocking = false);
