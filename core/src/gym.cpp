@@ -278,10 +278,11 @@ class Gym {
       // Several ranks train one model only if every part synchronises its gradients across the
       // data-parallel ranks, which the sharding wrappers do (their parameters are shards).
       for (const auto& part : parts_)
-        if (part->shard_placements().empty())
+        if (!part->synchronizes_gradients())
           throw Error(fmt::format(
               "settings.cuda_env.world_size = {}: the model is not wrapped for data parallelism, so each rank would "
-              "train its own copy; wrap it in model/fsdp2_wrapped (configs/distributed/fsdp2_cpu.toml)",
+              "train its own copy; wrap it in model/fsdp2_wrapped or model/fsdp1_wrapped "
+              "(configs/distributed/fsdp2_cpu.toml)",
               s.cuda_env.world_size));
       if (!dist::initialized())
         throw Error(fmt::format("settings.cuda_env.world_size = {}, but no process group was created (launch with "
@@ -358,6 +359,9 @@ class Gym {
       at::Tensor loss = c_.loss_fn->compute(result);
       // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
       // node per step) is skipped.
+      // With accumulation, gradients are synchronised across ranks in the step's last backward only.
+      if (G_ > 1)
+        for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % G_ == 0);
       (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
       fault_point("train_step");  // tests: a rank killed mid-step (modalities/sdk/fault.h)
       at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);

@@ -279,6 +279,10 @@ std::shared_ptr<RemovableHandle> Module::add_hook(ModuleHook /*hook*/, std::span
 
 std::map<std::string, ShardPlacement> Module::shard_placements() const { return {}; }
 
+bool Module::synchronizes_gradients() const { return false; }
+
+void Module::set_requires_gradient_sync(bool /*sync*/) {}
+
 // --- other defaults ---------------------------------------------------------------
 
 std::int64_t Dataset::token_size_in_bytes() const { return 0; }

@@ -133,13 +133,21 @@ class Engine {
     }
   }
 
+  // Without gradient sync (a micro-batch that is not the last of its optimizer step) the full
+  // gradients stay on the module parameters, where autograd keeps accumulating into them, and
+  // are reduce-scattered once, in the backward that syncs.
+  void set_requires_gradient_sync(bool sync) {
+    std::lock_guard lock(mutex_);
+    sync_ = sync;
+  }
+
   void on_grad_accumulated(std::size_t u) {
     std::lock_guard lock(mutex_);
     Unit& unit = units_[u];
     if (!unit.awaiting_grads) return;
     if (--unit.pending_grads > 0) return;
     unit.awaiting_grads = false;
-    reduce_scatter(u);
+    if (sync_) reduce_scatter(u);
     release(u);
     // The root's last gradient (the embedding's) is the last of the backward pass: units whose
     // parameters did not all receive a gradient are reduced now, with zeros for the missing ones.
@@ -147,7 +155,7 @@ class Engine {
       for (std::size_t k = 0; k < units_.size(); ++k)
         if (units_[k].awaiting_grads) {
           units_[k].awaiting_grads = false;
-          reduce_scatter(k);
+          if (sync_) reduce_scatter(k);
           release(k);
         }
   }
@@ -361,6 +369,7 @@ class Engine {
   std::unordered_map<std::string, std::size_t> unit_of_point_;
   std::vector<std::shared_ptr<RemovableHandle>> hooks_;
   std::recursive_mutex mutex_;  // backward hooks run on autograd's threads
+  bool sync_ = true;
 };
 
 void GradAccumulated::operator()(const torch::autograd::Variable&) { engine->on_grad_accumulated(unit); }
@@ -438,6 +447,7 @@ class FullyShardedModule final : public Module {
   // Every state_dict() name of a sharded parameter, aliases included (a tied lm_head.weight is the
   // same shard as wte.weight and must be placed like it, or a checkpoint would take it as whole).
   std::map<std::string, ShardPlacement> shard_placements() const override {
+    if (engine_->world() == 1) return {};  // one shard: every rank holds whole tensors (NO_SHARD, one process)
     std::unordered_map<const void*, const Param*> by_impl;
     for (const Param& p : engine_->params()) by_impl[p.module_param.unsafeGetTensorImpl()] = &p;
     std::map<std::string, ShardPlacement> out;
@@ -487,6 +497,9 @@ class FullyShardedModule final : public Module {
   std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
     return engine_->inner().add_hook(std::move(hook), fqns);
   }
+
+  bool synchronizes_gradients() const override { return true; }
+  void set_requires_gradient_sync(bool sync) override { engine_->set_requires_gradient_sync(sync); }
 
  private:
   std::unique_ptr<Engine> engine_;

@@ -1,14 +1,16 @@
 // `gradient_clipper` variants for unsharded models (README.md):
-//   fsdp1, fsdp1_logging_only  Modalities' FSDP1 clippers on one process (no sharding): the
+//   fsdp1, fsdp1_logging_only  Modalities' FSDP1 clippers: on one process (or NO_SHARD) the
 //                              norm of the fp32 per-gradient norms, gradients scaled by
-//                              min(max_norm / (total + 1e-6), 1) (max_norm = inf for logging)
+//                              min(max_norm / (total + 1e-6), 1) (max_norm = inf for logging);
+//                              over a model sharded by model/fsdp1_wrapped, the norm combined
+//                              over the world (HYBRID_SHARD's replicas divided out)
 //   norm, logging_only         torch.nn.utils.clip_grad_norm_ / get_total_norm on all parts
 //   value                      torch.nn.utils.clip_grad_value_; returns the pre-clip L2 norm
 //   fsdp2, fsdp2_logging_only  the same over a sharded model (model/fsdp2_wrapped): each rank's
 //                              norm of its gradient shards, combined over the mesh's dp_shard
 //                              group (sum of p-th powers, or max), so every rank clips with the
 //                              norm of the whole gradient
-// The one-process variants refuse a sharded model on several ranks (their norm would be one
+// norm, logging_only and value refuse a sharded model on several ranks (their norm would be one
 // rank's, and the ranks would scale their shards differently).
 // Norms are computed with the same ATen calls as PyTorch (at::_foreach_norm, then the norm
 // of the stacked norms), so they are bit-identical to PyTorch. Non-finite norms are returned.
@@ -138,8 +140,11 @@ void scale(const std::vector<at::Tensor>& grads, double max_norm, const at::Tens
 // of ~1e-5 relative that depend on how the rows are split, so float32 would log a norm that
 // changes with the number of ranks (tests/distributed measures this). In float64 the norm of
 // the same gradient is the same on 1, 2 or 4 ranks to ~1e-9.
+//
+// `replicas`: how many ranks of `group` hold each row (FSDP1's HYBRID_SHARD over the world: one
+// per node); their p-th powers are counted that many times and divided out.
 at::Tensor sharded_total_norm(const std::vector<at::Tensor>& grads, double order,
-                              const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+                              const c10::intrusive_ptr<c10d::ProcessGroup>& group, double replicas = 1.0) {
   const bool max = std::isinf(order);
   at::Tensor local = at::zeros({1}, at::kDouble);
   for (const auto& bucket : by_device_and_dtype(grads))
@@ -154,13 +159,35 @@ at::Tensor sharded_total_norm(const std::vector<at::Tensor>& grads, double order
     o.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
     group->allreduce(t, o)->wait();
   }
+  if (!max && replicas != 1.0) local.div_(replicas);
   if (!max) local.pow_(1.0 / order);
   const c10::Device device = grads.empty() ? c10::Device(c10::kCPU) : grads.front().device();
   return local.reshape({}).to(device, at::kFloat);
 }
 
 // How the total norm is computed and what happens to the gradients.
-enum class Mode { kFsdp1, kTorch, kTorchLoggingOnly, kValue, kSharded, kShardedLoggingOnly };
+enum class Mode { kFsdp1, kFsdp1Sharded, kTorch, kTorchLoggingOnly, kValue, kSharded, kShardedLoggingOnly };
+
+// How many ranks of the world hold each row of the parts' sharded parameters: the rows all ranks
+// hold of one sharded parameter, over its rows (1 for FULL_SHARD, the node count for HYBRID_SHARD).
+// A collective (every rank calls it at the same point).
+double replicas_in_world(const std::vector<std::shared_ptr<Module>>& parts) {
+  for (const auto& part : parts) {
+    const auto placements = part->shard_placements();
+    for (const auto& [name, t] : part->named_parameters()) {
+      const auto it = placements.find(name);
+      if (it == placements.end() || it->second.global_shape.empty() || it->second.global_shape[0] == 0) continue;
+      std::vector<at::Tensor> rows = {at::full({1}, static_cast<double>(t.size(0)), at::kDouble)};
+      dist::world()->allreduce(rows)->wait();
+      return rows.front().item<double>() / static_cast<double>(it->second.global_shape[0]);
+    }
+  }
+  return 1.0;
+}
+
+bool any_sharded(const std::vector<std::shared_ptr<Module>>& parts) {
+  return std::any_of(parts.begin(), parts.end(), [](const auto& p) { return !p->shard_placements().empty(); });
+}
 
 // A one-process variant must not see shards of a model trained on several ranks.
 void refuse_shards(const std::vector<std::shared_ptr<Module>>& parts, const char* variant) {
@@ -190,6 +217,12 @@ class Clipper final : public GradientClipper {
         c10::ScalarType dtype = grads.front().scalar_type();  // FSDP1 returns the promoted gradient dtype
         for (const at::Tensor& g : grads) dtype = c10::promoteTypes(dtype, g.scalar_type());
         return total.to(dtype);
+      }
+      case Mode::kFsdp1Sharded: {  // FSDP1 wrapped over several ranks: the norm over the world
+        if (replicas_ == 0) replicas_ = replicas_in_world(parts_);
+        const at::Tensor total = sharded_total_norm(grads, order_, group_, replicas_);
+        scale(grads, limit_, total, /*cast_coef=*/true);
+        return total;
       }
       case Mode::kTorch: {
         const at::Tensor total = total_norm(grads, order_);
@@ -223,6 +256,7 @@ class Clipper final : public GradientClipper {
   double order_;
   double limit_;  // max_norm, or clip_value
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // sharded variants: the dp_shard group (null: one rank)
+  double replicas_ = 0;                            // kFsdp1Sharded: found at the first call
 };
 
 // --- configs --------------------------------------------------------------------------------------
@@ -346,16 +380,20 @@ void register_components(Registrar& r) {
                                          0.0, shard_group(*c.device_mesh));
       });
   r.add<GradientClipper, Fsdp1Config>(
-      "fsdp1", "FSDP1 clip_grad_norm_ on one process: clips to max_norm, returns the total norm.",
+      "fsdp1", "FSDP1 clip_grad_norm_: clips to max_norm, returns the total norm (over all ranks for a sharded model).",
       [](const Fsdp1Config& c) {
-        refuse_shards(c.wrapped_model.shared(), "fsdp1");
+        if (dist::world_size() > 1 && any_sharded(c.wrapped_model.shared()))
+          return std::make_shared<Clipper>(Mode::kFsdp1Sharded, c.wrapped_model.shared(), norm_order(c.norm_type),
+                                           c.max_norm, dist::world());
         return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
                                          c.max_norm);
       });
   r.add<GradientClipper, Fsdp1LoggingConfig>(
-      "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf on one process: the total norm, no clipping.",
+      "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf: the total norm (over all ranks when sharded), no clipping.",
       [](const Fsdp1LoggingConfig& c) {
-        refuse_shards(c.wrapped_model.shared(), "fsdp1_logging_only");
+        if (dist::world_size() > 1 && any_sharded(c.wrapped_model.shared()))
+          return std::make_shared<Clipper>(Mode::kFsdp1Sharded, c.wrapped_model.shared(), norm_order(c.norm_type),
+                                           std::numeric_limits<double>::infinity(), dist::world());
         return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
                                          std::numeric_limits<double>::infinity());
       });

@@ -210,6 +210,18 @@ class MODALITIES_SDK_API Module {
   /// Placement of every *sharded* entry of state_dict() in its full tensor,
   /// by FQN; entries not listed are complete on every rank. Default: empty.
   virtual std::map<std::string, ShardPlacement> shard_placements() const;
+
+  /// Data parallelism: whether backward() leaves every data-parallel rank with the same (reduced)
+  /// gradient, as the sharding and replicating wrappers (`fsdp2_wrapped`, `fsdp1_wrapped`) do.
+  /// The gym refuses several ranks for a model part that does not. Default: false.
+  virtual bool synchronizes_gradients() const;
+
+  /// Gradient accumulation without communication: with `false`, following backward passes only
+  /// accumulate local gradients; with `true` (the state a wrapper starts in) the next backward
+  /// also synchronises everything accumulated. The gym sets false for every micro-batch of an
+  /// optimizer step but the last, so gradients cross the network once per step (FSDP2's
+  /// set_requires_gradient_sync, DDP's no_sync). Default: a no-op.
+  virtual void set_requires_gradient_sync(bool sync);
 };
 
 }  // namespace modalities
