@@ -14,6 +14,7 @@
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/optimizer.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
@@ -30,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -236,6 +238,111 @@ TEST(FsdpWorker, MatchesOneProcess) {
   std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit;
   run_layout(l);
   dist::shutdown();
+}
+
+// Memory per rank (the issue's bound): parameters + gradients + AdamW state of one rank, counted
+// as the bytes of the live storages it holds after an optimizer step, are at most
+// total / N x 1.05 + the largest unit's parameters, where total is the same for the whole model in
+// one process. The model is dominated by its blocks (vocabulary 128, 8 layers), as large models
+// are. Printed per rank.
+std::string memory_config(int world) {
+  std::string text = config_for(Layout{world, 1, true, 1});
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    if (at == std::string::npos) throw std::runtime_error("no '" + from + "'");
+    text.replace(at, from.size(), to);
+  };
+  replace("n_layer = 2", "n_layer = 8");
+  return text + R"(
+[optimizer]
+component_key = "optimizer"
+variant_key = "adam_w"
+
+[optimizer.config]
+wrapped_model = { instance_key = "model", pass_type = "BY_REFERENCE" }
+lr = 1e-3
+betas = [0.9, 0.95]
+eps = 1e-8
+weight_decay = 0.1
+weight_decay_groups_excluded = []
+)";
+}
+
+TEST(FsdpWorker, MemoryPerRank) {
+  if (!in_worker()) GTEST_SKIP() << "runs as several ranks under FsdpTest.MemoryPerRankIsAShareOfTheWhole";
+  dist::RuntimeOptions o;
+  o.backend = "gloo";
+  o.timeout = std::chrono::seconds(60);
+  dist::init(dist::launch_env(), o);
+  const int world = dist::world_size();
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_MESH_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_OPTIMIZERS_PLUGIN);
+  h.set_config_text(memory_config(world));
+  const auto model = h.get<Module>("model");
+  ASSERT_NE(model, nullptr) << h.build_error();
+  const auto optimizer = h.get<Optimizer>("optimizer");
+  ASSERT_NE(optimizer, nullptr) << h.build_error();
+  at::manual_seed(3);
+  const at::Tensor ids = at::randint(0, 128, {2, 32}, at::kLong);
+  loss_of(*model, ids).backward();
+  optimizer->step();
+
+  std::set<const void*> seen;
+  const auto bytes_of = [&](const at::Tensor& t) -> double {
+    if (!t.defined() || t.storage().nbytes() == 0) return 0;
+    if (!seen.insert(t.storage().unsafeGetStorageImpl()).second) return 0;
+    return static_cast<double>(t.storage().nbytes());
+  };
+  double params = 0, grads = 0, state = 0, gathered = 0, total_params = 0;
+  for (const auto& [name, p] : model->named_parameters()) params += bytes_of(p);  // the flat shard buffers
+  for (const auto& [name, p] : model->named_parameters()) grads += bytes_of(p.grad());
+  for (const auto& [name, t] : optimizer->state_dict())
+    if (name.starts_with("state.")) state += bytes_of(t);
+  for (const auto& item : model->module().named_parameters(/*recurse=*/true)) {
+    gathered += bytes_of(item.value()) + bytes_of(item.value().grad());
+  }
+  // The whole model: its full parameter sizes (fp32) x (parameter + gradient + 2 Adam moments),
+  // plus one step counter per parameter, as one process holds them.
+  double largest_block = 0, block = 0;
+  std::string current;
+  const auto placements = model->shard_placements();
+  for (const auto& [name, p] : model->named_parameters()) {
+    std::int64_t n = 1;
+    for (auto d : placements.empty() ? p.sizes().vec() : placements.at(name).global_shape) n *= d;
+    total_params += static_cast<double>(n) * 4;
+    // Units are the blocks (transformer.h.<i>.) and the root.
+    const std::string unit = name.starts_with("transformer.h.") ? name.substr(0, name.find('.', 14)) : "root";
+    if (unit != current) {
+      largest_block = std::max(largest_block, block);
+      block = 0;
+      current = unit;
+    }
+    block += static_cast<double>(n) * 4;
+  }
+  largest_block = std::max(largest_block, block);
+  const double steps = static_cast<double>(model->named_parameters().size()) * 4;
+  const double total = total_params * 4 + steps;
+  const double mine = params + grads + state + gathered;
+  const double bound = total / world * 1.05 + largest_block;
+  std::printf("rank %d of %d: parameters %.0f B, gradients %.0f B, optimizer state %.0f B, still gathered %.0f B = "
+              "%.0f B; whole model %.0f B, / %d = %.0f B; bound %.0f B (x1.05 + largest unit %.0f B)\n",
+              dist::rank(), world, params, grads, state, gathered, mine, total, world, total / world, bound,
+              largest_block);
+  EXPECT_EQ(gathered, 0);  // after backward every unit is freed
+  EXPECT_LE(mine, bound);
+  dist::shutdown();
+}
+
+TEST(FsdpTest, MemoryPerRankIsAShareOfTheWhole) {
+  const CommandResult r = run_command(
+      {"timeout", "-k", "5", "180", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node", "4", "--grace-s", "2",
+       "--exec", "--", self_exe(), "--gtest_filter=FsdpWorker.MemoryPerRank"},
+      {{"MODALITIES_TEST_WORKER", "1"}, {"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  for (int k = 0; k < 4; ++k) EXPECT_THAT(r.out, HasSubstr("[rank " + std::to_string(k) + "] [  PASSED  ] 1 test")) << r;
+  std::printf("%s", r.out.c_str());
 }
 
 TEST(FsdpTest, TwoRanksMatchOneProcess) { launch(2, 1, 1); }
