@@ -17,6 +17,7 @@
 #include <ATen/Context.h>
 #include <fmt/chrono.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <simdjson.h>
 #include <unistd.h>
 
@@ -150,6 +151,53 @@ ResolverSpec warmstart_resolver(const fs::path& info_file) {
                                         info_file.string(), std::string_view(key), simdjson::minify(value)));
             return json_to_value(doc);
           }};
+}
+
+/// Note [Rank fingerprint]
+/// Every rank must run the same program on the same config: a rank with another build, another
+/// plugin or an edited config would silently train something else (or deadlock in a collective
+/// the others never issue). Before building anything the ranks exchange the SHA-256 of the host
+/// binary, of every loaded plugin file (with its name and version) and of the config file; a
+/// difference from rank 0 is an error on every rank naming the ranks and what differs.
+std::string file_sha256(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return core::data::sha256_hex(bytes.str());
+}
+
+void check_rank_fingerprints(const core::Registry& registry, const std::string& config_file_path) {
+  std::map<std::string, std::string> parts;
+  parts["host binary"] = file_sha256("/proc/self/exe");
+  parts["config file"] = file_sha256(config_file_path);
+  for (const auto& p : registry.plugins())
+    parts["plugin " + p->name] = p->version + " " + (p->file.empty() ? std::string("in-process") : file_sha256(p->file));
+  std::string mine;
+  for (const auto& [k, v] : parts) mine += k + "\t" + v + "\n";
+  const std::vector<std::string> all = dist::all_gather_strings("fingerprint", mine);
+  std::vector<std::string> problems;
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    std::map<std::string, std::string> theirs;
+    std::istringstream lines(all[r]);
+    for (std::string line; std::getline(lines, line);)
+      if (const auto tab = line.find('\t'); tab != std::string::npos) theirs[line.substr(0, tab)] = line.substr(tab + 1);
+    std::map<std::string, std::string> zero;
+    std::istringstream lines0(all[0]);
+    for (std::string line; std::getline(lines0, line);)
+      if (const auto tab = line.find('\t'); tab != std::string::npos) zero[line.substr(0, tab)] = line.substr(tab + 1);
+    std::vector<std::string> differ;
+    for (const auto& [k, v] : zero)
+      if (!theirs.contains(k)) differ.push_back(k + " (missing on rank " + std::to_string(r) + ")");
+      else if (theirs[k] != v) differ.push_back(k);
+    for (const auto& [k, v] : theirs)
+      if (!zero.contains(k)) differ.push_back(k + " (only on rank " + std::to_string(r) + ")");
+    problems.push_back(fmt::format("rank {}: {}", r, fmt::join(differ, ", ")));
+  }
+  if (!problems.empty())
+    throw Error(fmt::format("the ranks do not run the same program and config as rank 0 ({}); every rank needs the "
+                            "same build, plugins and config file",
+                            fmt::join(problems, "; ")));
 }
 
 /// Note [Resuming a run config]
@@ -332,6 +380,7 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
       dist::init(launch, ro);
       // Every rank must use rank 0's id: the default one comes from each rank's clock.
       a.experiment_id = dist::broadcast_from_rank0("experiment_id", a.experiment_id);
+      check_rank_fingerprints(registry, a.config_file_path);  // Note [Rank fingerprint]
     }
     core::ModalitiesEnv env = core::env_for_config(a.config_file_path);
     env.values["experiments_root_path"] = fs::absolute(a.experiments_root_path).string();

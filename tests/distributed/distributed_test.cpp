@@ -334,6 +334,27 @@ TEST(DistributedRunTest, ASettingsWorldSizeThatIsNotTheLaunchersIsRefused) {
   EXPECT_THAT(r.err, HasSubstr("of world_size 1, but this process is rank")) << r;
 }
 
+// Note [Rank fingerprint] in core/app/cli_run.cpp: rank 1 is started on a config file that differs
+// from rank 0's by a comment; both ranks refuse to start, naming rank 1 and the config file.
+TEST(DistributedRunTest, ARankWithAnotherConfigFileIsRefusedOnEveryRank) {
+  const modalities::testing::ScratchDir dir;
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/fsdp2_cpu.toml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto a = dir.write("a.toml", text);
+  const auto b = dir.write("b.toml", text + "# edited on one node only\n");
+  const std::string script = fmt::format(
+      "if [ \"$RANK\" = 1 ]; then c={}; else c={}; fi; exec {} run --config_file_path \"$c\" --experiments_root_path "
+      "{} --experiment_id fp",
+      b.string(), a.string(), kHost, (dir.path() / "experiments").string());
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--exec", "--", "sh", "-c", script}, 120);
+  EXPECT_NE(r.exit_code, 0) << r;
+  for (int rank : {0, 1})
+    EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}: the ranks do not run the same program and "
+                                             "config as rank 0 (rank 1: config file)",
+                                             rank, rank)))
+        << r;
+}
+
 // --- FSDP2 training through `run` ----------------------------------------------------------------
 
 // configs/distributed/<file> for a short run, logged every step, with absolute data paths. The

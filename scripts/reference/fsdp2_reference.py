@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Reference run of configs/distributed/fsdp2_cpu.toml with PyTorch's own FSDP2
+(torch.distributed.fsdp.fully_shard) on CPU with Gloo.
+
+`modalities run` cannot run on a CPU, so this script drives the same Python
+components as scripts/reference/train_reference.py (GPT2LLM built from the
+config's model_raw by Modalities' factory, PackedMemMapDatasetContinuous +
+ResumableDistributedSampler + GPT2LLMCollateFn, CLMCrossEntropyLoss, torch
+AdamW with Modalities' weight-decay groups, LinearLR + CosineAnnealingLR in a
+SequentialLR, clip_grad_norm_), but sharded the way the config's
+model/fsdp2_wrapped does it: fully_shard on every GPT2Block, then on the whole
+model, over a one-dimensional CPU device mesh of all ranks (also for one rank,
+so that the code path is the same), reshard_after_forward, fp32 parameters and
+reductions.
+
+The global batch is fixed at 8 samples of 128 tokens: every rank takes
+8 // world_size samples of each step from its ResumableDistributedSampler
+(seed 42, shuffled), so the per-step loss is the same at every world size up to
+rounding. The logged loss of a step is the mean over the ranks of each rank's
+loss; the logged learning rates (one per optimizer group) are get_last_lr()
+after sched.step(), as in train_reference.py; the logged gradient norm is the full (all-rank) norm that clip_grad_norm_
+returns (a DTensor under FSDP2, reduced with .full_tensor()).
+
+Initial weights: not Modalities' initializer, but one seeded generator
+(torch.Generator().manual_seed(1234)) drawn over model.named_parameters() in
+order on every rank before sharding: output projections (attn.c_proj, mlp.W_2 /
+mlp.c_proj) N(0, 0.02 / sqrt(2 * n_layer)), other non-norm weights N(0, 0.02),
+norm weights left at 1. Rank 0 writes the full state_dict to --init
+(safetensors; the tied lm_head weight is stored as its own copy), and the JSON
+(--out) records, per tensor, the rule applied and the sha256 of its bytes.
+
+Run (N = 1, 2 or 4; .deps/bench is the venv of scripts/setup_bench_env.sh):
+
+  mkdir -p /tmp/fsdp2_ref
+  LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 build/bin/modalities config resolve configs/distributed/fsdp2_cpu.toml \
+      --experiments_root_path /tmp/fsdp2_ref --experiment_id ref > /tmp/fsdp2_ref/resolved.toml
+  OMP_NUM_THREADS=1 .deps/bench/bin/torchrun --standalone --nproc_per_node N \
+      scripts/reference/fsdp2_reference.py --config /tmp/fsdp2_ref/resolved.toml --steps 20 --warmup 4 \
+      --init /tmp/fsdp2_ref/init_N.safetensors --out /tmp/fsdp2_ref/run_N.json
+
+(the cuda_env variables only satisfy the resolver; the world size used here is
+torchrun's). Then merge the runs into the committed fixture:
+
+  .deps/bench/bin/python scripts/reference/fsdp2_reference.py --merge \
+      /tmp/fsdp2_ref/run_1.json /tmp/fsdp2_ref/run_2.json /tmp/fsdp2_ref/run_4.json \
+      --out tests/distributed/data/pytorch_fsdp2_reference.json
+"""
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import math
+import platform
+import re
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from modalities.batch import InferenceResultBatch
+from modalities.dataloader.dataset_factory import DatasetFactory
+from modalities.dataloader.samplers import ResumableDistributedSampler
+from modalities.loss_functions import CLMCrossEntropyLoss
+from modalities.models.gpt2.collator import GPT2LLMCollateFn
+from modalities.models.gpt2.gpt2_model import GPT2Block, GPT2LLMConfig
+from modalities.models.model_factory import GPT2ModelFactory
+from modalities.optimizers.optimizer_factory import _build_optimizer_groups_via_weight_decay_split
+
+GLOBAL_BATCH_SIZE = 8
+SEQUENCE_LENGTH = 128
+GRADIENT_ACCUMULATION_STEPS = 1
+INIT_SEED = 1234
+INIT_STD = 0.02
+# the output projections of train_reference.init_weights
+PROJ_PATTERN = r"transformer\.h\.\d+\.attn\.c_proj\.weight|transformer\.h\.\w+\.mlp\.(W_2|c_proj)\.weight"
+MERGED_KEYS = ("generated_by", "command", "versions", "init", "runs")
+
+
+def sha256(t):
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def init_weights(model, n_layer):
+    """Draws the initial weights in named_parameters() order; returns {name: rule}."""
+    g = torch.Generator().manual_seed(INIT_SEED)
+    proj_std = INIT_STD / math.sqrt(2 * n_layer)
+    rules = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if re.fullmatch(PROJ_PATTERN, name):
+                p.normal_(0.0, proj_std, generator=g)
+                rules[name] = {"rule": "normal", "mean": 0.0, "std": proj_std}
+            elif name.endswith(".weight") and "norm" not in name:
+                p.normal_(0.0, INIT_STD, generator=g)
+                rules[name] = {"rule": "normal", "mean": 0.0, "std": INIT_STD}
+            else:
+                rules[name] = {"rule": "unchanged"}
+    return rules
+
+
+def describe_init(model, rules):
+    """The init record: parameters (then non-parameter state_dict tensors) in order, and the state_dict keys."""
+    params = dict(model.named_parameters())
+    param_ids = {id(p): n for n, p in params.items()}
+    sd = model.state_dict(keep_vars=True)
+
+    def entry(name, t, **extra):
+        return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), **extra,
+                "sha256": sha256(t)}
+
+    parameters = [entry(n, p, kind="parameter", **rules[n]) for n, p in params.items()]
+    state_dict = []
+    for k, t in sd.items():
+        alias = param_ids.get(id(t))
+        if alias is None:  # a buffer (e.g. the rotary inv_freq)
+            parameters.append(entry(k, t, kind="buffer", rule="unchanged"))
+        state_dict.append(entry(k, t, **({"alias_of": alias} if alias is not None and alias != k else {})))
+    return {"seed": INIT_SEED, "parameters": parameters, "state_dict": state_dict}
+
+
+def full_norm(norm):
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def versions():
+    return {"torch": torch.__version__, "modalities": importlib.metadata.version("modalities"),
+            "python": platform.python_version()}
+
+
+def train(args):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert GLOBAL_BATCH_SIZE % (world * GRADIENT_ACCUMULATION_STEPS) == 0, \
+        f"global batch {GLOBAL_BATCH_SIZE} is not divisible by world size {world}"
+    mbs = GLOBAL_BATCH_SIZE // (world * GRADIENT_ACCUMULATION_STEPS)  # local_micro_batch_size_from_global_batch_size
+    T, G, steps = SEQUENCE_LENGTH, GRADIENT_ACCUMULATION_STEPS, args.steps
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with open(args.config, "rb") as f:
+        cfg = tomllib.load(f)
+    keys = cfg["settings"]["referencing_keys"]
+    mcfg = dict(cfg["model_raw"]["config"])
+    assert mcfg["sequence_length"] == T and mcfg["dropout"] == 0.0, "expected fsdp2_cpu.toml's model"
+    conf = GPT2LLMConfig(**mcfg)
+    model = GPT2ModelFactory.get_gpt2_model(**{k: getattr(conf, k) for k in type(conf).model_fields})
+    rules = init_weights(model, conf.n_layer)
+    init = describe_init(model, rules)
+    if rank == 0:
+        # clone every key on its own: safetensors refuses tensors that share storage (the tied lm_head)
+        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, args.init)
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h.values():
+        assert isinstance(block, GPT2Block)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+    ds_cfg = cfg["train_dataset"]["config"]
+    dataset = DatasetFactory.get_packed_mem_map_dataset_continuous(
+        raw_data_path=Path(ds_cfg["raw_data_path"]), sequence_length=T, sample_key=ds_cfg["sample_key"],
+        reuse_last_target=ds_cfg.get("reuse_last_target", True))
+    smp = cfg["train_dataloader"]["config"]["batch_sampler"]["config"]["sampler"]["config"]
+    sampler = ResumableDistributedSampler(dataset, rank=rank, num_replicas=world, shuffle=smp["shuffle"],
+                                          seed=smp["seed"], drop_last=True, skip_num_global_samples=0)
+    batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size=mbs, drop_last=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
+                                         collate_fn=GPT2LLMCollateFn(keys["sample_key"], keys["target_key"]))
+    loss_fn = CLMCrossEntropyLoss(target_key=keys["target_key"], prediction_key=keys["prediction_key"])
+
+    o = cfg["optimizer"]["config"]
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    groups = _build_optimizer_groups_via_weight_decay_split(o["weight_decay"], o["weight_decay_groups_excluded"],
+                                                            model.weight_decay_groups, params)
+    opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                            foreach=o.get("foreach"), fused=o.get("fused"))
+    sc = cfg["scheduler"]["config"]
+    W, total = args.warmup, steps  # total_steps = num_target_steps
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=sc["initial_lr"] / sc["max_lr"], end_factor=1.0,
+                                             total_iters=W)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - W, eta_min=sc["final_lr"])
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, schedulers=[warm, cos], milestones=[W])
+    clip = cfg["gradient_clipper"]["config"]
+    norm_type = {"P1_NORM": 1.0, "P2_NORM": 2.0, "MAX_NORM": math.inf}[clip["norm_type"]]
+
+    model.train()
+    losses, norms, lrs, step_seconds, step_losses = [], [], [], [], []
+    dist.barrier()
+    last = time.perf_counter()
+    for i, batch in enumerate(loader):
+        if i >= steps * G:
+            break
+        out = model(batch.samples)
+        loss = loss_fn(InferenceResultBatch(targets=batch.targets, predictions=out))
+        (loss / G).backward()
+        step_losses.append(loss.detach())
+        if (i + 1) % G == 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip["max_norm"], norm_type=norm_type)
+            norm = full_norm(norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            lrs.append(sched.get_last_lr())  # after sched.step(), as train_reference.py logs it
+            step_loss = torch.stack(step_losses).mean()
+            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+            losses.append(float(step_loss / world))  # float32 mean over the ranks
+            norms.append(float(norm))
+            step_losses = []
+            now = time.perf_counter()
+            step_seconds.append(now - last)
+            last = now
+            if rank == 0:
+                print(f"step {len(losses)}: loss {losses[-1]:.6f} grad_norm {norms[-1]:.6f} lr {lrs[-1][0]:.3e}",
+                      flush=True)
+    assert len(losses) == steps, f"the data loader ran out after {len(losses)} steps"
+
+    if rank == 0:
+        result = {
+            "world_size": world, "steps": steps, "loss": losses, "grad_norm": norms, "lr": lrs, **versions(),
+            "init": init, "seconds_per_step": step_seconds, "threads": torch.get_num_threads(),
+            "config": (f"configs/distributed/fsdp2_cpu.toml: GPT2LLM n_layer={conf.n_layer} n_embd={conf.n_embd} "
+                       f"vocab={conf.vocab_size} tied; global batch {GLOBAL_BATCH_SIZE} = {world} ranks x micro batch "
+                       f"{mbs} x {G} accumulation, sequence {T}; AdamW lr {o['lr']} betas {o['betas']} "
+                       f"eps {o['eps']} wd {o['weight_decay']} (excluded {o['weight_decay_groups_excluded']}) "
+                       f"fused={o.get('fused')}; warmup {W} from {sc['initial_lr']} to {sc['max_lr']}, cosine to "
+                       f"{sc['final_lr']} over {total} steps; clip {clip['norm_type']} max_norm {clip['max_norm']}; "
+                       f"fully_shard per GPT2Block + root, gloo, fp32"),
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{steps} steps on {world} ranks, loss {losses[0]:.6f} -> {losses[-1]:.6f}, "
+              f"{sum(step_seconds) / steps:.3f} s/step")
+    dist.destroy_process_group()
+
+
+def merge(args):
+    """One file of several runs; the init record once (it must be the same in every run)."""
+    runs, init = {}, None
+    for path in args.merge:
+        with open(path) as f:
+            r = json.load(f)
+        run_init = r.pop("init")
+        if init is None:
+            init = run_init
+        assert run_init == init, f"{path}: initial weights differ from the first run's"
+        runs[str(r["world_size"])] = r
+    first = next(iter(runs.values()))
+    command = ("mkdir -p /tmp/fsdp2_ref; LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 build/bin/modalities config resolve configs/distributed/fsdp2_cpu.toml "
+               "--experiments_root_path /tmp/fsdp2_ref --experiment_id ref > /tmp/fsdp2_ref/resolved.toml; " +
+               "; ".join(f"OMP_NUM_THREADS=1 .deps/bench/bin/torchrun --standalone --nproc_per_node {n} "
+                         f"scripts/reference/fsdp2_reference.py --config /tmp/fsdp2_ref/resolved.toml "
+                         f"--steps {r['steps']} --warmup {args.warmup} --init /tmp/fsdp2_ref/init_{n}.safetensors "
+                         f"--out /tmp/fsdp2_ref/run_{n}.json" for n, r in runs.items()) +
+               "; .deps/bench/bin/python scripts/reference/fsdp2_reference.py --merge " +
+               " ".join(f"/tmp/fsdp2_ref/run_{n}.json" for n in runs) + f" --warmup {args.warmup} --out {args.out}")
+    out = {"generated_by": "scripts/reference/fsdp2_reference.py", "command": command,
+           "versions": {k: first[k] for k in ("torch", "modalities", "python")}, "init": init, "runs": runs}
+    names = list(runs)
+    worst = {}
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            la, lb = runs[names[a]]["loss"], runs[names[b]]["loss"]
+            worst[f"{names[a]}_vs_{names[b]}"] = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+    out["loss_max_rel_diff_between_world_sizes"] = worst
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(json.dumps(worst, indent=1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="resolved TOML of configs/distributed/fsdp2_cpu.toml")
+    ap.add_argument("--steps", type=int, default=20, help="training steps (= the scheduler's total_steps)")
+    ap.add_argument("--warmup", type=int, default=4, help="the scheduler's warmup_steps")
+    ap.add_argument("--init", help="where rank 0 writes the initial weights (.safetensors)")
+    ap.add_argument("--out", required=True, help="where rank 0 writes the results (.json)")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
+    ap.add_argument("--merge", nargs="+", metavar="RUN_JSON",
+                    help="instead of training: merge the JSONs of several runs into --out")
+    args = ap.parse_args()
+    if args.merge:
+        merge(args)
+    else:
+        if not (args.config and args.init):
+            ap.error("--config and --init are required for a run")
+        train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
