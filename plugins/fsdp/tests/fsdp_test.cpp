@@ -15,6 +15,10 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/module_hooks.h>
+#include <modalities/sdk/registrar.h>
+#include <modalities/sdk/schema.h>
+#include <torch/torch.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
@@ -44,6 +48,108 @@ using modalities::testing::CommandResult;
 using modalities::testing::Harness;
 using modalities::testing::run_command;
 
+// --- a second model: model/fsdp2_wrapped shards it knowing only the SDK --------------------------
+
+// A small residual MLP stack, registered in-process as model/test_toy_stack: embedding, `blocks`
+// ToyBlocks (x + W2 tanh(W1 x)), head. It reports its blocks and calls module hooks through
+// modalities/sdk/module_hooks.h, as any third-party model plugin would.
+struct ToyConfig {
+  std::int64_t vocab = 128, width = 32, blocks = 3, seed = 5;
+  static void describe(Schema<ToyConfig>& s) {
+    s.field("vocab", &ToyConfig::vocab, "vocabulary").positive();
+    s.field("width", &ToyConfig::width, "width").positive();
+    s.field("blocks", &ToyConfig::blocks, "blocks").positive();
+    s.field("seed", &ToyConfig::seed, "seed of the initial weights");
+  }
+};
+
+class ToyBlockImpl final : public torch::nn::Module {
+ public:
+  explicit ToyBlockImpl(std::int64_t w)
+      : torch::nn::Module("ToyBlock"),
+        up(register_module("up", torch::nn::Linear(w, 2 * w))),
+        down(register_module("down", torch::nn::Linear(2 * w, w))) {}
+  at::Tensor forward(const at::Tensor& x) { return x + down(at::tanh(up(x))); }
+  torch::nn::Linear up, down;
+};
+
+class ToyModel final : public Module {
+ public:
+  explicit ToyModel(const ToyConfig& c) : root_(std::make_shared<torch::nn::Module>("ToyStack")) {
+    torch::manual_seed(static_cast<std::uint64_t>(c.seed));
+    emb_ = root_->register_module("emb", torch::nn::Embedding(c.vocab, c.width));
+    auto list = root_->register_module("blocks", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < c.blocks; ++i) {
+      blocks_.push_back(std::make_shared<ToyBlockImpl>(c.width));
+      list->push_back(blocks_.back());
+      fqns_.push_back("blocks." + std::to_string(i));
+    }
+    head_ = root_->register_module("head", torch::nn::Linear(c.width, c.vocab));
+  }
+  TensorMap forward(const TensorMap& inputs) override {
+    hooks_.call(HookPoint::kPreForward, "", "ToyStack", {}, {});  // a wrapper gathers the root here
+    at::Tensor h = emb_(inputs.at("input_ids"));
+    for (std::size_t i = 0; i < blocks_.size(); ++i)
+      h = hooks_.around(fqns_[i], "ToyBlock", h, [&](const at::Tensor& x) { return blocks_[i]->forward(x); });
+    return {{"logits", head_(h)}};
+  }
+  torch::nn::Module& module() override { return *root_; }
+  const torch::nn::Module& module() const override { return *root_; }
+  std::vector<std::string> block_fqns() const override { return fqns_; }
+  std::vector<std::string> submodules_of_class(std::string_view name) const override {
+    return name == "ToyBlock" ? fqns_ : std::vector<std::string>{};
+  }
+  std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
+    return hooks_.add(std::move(hook), fqns, fqns_, "test_toy_stack");
+  }
+  std::string sample_key() const override { return "input_ids"; }
+  std::string prediction_key() const override { return "logits"; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> root_;
+  torch::nn::Embedding emb_{nullptr};
+  torch::nn::Linear head_{nullptr};
+  std::vector<std::shared_ptr<ToyBlockImpl>> blocks_;
+  std::vector<std::string> fqns_;
+  ModuleHooks hooks_;
+};
+
+void register_toy(Harness& h) {
+  auto problem = h.registry().register_plugin({"fsdp_test_toy_model", "0.0.0", {}, {}, {}}, [](Registrar& r) {
+    r.add<Module, ToyConfig>("test_toy_stack", "a residual MLP stack (fsdp tests)",
+                             [](const ToyConfig& c) { return std::make_shared<ToyModel>(c); });
+  });
+  ASSERT_FALSE(problem.has_value()) << *problem;
+}
+
+constexpr const char* kToyConfig = R"(
+[device_mesh]
+component_key = "device_mesh"
+variant_key = "default"
+config = { device_type = "cpu", data_parallel_shard_degree = -1, world_size = WORLD }
+
+[model_raw]
+component_key = "model"
+variant_key = "test_toy_stack"
+config = { vocab = 128, width = 32, blocks = 3, seed = 5 }
+
+[reference]
+component_key = "model"
+variant_key = "test_toy_stack"
+config = { vocab = 128, width = 32, blocks = 3, seed = 5 }
+
+[model]
+component_key = "model"
+variant_key = "fsdp2_wrapped"
+
+[model.config]
+model = { instance_key = "model_raw", pass_type = "BY_REFERENCE" }
+block_names = ["ToyBlock"]
+mixed_precision_settings = { param_dtype = "FP_32", reduce_dtype = "FP_32" }
+reshard_after_forward = true
+device_mesh = { instance_key = "device_mesh", pass_type = "BY_REFERENCE" }
+)";
+
 std::string read_example() {
   std::ifstream in(std::filesystem::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml");
   std::stringstream ss;
@@ -56,10 +162,16 @@ struct Layout {
   int replicate = 1;
   bool reshard_after_forward = true;
   int layers_per_unit = 1;
+  bool toy = false;  // the second model (test_toy_stack) instead of GPT-2
 };
 
 // The example config for `l`, plus an unwrapped `reference` GPT-2 with the same seed.
 std::string config_for(const Layout& l) {
+  if (l.toy) {
+    std::string toy = kToyConfig;
+    toy.replace(toy.find("WORLD"), 5, std::to_string(l.world));
+    return toy;
+  }
   std::string text = read_example();
   const auto replace = [&](const std::string& from, const std::string& to) {
     const auto at = text.find(from);
@@ -95,7 +207,7 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
 
 // One comparison round; returns nothing, asserts on the way.
 void compare_step(Module& sharded, Module& reference, const at::Tensor& global_ids, int rank, int dp, int round,
-                  bool reshard, int dp_shard_size) {
+                  bool reshard, int dp_shard_size, const std::string& block_prefix) {
   const std::int64_t rows = global_ids.size(0) / dp;
   const at::Tensor mine = global_ids.narrow(0, rank * rows, rows);
 
@@ -103,7 +215,7 @@ void compare_step(Module& sharded, Module& reference, const at::Tensor& global_i
   // After forward, with reshard_after_forward, the blocks' gathered bytes are freed (the root's
   // stay until its backward); in backward they are gathered again.
   for (const auto& item : sharded.module().named_parameters(/*recurse=*/true)) {
-    const bool block = item.key().starts_with("transformer.h.");
+    const bool block = item.key().starts_with(block_prefix);
     EXPECT_EQ(item.value().storage().nbytes() == 0, block && reshard) << "round " << round << ": " << item.key();
   }
   loss.backward();
@@ -123,9 +235,10 @@ void compare_step(Module& sharded, Module& reference, const at::Tensor& global_i
   for (const auto& [name, p] : reference.named_parameters()) ref_grads[name] = p.grad();
   for (const auto& [name, shard] : sharded.named_parameters()) {
     ASSERT_TRUE(ref_grads.count(name)) << name;
-    const auto& place = placements.at(name);
+    // One shard (one process): no placements, every tensor is whole.
+    const std::int64_t offset = placements.empty() ? 0 : placements.at(name).offsets[0];
     ASSERT_TRUE(shard.grad().defined()) << name;
-    expect_close(shard.grad(), ref_grads[name].narrow(0, place.offsets[0], shard.size(0)),
+    expect_close(shard.grad(), ref_grads[name].narrow(0, offset, shard.size(0)),
                  fmt::format("round {}: gradient of {}", round, name));
   }
   // The whole gradient's norm from the shards (sum of squares over ranks) equals the reference's.
@@ -157,6 +270,7 @@ void run_layout(const Layout& l) {
   Harness h(MODALITIES_TEST_PLUGIN);
   h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
   h.load_plugin(MODALITIES_TEST_MESH_PLUGIN);
+  register_toy(h);
   h.set_config_text(config_for(l));
   const auto sharded = h.get<Module>("model");
   ASSERT_NE(sharded, nullptr) << h.build_error();
@@ -168,7 +282,8 @@ void run_layout(const Layout& l) {
   at::manual_seed(7);
   const at::Tensor ids = at::randint(0, 128, {2 * dp, 16}, at::kLong);
   for (int round = 0; round < 3; ++round) {
-    compare_step(*sharded, *reference, ids, rank, dp, round, l.reshard_after_forward, l.world / l.replicate);
+    compare_step(*sharded, *reference, ids, rank, dp, round, l.reshard_after_forward, l.world / l.replicate,
+                 l.toy ? "blocks." : "transformer.h.");
     if (::testing::Test::HasFailure()) return;
   }
   // The shards tile the full parameter: their rows over all ranks add up to its first dim.
@@ -179,8 +294,9 @@ void run_layout(const Layout& l) {
       // HSDP: each replicate group holds every row once; the whole world holds it `replicate` times.
       dist::world()->allreduce(t)->wait();
     }
-    EXPECT_EQ(rows.item<double>(), static_cast<double>(sharded->shard_placements().at(name).global_shape[0] * l.replicate))
-        << name;
+    const auto placements = sharded->shard_placements();
+    const std::int64_t global_rows = placements.empty() ? shard.size(0) : placements.at(name).global_shape[0];
+    EXPECT_EQ(rows.item<double>(), static_cast<double>(global_rows * l.replicate)) << name;
   }
 }
 
@@ -215,12 +331,12 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
 }
 
-void launch(int ranks, int replicate, int layers_per_unit) {
+void launch(int ranks, int replicate, int layers_per_unit, bool toy = false) {
   const CommandResult r = run_command(
       {"timeout", "-k", "5", "180", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node", std::to_string(ranks),
        "--grace-s", "2", "--exec", "--", self_exe(), "--gtest_filter=FsdpWorker.MatchesOneProcess"},
       {{"MODALITIES_TEST_WORKER", "1"},
-       {"MODALITIES_TEST_LAYOUT", fmt::format("{} {}", replicate, layers_per_unit)},
+       {"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {}", replicate, layers_per_unit, toy ? 1 : 0)},
        {"OMP_NUM_THREADS", "1"}});
   ASSERT_EQ(r.exit_code, 0) << r;
   for (int k = 0; k < ranks; ++k)
@@ -235,7 +351,7 @@ TEST(FsdpWorker, MatchesOneProcess) {
   dist::init(dist::launch_env(), o);
   Layout l;
   l.world = dist::world_size();
-  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit;
+  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy;
   run_layout(l);
   dist::shutdown();
 }
@@ -346,6 +462,8 @@ TEST(FsdpTest, MemoryPerRankIsAShareOfTheWhole) {
 }
 
 TEST(FsdpTest, TwoRanksMatchOneProcess) { launch(2, 1, 1); }
+// The same engine on a model it knows only through the SDK (blocks, hooks, parameters).
+TEST(FsdpTest, ASecondModelOnTwoRanksMatchesOneProcess) { launch(2, 1, 1, /*toy=*/true); }
 TEST(FsdpTest, ThreeRanksWithPaddedShardsMatchOneProcess) { launch(3, 1, 2); }
 TEST(FsdpTest, FourRanksAsHsdpTwoByTwoMatchOneProcess) { launch(4, 2, 1); }
 

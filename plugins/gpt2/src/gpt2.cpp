@@ -10,6 +10,7 @@
 #include "fused_ops.h"
 
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/module_hooks.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
 #include <modalities/sdk/mixed_precision.h>
 #include <modalities/sdk/plugin.h>
@@ -849,65 +850,9 @@ class GPT2BlockImpl final : public torch::nn::Module {
   std::shared_ptr<TransformerMLPImpl> gelu_mlp;
 };
 
-// Module hooks (Module::add_hook) on the root ("") and the blocks ("transformer.h.<i>"): the
-// points where wrappers act (a sharding wrapper gathers a block's parameters before it runs and
-// frees them after; debugging hooks look at activations). Hooks are added and removed between
-// steps; kBackward hooks run on autograd's threads, so the list is read-only during a step.
-class ModuleHooks {
- public:
-  struct Entry {
-    std::uint64_t id;
-    ModuleHook hook;
-    std::unordered_set<std::string> fqns;  // empty: every hookable submodule
-  };
-  bool empty() const { return entries_->empty(); }
-  bool wants(std::string_view fqn) const {
-    for (const Entry& e : *entries_)
-      if (e.fqns.empty() || e.fqns.contains(std::string(fqn))) return true;
-    return false;
-  }
-  void call(HookPoint point, std::string_view fqn, std::string_view cls, std::span<const at::Tensor> in,
-            std::span<const at::Tensor> out) const {
-    call(*entries_, point, fqn, cls, in, out);
-  }
-  // Calls the kBackward hooks of `fqn` when the gradient w.r.t. `output` is known.
-  void on_backward(const at::Tensor& output, std::string fqn, std::string cls) const {
-    if (!output.requires_grad()) return;
-    auto entries = entries_;  // the list outlives the graph's hook
-    output.register_hook([entries, fqn = std::move(fqn), cls = std::move(cls)](const at::Tensor& grad) {
-      const at::Tensor g[] = {grad};
-      call(*entries, HookPoint::kBackward, fqn, cls, {}, g);
-    });
-  }
-  std::uint64_t add(ModuleHook hook, std::unordered_set<std::string> fqns) {
-    entries_->push_back({next_id_, std::move(hook), std::move(fqns)});
-    return next_id_++;
-  }
-  std::weak_ptr<std::vector<Entry>> list() const { return entries_; }
-
- private:
-  static void call(const std::vector<Entry>& entries, HookPoint point, std::string_view fqn, std::string_view cls,
-                   std::span<const at::Tensor> in, std::span<const at::Tensor> out) {
-    const ModuleHookCall c{point, fqn, cls, in, out};
-    for (const Entry& e : entries)
-      if (e.fqns.empty() || e.fqns.contains(std::string(fqn))) e.hook(c);
-  }
-  std::shared_ptr<std::vector<Entry>> entries_ = std::make_shared<std::vector<Entry>>();
-  std::uint64_t next_id_ = 1;
-};
-
-class HookHandle final : public RemovableHandle {
- public:
-  HookHandle(std::weak_ptr<std::vector<ModuleHooks::Entry>> list, std::uint64_t id) : list_(std::move(list)), id_(id) {}
-  void remove() noexcept override {
-    if (auto l = list_.lock()) std::erase_if(*l, [&](const ModuleHooks::Entry& e) { return e.id == id_; });
-    list_.reset();
-  }
-
- private:
-  std::weak_ptr<std::vector<ModuleHooks::Entry>> list_;
-  std::uint64_t id_;
-};
+// Module hooks (Module::add_hook, modalities/sdk/module_hooks.h) fire on the root ("") and the
+// blocks ("transformer.h.<i>"): the points where wrappers act (a sharding wrapper gathers a block's
+// parameters before it runs and frees them after; debugging hooks look at activations).
 
 // The root (Modalities' GPT2LLM): a `transformer` ModuleDict holding wte, wpe,
 // drop, h (ModuleDict of GPT2Block), lm_head_norm, lm_head.
@@ -1150,18 +1095,7 @@ class GPT2 final : public Module {
 
   // Hooks fire on the root ("") and the blocks; `fqns` empty means all of them.
   std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
-    if (!hook) throw Error("gpt2: add_hook needs a callable hook");
-    const std::vector<std::string> blocks = block_fqns();
-    std::unordered_set<std::string> wanted;
-    for (const std::string& fqn : fqns) {
-      if (!fqn.empty() && std::find(blocks.begin(), blocks.end(), fqn) == blocks.end())
-        throw Error(fmt::format("gpt2: cannot hook '{}': hooks fire on the root (\"\") and the blocks ({})", fqn,
-                                blocks.empty() ? std::string("none in this part")
-                                               : fmt::format("\"{}\" ... \"{}\"", blocks.front(), blocks.back())));
-      wanted.insert(fqn);
-    }
-    const std::uint64_t id = impl_->hooks().add(std::move(hook), std::move(wanted));
-    return std::make_shared<HookHandle>(impl_->hooks().list(), id);
+    return impl_->hooks().add(std::move(hook), fqns, block_fqns(), "gpt2");
   }
 
   void reset_parameters() override {
