@@ -2,7 +2,7 @@
 """Reference run of configs/distributed/fsdp2_cpu.toml with PyTorch's own FSDP2
 (torch.distributed.fsdp.fully_shard) on CPU with Gloo.
 
-`modalities run` cannot run on a CPU, so this script drives the same Python
+Python Modalities' own `modalities run` cannot run on a CPU, so this script drives the same Python
 components as scripts/reference/train_reference.py (GPT2LLM built from the
 config's model_raw by Modalities' factory, PackedMemMapDatasetContinuous +
 ResumableDistributedSampler + GPT2LLMCollateFn, CLMCrossEntropyLoss, torch
