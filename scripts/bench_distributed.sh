@@ -5,14 +5,18 @@
 # weights (scripts/reference/fsdp2_reference.py draws and writes them; our run loads them with
 # model/fsdp1_checkpointed). Each rank gets OMP_NUM_THREADS=1 on both sides. Reported: the median
 # seconds per optimizer step over steps 3.. (ours from each logged step's "train samples/s", theirs
-# timed around each step) and the ratio theirs / ours (> 1: we are faster).
+# timed around each step) and the ratio theirs / ours (> 1: we are faster), ours with prefetching
+# of the next unit's all-gather on and off, and our collective traffic per step (the bytes of the
+# all-gather outputs and reduce-scatter inputs on rank 0, MODALITIES_FSDP_TRAFFIC) next to the
+# theoretical amount: all-gathered = every unit in forward + every block unit again in backward,
+# reduce-scattered = every unit once. (Gloo runs a reduce-scatter as an all-reduce, twice the wire
+# bytes of a ring reduce-scatter; these are the buffers asked for, not the wire.)
 #
 #   scripts/bench_distributed.sh                # 1, 2, 4 ranks, 20 steps
 #   scripts/bench_distributed.sh --ranks "1 2" --steps 30
 # Needs build/bin/modalities (scripts/build.sh) and the .deps/bench venv (torch 2.11.0,
 # modalities 0.5.0), created or updated by scripts/setup_bench_env.sh. On a machine with fewer
 # cores than ranks the numbers say little about either side.
-# Not measured yet: prefetching (not implemented) and bytes moved per step.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ranks="1 2 4"
@@ -67,20 +71,42 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
 
 ''' + text[end:]
 (out / "ours.toml").write_text(text)
+assert "reshard_after_forward = true" in text
+(out / "ours_noprefetch.toml").write_text(text.replace("reshard_after_forward = true",
+                                                       "reshard_after_forward = true\nprefetch = false"))
 PY
-  "${host}" launch --nproc-per-node "${n}" --output rank0 -- run --config_file_path "${out}/ours.toml" \
-    --experiments_root_path "${out}" --experiment_id "ours_${n}" > "${out}/ours_${n}.log" 2>&1
+  for variant in ours ours_noprefetch; do
+    MODALITIES_FSDP_TRAFFIC=1 "${host}" launch --nproc-per-node "${n}" --output rank0 -- run \
+      --config_file_path "${out}/${variant}.toml" --experiments_root_path "${out}" --experiment_id "${variant}_${n}" \
+      > "${out}/${variant}_${n}.log" 2>&1
+  done
 done
-"${py}" - "${out}" "${ranks}" <<'PY'
-import json, pathlib, statistics, sys
-out, ranks = pathlib.Path(sys.argv[1]), [int(r) for r in sys.argv[2].split()]
-print(f"\n{'ranks':>5}  {'PyTorch FSDP2 s/step':>20}  {'ours s/step':>11}  {'ratio (theirs/ours)':>19}  {'loss at the last step: theirs / ours':>36}")
+"${py}" - "${out}" "${ranks}" "${steps}" <<'PY'
+import json, pathlib, re, statistics, sys
+out, ranks, steps = pathlib.Path(sys.argv[1]), [int(r) for r in sys.argv[2].split()], int(sys.argv[3])
+def ours(name):
+    lines = [json.loads(l) for l in (out / name / "evaluation_results.jsonl").read_text().splitlines()
+             if '"train loss avg"' in l]
+    return statistics.median([8 / l["throughput_metrics"]["train samples/s"] for l in lines][2:]), lines
+def traffic(name):
+    m = re.search(r"fsdp traffic: all-gathered (\d+) bytes, reduce-scattered (\d+) bytes; model (\d+) bytes "
+                  r"\(root unit (\d+)\)", (out / f"{name}.log").read_text())
+    return [int(x) for x in m.groups()] if m else None
+print(f"\n{'ranks':>5}  {'PyTorch s/step':>14}  {'ours s/step':>11}  {'theirs/ours':>11}  "
+      f"{'ours, no prefetch':>17}  {'theirs/ours':>11}  {'last loss: theirs / ours':>25}")
 for n in ranks:
     theirs = json.loads((out / f"pytorch_{n}.json").read_text())
     t = statistics.median(theirs["seconds_per_step"][2:])
-    lines = [json.loads(l) for l in (out / f"ours_{n}" / "evaluation_results.jsonl").read_text().splitlines()
-             if '"train loss avg"' in l]
-    ours = [8 / l["throughput_metrics"]["train samples/s"] for l in lines][2:]
-    o = statistics.median(ours)
-    print(f"{n:>5}  {t:>20.3f}  {o:>11.3f}  {t / o:>19.2f}  {theirs['loss'][-1]:>17.6f} / {lines[-1]['losses']['train loss avg']:.6f}")
+    o, lines = ours(f"ours_{n}")
+    o2, _ = ours(f"ours_noprefetch_{n}")
+    print(f"{n:>5}  {t:>14.3f}  {o:>11.3f}  {t / o:>11.2f}  {o2:>17.3f}  {t / o2:>11.2f}  "
+          f"{theirs['loss'][-1]:>11.6f} / {lines[-1]['losses']['train loss avg']:.6f}")
+print(f"\n{'ranks':>5}  {'all-gathered MB/step':>20}  {'theory':>8}  {'reduce-scattered MB/step':>24}  {'theory':>8}")
+for n in ranks:
+    tr = traffic(f"ours_{n}")
+    if tr is None:
+        continue
+    gathered, reduced, model, root = tr
+    print(f"{n:>5}  {gathered / steps / 1e6:>20.2f}  {(2 * model - root) / 1e6:>8.2f}  "
+          f"{reduced / steps / 1e6:>24.2f}  {model / 1e6:>8.2f}")
 PY

@@ -27,6 +27,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -61,6 +63,9 @@ struct Unit {
   bool gathered = false;
   int pending_grads = 0;             // module parameters of this unit still to accumulate this backward
   bool awaiting_grads = false;
+  // A prefetched all-gather in flight (Note [Prefetching]): its work and output buffer.
+  c10::intrusive_ptr<c10d::Work> pending;
+  at::Tensor pending_buffer;
 };
 
 // Frees / re-allocates the bytes of a tensor's storage without touching the tensor.
@@ -269,6 +274,7 @@ class Engine {
           } else if (c.point == HookPoint::kBackward && c.fqn == unit.blocks.back()) {
             std::lock_guard lock(mutex_);
             gather(u);
+            if (u > 0) prefetch(u - 1);  // backward runs the blocks in reverse
           }
         },
         points));
@@ -277,9 +283,13 @@ class Engine {
   void begin_forward(std::size_t u) {
     std::lock_guard lock(mutex_);
     Unit& unit = units_[u];
-    // Always from the current shards: the optimizer may have changed them since the last gather.
-    release(u);
+    // Always from the current shards: the optimizer may have changed them since the last gather
+    // (a prefetch in flight was started in this forward, after the last step).
+    if (!unit.pending_buffer.defined()) release(u);
     gather(u);
+    // Forward order: the root first, then the block units in order.
+    if (unit.root) prefetch(0);
+    else if (u + 1 < units_.size() - 1) prefetch(u + 1);
     if (at::GradMode::is_enabled()) {
       unit.pending_grads = 0;
       for (std::size_t i : unit.params)
@@ -288,17 +298,39 @@ class Engine {
     }
   }
 
+  // Note [Prefetching]
+  // With prefetching on, gathering unit u also starts the all-gather of the unit that runs next
+  // (u + 1 in forward, u - 1 in backward; the root first prefetches unit 0) as an asynchronous
+  // collective, so its communication overlaps u's compute; the next gather then only waits for it
+  // and copies out. Every rank starts the same collectives in the same order. A prefetch is only
+  // ever consumed within the same forward or backward pass that started it (after the optimizer
+  // step nothing is in flight), so it never carries stale shards.
+  void start_gather(std::size_t u) {
+    Unit& unit = units_[u];
+    if (unit.gathered || unit.pending_buffer.defined() || unit.params.empty()) return;
+    at::NoGradGuard no_grad;
+    unit.pending_buffer = at::empty({unit.shard_numel * world_}, unit.flat_shard.options());
+    if (world_ > 1) unit.pending = o_.shard_group->_allgather_base(unit.pending_buffer, unit.flat_shard);
+    else unit.pending_buffer.copy_(unit.flat_shard);
+    bytes_gathered_ += static_cast<double>(unit.pending_buffer.nbytes());
+  }
+
+  void prefetch(std::size_t u) {
+    if (o_.prefetch && u < units_.size()) start_gather(u);
+  }
+
   void gather(std::size_t u) {
     Unit& unit = units_[u];
     if (unit.gathered || unit.params.empty()) {
       unit.gathered = true;
       return;
     }
+    start_gather(u);
     at::NoGradGuard no_grad;
-    at::Tensor send = unit.flat_shard;
-    at::Tensor gathered = at::empty({unit.shard_numel * world_}, send.options());
-    if (world_ > 1) o_.shard_group->_allgather_base(gathered, send)->wait();
-    else gathered.copy_(send);
+    if (unit.pending) unit.pending->wait();
+    const at::Tensor gathered = unit.pending_buffer;
+    unit.pending.reset();
+    unit.pending_buffer = at::Tensor();
     const at::Tensor by_rank = gathered.view({world_, unit.shard_numel});
     for (std::size_t i : unit.params) {
       Param& p = params_[i];
@@ -340,6 +372,7 @@ class Engine {
     }
     at::Tensor mine = at::empty({unit.shard_numel}, send.options());
     at::Tensor flat = send.view({-1});
+    bytes_reduced_ += static_cast<double>(flat.nbytes());
     if (world_ > 1) o_.shard_group->_reduce_scatter_base(mine, flat)->wait();
     else mine.copy_(flat);
     mine.div_(static_cast<double>(world_));
@@ -370,6 +403,23 @@ class Engine {
   std::vector<std::shared_ptr<RemovableHandle>> hooks_;
   std::recursive_mutex mutex_;  // backward hooks run on autograd's threads
   bool sync_ = true;
+  double bytes_gathered_ = 0, bytes_reduced_ = 0;  // since construction; see traffic()
+
+ public:
+  /// Bytes this rank's all-gathers produced and its reduce-scatters consumed (the collectives'
+  /// full buffers) since construction, and the parameter bytes of one full (padded) model.
+  struct Traffic {
+    double gathered = 0, reduced = 0, model = 0, root = 0;
+  };
+  Traffic traffic() const {
+    Traffic t{bytes_gathered_, bytes_reduced_, 0, 0};
+    for (const Unit& unit : units_) {
+      const double b = static_cast<double>(unit.shard_numel * world_) * static_cast<double>(unit.flat_shard.defined() ? unit.flat_shard.element_size() : 4);
+      t.model += b;
+      if (unit.root) t.root = b;
+    }
+    return t;
+  }
 };
 
 void GradAccumulated::operator()(const torch::autograd::Variable&) { engine->on_grad_accumulated(unit); }
@@ -380,6 +430,17 @@ class FullyShardedModule final : public Module {
  public:
   FullyShardedModule(std::shared_ptr<Module> inner, ShardingOptions o)
       : engine_(std::make_unique<Engine>(std::move(inner), std::move(o))) {}
+
+  // MODALITIES_FSDP_TRAFFIC=1: the first rank of the shard group reports the collective traffic of
+  // the whole run when the model is destroyed (scripts/bench_distributed.sh reads it).
+  ~FullyShardedModule() override {
+    if (std::getenv("MODALITIES_FSDP_TRAFFIC") == nullptr || engine_->rank() != 0) return;
+    const Engine::Traffic t = engine_->traffic();
+    std::fprintf(stderr,
+                 "fsdp traffic: all-gathered %.0f bytes, reduce-scattered %.0f bytes; model %.0f bytes (root unit "
+                 "%.0f) over %d shard ranks\n",
+                 t.gathered, t.reduced, t.model, t.root, engine_->world());
+  }
 
   TensorMap forward(const TensorMap& inputs) override { return engine_->inner().forward(inputs); }
   torch::nn::Module& module() override { return engine_->inner().module(); }

@@ -49,6 +49,9 @@ struct ShardingOptions {
   /// Mixed precision: the dtype the model computes in (its parameters are cast at each use,
   /// Module::set_param_dtype) and the dtype of the gradient reduction. Gathers move fp32.
   std::optional<c10::ScalarType> param_dtype, reduce_dtype;
+  /// Start the next unit's all-gather while this one computes (Note [Prefetching]); false waits
+  /// for every gather where it is needed (for measurement).
+  bool prefetch = true;
 };
 
 /// The sharded Module. Wraps `inner`: its parameters become views of gathered buffers, and

@@ -31,6 +31,7 @@ struct Fsdp2Config {
   bool reshard_after_forward = true;
   Ref<DeviceMesh> device_mesh;
   std::int64_t layers_per_fsdp_unit = 1;
+  bool prefetch = true;
 
   static void describe(Schema<Fsdp2Config>& s) {
     using C = Fsdp2Config;
@@ -44,6 +45,8 @@ struct Fsdp2Config {
             "Free each unit's gathered parameters after its forward (gather again for backward).");
     s.field("device_mesh", &C::device_mesh, "Mesh with a dp_shard dim (and dp_replicate for HSDP).").required();
     s.field("layers_per_fsdp_unit", &C::layers_per_fsdp_unit, "Consecutive blocks per unit.").positive();
+    s.field("prefetch", &C::prefetch,
+            "Ours: start the next unit's all-gather while the current one computes (false: for measurement).");
   }
 };
 
@@ -68,6 +71,7 @@ std::shared_ptr<Module> wrap(const Fsdp2Config& c) {
   }
   o.reshard_after_forward = c.reshard_after_forward;
   o.blocks_per_unit = c.layers_per_fsdp_unit;
+  o.prefetch = c.prefetch;
   o.param_dtype = mixed_precision_dtype(c.mixed_precision_settings.param_dtype);
   if (*o.param_dtype == at::kFloat) o.param_dtype.reset();
   o.reduce_dtype = mixed_precision_dtype(c.mixed_precision_settings.reduce_dtype);

@@ -163,6 +163,7 @@ struct Layout {
   bool reshard_after_forward = true;
   int layers_per_unit = 1;
   bool toy = false;  // the second model (test_toy_stack) instead of GPT-2
+  bool prefetch = true;
 };
 
 // The example config for `l`, plus an unwrapped `reference` GPT-2 with the same seed.
@@ -182,7 +183,8 @@ std::string config_for(const Layout& l) {
           fmt::format("data_parallel_replicate_degree = {}, data_parallel_shard_degree = -1, world_size = {}",
                       l.replicate, l.world));
   replace("reshard_after_forward = true", fmt::format("reshard_after_forward = {}", l.reshard_after_forward));
-  replace("layers_per_fsdp_unit = 1", fmt::format("layers_per_fsdp_unit = {}", l.layers_per_unit));
+  replace("layers_per_fsdp_unit = 1",
+          fmt::format("layers_per_fsdp_unit = {}\nprefetch = {}", l.layers_per_unit, l.prefetch));
   // The reference: the same model_raw table under another key (same seed: same initial weights).
   const auto begin = text.find("[model_raw]");
   const auto end = text.find("[model]\n");
@@ -331,12 +333,12 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
 }
 
-void launch(int ranks, int replicate, int layers_per_unit, bool toy = false) {
+void launch(int ranks, int replicate, int layers_per_unit, bool toy = false, bool prefetch = true) {
   const CommandResult r = run_command(
       {"timeout", "-k", "5", "180", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node", std::to_string(ranks),
        "--grace-s", "2", "--exec", "--", self_exe(), "--gtest_filter=FsdpWorker.MatchesOneProcess"},
       {{"MODALITIES_TEST_WORKER", "1"},
-       {"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {}", replicate, layers_per_unit, toy ? 1 : 0)},
+       {"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {} {}", replicate, layers_per_unit, toy ? 1 : 0, prefetch ? 1 : 0)},
        {"OMP_NUM_THREADS", "1"}});
   ASSERT_EQ(r.exit_code, 0) << r;
   for (int k = 0; k < ranks; ++k)
@@ -351,7 +353,7 @@ TEST(FsdpWorker, MatchesOneProcess) {
   dist::init(dist::launch_env(), o);
   Layout l;
   l.world = dist::world_size();
-  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy;
+  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy >> l.prefetch;
   run_layout(l);
   dist::shutdown();
 }
@@ -464,7 +466,8 @@ TEST(FsdpTest, MemoryPerRankIsAShareOfTheWhole) {
 TEST(FsdpTest, TwoRanksMatchOneProcess) { launch(2, 1, 1); }
 // The same engine on a model it knows only through the SDK (blocks, hooks, parameters).
 TEST(FsdpTest, ASecondModelOnTwoRanksMatchesOneProcess) { launch(2, 1, 1, /*toy=*/true); }
-TEST(FsdpTest, ThreeRanksWithPaddedShardsMatchOneProcess) { launch(3, 1, 2); }
+// Prefetching off here (on everywhere else): both must give the same results.
+TEST(FsdpTest, ThreeRanksWithPaddedShardsMatchOneProcess) { launch(3, 1, 2, false, /*prefetch=*/false); }
 TEST(FsdpTest, FourRanksAsHsdpTwoByTwoMatchOneProcess) { launch(4, 2, 1); }
 
 }  // namespace
