@@ -19,6 +19,7 @@
 #include <modalities/sdk/interfaces/checkpoint_saving.h>
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/dataset.h>
+#include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/loss.h>
 #include <modalities/sdk/interfaces/lr_scheduler.h>
@@ -274,6 +275,23 @@ class Gym {
     dp_ = sp.dp_degree;
     tokens_per_step_ = sp.local_train_micro_batch_size * sp.sequence_length * G_ * sp.dp_degree;
     parts_ = c_.app_state->model_parts();
+    // The data-parallel size is what the samplers split the data by and what the token counts
+    // assume: a dp_degree that is not the real one trains on more (or fewer) tokens per step
+    // than the config says, silently.
+    i64 dp_ranks = s.cuda_env.world_size;  // without a mesh every rank is data parallel
+    std::string source = fmt::format("the world size {} (no device_mesh: every rank is data parallel)", dp_ranks);
+    if (c_.device_mesh) {
+      dp_ranks = 1;
+      for (const char* dim : {"dp_replicate", "dp_shard"})
+        if (c_.device_mesh->has_dim(dim)) dp_ranks *= c_.device_mesh->size(dim);
+      source = fmt::format("the device_mesh's dp_replicate x dp_shard = {}", dp_ranks);
+    }
+    if (sp.dp_degree != dp_ranks)
+      throw Error(fmt::format("settings.step_profile.dp_degree = {}, but the run's data-parallel size is {}: "
+                              "tokens per step, step targets and throughput would count {} ranks' batches while "
+                              "{} train; derive it with number_conversion/parallel_degree from the device mesh "
+                              "(configs/distributed/fsdp2_cpu.toml)",
+                              sp.dp_degree, source, sp.dp_degree, dp_ranks));
     if (s.cuda_env.world_size > 1) {
       // Several ranks train one model only if every part synchronises its gradients across the
       // data-parallel ranks, which the sharding wrappers do (their parameters are shards).
@@ -639,6 +657,7 @@ GymComponents GymComponents::from(const BuiltGraph& built) {
   c.gradient_clipper = object_of<GradientClipper>(built, "gradient_clipper", true);
   c.mfu_calculator = object_of<MFUCalculator>(built, "mfu_calculator", false);
   c.profiler = object_of<SteppableProfiler>(built, "profiler", false);
+  c.device_mesh = object_of<DeviceMesh>(built, "device_mesh", false);
   return c;
 }
 

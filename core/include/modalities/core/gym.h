@@ -32,6 +32,7 @@ class Loss;
 class MessageSubscriber;
 class MFUCalculator;
 class SteppableProfiler;
+class DeviceMesh;
 }  // namespace modalities
 
 namespace modalities::core {
@@ -52,6 +53,7 @@ struct GymComponents {
   std::shared_ptr<GradientClipper> gradient_clipper;
   std::shared_ptr<MFUCalculator> mfu_calculator;  // optional
   std::shared_ptr<SteppableProfiler> profiler;    // optional
+  std::shared_ptr<DeviceMesh> device_mesh;        // optional: the top-level `device_mesh`
 
   /// Takes the components out of a built graph. Throws modalities::Error
   /// naming the key when one is missing or of the wrong interface.
