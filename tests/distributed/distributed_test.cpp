@@ -340,26 +340,6 @@ TEST(DistributedRunTest, ASettingsWorldSizeThatIsNotTheLaunchersIsRefused) {
   EXPECT_THAT(r.err, HasSubstr("of world_size 1, but this process is rank")) << r;
 }
 
-// A dp_degree that is not the data-parallel size (here a literal 1 on 2 ranks) would make every
-// token count wrong while training "works": refused before the first step, on every rank.
-TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
-  const modalities::testing::ScratchDir dir;
-  std::string text = fsdp2_config(4);
-  const auto begin = text.find("[settings.step_profile.dp_degree]");
-  const auto end = text.find("[settings.training_target.num_target_tokens]");
-  ASSERT_NE(begin, std::string::npos);
-  text.erase(begin, end - begin);
-  text.replace(text.find("sequence_length = 128\n"), 22, "sequence_length = 128\ndp_degree = 1\n");
-  const auto file = dir.write("bad.toml", text);
-  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
-                                  file.string(), "--experiments_root_path", (dir.path() / "experiments").string()},
-                                 120);
-  EXPECT_NE(r.exit_code, 0) << r;
-  EXPECT_THAT(r.err, HasSubstr("settings.step_profile.dp_degree = 1, but the run's data-parallel size is the "
-                               "device_mesh's dp_replicate x dp_shard = 2"))
-      << r;
-}
-
 // Note [Rank fingerprint] in core/app/cli_run.cpp: rank 1 is started on a config file that differs
 // from rank 0's by a comment; both ranks refuse to start, naming rank 1 and the config file.
 TEST(DistributedRunTest, ARankWithAnotherConfigFileIsRefusedOnEveryRank) {
@@ -497,6 +477,26 @@ TEST(DistributedRunTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlo
     EXPECT_LE(loss, std::max(1e-5, 10 * loss_floor)) << id;
     EXPECT_LE(norm, std::max(1e-5, 10 * norm_floor)) << id;
   }
+}
+
+// A dp_degree that is not the data-parallel size (here a literal 1 on 2 ranks) would make every
+// token count wrong while training "works": refused before the first step, on every rank.
+TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
+  const modalities::testing::ScratchDir dir;
+  std::string text = fsdp2_config(4);
+  const auto begin = text.find("[settings.step_profile.dp_degree]");
+  const auto end = text.find("[settings.training_target.num_target_tokens]");
+  ASSERT_NE(begin, std::string::npos);
+  text.erase(begin, end - begin);
+  text.replace(text.find("sequence_length = 128\n"), 22, "sequence_length = 128\ndp_degree = 1\n");
+  const auto file = dir.write("bad.toml", text);
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                  file.string(), "--experiments_root_path", (dir.path() / "experiments").string()},
+                                 120);
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_THAT(r.err, HasSubstr("settings.step_profile.dp_degree = 1, but the run's data-parallel size is the "
+                               "device_mesh's dp_replicate x dp_shard = 2"))
+      << r;
 }
 
 // --- against PyTorch's own FSDP2 ----------------------------------------------------------------
