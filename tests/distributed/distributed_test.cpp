@@ -483,7 +483,7 @@ TEST(DistributedRunTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlo
 // token count wrong while training "works": refused before the first step, on every rank.
 TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
   const modalities::testing::ScratchDir dir;
-  std::string text = fsdp2_config(4);
+  std::string text = fsdp2_config(6);
   const auto begin = text.find("[settings.step_profile.dp_degree]");
   const auto end = text.find("[settings.training_target.num_target_tokens]");
   ASSERT_NE(begin, std::string::npos);
