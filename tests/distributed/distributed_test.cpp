@@ -499,6 +499,46 @@ TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
       << r;
 }
 
+// FSDP1's HYBRID_SHARD shards within a node and replicates across nodes: two launchers act as two
+// "nodes" of 2 ranks (--nnodes 2, the same rendezvous), and the 4-rank run follows one process on
+// the same global batch like the other layouts (within 1e-5 relative; gradient_clipper/fsdp1
+// divides the replicas out of its norm).
+TEST(DistributedRunTest, Fsdp1HybridShardOverTwoLauncherNodesTrainsLikeOneProcess) {
+  const modalities::testing::ScratchDir dir;
+  constexpr int kSteps = 8;
+  const std::string root = (dir.path() / "experiments").string();
+  std::string hybrid = distributed_config("fsdp1_cpu.toml", kSteps);
+  hybrid.replace(hybrid.find("sharding_strategy = \"FULL_SHARD\""), 32, "sharding_strategy = \"HYBRID_SHARD\"");
+  const auto hybrid_file = dir.write("hybrid.toml", hybrid);
+  const auto one_file = dir.write("one.toml", fsdp2_config(kSteps));
+  const CommandResult one = run_command({"timeout", "-k", "5", "300", kHost, "run", "--config_file_path",
+                                         one_file.string(), "--experiments_root_path", root, "--experiment_id", "one"},
+                                        {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(one.exit_code, 0) << one;
+  const int port = free_port();
+  const auto node = [&](int rank) {
+    return fmt::format("timeout -k 5 240 {} launch --nnodes 2 --node-rank {} --nproc-per-node 2 --master-port {} "
+                       "--grace-s 5 -- run --config_file_path {} --experiments_root_path {} --experiment_id hybrid",
+                       kHost, rank, port, hybrid_file.string(), root);
+  };
+  const CommandResult r = run_command(
+      {"sh", "-c", fmt::format("{} & first=$!; {}; second=$?; wait $first; exit $(( $? | second ))", node(0), node(1))},
+      {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  const auto ref = logged_losses_and_norms(dir.path() / "experiments/one/evaluation_results.jsonl");
+  const auto got = logged_losses_and_norms(dir.path() / "experiments/hybrid/evaluation_results.jsonl");
+  ASSERT_EQ(got.size(), ref.size()) << r;
+  double loss = 0, norm = 0;
+  for (std::size_t k = 0; k < ref.size(); ++k) {
+    loss = std::max(loss, std::abs(got[k].first - ref[k].first) / std::abs(ref[k].first));
+    norm = std::max(norm, std::abs(got[k].second - ref[k].second) / std::abs(ref[k].second));
+  }
+  std::printf("HYBRID_SHARD 2 nodes x 2 ranks: worst relative difference to one process: loss %.2e, grad norm %.2e\n",
+              loss, norm);
+  EXPECT_LE(loss, 1e-5);
+  EXPECT_LE(norm, 1e-5);
+}
+
 // --- against PyTorch's own FSDP2 ----------------------------------------------------------------
 
 std::string sha256_of(const at::Tensor& t) {
