@@ -283,6 +283,8 @@ bool Module::synchronizes_gradients() const { return false; }
 
 void Module::set_requires_gradient_sync(bool /*sync*/) {}
 
+void Module::apply_to_full_parameters(const std::function<void(Module&)>& fn) { fn(*this); }
+
 // --- other defaults ---------------------------------------------------------------
 
 std::int64_t Dataset::token_size_in_bytes() const { return 0; }

@@ -539,6 +539,46 @@ TEST(DistributedRunTest, Fsdp1HybridShardOverTwoLauncherNodesTrainsLikeOneProces
   EXPECT_LE(norm, 1e-5);
 }
 
+// Modalities' own order: model_raw built on the meta device -> fsdp2_wrapped -> model_initialized
+// (Module::apply_to_full_parameters: the initializer runs on gathered, whole tensors). The weights
+// must then not depend on the world size: 2 ranks train like 1 process of the same config.
+TEST(DistributedRunTest, InitializingAfterWrappingAMetaModelGivesTheSameWeightsAtEveryWorldSize) {
+  const modalities::testing::ScratchDir dir;
+  constexpr int kSteps = 6;
+  std::string text = fsdp2_config(kSteps);
+  const auto swap = [&](const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    if (at == std::string::npos) throw std::runtime_error("no '" + from + "'");
+    text.replace(at, from.size(), to);
+  };
+  for (std::string::size_type at; (at = text.find("{ instance_key = \"model\", pass_type")) != std::string::npos;)
+    text.replace(at, 24, "{ instance_key = \"initialized_model\"");
+  swap("[model.config]\nmodel = { instance_key = \"initialized_model\"", "[model.config]\nmodel = { instance_key = \"model_raw\"");
+  swap("[initialized_model.config]\nmodel = { instance_key = \"model_raw\"",
+       "[initialized_model.config]\nmodel = { instance_key = \"model\"");
+  swap("use_weight_tying = true", "use_weight_tying = false\nuse_meta_device = true");
+  const auto file = dir.write("meta.toml", text);
+  const std::string root = (dir.path() / "experiments").string();
+  for (const int ranks : {1, 2}) {
+    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
+    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", "2", "--grace-s", "5", "--"});
+    argv.insert(argv.end(), {"run", "--config_file_path", file.string(), "--experiments_root_path", root,
+                             "--experiment_id", fmt::format("on{}", ranks)});
+    const CommandResult r = run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+    ASSERT_EQ(r.exit_code, 0) << r;
+  }
+  const auto one = logged_losses_and_norms(dir.path() / "experiments/on1/evaluation_results.jsonl");
+  const auto two = logged_losses_and_norms(dir.path() / "experiments/on2/evaluation_results.jsonl");
+  ASSERT_EQ(one.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(two.size(), one.size());
+  for (std::size_t k = 0; k < one.size(); ++k) {
+    EXPECT_NEAR(two[k].first, one[k].first, 1e-5 * one[k].first) << "step " << k + 1;
+    EXPECT_NEAR(two[k].second, one[k].second, 1e-5 * one[k].second) << "step " << k + 1;
+  }
+  // The first loss is that of an initialized model (about ln(50304) = 10.8), not of garbage.
+  EXPECT_NEAR(one[0].first, 10.8, 0.2);
+}
+
 // --- against PyTorch's own FSDP2 ----------------------------------------------------------------
 
 std::string sha256_of(const at::Tensor& t) {

@@ -15,6 +15,7 @@
 #include "fully_shard.h"
 
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/run_context.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
 
 #include <ATen/ATen.h>
@@ -105,6 +106,7 @@ class Engine {
     // Mixed precision: the inner model casts its (gathered, fp32) parameters at each use, as
     // model/mixed_precision does in one process; gradients reach the fp32 buffers.
     if (o_.param_dtype) inner_->set_param_dtype(o_.param_dtype);
+    materialize_meta();
     build_units();
     install_hooks();
   }
@@ -166,6 +168,21 @@ class Engine {
   }
 
  private:
+  // A model built on the meta device (Modalities' order: model_raw on meta -> fsdp2_wrapped ->
+  // model_initialized) gets uninitialized storage on the run device, as model_initialized's
+  // Note [Materializing meta tensors] does; model_initialized then resets and initializes the full
+  // tensors through apply_to_full_parameters. Without it the weights stay garbage, as in PyTorch.
+  void materialize_meta() {
+    std::vector<at::Tensor> tensors;
+    for (const auto& item : inner_->module().named_parameters(/*recurse=*/true)) tensors.push_back(item.value());
+    for (const auto& item : inner_->module().named_buffers(/*recurse=*/true)) tensors.push_back(item.value());
+    for (at::Tensor& t : tensors) {
+      if (!t.defined() || !t.is_meta()) continue;
+      const at::Tensor storage = at::empty(t.sizes(), t.options().device(run_device()));
+      t.unsafeGetTensorImpl()->shallow_copy_from(storage.getIntrusivePtr());
+    }
+  }
+
   void build_units() {
     const NamedTensors named = inner_->named_parameters();
     std::unordered_set<const void*> seen;
@@ -190,10 +207,6 @@ class Engine {
 
     for (const auto& [fqn, t] : named) {
       if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
-      if (t.is_meta())
-        throw Error(fmt::format("fsdp: parameter {} is on the meta device; wrap a materialized model (or initialize "
-                                "it with model/model_initialized after wrapping, once supported)",
-                                fqn));
       if (t.dim() == 0) throw Error(fmt::format("fsdp: parameter {} is a 0-dim tensor, which cannot be sharded on dim 0", fqn));
       std::size_t u = units_.size() - 1;
       for (const auto& [block, g] : unit_of_block)
@@ -549,8 +562,12 @@ class FullyShardedModule final : public Module {
   // Every rank re-initializes the full model the same way (same seed, same RNG use as one
   // process), then keeps its rows.
   void reset_parameters() override {
+    apply_to_full_parameters([](Module& full) { full.reset_parameters(); });
+  }
+
+  void apply_to_full_parameters(const std::function<void(Module&)>& fn) override {
     engine_->with_all_gathered([&] {
-      engine_->inner().reset_parameters();
+      fn(engine_->inner());
       engine_->shards_from_module_params();
     });
   }

@@ -411,17 +411,23 @@ std::shared_ptr<Module> initialize_model(const ModelInitializedConfig& c, BuildC
       const at::Tensor storage = at::empty(t.sizes(), t.options().device(device));
       t.unsafeGetTensorImpl()->shallow_copy_from(storage.getIntrusivePtr());
     }
-    model.reset_parameters();  // storage is garbage until now: a model without reset_parameters() fails here
-  } else {
-    // Modalities resets only modules that have reset_parameters(); a model that
-    // does not support it keeps its constructor values.
-    try {
-      model.reset_parameters();
-    } catch (const Error& e) {
-      ctx.warn(fmt::format("the model's parameters were not reset before initialization: {}", e.what()));
-    }
   }
-  c.model_initializer->initialize_in_place(model);
+  // On whole tensors: a sharded model (model_initialized after fsdp2_wrapped, Modalities' order)
+  // gathers them, so every world size draws the same weights.
+  model.apply_to_full_parameters([&](Module& full) {
+    if (on_meta) {
+      full.reset_parameters();  // storage is garbage until now: a model without reset_parameters() fails here
+    } else {
+      // Modalities resets only modules that have reset_parameters(); a model that
+      // does not support it keeps its constructor values.
+      try {
+        full.reset_parameters();
+      } catch (const Error& e) {
+        ctx.warn(fmt::format("the model's parameters were not reset before initialization: {}", e.what()));
+      }
+    }
+    c.model_initializer->initialize_in_place(full);
+  });
   return c.model.shared();
 }
 

@@ -222,6 +222,12 @@ class MODALITIES_SDK_API Module {
   /// optimizer step but the last, so gradients cross the network once per step (FSDP2's
   /// set_requires_gradient_sync, DDP's no_sync). Default: a no-op.
   virtual void set_requires_gradient_sync(bool sync);
+
+  /// Runs `fn` on the model with whole parameters: a sharding wrapper gathers every parameter,
+  /// calls `fn` on the inner model and keeps this rank's part of whatever `fn` wrote (so
+  /// `model_initialized` after `fsdp2_wrapped`, Modalities' order, initializes the full tensors
+  /// the same way at every world size). Default: fn(*this).
+  virtual void apply_to_full_parameters(const std::function<void(Module&)>& fn);
 };
 
 }  // namespace modalities
