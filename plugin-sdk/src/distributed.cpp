@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #if MODALITIES_SDK_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -22,6 +23,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <string_view>
 
 namespace modalities::dist {
 namespace {
@@ -117,11 +119,27 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend, const
                           MODALITIES_SDK_WITH_CUDA ? " or nccl" : "; nccl needs the CUDA build"));
 }
 
+// MODALITIES_DEBUG_COLLECTIVES=1 (or PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL): every group's
+// backend is wrapped in c10d's ProcessGroupWrapper, which checks over a helper Gloo group, before
+// each collective, that every rank issues the same collective with the same shapes; a mismatch is
+// an error naming both sides instead of a hang or a wrong result. Costs one extra round trip per
+// collective: for debugging.
+bool debug_collectives() {
+  const char* ours = std::getenv("MODALITIES_DEBUG_COLLECTIVES");
+  const char* torch = std::getenv("TORCH_DISTRIBUTED_DEBUG");
+  return (ours != nullptr && std::string_view(ours) == "1") || (torch != nullptr && std::string_view(torch) == "DETAIL");
+}
+
 c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
                                                   const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                   std::chrono::milliseconds timeout, const std::string& name) {
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-  auto impl = make_backend(backend, store, rank, size, timeout);
+  c10::intrusive_ptr<c10d::Backend> impl = make_backend(backend, store, rank, size, timeout);
+  if (debug_collectives()) {
+    auto helper = make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>("collective_check/", store), rank, size,
+                               timeout);
+    impl = c10::make_intrusive<c10d::ProcessGroupWrapper>(impl, helper);
+  }
   const auto type = backend == "nccl" ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
   group->setDefaultBackend(type);
   // Gloo serves CPU tensors (and CUDA ones, slowly); NCCL serves CUDA tensors only.

@@ -156,6 +156,44 @@ TEST(RuntimeTest, OneProcessNeedsNoProcessGroup) {
   shutdown();
 }
 
+// --- MODALITIES_DEBUG_COLLECTIVES -------------------------------------------------------------
+
+std::string self_exe() {
+  char buf[4096] = {};
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+}
+
+// Runs as 2 ranks under CollectiveCheckTest: rank 0 all-reduces a [4] tensor, rank 1 broadcasts
+// a [3] one. With the debug switch c10d's ProcessGroupWrapper reports the mismatch on every rank.
+TEST(CollectiveCheckWorker, MismatchedCollectives) {
+  if (std::getenv("MODALITIES_TEST_WORKER") == nullptr) GTEST_SKIP() << "runs as 2 ranks under CollectiveCheckTest";
+  RuntimeOptions o;
+  o.backend = "gloo";
+  o.timeout = std::chrono::seconds(20);
+  init(launch_env(), o);
+  std::vector<at::Tensor> t = {at::ones({rank() == 0 ? 4 : 3})};
+  try {
+    if (rank() == 0) world()->allreduce(t)->wait();
+    else world()->broadcast(t)->wait();
+    std::printf("no error\n");
+  } catch (const std::exception& e) {
+    std::printf("collective error: %s\n", e.what());
+  }
+  shutdown();
+}
+
+TEST(CollectiveCheckTest, TheDebugSwitchNamesMismatchedCollectives) {
+  const CommandResult r = run_command(
+      {"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s", "2", "--exec", "--",
+       self_exe(), "--gtest_filter=CollectiveCheckWorker.MismatchedCollectives"},
+      {{"MODALITIES_TEST_WORKER", "1"}, {"MODALITIES_DEBUG_COLLECTIVES", "1"}, {"OMP_NUM_THREADS", "1"}});
+  for (int k = 0; k < 2; ++k)
+    EXPECT_THAT(r.out, HasSubstr(fmt::format("[rank {}] collective error: ", k))) << r;
+  EXPECT_THAT(r.out, HasSubstr("ALLREDUCE")) << r;
+  EXPECT_THAT(r.out, HasSubstr("BROADCAST")) << r;
+}
+
 // --- the launcher ------------------------------------------------------------------------
 
 // The launcher and its ranks under coreutils timeout (a hang fails the test after `limit_s`).
