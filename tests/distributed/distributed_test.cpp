@@ -9,6 +9,7 @@
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
+#include <modalities/sdk/log.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -31,6 +32,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <set>
@@ -154,6 +156,26 @@ TEST(RuntimeTest, OneProcessNeedsNoProcessGroup) {
   EXPECT_THAT([] { (void)world(); }, ::testing::Throws<Error>());
   barrier();  // no-op
   shutdown();
+}
+
+// --- rank-aware messages (modalities/sdk/log.h) ------------------------------------------------
+
+TEST(RankAwareLogTest, SharedWarningsComeFromRankZeroOnlyAndOwnOnesNameTheRank) {
+  const auto stderr_of = [](const char* rank, const char* world, const std::function<void()>& f) {
+    setenv("RANK", rank, 1);
+    setenv("WORLD_SIZE", world, 1);
+    ::testing::internal::CaptureStderr();
+    f();
+    std::string out = ::testing::internal::GetCapturedStderr();
+    unsetenv("RANK");
+    unsetenv("WORLD_SIZE");
+    return out;
+  };
+  EXPECT_EQ(stderr_of("0", "4", [] { log::warning("shared"); }), "warning: shared\n");
+  EXPECT_EQ(stderr_of("3", "4", [] { log::warning("shared"); }), "");
+  EXPECT_EQ(stderr_of("3", "4", [] { log::info("note"); }), "");
+  EXPECT_EQ(stderr_of("3", "4", [] { log::rank_warning("mine"); }), "warning: rank 3: mine\n");
+  EXPECT_EQ(stderr_of("0", "1", [] { log::rank_warning("mine"); }), "warning: mine\n");
 }
 
 // --- MODALITIES_DEBUG_COLLECTIVES -------------------------------------------------------------

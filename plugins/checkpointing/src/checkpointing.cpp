@@ -8,6 +8,7 @@
 #include <modalities/sdk/device_setting.h>
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/log.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/checkpoint_loading.h>
@@ -216,9 +217,9 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
                               variant_, c_.global_rank, dist::rank(), dist::world_size()));
     if (c_.global_rank == 0)
       for (const auto& name : remove_stale_temporaries(c_.checkpoint_path))
-        std::cerr << fmt::format("warning: removed '{}' in {}, an unfinished checkpoint of a process that was "
-                                 "killed while writing it\n",
-                                 name, c_.checkpoint_path.string());
+        log::warning(fmt::format("removed '{}' in {}, an unfinished checkpoint of a process that was killed "
+                                 "while writing it",
+                                 name, c_.checkpoint_path.string()));
   }
 
   fs::path folder_for(const TrainingProgress& progress) const {
@@ -249,8 +250,7 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
     if (!fs::exists(folder, ec)) {
       // Already gone (e.g. removed by hand to free disk): the new checkpoint is written,
       // so the run goes on.
-      std::cerr << fmt::format("warning: old checkpoint folder '{}' was to be deleted but no longer exists\n",
-                               folder.string());
+      log::warning(fmt::format("old checkpoint folder '{}' was to be deleted but no longer exists", folder.string()));
       return;
     }
     if (!fs::is_directory(folder, ec) || !fs::exists(folder / kManifestFile, ec))
@@ -548,8 +548,8 @@ class TorchCheckpointLoading final : public CheckpointLoading {
         break;
       }
     if (precision_ && stored && *stored != *precision_)
-      fmt::print(stderr, "warning: model checkpoint '{}' was stored with precision {} but is loaded with precision {}\n",
-                 file.string(), c10::toString(*stored), c10::toString(*precision_));
+      log::warning(fmt::format("model checkpoint '{}' was stored with precision {} but is loaded with precision {}",
+                               file.string(), c10::toString(*stored), c10::toString(*precision_)));
     // Without a precision the model adopts the stored dtype (Modalities loads with assign=True).
     model->to(device_, precision_ ? precision_ : stored);
     try {

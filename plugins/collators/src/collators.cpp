@@ -6,10 +6,12 @@
 // Token tensors come out as int64 whatever the dataset's dtype (quirk Q12).
 // Shape legend: b = batch size, B = tokens per sample.
 #include <modalities/sdk/interfaces/collate_fn.h>
+#include <modalities/sdk/log.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <atomic>
@@ -199,12 +201,11 @@ class MaskLossCollator final : public CollateFn {
  private:
   at::Tensor skip(const at::Tensor& y, const char* which, std::int64_t id) const {
     if (!warned_.exchange(true))
-      std::fprintf(stderr,
-                   "warning: mask_loss_collator_wrapper: the %s mask token (id %lld) does not occur in the batch's "
-                   "targets; the whole batch is excluded from the loss (further occurrences are not reported). Check "
-                   "how the tokenizer splits the marker (' <token>' and '<token>' differ) and whether the context "
-                   "is long enough.\n",
-                   which, static_cast<long long>(id));
+      log::rank_warning(fmt::format(
+          "mask_loss_collator_wrapper: the {} mask token (id {}) does not occur in the batch's targets; the whole "
+          "batch is excluded from the loss (further occurrences are not reported). Check how the tokenizer splits "
+          "the marker (' <token>' and '<token>' differ) and whether the context is long enough.",
+          which, id));
     return at::full_like(y, ignore_);
   }
 

@@ -10,6 +10,7 @@
 
 #include <modalities/sdk/interfaces/model_initializer.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/log.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
@@ -314,10 +315,9 @@ class Llama3Initializer final : public ModelInitializer {
                        "every model part holding wte and lm_head)",
                        rules_[r].pattern.text);
     if (!unmatched.empty())  // Modalities logs one warning per parameter; one line here
-      std::fprintf(stderr,
-                   "warning: model_initialization/gpt2_llama3_like: %zu parameter(s) match no rule and keep their "
-                   "values: %s\n",
-                   unmatched.size(), name_list(unmatched).c_str());
+      log::warning(fmt::format("model_initialization/gpt2_llama3_like: {} parameter(s) match no rule and keep their "
+                               "values: {}",
+                               unmatched.size(), name_list(unmatched)));
 
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < params.size(); ++i) {
