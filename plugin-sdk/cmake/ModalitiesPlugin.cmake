@@ -63,5 +63,7 @@ __attribute__((visibility(\"hidden\"))) const char* plugin_example_config = rein
   endif()
   if(ARG_VERSION)
     set_target_properties(${target} PROPERTIES MODALITIES_PLUGIN_VERSION "${ARG_VERSION}")
+    # The one place a plugin's version is written: MODALITIES_PLUGIN(name, MODALITIES_PLUGIN_VERSION, ...).
+    target_compile_definitions(${target} PRIVATE MODALITIES_PLUGIN_VERSION="${ARG_VERSION}")
   endif()
 endfunction()

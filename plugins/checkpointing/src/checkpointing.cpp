@@ -717,4 +717,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::checkpointing
 
-MODALITIES_PLUGIN(checkpointing, "0.1.0", modalities::plugins::checkpointing::register_components)
+MODALITIES_PLUGIN(checkpointing, MODALITIES_PLUGIN_VERSION, modalities::plugins::checkpointing::register_components)

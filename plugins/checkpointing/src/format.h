@@ -34,7 +34,9 @@ namespace modalities::plugins::checkpointing {
 inline constexpr std::string_view kFormatName = "modalities_checkpoint";
 inline constexpr int kFormatVersion = 1;         // one file: app_state.safetensors
 inline constexpr int kShardedFormatVersion = 2;  // one file per rank: rank_<r>.safetensors
-inline constexpr std::string_view kPluginVersion = "0.1.0";
+// The plugin's version from its CMakeLists.txt (modalities_add_plugin VERSION; also given to the
+// test and fuzz targets that compile this file).
+inline constexpr std::string_view kPluginVersion = MODALITIES_PLUGIN_VERSION;
 inline constexpr std::string_view kAppStateFile = "app_state.safetensors";
 inline constexpr std::string_view kManifestFile = "manifest.json";
 inline constexpr std::string_view kLastCheckpointInfoFile = "last_checkpoint_info.json";

@@ -293,4 +293,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::collators
 
-MODALITIES_PLUGIN(collators, "0.1.0", modalities::plugins::collators::register_components)
+MODALITIES_PLUGIN(collators, MODALITIES_PLUGIN_VERSION, modalities::plugins::collators::register_components)

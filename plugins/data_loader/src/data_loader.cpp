@@ -213,4 +213,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::data_loader
 
-MODALITIES_PLUGIN(data_loader, "0.1.0", modalities::plugins::data_loader::register_components)
+MODALITIES_PLUGIN(data_loader, MODALITIES_PLUGIN_VERSION, modalities::plugins::data_loader::register_components)

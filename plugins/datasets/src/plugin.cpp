@@ -15,4 +15,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::datasets
 
-MODALITIES_PLUGIN(datasets, "0.1.0", modalities::plugins::datasets::register_components)
+MODALITIES_PLUGIN(datasets, MODALITIES_PLUGIN_VERSION, modalities::plugins::datasets::register_components)

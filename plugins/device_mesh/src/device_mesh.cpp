@@ -264,4 +264,4 @@ void register_components(Registrar& r) {
 }  // namespace
 }  // namespace modalities::plugins::device_mesh
 
-MODALITIES_PLUGIN(device_mesh, "0.1.0", modalities::plugins::device_mesh::register_components)
+MODALITIES_PLUGIN(device_mesh, MODALITIES_PLUGIN_VERSION, modalities::plugins::device_mesh::register_components)

@@ -197,4 +197,4 @@ void register_components(Registrar& r) {
 }  // namespace
 }  // namespace modalities::plugins::fsdp
 
-MODALITIES_PLUGIN(fsdp, "0.1.0", modalities::plugins::fsdp::register_components)
+MODALITIES_PLUGIN(fsdp, MODALITIES_PLUGIN_VERSION, modalities::plugins::fsdp::register_components)

@@ -1177,4 +1177,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::gpt2
 
-MODALITIES_PLUGIN(gpt2, "0.1.0", modalities::plugins::gpt2::register_components)
+MODALITIES_PLUGIN(gpt2, MODALITIES_PLUGIN_VERSION, modalities::plugins::gpt2::register_components)

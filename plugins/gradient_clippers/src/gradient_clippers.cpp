@@ -421,4 +421,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::gradient_clippers
 
-MODALITIES_PLUGIN(gradient_clippers, "0.1.0", modalities::plugins::gradient_clippers::register_components)
+MODALITIES_PLUGIN(gradient_clippers, MODALITIES_PLUGIN_VERSION, modalities::plugins::gradient_clippers::register_components)

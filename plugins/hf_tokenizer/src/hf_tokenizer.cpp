@@ -626,4 +626,4 @@ void register_components(Registrar& r) {
 }  // namespace plugins::hf_tokenizer
 }  // namespace modalities
 
-MODALITIES_PLUGIN(hf_tokenizer, "0.1.0", modalities::plugins::hf_tokenizer::register_components)
+MODALITIES_PLUGIN(hf_tokenizer, MODALITIES_PLUGIN_VERSION, modalities::plugins::hf_tokenizer::register_components)

@@ -449,4 +449,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::initialization
 
-MODALITIES_PLUGIN(initialization, "0.1.0", modalities::plugins::initialization::register_components)
+MODALITIES_PLUGIN(initialization, MODALITIES_PLUGIN_VERSION, modalities::plugins::initialization::register_components)

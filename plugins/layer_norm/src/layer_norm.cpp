@@ -135,4 +135,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::layer_norm
 
-MODALITIES_PLUGIN(layer_norm, "0.1.0", modalities::plugins::layer_norm::register_components)
+MODALITIES_PLUGIN(layer_norm, MODALITIES_PLUGIN_VERSION, modalities::plugins::layer_norm::register_components)

@@ -86,4 +86,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::losses
 
-MODALITIES_PLUGIN(losses, "0.1.0", modalities::plugins::losses::register_components)
+MODALITIES_PLUGIN(losses, MODALITIES_PLUGIN_VERSION, modalities::plugins::losses::register_components)

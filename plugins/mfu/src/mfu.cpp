@@ -134,4 +134,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::mfu
 
-MODALITIES_PLUGIN(mfu, "0.1.0", modalities::plugins::mfu::register_components)
+MODALITIES_PLUGIN(mfu, MODALITIES_PLUGIN_VERSION, modalities::plugins::mfu::register_components)

@@ -325,4 +325,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::number_conversion
 
-MODALITIES_PLUGIN(number_conversion, "0.1.0", modalities::plugins::number_conversion::register_components)
+MODALITIES_PLUGIN(number_conversion, MODALITIES_PLUGIN_VERSION, modalities::plugins::number_conversion::register_components)

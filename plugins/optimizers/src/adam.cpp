@@ -604,4 +604,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::optimizers
 
-MODALITIES_PLUGIN(optimizers, "0.1.0", modalities::plugins::optimizers::register_components)
+MODALITIES_PLUGIN(optimizers, MODALITIES_PLUGIN_VERSION, modalities::plugins::optimizers::register_components)

@@ -276,4 +276,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::samplers
 
-MODALITIES_PLUGIN(samplers, "0.1.0", modalities::plugins::samplers::register_components)
+MODALITIES_PLUGIN(samplers, MODALITIES_PLUGIN_VERSION, modalities::plugins::samplers::register_components)

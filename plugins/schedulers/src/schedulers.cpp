@@ -830,4 +830,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::schedulers
 
-MODALITIES_PLUGIN(schedulers, "0.1.0", modalities::plugins::schedulers::register_components)
+MODALITIES_PLUGIN(schedulers, MODALITIES_PLUGIN_VERSION, modalities::plugins::schedulers::register_components)

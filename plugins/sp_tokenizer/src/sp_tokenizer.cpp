@@ -89,4 +89,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::sp_tokenizer
 
-MODALITIES_PLUGIN(sp_tokenizer, "0.1.0", modalities::plugins::sp_tokenizer::register_components)
+MODALITIES_PLUGIN(sp_tokenizer, MODALITIES_PLUGIN_VERSION, modalities::plugins::sp_tokenizer::register_components)

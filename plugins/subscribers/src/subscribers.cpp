@@ -491,4 +491,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::subscribers
 
-MODALITIES_PLUGIN(subscribers, "0.1.0", modalities::plugins::subscribers::register_components)
+MODALITIES_PLUGIN(subscribers, MODALITIES_PLUGIN_VERSION, modalities::plugins::subscribers::register_components)

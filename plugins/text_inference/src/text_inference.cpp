@@ -308,4 +308,4 @@ void register_components(Registrar& r) {
 }  // namespace plugins::text_inference
 }  // namespace modalities
 
-MODALITIES_PLUGIN(text_inference, "0.1.0", modalities::plugins::text_inference::register_components)
+MODALITIES_PLUGIN(text_inference, MODALITIES_PLUGIN_VERSION, modalities::plugins::text_inference::register_components)

@@ -37,4 +37,4 @@ void register_components(modalities::Registrar& r) {
 
 }  // namespace example
 
-MODALITIES_PLUGIN(example_tokens_per_step, "1.0.0", example::register_components)
+MODALITIES_PLUGIN(example_tokens_per_step, MODALITIES_PLUGIN_VERSION, example::register_components)

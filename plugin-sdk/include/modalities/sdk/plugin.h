@@ -1,6 +1,7 @@
 // The plugin entry point. Each plugin .so declares itself with
 //
-//   MODALITIES_PLUGIN(optimizer_adamw, "0.1.0", modalities::plugins::adamw::register_components)
+//   MODALITIES_PLUGIN(optimizer_adamw, MODALITIES_PLUGIN_VERSION, modalities::plugins::adamw::register_components)
+// (MODALITIES_PLUGIN_VERSION: the VERSION given to modalities_add_plugin in CMake, its one source.)
 //
 // which emits two symbols:
 //   * `modalities_plugin_<name>_descriptor`: plain constant data in the ELF
