@@ -869,13 +869,15 @@ TEST(DistributedFailureTest, ARankKilledMidStepEndsTheRunNamingItOnEveryRank) {
 
 // A rank that hangs (SIGSTOP: alive, but never reaches the next collective) makes the other fail
 // with the process-group timeout (5 s), which the launcher reports; the stopped rank is killed
-// after the grace period. Total: timeout + grace + start-up, well under timeout + 10 s + grace.
+// after the grace period. Total from the launch: timeout + grace + start-up (allowed: timeout + 10 s
+// + grace + 5 s of start-up).
 TEST(DistributedFailureTest, AHungRankMakesTheOthersFailWithinTheTimeout) {
   const modalities::testing::ScratchDir dir;
   const TimedResult t = run_with_fault(dir, "hang", "train_step@1:7=stop", 36, 6, 3);
   EXPECT_NE(t.result.exit_code, 0) << t.result;
   EXPECT_THAT(t.result.err, HasSubstr("rank 0 (pid")) << t.result;
-  EXPECT_LT(t.seconds, 5 + 10 + 3) << t.result;
+  // From the launch, so start-up (a few seconds, more on a loaded CI machine) is included.
+  EXPECT_LT(t.seconds, 5 + 10 + 3 + 5) << t.result;
   std::printf("rank 1 hung at its 7th micro-batch: the launcher exited after %.1f s (timeout 5 s, grace 3 s)\n",
               t.seconds);
 }
