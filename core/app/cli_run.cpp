@@ -175,21 +175,22 @@ void check_rank_fingerprints(const core::Registry& registry, const std::string& 
   std::string mine;
   for (const auto& [k, v] : parts) mine += k + "\t" + v + "\n";
   const std::vector<std::string> all = dist::all_gather_strings("fingerprint", mine);
+  const auto parse = [](const std::string& text) {
+    std::map<std::string, std::string> out;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);)
+      if (const auto tab = line.find('\t'); tab != std::string::npos) out[line.substr(0, tab)] = line.substr(tab + 1);
+    return out;
+  };
+  const std::map<std::string, std::string> zero = parse(all[0]);
   std::vector<std::string> problems;
   for (std::size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
-    std::map<std::string, std::string> theirs;
-    std::istringstream lines(all[r]);
-    for (std::string line; std::getline(lines, line);)
-      if (const auto tab = line.find('\t'); tab != std::string::npos) theirs[line.substr(0, tab)] = line.substr(tab + 1);
-    std::map<std::string, std::string> zero;
-    std::istringstream lines0(all[0]);
-    for (std::string line; std::getline(lines0, line);)
-      if (const auto tab = line.find('\t'); tab != std::string::npos) zero[line.substr(0, tab)] = line.substr(tab + 1);
+    const std::map<std::string, std::string> theirs = parse(all[r]);
     std::vector<std::string> differ;
     for (const auto& [k, v] : zero)
       if (!theirs.contains(k)) differ.push_back(k + " (missing on rank " + std::to_string(r) + ")");
-      else if (theirs[k] != v) differ.push_back(k);
+      else if (theirs.at(k) != v) differ.push_back(k);
     for (const auto& [k, v] : theirs)
       if (!zero.contains(k)) differ.push_back(k + " (only on rank " + std::to_string(r) + ")");
     problems.push_back(fmt::format("rank {}: {}", r, fmt::join(differ, ", ")));

@@ -4,6 +4,7 @@
 // compares every collective with an exactly known result). Multi-process cases run under
 // coreutils `timeout` and the launcher's own grace period, so a broken case fails, never hangs.
 #include "run_command.h"
+#include "worker_case.h"
 #include "scratch_dir.h"
 
 #include <modalities/sdk/distributed.h>
@@ -180,16 +181,9 @@ TEST(RankAwareLogTest, SharedWarningsComeFromRankZeroOnlyAndOwnOnesNameTheRank) 
 
 // --- MODALITIES_DEBUG_COLLECTIVES -------------------------------------------------------------
 
-std::string self_exe() {
-  char buf[4096] = {};
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
-}
-
 // Runs as 2 ranks under CollectiveCheckTest: rank 0 all-reduces a [4] tensor, rank 1 broadcasts
 // a [3] one. With the debug switch c10d's ProcessGroupWrapper reports the mismatch on every rank.
-TEST(CollectiveCheckWorker, MismatchedCollectives) {
-  if (std::getenv("MODALITIES_TEST_WORKER") == nullptr) GTEST_SKIP() << "runs as 2 ranks under CollectiveCheckTest";
+MODALITIES_WORKER_CASE(CollectiveCheckWorker, MismatchedCollectives) {
   RuntimeOptions o;
   o.backend = "gloo";
   o.timeout = std::chrono::seconds(20);
@@ -206,10 +200,8 @@ TEST(CollectiveCheckWorker, MismatchedCollectives) {
 }
 
 TEST(CollectiveCheckTest, TheDebugSwitchNamesMismatchedCollectives) {
-  const CommandResult r = run_command(
-      {"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s", "2", "--exec", "--",
-       self_exe(), "--gtest_filter=CollectiveCheckWorker.MismatchedCollectives"},
-      {{"MODALITIES_TEST_WORKER", "1"}, {"MODALITIES_DEBUG_COLLECTIVES", "1"}, {"OMP_NUM_THREADS", "1"}});
+  const CommandResult r = modalities::testing::run_workers(kHost, 2, "CollectiveCheckWorker.MismatchedCollectives",
+                                                           {{"MODALITIES_DEBUG_COLLECTIVES", "1"}}, 120);
   for (int k = 0; k < 2; ++k)
     EXPECT_THAT(r.out, HasSubstr(fmt::format("[rank {}] collective error: ", k))) << r;
   EXPECT_THAT(r.out, HasSubstr("ALLREDUCE")) << r;

@@ -160,14 +160,12 @@ std::string manifest_head(const CheckpointInfo& info, int version) {
 }
 
 std::string manifest_json(const CheckpointInfo& info, const formats::SafetensorsHeader& header,
-                          const std::vector<std::string>& names, const std::vector<std::string>& hashes,
-                          std::uint64_t file_size) {
+                          const std::map<std::string, std::string>& sha256, std::uint64_t file_size) {
   std::string tensors;
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    const auto& e = header.tensors.at(names[i]);
-    tensors += fmt::format("{}\n    {}: {{\"dtype\": \"{}\", \"shape\": [{}], \"sha256\": \"{}\"}}", i ? "," : "",
-                           json_quote(names[i]), e.dtype, fmt::join(e.shape, ", "), hashes[i]);
-  }
+  for (const auto& [name, e] : header.tensors)
+    tensors += fmt::format("{}\n    {}: {{\"dtype\": \"{}\", \"shape\": [{}], \"sha256\": \"{}\"}}",
+                           tensors.empty() ? "" : ",", json_quote(name), e.dtype, fmt::join(e.shape, ", "),
+                           sha256.at(name));
   return fmt::format(R"({},
   "files": {{{}: {{"bytes": {}}}}},
   "checksum": "sha256",
@@ -182,6 +180,52 @@ std::string temp_sibling(const fs::path& target) {
   static std::atomic<unsigned> counter{0};
   thread_local std::mt19937_64 rng{std::random_device{}()};
   return fmt::format(".{}.tmp-{}-{}-{:x}", target.filename().string(), ::getpid(), counter++, rng() & 0xffffff);
+}
+
+// A new hidden temporary sibling of `folder` (its parent created as needed).
+fs::path make_temp_folder(const fs::path& folder) {
+  const fs::path parent = folder.parent_path().empty() ? fs::path(".") : folder.parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  if (ec) throw Error(fmt::format("cannot create the checkpoint directory '{}': {}", parent.string(), ec.message()));
+  const fs::path temp = parent / temp_sibling(folder);
+  if (!fs::create_directory(temp, ec) || ec)
+    throw Error(fmt::format("cannot create the temporary checkpoint folder '{}': {}", temp.string(),
+                            ec ? ec.message() : "it exists"));
+  return temp;
+}
+
+// Tensor name -> SHA-256 of its bytes as written in `file` (read back from the page cache), hashed
+// on all cores.
+std::map<std::string, std::string> tensor_sha256(const fs::path& file, const formats::SafetensorsHeader& header) {
+  std::vector<std::string> names;
+  for (const auto& [name, e] : header.tensors) names.push_back(name);
+  std::vector<std::string> hashes(names.size());
+  const Mapping map(file);
+  parallel_each(names.size(), [&](std::size_t i) {
+    const auto& e = header.tensors.at(names[i]);
+    hashes[i] = sha256_hex(map.data() + header.data_offset + e.begin, e.end - e.begin);
+  });
+  std::map<std::string, std::string> out;
+  for (std::size_t i = 0; i < names.size(); ++i) out.emplace(names[i], hashes[i]);
+  return out;
+}
+
+// Makes the finished temporary folder `temp` the checkpoint `folder`: fsync, then rename (an
+// existing folder of that name is swapped in one step, so the name always refers to a complete
+// checkpoint, and then removed), then fsync the parent.
+void commit_folder(const fs::path& temp, const fs::path& folder) {
+  fsync_directory(temp);
+  std::error_code ec;
+  if (fs::exists(folder)) {
+    if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, folder.c_str(), RENAME_EXCHANGE) != 0)
+      throw Error(fmt::format("cannot replace the existing checkpoint folder '{}': {}", folder.string(),
+                              std::strerror(errno)));
+    fs::remove_all(temp, ec);  // the old checkpoint, now under the temporary name
+  } else if (::rename(temp.c_str(), folder.c_str()) != 0) {
+    throw Error(fmt::format("cannot rename '{}' to '{}': {}", temp.string(), folder.string(), std::strerror(errno)));
+  }
+  fsync_directory(folder.parent_path().empty() ? fs::path(".") : folder.parent_path());
 }
 
 }  // namespace
@@ -247,43 +291,17 @@ std::vector<std::string> restore_rng_states(const StateDict& state) {
 }
 
 void write_checkpoint_folder(const fs::path& folder, const StateDict& state, const CheckpointInfo& info) {
-  const fs::path parent = folder.parent_path().empty() ? fs::path(".") : folder.parent_path();
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  if (ec) throw Error(fmt::format("cannot create the checkpoint directory '{}': {}", parent.string(), ec.message()));
-  const fs::path temp = parent / temp_sibling(folder);
-  if (!fs::create_directory(temp, ec) || ec)
-    throw Error(fmt::format("cannot create the temporary checkpoint folder '{}': {}", temp.string(),
-                            ec ? ec.message() : "it exists"));
+  const fs::path temp = make_temp_folder(folder);
   try {
     const fs::path file = temp / kAppStateFile;
     formats::write_safetensors(file, state,
                                {{"format", std::string(kFormatName)}, {"format_version", std::to_string(kFormatVersion)}});
-    // Checksums of the bytes as written (read back from the page cache).
     const formats::SafetensorsHeader header = formats::read_safetensors_header(file);
-    std::vector<std::string> names;
-    for (const auto& [name, e] : header.tensors) names.push_back(name);
-    std::vector<std::string> hashes(names.size());
-    {
-      const Mapping map(file);
-      parallel_each(names.size(), [&](std::size_t i) {
-        const auto& e = header.tensors.at(names[i]);
-        hashes[i] = sha256_hex(map.data() + header.data_offset + e.begin, e.end - e.begin);
-      });
-    }
-    write_file_atomically(temp / kManifestFile, manifest_json(info, header, names, hashes, fs::file_size(file)));
-    fsync_directory(temp);
-    if (fs::exists(folder)) {
-      // Swap in one step, so the name always refers to a complete checkpoint; the old one ends up at `temp`.
-      if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, folder.c_str(), RENAME_EXCHANGE) != 0)
-        throw Error(fmt::format("cannot replace the existing checkpoint folder '{}': {}", folder.string(),
-                                std::strerror(errno)));
-      fs::remove_all(temp, ec);
-    } else if (::rename(temp.c_str(), folder.c_str()) != 0) {
-      throw Error(fmt::format("cannot rename '{}' to '{}': {}", temp.string(), folder.string(), std::strerror(errno)));
-    }
-    fsync_directory(parent);
+    write_file_atomically(temp / kManifestFile,
+                          manifest_json(info, header, tensor_sha256(file, header), fs::file_size(file)));
+    commit_folder(temp, folder);
   } catch (...) {
+    std::error_code ec;
     fs::remove_all(temp, ec);
     throw;
   }
@@ -417,14 +435,7 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
   std::string temp_name;
   if (rank == 0) {
     try {
-      std::error_code ec;
-      fs::create_directories(parent, ec);
-      if (ec) throw Error(fmt::format("cannot create the checkpoint directory '{}': {}", parent.string(), ec.message()));
-      const fs::path temp = parent / temp_sibling(folder);
-      if (!fs::create_directory(temp, ec) || ec)
-        throw Error(fmt::format("cannot create the temporary checkpoint folder '{}': {}", temp.string(),
-                                ec ? ec.message() : "it exists"));
-      temp_name = temp.filename().string();
+      temp_name = make_temp_folder(folder).filename().string();
     } catch (const std::exception& e) {
       temp_name = std::string("error\t") + e.what();
     }
@@ -450,20 +461,10 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
                                {{"format", std::string(kFormatName)},
                                 {"format_version", std::to_string(kShardedFormatVersion)},
                                 {"rank", std::to_string(rank)}});
-    const formats::SafetensorsHeader header = formats::read_safetensors_header(file);
-    std::vector<std::string> names;
-    for (const auto& [name, e] : header.tensors) names.push_back(name);
-    std::vector<std::string> hashes(names.size());
-    {
-      const Mapping map(file);
-      parallel_each(names.size(), [&](std::size_t i) {
-        const auto& e = header.tensors.at(names[i]);
-        hashes[i] = sha256_hex(map.data() + header.data_offset + e.begin, e.end - e.begin);
-      });
-    }
+    const auto hashes = tensor_sha256(file, formats::read_safetensors_header(file));
     fault_point("checkpoint_file_written");  // tests: a rank killed mid-save (modalities/sdk/fault.h)
     report = fmt::format("ok\t{}\n", fs::file_size(file));
-    for (std::size_t i = 0; i < names.size(); ++i) report += fmt::format("{}\t{}\n", names[i], hashes[i]);
+    for (const auto& [name, hash] : hashes) report += fmt::format("{}\t{}\n", name, hash);
   } catch (const std::exception& e) {
     report = fmt::format("error\trank {}: {}", rank, e.what());
   }
@@ -529,16 +530,7 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
 )",
                                                               manifest_head(info, kShardedFormatVersion), world, files,
                                                               ranks, tensors_json));
-      fsync_directory(temp);
-      if (fs::exists(folder)) {
-        if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, folder.c_str(), RENAME_EXCHANGE) != 0)
-          throw Error(fmt::format("cannot replace the existing checkpoint folder '{}': {}", folder.string(),
-                                  std::strerror(errno)));
-        fs::remove_all(temp, ec);
-      } else if (::rename(temp.c_str(), folder.c_str()) != 0) {
-        throw Error(fmt::format("cannot rename '{}' to '{}': {}", temp.string(), folder.string(), std::strerror(errno)));
-      }
-      fsync_directory(parent);
+      commit_folder(temp, folder);
       if (after_commit) after_commit();
     } catch (const std::exception& e) {
       fs::remove_all(temp, ec);

@@ -4,6 +4,7 @@
 // commit by rank 0) runs in tests/distributed (DistributedCheckpointTest), which saves on 4 Gloo
 // ranks and continues on 4, 2 and 1.
 #include "../src/format.h"
+#include "scratch_dir.h"  // tests/cli
 
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
@@ -25,23 +26,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
-class Folder {
- public:
-  Folder() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() / fmt::format("modalities_sharded_test_{}_{}", ::getpid(), counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~Folder() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using Folder = modalities::testing::ScratchDir;
 
 std::string sha256(const at::Tensor& t) {
   unsigned char md[EVP_MAX_MD_SIZE];

@@ -1,8 +1,9 @@
 // device_mesh/default: Modalities' degree validation and inference in one process, and the
 // coordinates and process groups of real meshes with 4 Gloo ranks. The multi-rank cases run this
-// binary again as 4 ranks (`modalities launch --exec`, MODALITIES_TEST_WORKER=1) with a filter
-// selecting one MeshWorker case; outside a launch those cases skip themselves.
+// binary again as 4 ranks (`modalities launch --exec`), each running one MeshWorker case, which
+// exists only in those processes (tests/cli/worker_case.h).
 #include "run_command.h"
+#include "worker_case.h"
 
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
@@ -83,22 +84,9 @@ TEST(DeviceMeshTest, AWorldSizeThatIsNotTheRunsIsRefusedWithAHint) {
 
 // --- 4 ranks ----------------------------------------------------------------------------------
 
-bool in_worker() { return std::getenv("MODALITIES_TEST_WORKER") != nullptr; }
-
-std::string self_exe() {
-  char buf[4096] = {};
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
-}
-
 void launch_workers(int ranks, const std::string& worker) {
-  const CommandResult r =
-      run_command({"timeout", "-k", "5", "120", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node",
-                   std::to_string(ranks), "--grace-s", "2", "--exec", "--", self_exe(), "--gtest_filter=MeshWorker." + worker},
-                  {{"MODALITIES_TEST_WORKER", "1"}, {"OMP_NUM_THREADS", "1"}});
-  ASSERT_EQ(r.exit_code, 0) << r;
-  for (int k = 0; k < ranks; ++k)
-    EXPECT_THAT(r.out, HasSubstr("[rank " + std::to_string(k) + "] [  PASSED  ] 1 test")) << r;
+  testing::expect_workers_pass(testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "MeshWorker." + worker, {}, 120),
+                               ranks);
 }
 
 double allreduce_sum(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double value) {
@@ -107,21 +95,19 @@ double allreduce_sum(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double va
   return t[0].item<double>();
 }
 
-class MeshWorker : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!in_worker()) GTEST_SKIP() << "runs as several ranks under DeviceMeshTest.*Ranks*";
+// The process group of a worker case's ranks, for the case's duration.
+struct WorkerRuntime {
+  WorkerRuntime() {
     dist::RuntimeOptions o;
     o.backend = "gloo";
     o.timeout = std::chrono::seconds(30);
     dist::init(dist::launch_env(), o);
   }
-  void TearDown() override {
-    if (in_worker()) dist::shutdown();
-  }
+  ~WorkerRuntime() { dist::shutdown(); }
 };
 
-TEST_F(MeshWorker, TwoReplicasOfTwoShards) {
+MODALITIES_WORKER_CASE(MeshWorker, TwoReplicasOfTwoShards) {
+  const WorkerRuntime runtime;
   Harness h(MODALITIES_TEST_PLUGIN);
   h.set_config_text(mesh_config("data_parallel_replicate_degree = 2, data_parallel_shard_degree = -1, world_size = 4"));
   const auto mesh = h.get<DeviceMesh>("device_mesh");
@@ -148,7 +134,8 @@ TEST_F(MeshWorker, TwoReplicasOfTwoShards) {
               ::testing::ThrowsMessage<Error>(HasSubstr("in mesh order")));
 }
 
-TEST_F(MeshWorker, PipelineAndTensorDimsWithAnInferredShardDegree) {
+MODALITIES_WORKER_CASE(MeshWorker, PipelineAndTensorDimsWithAnInferredShardDegree) {
+  const WorkerRuntime runtime;
   Harness h(MODALITIES_TEST_PLUGIN);
   h.set_config_text(mesh_config(
       "pipeline_parallel_degree = 2, tensor_parallel_degree = 2, data_parallel_shard_degree = -1, world_size = 4"));

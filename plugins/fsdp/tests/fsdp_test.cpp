@@ -6,10 +6,11 @@
 // updated shards). Tolerances: 1e-6 relative + 1e-7 absolute on fp32 values that are sums over the
 // same terms in a different order.
 //
-// The multi-rank cases run this binary again as N ranks (`modalities launch --exec`,
-// MODALITIES_TEST_WORKER=1) with a filter selecting one FsdpWorker case and its layout in
-// MODALITIES_TEST_LAYOUT; outside a launch those cases skip themselves.
+// The multi-rank cases run this binary again as N ranks (`modalities launch --exec`), each running
+// one FsdpWorker case (registered only in those processes, tests/cli/worker_case.h) with its layout
+// in MODALITIES_TEST_LAYOUT.
 #include "run_command.h"
+#include "worker_case.h"
 
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
@@ -325,37 +326,31 @@ TEST(FsdpTest, TheModelCannotBeMovedAfterWrapping) {
 
 // --- several ranks ------------------------------------------------------------------------------
 
-bool in_worker() { return std::getenv("MODALITIES_TEST_WORKER") != nullptr; }
-
-std::string self_exe() {
-  char buf[4096] = {};
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
-}
+// The process group of a worker case's ranks, for the case's duration.
+struct WorkerRuntime {
+  WorkerRuntime() {
+    dist::RuntimeOptions o;
+    o.backend = "gloo";
+    o.timeout = std::chrono::seconds(60);
+    dist::init(dist::launch_env(), o);
+  }
+  ~WorkerRuntime() { dist::shutdown(); }
+};
 
 void launch(int ranks, int replicate, int layers_per_unit, bool toy = false, bool prefetch = true) {
-  const CommandResult r = run_command(
-      {"timeout", "-k", "5", "180", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node", std::to_string(ranks),
-       "--grace-s", "2", "--exec", "--", self_exe(), "--gtest_filter=FsdpWorker.MatchesOneProcess"},
-      {{"MODALITIES_TEST_WORKER", "1"},
-       {"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {} {}", replicate, layers_per_unit, toy ? 1 : 0, prefetch ? 1 : 0)},
-       {"OMP_NUM_THREADS", "1"}});
-  ASSERT_EQ(r.exit_code, 0) << r;
-  for (int k = 0; k < ranks; ++k)
-    EXPECT_THAT(r.out, HasSubstr("[rank " + std::to_string(k) + "] [  PASSED  ] 1 test")) << r;
+  testing::expect_workers_pass(
+      testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "FsdpWorker.MatchesOneProcess",
+                           {{"MODALITIES_TEST_LAYOUT",
+                             fmt::format("{} {} {} {}", replicate, layers_per_unit, toy ? 1 : 0, prefetch ? 1 : 0)}}),
+      ranks);
 }
 
-TEST(FsdpWorker, MatchesOneProcess) {
-  if (!in_worker()) GTEST_SKIP() << "runs as several ranks under FsdpTest.*Ranks*";
-  dist::RuntimeOptions o;
-  o.backend = "gloo";
-  o.timeout = std::chrono::seconds(60);
-  dist::init(dist::launch_env(), o);
+MODALITIES_WORKER_CASE(FsdpWorker, MatchesOneProcess) {
+  const WorkerRuntime runtime;
   Layout l;
   l.world = dist::world_size();
   std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy >> l.prefetch;
   run_layout(l);
-  dist::shutdown();
 }
 
 // Memory per rank (the issue's bound): parameters + gradients + AdamW state of one rank, counted
@@ -386,12 +381,8 @@ weight_decay_groups_excluded = []
 )";
 }
 
-TEST(FsdpWorker, MemoryPerRank) {
-  if (!in_worker()) GTEST_SKIP() << "runs as several ranks under FsdpTest.MemoryPerRankIsAShareOfTheWhole";
-  dist::RuntimeOptions o;
-  o.backend = "gloo";
-  o.timeout = std::chrono::seconds(60);
-  dist::init(dist::launch_env(), o);
+MODALITIES_WORKER_CASE(FsdpWorker, MemoryPerRank) {
+  const WorkerRuntime runtime;
   const int world = dist::world_size();
   Harness h(MODALITIES_TEST_PLUGIN);
   h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
@@ -450,16 +441,11 @@ TEST(FsdpWorker, MemoryPerRank) {
               largest_block);
   EXPECT_EQ(gathered, 0);  // after backward every unit is freed
   EXPECT_LE(mine, bound);
-  dist::shutdown();
 }
 
 TEST(FsdpTest, MemoryPerRankIsAShareOfTheWhole) {
-  const CommandResult r = run_command(
-      {"timeout", "-k", "5", "180", MODALITIES_TEST_HOST_BINARY, "launch", "--nproc-per-node", "4", "--grace-s", "2",
-       "--exec", "--", self_exe(), "--gtest_filter=FsdpWorker.MemoryPerRank"},
-      {{"MODALITIES_TEST_WORKER", "1"}, {"OMP_NUM_THREADS", "1"}});
-  ASSERT_EQ(r.exit_code, 0) << r;
-  for (int k = 0; k < 4; ++k) EXPECT_THAT(r.out, HasSubstr("[rank " + std::to_string(k) + "] [  PASSED  ] 1 test")) << r;
+  const CommandResult r = testing::run_workers(MODALITIES_TEST_HOST_BINARY, 4, "FsdpWorker.MemoryPerRank");
+  testing::expect_workers_pass(r, 4);
   std::printf("%s", r.out.c_str());
 }
 
