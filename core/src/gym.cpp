@@ -25,6 +25,7 @@
 #include <modalities/sdk/interfaces/lr_scheduler.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/interfaces/mfu_calculator.h>
+#include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
 #include <modalities/sdk/interfaces/steppable_profiler.h>
@@ -66,37 +67,6 @@ std::shared_ptr<T> object_of(const BuiltGraph& built, std::string_view key, bool
   if (!v->is_object() || v->as_object().interface != T::kInterface)
     throw Error(fmt::format("top-level '{}' must produce a {}, got {}", key, T::kInterface, v->type_name()));
   return std::static_pointer_cast<T>(v->as_object().ptr);
-}
-
-/// Python's round(x, d) followed by repr(): round on the exact binary value
-/// (printf rounds exactly, half to even), then print the shortest repr.
-std::string python_round_repr(double x, int decimals) {
-  if (!std::isfinite(x)) return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
-  const double r = std::strtod(fmt::format("{:.{}f}", x, decimals).c_str(), nullptr);
-  std::string s = fmt::format("{}", r);
-  if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
-  return s;
-}
-
-std::string format_item(const ResultItem& item) {
-  // Modalities: value.float().mean(), a float32 mean widened to a Python float.
-  const double v = item.value.to(at::kFloat).mean().item<double>();
-  if (item.decimal_places) return python_round_repr(v, *item.decimal_places);
-  std::string s = fmt::format("{}", v);
-  if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
-  return s;
-}
-
-/// "step: n | k: v | ... | " (Modalities' batch.py; the dataloader tag never appears, as in Modalities).
-std::string result_text(const EvaluationResultBatch& r) {
-  // Each group is joined with " | " and followed by " | ", also when empty (as Modalities prints it).
-  std::string s = fmt::format("step: {} | ", r.num_train_steps_done);
-  for (const auto* group : {&r.throughput_metrics, &r.losses, &r.metrics}) {
-    for (std::size_t i = 0; i < group->size(); ++i)
-      s += fmt::format("{}{}: {}", i == 0 ? "" : " | ", (*group)[i].first, format_item((*group)[i].second));
-    s += " | ";
-  }
-  return s;
 }
 
 std::string now_iso() {
@@ -551,7 +521,7 @@ class Gym {
     r.throughput_metrics.push_back({"lr mean", {lr_tensor.mean(), std::nullopt}});
     r.throughput_metrics.push_back({"peak memory rank 0 (MB)", {fscalar(peak_memory_mb(o_.device)), 2}});
 
-    if (c_.settings.cuda_env.global_rank == 0) out_ << now_iso() << " | " << result_text(r) << std::endl;
+    if (c_.settings.cuda_env.global_rank == 0) out_ << now_iso() << " | " << result_line(r) << std::endl;
     publish_result(r);
     loss_sum_.zero_();
     loss_count_ = 0;
@@ -601,7 +571,7 @@ class Gym {
           {"evaluation_num_samples_per_second",
            {fscalar(elapsed > 0 ? static_cast<double>(samples * dp_) / elapsed : 0.0), 1}});
       if (c_.settings.cuda_env.global_rank == 0)
-        out_ << now_iso() << " | " << tag << " | " << result_text(r) << std::endl;
+        out_ << now_iso() << " | " << tag << " | " << result_line(r) << std::endl;
       publish_result(r);
     }
     for (auto& part : parts_) part->train(true);
@@ -666,22 +636,9 @@ GymSummary run_gym(GymComponents& components, const GymOptions& options) {
 }
 
 i64 count_trainable_parameters(const AppState& app_state) {
-  std::unordered_set<const void*> seen;
-  i64 n = 0;
-  for (const auto& part : app_state.model_parts()) {
-    const auto placements = part->shard_placements();
-    for (const auto& [name, t] : part->named_parameters()) {
-      if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
-      if (auto it = placements.find(name); it != placements.end()) {
-        i64 global = 1;
-        for (i64 d : it->second.global_shape) global *= d;
-        n += global;
-      } else {
-        n += t.numel();
-      }
-    }
-  }
-  return n;
+  std::vector<const Module*> parts;
+  for (const auto& part : app_state.model_parts()) parts.push_back(part.get());
+  return modalities::count_trainable_parameters(parts);
 }
 
 std::string training_report(const GymComponents& c, i64 num_parameters) {

@@ -34,6 +34,8 @@
 #include <modalities/sdk/interfaces/steppable_profiler.h>
 #include <modalities/sdk/interfaces/text_inference_component.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
+#include <modalities/sdk/parameter_count.h>
+#include <modalities/sdk/python_format.h>
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/ScalarType.h>
@@ -43,6 +45,7 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 namespace modalities {
@@ -176,6 +179,41 @@ void InferenceResultBatch::detach() {
 
 std::int64_t InferenceResultBatch::size() const {
   return first_tensor(predictions, "InferenceResultBatch", "prediction").size(batch_dim);
+}
+
+std::string result_line(const EvaluationResultBatch& r) {
+  std::string s = fmt::format("step: {} | ", r.num_train_steps_done);
+  for (const ResultItems* group : {&r.throughput_metrics, &r.losses, &r.metrics}) {
+    for (std::size_t i = 0; i < group->size(); ++i) {
+      const auto& [key, item] = (*group)[i];
+      // Without decimal places Modalities formats the 0-d mean tensor, and Tensor.__format__
+      // prints a 0-d tensor as its item(): the float's repr.
+      const double mean = py::mean_as_float(item.value);
+      if (i > 0) s += " | ";
+      s += key + ": " + py::float_repr(item.decimal_places ? py::round(mean, *item.decimal_places) : mean);
+    }
+    s += " | ";
+  }
+  return s;
+}
+
+std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts) {
+  std::unordered_set<const void*> seen;
+  std::int64_t n = 0;
+  for (const Module* part : parts) {
+    const auto placements = part->shard_placements();
+    for (const auto& [name, t] : part->named_parameters()) {
+      if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      if (auto it = placements.find(name); it != placements.end()) {
+        std::int64_t global = 1;
+        for (std::int64_t d : it->second.global_shape) global *= d;
+        n += global;
+      } else {
+        n += t.numel();
+      }
+    }
+  }
+  return n;
 }
 
 // --- Module defaults: an unwrapped model whose module() tree has canonical names --

@@ -3,15 +3,16 @@
 (torch.distributed.fsdp.fully_shard) on CPU with Gloo.
 
 Python Modalities' own `modalities run` cannot run on a CPU, so this script drives the same Python
-components as scripts/reference/train_reference.py (GPT2LLM built from the
-config's model_raw by Modalities' factory, PackedMemMapDatasetContinuous +
-ResumableDistributedSampler + GPT2LLMCollateFn, CLMCrossEntropyLoss, torch
-AdamW with Modalities' weight-decay groups, LinearLR + CosineAnnealingLR in a
-SequentialLR, clip_grad_norm_), but sharded the way the config's
+components as scripts/reference/train_reference.py (both build them with
+reference_training.py: GPT2LLM built from the config's model_raw by Modalities'
+factory, PackedMemMapDatasetContinuous + ResumableDistributedSampler +
+GPT2LLMCollateFn, CLMCrossEntropyLoss, torch AdamW with Modalities' weight-decay
+groups, LinearLR + CosineAnnealingLR in a SequentialLR, clip_grad_norm_), but sharded the way the config's
 model/fsdp2_wrapped does it: fully_shard on every GPT2Block, then on the whole
 model, over a one-dimensional CPU device mesh of all ranks (also for one rank,
-so that the code path is the same), reshard_after_forward, fp32 parameters and
-reductions.
+so that the code path is the same), reshard_after_forward, fp32 reductions and
+fp32 parameters, or with --param-dtype bf16 FSDP2's MixedPrecisionPolicy
+(param_dtype bf16: units all-gathered and computed in bf16; fp32 master weights).
 
 The global batch is fixed at 8 samples of 128 tokens: every rank takes
 8 // world_size samples of each step from its ResumableDistributedSampler
@@ -29,7 +30,8 @@ norm weights left at 1. Rank 0 writes the full state_dict to --init
 (safetensors; the tied lm_head weight is stored as its own copy), and the JSON
 (--out) records, per tensor, the rule applied and the sha256 of its bytes.
 
-Run (N = 1, 2 or 4; .deps/bench is the venv of scripts/setup_bench_env.sh):
+Run (N = 1, 2 or 4; .deps/bench is the venv of scripts/setup_bench_env.sh; the committed
+fixture has fp32 runs on 1, 2 and 4 ranks and a bf16 run on 2, made by the command it records):
 
   mkdir -p /tmp/fsdp2_ref
   LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 build/bin/modalities config resolve configs/distributed/fsdp2_cpu.toml \
@@ -49,9 +51,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
-import math
 import platform
-import re
 import sys
 import time
 import tomllib
@@ -61,48 +61,28 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from modalities.batch import InferenceResultBatch
-from modalities.dataloader.dataset_factory import DatasetFactory
-from modalities.dataloader.samplers import ResumableDistributedSampler
-from modalities.loss_functions import CLMCrossEntropyLoss
-from modalities.models.gpt2.collator import GPT2LLMCollateFn
-from modalities.models.gpt2.gpt2_model import GPT2Block, GPT2LLMConfig
-from modalities.models.model_factory import GPT2ModelFactory
-from modalities.optimizers.optimizer_factory import _build_optimizer_groups_via_weight_decay_split
+from modalities.models.gpt2.gpt2_model import GPT2Block
+from reference_training import (INIT_SEED, build_loader, build_loss, build_model, build_optimizer, build_scheduler,
+                                clip_settings, full_state_dict, init_weights)
 
 GLOBAL_BATCH_SIZE = 8
 SEQUENCE_LENGTH = 128
 GRADIENT_ACCUMULATION_STEPS = 1
-INIT_SEED = 1234
-INIT_STD = 0.02
-# the output projections of train_reference.init_weights
-PROJ_PATTERN = r"transformer\.h\.\d+\.attn\.c_proj\.weight|transformer\.h\.\w+\.mlp\.(W_2|c_proj)\.weight"
 MERGED_KEYS = ("generated_by", "command", "versions", "init", "runs")
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def sha256(t):
     return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
 
-def init_weights(model, n_layer):
-    """Draws the initial weights in named_parameters() order; returns {name: rule}."""
-    g = torch.Generator().manual_seed(INIT_SEED)
-    proj_std = INIT_STD / math.sqrt(2 * n_layer)
-    rules = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if re.fullmatch(PROJ_PATTERN, name):
-                p.normal_(0.0, proj_std, generator=g)
-                rules[name] = {"rule": "normal", "mean": 0.0, "std": proj_std}
-            elif name.endswith(".weight") and "norm" not in name:
-                p.normal_(0.0, INIT_STD, generator=g)
-                rules[name] = {"rule": "normal", "mean": 0.0, "std": INIT_STD}
-            else:
-                rules[name] = {"rule": "unchanged"}
-    return rules
+def run_key(world, param_dtype):
+    """The key of a run in the merged file: "2" for fp32, "2_bf16" with bf16 parameters."""
+    return str(world) if param_dtype == "fp32" else f"{world}_{param_dtype}"
 
 
 def describe_init(model, rules):
@@ -146,49 +126,30 @@ def train(args):
 
     with open(args.config, "rb") as f:
         cfg = tomllib.load(f)
-    keys = cfg["settings"]["referencing_keys"]
-    mcfg = dict(cfg["model_raw"]["config"])
-    assert mcfg["sequence_length"] == T and mcfg["dropout"] == 0.0, "expected fsdp2_cpu.toml's model"
-    conf = GPT2LLMConfig(**mcfg)
-    model = GPT2ModelFactory.get_gpt2_model(**{k: getattr(conf, k) for k in type(conf).model_fields})
+    assert cfg["model_raw"]["config"]["sequence_length"] == T and cfg["model_raw"]["config"]["dropout"] == 0.0, \
+        "expected fsdp2_cpu.toml's model"
+    model, conf = build_model(cfg)
     rules = init_weights(model, conf.n_layer)
     init = describe_init(model, rules)
     if rank == 0:
-        # clone every key on its own: safetensors refuses tensors that share storage (the tied lm_head)
-        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, args.init)
+        save_file(full_state_dict(model), args.init)
 
+    # Mixed precision as the config's mixed_precision_settings {param_dtype = "BF_16", reduce_dtype = "FP_32"}:
+    # units all-gathered and computed in bf16, gradients reduced in fp32, fp32 master parameters.
+    mp = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[args.param_dtype], reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.transformer.h.values():
         assert isinstance(block, GPT2Block)
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
 
-    ds_cfg = cfg["train_dataset"]["config"]
-    dataset = DatasetFactory.get_packed_mem_map_dataset_continuous(
-        raw_data_path=Path(ds_cfg["raw_data_path"]), sequence_length=T, sample_key=ds_cfg["sample_key"],
-        reuse_last_target=ds_cfg.get("reuse_last_target", True))
-    smp = cfg["train_dataloader"]["config"]["batch_sampler"]["config"]["sampler"]["config"]
-    sampler = ResumableDistributedSampler(dataset, rank=rank, num_replicas=world, shuffle=smp["shuffle"],
-                                          seed=smp["seed"], drop_last=True, skip_num_global_samples=0)
-    batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size=mbs, drop_last=True)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
-                                         collate_fn=GPT2LLMCollateFn(keys["sample_key"], keys["target_key"]))
-    loss_fn = CLMCrossEntropyLoss(target_key=keys["target_key"], prediction_key=keys["prediction_key"])
-
-    o = cfg["optimizer"]["config"]
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    groups = _build_optimizer_groups_via_weight_decay_split(o["weight_decay"], o["weight_decay_groups_excluded"],
-                                                            model.weight_decay_groups, params)
-    opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                            foreach=o.get("foreach"), fused=o.get("fused"))
-    sc = cfg["scheduler"]["config"]
+    loader = build_loader(cfg, T, mbs, rank, world)
+    loss_fn = build_loss(cfg)
+    opt = build_optimizer(cfg, model)
     W, total = args.warmup, steps  # total_steps = num_target_steps
-    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=sc["initial_lr"] / sc["max_lr"], end_factor=1.0,
-                                             total_iters=W)
-    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - W, eta_min=sc["final_lr"])
-    sched = torch.optim.lr_scheduler.SequentialLR(opt, schedulers=[warm, cos], milestones=[W])
-    clip = cfg["gradient_clipper"]["config"]
-    norm_type = {"P1_NORM": 1.0, "P2_NORM": 2.0, "MAX_NORM": math.inf}[clip["norm_type"]]
+    sched = build_scheduler(cfg, opt, W, total)
+    max_norm, norm_type = clip_settings(cfg)
+    o, sc, clip = cfg["optimizer"]["config"], cfg["scheduler"]["config"], cfg["gradient_clipper"]["config"]
 
     model.train()
     losses, norms, lrs, step_seconds, step_losses = [], [], [], [], []
@@ -202,7 +163,7 @@ def train(args):
         (loss / G).backward()
         step_losses.append(loss.detach())
         if (i + 1) % G == 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip["max_norm"], norm_type=norm_type)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm, norm_type=norm_type)
             norm = full_norm(norm)
             opt.step()
             sched.step()
@@ -223,7 +184,7 @@ def train(args):
 
     if rank == 0:
         result = {
-            "world_size": world, "steps": steps, "loss": losses, "grad_norm": norms, "lr": lrs, **versions(),
+            "world_size": world, "param_dtype": args.param_dtype, "steps": steps, "loss": losses, "grad_norm": norms, "lr": lrs, **versions(),
             "init": init, "seconds_per_step": step_seconds, "threads": torch.get_num_threads(),
             "config": (f"configs/distributed/fsdp2_cpu.toml: GPT2LLM n_layer={conf.n_layer} n_embd={conf.n_embd} "
                        f"vocab={conf.vocab_size} tied; global batch {GLOBAL_BATCH_SIZE} = {world} ranks x micro batch "
@@ -231,7 +192,7 @@ def train(args):
                        f"eps {o['eps']} wd {o['weight_decay']} (excluded {o['weight_decay_groups_excluded']}) "
                        f"fused={o.get('fused')}; warmup {W} from {sc['initial_lr']} to {sc['max_lr']}, cosine to "
                        f"{sc['final_lr']} over {total} steps; clip {clip['norm_type']} max_norm {clip['max_norm']}; "
-                       f"fully_shard per GPT2Block + root, gloo, fp32"),
+                       f"fully_shard per GPT2Block + root, gloo, param_dtype {args.param_dtype}, reduce_dtype fp32"),
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -250,19 +211,20 @@ def merge(args):
         if init is None:
             init = run_init
         assert run_init == init, f"{path}: initial weights differ from the first run's"
-        runs[str(r["world_size"])] = r
+        runs[run_key(r["world_size"], r.get("param_dtype", "fp32"))] = r
     first = next(iter(runs.values()))
     command = ("mkdir -p /tmp/fsdp2_ref; LOCAL_RANK=0 RANK=0 WORLD_SIZE=1 build/bin/modalities config resolve configs/distributed/fsdp2_cpu.toml "
                "--experiments_root_path /tmp/fsdp2_ref --experiment_id ref > /tmp/fsdp2_ref/resolved.toml; " +
-               "; ".join(f"OMP_NUM_THREADS=1 .deps/bench/bin/torchrun --standalone --nproc_per_node {n} "
+               "; ".join(f"OMP_NUM_THREADS=1 .deps/bench/bin/torchrun --standalone --nproc_per_node {r['world_size']} "
                          f"scripts/reference/fsdp2_reference.py --config /tmp/fsdp2_ref/resolved.toml "
-                         f"--steps {r['steps']} --warmup {args.warmup} --init /tmp/fsdp2_ref/init_{n}.safetensors "
-                         f"--out /tmp/fsdp2_ref/run_{n}.json" for n, r in runs.items()) +
+                         f"--steps {r['steps']} --warmup {args.warmup} --param-dtype {r.get('param_dtype', 'fp32')} "
+                         f"--init /tmp/fsdp2_ref/init_{n}.safetensors --out /tmp/fsdp2_ref/run_{n}.json"
+                         for n, r in runs.items()) +
                "; .deps/bench/bin/python scripts/reference/fsdp2_reference.py --merge " +
                " ".join(f"/tmp/fsdp2_ref/run_{n}.json" for n in runs) + f" --warmup {args.warmup} --out {args.out}")
     out = {"generated_by": "scripts/reference/fsdp2_reference.py", "command": command,
            "versions": {k: first[k] for k in ("torch", "modalities", "python")}, "init": init, "runs": runs}
-    names = list(runs)
+    names = [n for n, r in runs.items() if r.get("param_dtype", "fp32") == "fp32"]
     worst = {}
     for a in range(len(names)):
         for b in range(a + 1, len(names)):
@@ -284,6 +246,8 @@ def main():
     ap.add_argument("--init", help="where rank 0 writes the initial weights (.safetensors)")
     ap.add_argument("--out", required=True, help="where rank 0 writes the results (.json)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
+    ap.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
+                    help="FSDP2 MixedPrecisionPolicy param_dtype (reduce_dtype is always fp32)")
     ap.add_argument("--merge", nargs="+", metavar="RUN_JSON",
                     help="instead of training: merge the JSONs of several runs into --out")
     args = ap.parse_args()

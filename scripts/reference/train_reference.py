@@ -23,34 +23,15 @@ is the venv of scripts/setup_bench_env.sh (Modalities 0.5.0, torch 2.11.0).
 """
 import argparse
 import json
-import math
-import re
 import time
 import tomllib
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from modalities.dataloader.dataset_factory import DatasetFactory
-from modalities.dataloader.samplers import ResumableDistributedSampler
-from modalities.loss_functions import CLMCrossEntropyLoss
-from modalities.models.gpt2.collator import GPT2LLMCollateFn
-from modalities.models.gpt2.gpt2_model import GPT2LLMConfig
-from modalities.models.model_factory import GPT2ModelFactory
-from modalities.optimizers.optimizer_factory import _build_optimizer_groups_via_weight_decay_split
 from modalities.batch import InferenceResultBatch
-
-
-def init_weights(model, n_layer, seed):
-    """Composed 'scaled' initialisation: N(0, 0.02), output projections 0.02/sqrt(2L)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if re.fullmatch(r"transformer\.h\.\d+\.attn\.c_proj\.weight|transformer\.h\.\w+\.mlp\.(W_2|c_proj)\.weight", name):
-                p.normal_(0.0, 0.02 / math.sqrt(2 * n_layer), generator=g)
-            elif name.endswith(".weight") and "norm" not in name:
-                p.normal_(0.0, 0.02, generator=g)
+from reference_training import (build_loader, build_loss, build_model, build_optimizer, build_scheduler,
+                                clip_settings, full_state_dict, init_weights)
 
 
 def main():
@@ -70,40 +51,16 @@ def main():
     T, mbs, G = sp["sequence_length"], sp["local_train_micro_batch_size"], sp["gradient_accumulation_steps"]
     steps = s["training_target"]["num_target_steps"]
 
-    mcfg = dict(cfg["model_raw"]["config"])
-    conf = GPT2LLMConfig(**mcfg)
-    model = GPT2ModelFactory.get_gpt2_model(**{k: getattr(conf, k) for k in type(conf).model_fields})
-    init_weights(model, conf.n_layer, 1234)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, args.init)
+    model, conf = build_model(cfg)
+    init_weights(model, conf.n_layer)
+    save_file(full_state_dict(model), args.init)
 
-    ds_cfg = cfg["train_dataset"]["config"]
-    dataset = DatasetFactory.get_packed_mem_map_dataset_continuous(
-        raw_data_path=Path(ds_cfg["raw_data_path"]), sequence_length=T, sample_key=ds_cfg["sample_key"],
-        reuse_last_target=ds_cfg.get("reuse_last_target", True))
-    smp = cfg["train_dataloader"]["config"]["batch_sampler"]["config"]["sampler"]["config"]
-    sampler = ResumableDistributedSampler(dataset, rank=0, num_replicas=1, shuffle=smp["shuffle"], seed=smp["seed"],
-                                          drop_last=True, skip_num_global_samples=0)
-    batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size=mbs, drop_last=True)
-    keys = s["referencing_keys"]
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
-                                         collate_fn=GPT2LLMCollateFn(keys["sample_key"], keys["target_key"]))
-    loss_fn = CLMCrossEntropyLoss(target_key=keys["target_key"], prediction_key=keys["prediction_key"])
-
-    o = cfg["optimizer"]["config"]
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    groups = _build_optimizer_groups_via_weight_decay_split(o["weight_decay"], o["weight_decay_groups_excluded"],
-                                                            model.weight_decay_groups, params)
-    opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                            foreach=o.get("foreach"), fused=o.get("fused"))
+    loader = build_loader(cfg, T, mbs)
+    loss_fn = build_loss(cfg)
+    opt = build_optimizer(cfg, model)
     sc = cfg["scheduler"]["config"]
-    W, total = sc["warmup_steps"], sc["total_steps"]
-    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=sc["initial_lr"] / sc["max_lr"], end_factor=1.0,
-                                             total_iters=W)
-    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - W, eta_min=sc["final_lr"])
-    sched = torch.optim.lr_scheduler.SequentialLR(opt, schedulers=[warm, cos], milestones=[W])
-    clip = cfg["gradient_clipper"]["config"]
-    norm_type = {"P1_NORM": 1.0, "P2_NORM": 2.0, "MAX_NORM": math.inf}[clip["norm_type"]]
+    sched = build_scheduler(cfg, opt, sc["warmup_steps"], sc["total_steps"])
+    max_norm, norm_type = clip_settings(cfg)
 
     model.train()
     losses, norms, lrs, step_seconds = [], [], [], []
@@ -117,7 +74,7 @@ def main():
         (loss / G).backward()
         step_losses.append(loss.item())
         if (i + 1) % G == 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip["max_norm"], norm_type=norm_type)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm, norm_type=norm_type)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

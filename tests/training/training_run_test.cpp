@@ -358,7 +358,9 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
                                         {{"RANK", "0"}, {"LOCAL_RANK", "0"}, {"WORLD_SIZE", world}});
     EXPECT_EQ(r.exit_code, 0) << r;
     EXPECT_THAT(r.out, HasSubstr("valid for pipeline 'training'")) << r;
-    if (std::string(name).starts_with("configs/distributed/")) EXPECT_THAT(r.err, Not(HasSubstr("warning"))) << r;
+    if (std::string(name).starts_with("configs/distributed/")) {
+      EXPECT_THAT(r.err, Not(HasSubstr("warning"))) << r;
+    }
   }
 }
 

@@ -44,11 +44,12 @@ using i64 = std::int64_t;
 struct Param {
   std::string fqn;
   at::Tensor module_param;  // the inner model's tensor; data: a view of `full`
-  at::Tensor full;          // [rows_per_rank * world, rest...]; its storage bytes come and go
-  at::Tensor empty;         // [0, rest...]: the module parameter's data while the unit is not gathered
+  at::Tensor full;          // [rows_per_rank * world, rest...] in the gather dtype; its storage bytes come and go
+  at::Tensor empty;         // [0, rest...], same dtype: the module parameter's data while the unit is not gathered
   at::Tensor shard;         // leaf the optimizer sees: [local_rows, rest...], a view into the unit's flat shard
   at::Tensor shard_padded;  // [rows_per_rank, rest...] view into the flat shard (zero rows past the end)
   std::vector<i64> full_shape;
+  std::vector<i64> padded_full_shape;  // full_shape with rows_per_rank * world rows
   i64 rows = 0, rows_per_rank = 0, local_rows = 0, row_numel = 0;
   i64 offset = 0;  // into the unit's flat shard, in elements
   i64 padded_numel() const { return rows_per_rank * row_numel; }
@@ -67,6 +68,7 @@ struct Unit {
   // A prefetched all-gather in flight (Note [Prefetching]): its work and output buffer.
   c10::intrusive_ptr<c10d::Work> pending;
   at::Tensor pending_buffer;
+  at::Tensor pending_send;           // the shard cast to the gather dtype, alive until the gather ends
 };
 
 // Frees / re-allocates the bytes of a tensor's storage without touching the tensor.
@@ -103,8 +105,7 @@ class Engine {
       world_ = o_.shard_group->getSize();
       rank_ = o_.shard_group->getRank();
     }
-    // Mixed precision: the inner model casts its (gathered, fp32) parameters at each use, as
-    // model/mixed_precision does in one process; gradients reach the fp32 buffers.
+    // Mixed precision (Note [Mixed precision]): the inner model computes in param_dtype.
     if (o_.param_dtype) inner_->set_param_dtype(o_.param_dtype);
     materialize_meta();
     build_units();
@@ -122,12 +123,16 @@ class Engine {
   int world() const { return world_; }
   int rank() const { return rank_; }
 
-  // Gathers every unit (e.g. to read or re-initialize full parameters), then frees them.
+  // Gathers every unit at full (master) precision, e.g. to read or re-initialize full
+  // parameters, then frees them.
   template <class F>
   void with_all_gathered(F&& f) {
+    for (std::size_t u = 0; u < units_.size(); ++u) release(u);  // a unit still gathered in param_dtype
+    exact_ = true;
     for (std::size_t u = 0; u < units_.size(); ++u) gather(u);
     f();
     for (std::size_t u = 0; u < units_.size(); ++u) release(u);
+    exact_ = false;
   }
 
   // Copies the module parameters' current (gathered) values into this rank's shards.
@@ -241,16 +246,12 @@ class Engine {
             local.copy_(p.module_param.detach().narrow(0, static_cast<i64>(rank_) * p.rows_per_rank, p.local_rows));
         }
         p.shard = local.detach().requires_grad_(p.module_param.requires_grad());
-        // The module parameter becomes a view of its full (padded) buffer, in the compute dtype.
-        std::vector<i64> full_padded_shape = p.full_shape;
-        full_padded_shape[0] = p.rows_per_rank * world_;
-        p.full = at::empty(full_padded_shape, p.module_param.options().requires_grad(false));
-        std::vector<i64> empty_shape = p.full_shape;
-        empty_shape[0] = 0;
-        p.empty = at::empty(empty_shape, p.module_param.options().requires_grad(false));
-        free_storage(p.full);
+        // The module parameter becomes a view of its full (padded) buffer, in the gather dtype.
         // Not gathered: the module parameter is an empty tensor, so anything that reads it
         // outside a forward (the inner model's own state_dict(), conformance checks) reads no bytes.
+        p.padded_full_shape = p.full_shape;
+        p.padded_full_shape[0] = p.rows_per_rank * world_;
+        buffers_in(p, gather_dtype(unit));
         at::NoGradGuard no_grad;
         p.module_param.set_data(p.empty);
         torch::autograd::impl::set_post_acc_grad_hooks(p.module_param, std::make_unique<GradAccumulated>(this, u));
@@ -293,6 +294,31 @@ class Engine {
         points));
   }
 
+  // Note [Mixed precision]
+  // With a param_dtype (bf16, say) other than the master shards' dtype, FSDP2's way: a unit is
+  // all-gathered in param_dtype (the shard is cast before the collective, halving its bytes), so
+  // the module parameters are param_dtype tensors while gathered, the model computes in it, and
+  // autograd accumulates param_dtype gradients into them; the reduce-scatter then runs in
+  // reduce_dtype (the gradient is cast into its send buffer) and the optimizer updates fp32 master
+  // shards. Gathers for reading or re-initializing full parameters (with_all_gathered) move the
+  // master dtype, so nothing written back to the shards is rounded. A parameter's dtype changes
+  // only between passes, never while autograd holds views of its buffer.
+  c10::ScalarType gather_dtype(const Unit& unit) const {
+    const c10::ScalarType master = unit.flat_shard.scalar_type();
+    return exact_ || !o_.param_dtype ? master : *o_.param_dtype;
+  }
+
+  // (Re)creates a parameter's full and empty buffers in `dtype`; the full one without storage.
+  static void buffers_in(Param& p, c10::ScalarType dtype) {
+    if (p.full.defined() && p.full.scalar_type() == dtype) return;
+    const auto options = p.module_param.options().dtype(dtype).requires_grad(false);
+    p.full = at::empty(p.padded_full_shape, options);
+    free_storage(p.full);
+    std::vector<i64> empty_shape = p.full_shape;
+    empty_shape[0] = 0;
+    p.empty = at::empty(empty_shape, options);
+  }
+
   void begin_forward(std::size_t u) {
     std::lock_guard lock(mutex_);
     Unit& unit = units_[u];
@@ -322,9 +348,11 @@ class Engine {
     Unit& unit = units_[u];
     if (unit.gathered || unit.pending_buffer.defined() || unit.params.empty()) return;
     at::NoGradGuard no_grad;
-    unit.pending_buffer = at::empty({unit.shard_numel * world_}, unit.flat_shard.options());
-    if (world_ > 1) unit.pending = o_.shard_group->_allgather_base(unit.pending_buffer, unit.flat_shard);
-    else unit.pending_buffer.copy_(unit.flat_shard);
+    const c10::ScalarType dtype = gather_dtype(unit);
+    unit.pending_send = unit.flat_shard.scalar_type() == dtype ? unit.flat_shard : unit.flat_shard.to(dtype);
+    unit.pending_buffer = at::empty({unit.shard_numel * world_}, unit.flat_shard.options().dtype(dtype));
+    if (world_ > 1) unit.pending = o_.shard_group->_allgather_base(unit.pending_buffer, unit.pending_send);
+    else unit.pending_buffer.copy_(unit.pending_send);
     bytes_gathered_ += static_cast<double>(unit.pending_buffer.nbytes());
   }
 
@@ -344,9 +372,14 @@ class Engine {
     const at::Tensor gathered = unit.pending_buffer;
     unit.pending.reset();
     unit.pending_buffer = at::Tensor();
+    unit.pending_send = at::Tensor();
+    // A prefetch is consumed in the pass that started it (Note [Prefetching]), so it has this dtype.
+    TORCH_CHECK(gathered.scalar_type() == gather_dtype(unit), "fsdp: unit ", unit.name, " was prefetched in ",
+                gathered.scalar_type(), " but is needed in ", gather_dtype(unit));
     const at::Tensor by_rank = gathered.view({world_, unit.shard_numel});
     for (std::size_t i : unit.params) {
       Param& p = params_[i];
+      buffers_in(p, gathered.scalar_type());
       allocate_storage(p.full);
       p.full.view({world_, p.padded_numel()}).copy_(by_rank.narrow(1, p.offset, p.padded_numel()));
       // set_data keeps the parameter's identity and version counter; views of it that autograd
@@ -416,18 +449,22 @@ class Engine {
   std::vector<std::shared_ptr<RemovableHandle>> hooks_;
   std::recursive_mutex mutex_;  // backward hooks run on autograd's threads
   bool sync_ = true;
+  bool exact_ = false;  // gather in the master dtype (with_all_gathered; Note [Mixed precision])
   double bytes_gathered_ = 0, bytes_reduced_ = 0;  // since construction; see traffic()
 
  public:
   /// Bytes this rank's all-gathers produced and its reduce-scatters consumed (the collectives'
-  /// full buffers) since construction, and the parameter bytes of one full (padded) model.
+  /// full buffers) since construction, and the parameter bytes of one full (padded) model in the
+  /// gather dtype.
   struct Traffic {
     double gathered = 0, reduced = 0, model = 0, root = 0;
   };
   Traffic traffic() const {
     Traffic t{bytes_gathered_, bytes_reduced_, 0, 0};
     for (const Unit& unit : units_) {
-      const double b = static_cast<double>(unit.shard_numel * world_) * static_cast<double>(unit.flat_shard.defined() ? unit.flat_shard.element_size() : 4);
+      if (!unit.flat_shard.defined()) continue;
+      const double b = static_cast<double>(unit.shard_numel * world_) *
+                       static_cast<double>(c10::elementSize(gather_dtype(unit)));
       t.model += b;
       if (unit.root) t.root = b;
     }

@@ -46,8 +46,9 @@ struct ShardingOptions {
   std::int64_t blocks_per_unit = 1;
   /// FQNs of the blocks, in forward order (each becomes part of a unit); the rest is the root unit.
   std::vector<std::string> block_fqns;
-  /// Mixed precision: the dtype the model computes in (its parameters are cast at each use,
-  /// Module::set_param_dtype) and the dtype of the gradient reduction. Gathers move fp32.
+  /// Mixed precision: the dtype units are all-gathered and computed in (the model's parameters
+  /// are param_dtype tensors while gathered; fp32 master shards) and the dtype of the gradient
+  /// reduction (default: the master dtype). Note [Mixed precision] in fully_shard.cpp.
   std::optional<c10::ScalarType> param_dtype, reduce_dtype;
   /// Start the next unit's all-gather while this one computes (Note [Prefetching]); false waits
   /// for every gather where it is needed (for measurement).

@@ -13,6 +13,7 @@
 #include <modalities/sdk/module_hooks.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
 #include <modalities/sdk/mixed_precision.h>
+#include <modalities/sdk/norms.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
@@ -46,48 +47,12 @@ namespace {
 // Configuration (README.md, "`model/gpt2` config")
 // ===================================================================================
 
-enum class NormKind { kLayerNorm, kRmsLayerNorm, kTorchRmsNorm };
-
-// The three norm config schemas of the `layer_norm` component.
-struct LayerNormFields {
-  std::int64_t normalized_shape = 0;
-  double eps = 1e-6;
-  bool elementwise_affine = true;
-  bool bias = true;
-  static void describe(Schema<LayerNormFields>& s) {
-    s.field("normalized_shape", &LayerNormFields::normalized_shape, "Size of the normalised (last) dimension.")
-        .required()
-        .at_least(1);
-    s.field("eps", &LayerNormFields::eps,
-            "Added to the variance. Effective default: 1e-5 unless elementwise_affine or bias is given, "
-            "then 1e-6 (Modalities' config-union resolution).")
-        .positive();
-    s.field("elementwise_affine", &LayerNormFields::elementwise_affine, "Learn a per-feature weight (and bias).");
-    s.field("bias", &LayerNormFields::bias, "Learn a per-feature bias (only with elementwise_affine).");
-  }
-};
-
-struct RmsLayerNormFields {
-  std::int64_t ndim = 0;
-  double epsilon = 1e-6;
-  bool bias = true;
-  static void describe(Schema<RmsLayerNormFields>& s) {
-    s.field("ndim", &RmsLayerNormFields::ndim, "Size of the normalised (last) dimension.").required().at_least(1);
-    s.field("epsilon", &RmsLayerNormFields::epsilon, "Added to the mean square.").positive();
-    s.field("bias", &RmsLayerNormFields::bias, "Learn a per-feature bias.");
-  }
-};
-
-struct TorchRmsNormFields {
-  std::int64_t normalized_shape = 0;
-  double eps = 1e-5;
-  static void describe(Schema<TorchRmsNormFields>& s) {
-    s.field("normalized_shape", &TorchRmsNormFields::normalized_shape, "Size of the normalised (last) dimension.")
-        .required()
-        .at_least(1);
-    s.field("eps", &TorchRmsNormFields::eps, "Added to the mean square.").positive();
-  }
-};
+// The norm config schemas and formulas are the `layer_norm` component's, from the SDK
+// (modalities/sdk/norms.h), so model/gpt2 and layer_norm/* cannot drift apart.
+using NormKind = norms::Kind;
+using LayerNormFields = norms::LayerNormConfig;
+using RmsLayerNormFields = norms::RmsLayerNormConfig;
+using TorchRmsNormFields = norms::TorchRmsNormConfig;
 
 /// `{norm_type, config}` (Modalities' LayerNormWrapperConfig), resolved to what
 /// the norm module needs. The config schema is chosen by norm_type.
@@ -198,7 +163,10 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
     config.required = true;
     config.help = "Settings; the schema depends on norm_type.";
     config.children = {
-        schema_as_field("[norm_type = layer_norm] config", "LayerNorm keys", Schema<LayerNormFields>::instance().fields()),
+        schema_as_field("[norm_type = layer_norm] config",
+                        "LayerNorm keys; eps defaults to 1e-5 unless elementwise_affine or bias is given, then 1e-6 "
+                        "(Modalities' config-union resolution)",
+                        Schema<LayerNormFields>::instance().fields()),
         schema_as_field("[norm_type = rms_norm] config", "RMSLayerNorm keys",
                         Schema<RmsLayerNormFields>::instance().fields()),
         schema_as_field("[norm_type = pytorch_rms_norm] config", "RMSNorm keys",
@@ -545,7 +513,7 @@ class EmbeddingImpl final : public Leaf {
 class NormImpl final : public Leaf {
  public:
   NormImpl(const NormWrapperConfig& c, const at::TensorOptions& o)
-      : Leaf(c.kind == NormKind::kLayerNorm ? "LayerNorm" : c.kind == NormKind::kRmsLayerNorm ? "RMSLayerNorm" : "RMSNorm"),
+      : Leaf(norms::module_name(c.kind)),
         kind_(c.kind),
         n_(c.size),
         eps_(c.eps) {
@@ -557,24 +525,12 @@ class NormImpl final : public Leaf {
     if (weight.defined()) weight.fill_(1.0);
     if (bias.defined()) bias.zero_();
   }
-  // x: [..., n] -> [..., n], Modalities' norm formulas (README.md)
+  // x: [..., n] -> [..., n], Modalities' norm formulas (README.md), in the compute dtype dt.
   at::Tensor operator()(const at::Tensor& x, Dt dt) const {
-    switch (kind_) {
-      case NormKind::kLayerNorm:
-        return at::layer_norm(x, {n_}, cast(weight, dt), cast(bias, dt), eps_);
-      case NormKind::kTorchRmsNorm:
-        if (x.dim() >= 1 && x.size(-1) == n_) return fused_rms_norm(x, cast(weight, dt), eps_);
-        return at::rms_norm(x, {n_}, weight.defined() ? std::optional(cast(weight, dt)) : std::nullopt, eps_);
-      case NormKind::kRmsLayerNorm: {
-        // Modalities' RMSLayerNorm: normalise in fp32, cast back, then scale (and shift) in x's dtype.
-        const at::Tensor xf = x.to(at::kFloat);
-        at::Tensor y = (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_)).to(x.scalar_type());
-        y = y * cast(weight, dt);
-        if (bias.defined()) y = y + cast(bias, dt);
-        return y;
-      }
-    }
-    return {};
+    // CPU fast path of RMSNorm, bit-identical to at::rms_norm (fused_ops.h).
+    if (kind_ == NormKind::kTorchRmsNorm && x.dim() >= 1 && x.size(-1) == n_)
+      return fused_rms_norm(x, cast(weight, dt), eps_);
+    return norms::apply(kind_, x, n_, cast(weight, dt), cast(bias, dt), eps_);
   }
 
   at::Tensor weight, bias;

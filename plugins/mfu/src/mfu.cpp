@@ -9,6 +9,7 @@
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/mfu_calculator.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
@@ -22,7 +23,6 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <unordered_set>
 
 namespace modalities::plugins::mfu {
 namespace {
@@ -56,25 +56,6 @@ struct Gpt2MfuConfig {
   }
 };
 
-// Sum of element counts of parameters with requires_grad, each tensor once
-// (a tied matrix is one parameter), at its global (unsharded) size.
-std::int64_t count_trainable_parameters(const Module& model) {
-  const auto placements = model.shard_placements();
-  std::unordered_set<const void*> seen;
-  std::int64_t n = 0;
-  for (const auto& [name, t] : model.named_parameters()) {
-    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
-    if (auto it = placements.find(name); it != placements.end()) {
-      std::int64_t global = 1;
-      for (std::int64_t d : it->second.global_shape) global *= d;
-      n += global;
-    } else {
-      n += t.numel();
-    }
-  }
-  return n;
-}
-
 // Name of a CUDA device; nullopt in builds without CUDA.
 std::optional<std::string> cuda_device_name(const c10::Device& device) {
 #if defined(MODALITIES_WITH_CUDA)
@@ -94,7 +75,7 @@ class Gpt2MfuCalculator final : public MFUCalculator {
       throw Error(fmt::format("mfu_calculator/gpt2: counting parameters over {} pipeline stages is not supported yet "
                               "(each stage holds only its own blocks)",
                               (*c.device_mesh)->size("pp")));
-    const std::int64_t n = count_trainable_parameters(*c.model_parts);
+    const std::int64_t n = count_trainable_parameters({c.model_parts.get()});
     flops_per_token_ = 6.0 * static_cast<double>(n) +
                        12.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.sequence_length) *
                            static_cast<double>(c.n_embd);

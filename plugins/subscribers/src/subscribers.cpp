@@ -6,11 +6,10 @@
 //   results to_disc  Modalities' JSONL results file, byte for byte
 //   results rich   Modalities' console line "<time> | step: n | k: v | ... | "
 // (`results_subscriber/wandb` needs the network and is not provided.)
-#include "python_format.h"
-
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/plugin.h>
+#include <modalities/sdk/python_format.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -51,25 +50,6 @@ class DummySubscriber final : public MessageSubscriber {
 
 // ---------------------------------------------------------------------------
 // Text form of a result (Modalities' batch.py EvaluationResultBatch.__str__)
-
-// "k: v" items of one group joined by " | ", then " | " (also after an empty group).
-std::string group_text(const ResultItems& items) {
-  std::string s;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    const auto& [key, item] = items[i];
-    if (i > 0) s += " | ";
-    // Without decimal places Modalities formats the 0-d mean tensor, and
-    // Tensor.__format__ prints a 0-d tensor as its item(): the float's repr.
-    const double mean = py::mean_as_float(item.value);
-    s += key + ": " + py::float_repr(item.decimal_places ? py::round(mean, *item.decimal_places) : mean);
-  }
-  return s + " | ";
-}
-
-std::string result_text(const EvaluationResultBatch& r) {
-  return fmt::format("step: {} | ", r.num_train_steps_done) + group_text(r.throughput_metrics) +
-         group_text(r.losses) + group_text(r.metrics);
-}
 
 // datetime.now().isoformat(timespec="seconds"): local time, no zone.
 std::string iso_timestamp() {
@@ -133,7 +113,7 @@ class RichResultsSubscriber final : public MessageSubscriber {
     if (r == nullptr) return;
     std::string line = iso_timestamp() + " | ";
     if (show_tag_) line += "Dataloader: " + r->dataloader_tag + " | ";
-    print_line(line + result_text(*r));
+    print_line(line + result_line(*r));
   }
 
   // Modalities raises NotImplementedError here, which ends every training

@@ -4,10 +4,9 @@
 // number/string spelling with ~2,700 cases from Python (tests/data/python_format.tsv);
 // both produced by scripts/reference/make_subscribers_reference.py. The
 // progress bar is checked in its plain-line (non-terminal) form.
-#include "python_format.h"
-
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
+#include <modalities/sdk/python_format.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>

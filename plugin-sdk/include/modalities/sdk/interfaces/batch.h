@@ -110,6 +110,13 @@ struct EvaluationResultBatch {
   ResultItems throughput_metrics;        // "train samples/s", "lr mean", ...
 };
 
+/// Modalities' text of a result, "step: n | k: v | ... | ": the throughput
+/// metrics, losses and metrics in order, each group followed by " | " (also when
+/// empty), every value the float32 mean of its tensor, rounded to its decimal
+/// places and spelled as Python prints it. The one formatter of the training log
+/// line: the gym and results_subscriber/rich both print it. Since: SDK 0.1 (ABI 3).
+MODALITIES_SDK_API std::string result_line(const EvaluationResultBatch& r);
+
 /// How far training is, counted in optimizer steps and tokens. The previous-run
 /// counters are non-zero after a warm start; the totals are what checkpoint
 /// names and interval checks use. Since: SDK 0.1.

@@ -1,10 +1,10 @@
-// How Python spells the numbers and strings that Modalities' subscribers print:
-// repr(float), round(x, n) and json.dumps. The
-// results subscribers must reproduce Modalities' log line and JSONL file byte
-// for byte, and no C++ JSON or formatting library follows these rules (JSON
-// libraries print NaN as null, use other separators and exponent thresholds),
-// so they are written out here. Header-only so the test checks them directly
-// against values produced by Python (tests/data/python_format.tsv).
+// How Python spells the numbers and strings that Modalities prints: repr(float),
+// round(x, n) and json.dumps. The training log line (result_line in
+// interfaces/batch.h) and the results subscribers' JSONL file must match
+// Modalities' byte for byte, and no C++ JSON or formatting library follows these
+// rules (JSON libraries print NaN as null, use other separators and exponent
+// thresholds), so they are written out here. Checked against ~2,700 values
+// produced by Python (plugins/subscribers/tests/data/python_format.tsv).
 #pragma once
 
 #include <modalities/sdk/error.h>
@@ -21,7 +21,7 @@
 #include <string_view>
 #include <vector>
 
-namespace modalities::plugins::subscribers::py {
+namespace modalities::py {
 
 /// Python's repr(float) (also str(float)): the shortest digits that round-trip,
 /// fixed notation for decimal exponents -4 <= e < 16 (always with a fraction,
@@ -205,4 +205,4 @@ inline double mean_as_float(const at::Tensor& value) {
   return value.detach().to(at::kFloat).mean().item<double>();
 }
 
-}  // namespace modalities::plugins::subscribers::py
+}  // namespace modalities::py
