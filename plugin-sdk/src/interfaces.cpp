@@ -315,6 +315,12 @@ std::shared_ptr<RemovableHandle> Module::add_hook(ModuleHook /*hook*/, std::span
                           module().name()));
 }
 
+std::shared_ptr<RemovableHandle> Module::add_block_runner(BlockRunner /*runner*/, std::span<const std::string> /*fqns*/) {
+  throw Error(fmt::format("model '{}' cannot run its blocks through a block runner (needed by activation "
+                          "checkpointing); its forward must call ModuleHooks::around for each block",
+                          module().name()));
+}
+
 std::map<std::string, ShardPlacement> Module::shard_placements() const { return {}; }
 
 bool Module::synchronizes_gradients() const { return false; }

@@ -18,18 +18,35 @@ void call_entries(const std::vector<ModuleHooks::Entry>& entries, HookPoint poin
     if (e.fqns.empty() || e.fqns.contains(std::string(fqn))) e.hook(c);
 }
 
+template <class E>
 class Handle final : public RemovableHandle {
  public:
-  Handle(std::weak_ptr<std::vector<ModuleHooks::Entry>> list, std::uint64_t id) : list_(std::move(list)), id_(id) {}
+  Handle(std::weak_ptr<std::vector<E>> list, std::uint64_t id) : list_(std::move(list)), id_(id) {}
   void remove() noexcept override {
-    if (auto l = list_.lock()) std::erase_if(*l, [&](const ModuleHooks::Entry& e) { return e.id == id_; });
+    if (auto l = list_.lock()) std::erase_if(*l, [&](const E& e) { return e.id == id_; });
     list_.reset();
   }
 
  private:
-  std::weak_ptr<std::vector<ModuleHooks::Entry>> list_;
+  std::weak_ptr<std::vector<E>> list_;
   std::uint64_t id_;
 };
+
+// The fqns of an add()/add_runner() request, each checked against `allowed` ("" too if `root`).
+std::unordered_set<std::string> checked_fqns(std::span<const std::string> fqns, const std::vector<std::string>& allowed,
+                                             bool root, std::string_view model, std::string_view what) {
+  std::unordered_set<std::string> wanted;
+  for (const std::string& fqn : fqns) {
+    const bool ok = (root && fqn.empty()) || std::find(allowed.begin(), allowed.end(), fqn) != allowed.end();
+    if (!ok)
+      throw Error(fmt::format("{}: cannot {} '{}': {} ({})", model, what, fqn,
+                              root ? "hooks fire on the root (\"\") and the blocks" : "runners run blocks",
+                              allowed.empty() ? std::string("none in this part")
+                                              : fmt::format("\"{}\" ... \"{}\"", allowed.front(), allowed.back())));
+    wanted.insert(fqn);
+  }
+  return wanted;
+}
 
 }  // namespace
 
@@ -54,11 +71,14 @@ void ModuleHooks::on_backward(const at::Tensor& output, std::string fqn, std::st
 }
 
 at::Tensor ModuleHooks::around(const std::string& fqn, const std::string& class_name, const at::Tensor& input,
-                               const std::function<at::Tensor(const at::Tensor&)>& f) const {
+                               const BlockFunction& f) const {
   if (empty()) return f(input);
+  const BlockRunner* runner = nullptr;
+  for (const RunnerEntry& r : *runners_)
+    if (r.fqns.empty() || r.fqns.contains(fqn)) runner = &r.runner;
   const at::Tensor in[] = {input};
   call(HookPoint::kPreForward, fqn, class_name, in, {});
-  at::Tensor out = f(input);
+  at::Tensor out = runner != nullptr ? (*runner)(input, f) : f(input);
   const at::Tensor outs[] = {out};
   call(HookPoint::kForward, fqn, class_name, in, outs);
   if (wants(fqn)) on_backward(out, fqn, class_name);
@@ -68,16 +88,23 @@ at::Tensor ModuleHooks::around(const std::string& fqn, const std::string& class_
 std::shared_ptr<RemovableHandle> ModuleHooks::add(ModuleHook hook, std::span<const std::string> fqns,
                                                   const std::vector<std::string>& hookable, std::string_view model) {
   if (!hook) throw Error(fmt::format("{}: add_hook needs a callable hook", model));
-  std::unordered_set<std::string> wanted;
-  for (const std::string& fqn : fqns) {
-    if (!fqn.empty() && std::find(hookable.begin(), hookable.end(), fqn) == hookable.end())
-      throw Error(fmt::format("{}: cannot hook '{}': hooks fire on the root (\"\") and the blocks ({})", model, fqn,
-                              hookable.empty() ? std::string("none in this part")
-                                               : fmt::format("\"{}\" ... \"{}\"", hookable.front(), hookable.back())));
-    wanted.insert(fqn);
-  }
+  std::unordered_set<std::string> wanted = checked_fqns(fqns, hookable, /*root=*/true, model, "hook");
   entries_->push_back({next_id_, std::move(hook), std::move(wanted)});
-  return std::make_shared<Handle>(entries_, next_id_++);
+  return std::make_shared<Handle<Entry>>(entries_, next_id_++);
+}
+
+std::shared_ptr<RemovableHandle> ModuleHooks::add_runner(BlockRunner runner, std::span<const std::string> fqns,
+                                                         const std::vector<std::string>& blocks, std::string_view model) {
+  if (!runner) throw Error(fmt::format("{}: add_block_runner needs a callable runner", model));
+  std::unordered_set<std::string> wanted = checked_fqns(fqns, blocks, /*root=*/false, model, "run block");
+  for (const RunnerEntry& r : *runners_)
+    for (const std::string& b : blocks) {
+      const bool mine = wanted.empty() || wanted.contains(b);
+      const bool theirs = r.fqns.empty() || r.fqns.contains(b);
+      if (mine && theirs) throw Error(fmt::format("{}: block '{}' already has a block runner (one per block)", model, b));
+    }
+  runners_->push_back({next_id_, std::move(runner), std::move(wanted)});
+  return std::make_shared<Handle<RunnerEntry>>(runners_, next_id_++);
 }
 
 }  // namespace modalities

@@ -631,6 +631,36 @@ peak_flops_per_device = 1e9
   EXPECT_GT(counts[0], 50304 * 128);
 }
 
+// Activation checkpointing under FSDP2 (Modalities' order: checkpoint the blocks, then shard) on
+// 2 ranks: every logged loss and grad norm is bit for bit that of the same run without it.
+TEST(DistributedRunTest, ActivationCheckpointingUnderFsdp2OnTwoRanksChangesNoBit) {
+  const modalities::testing::ScratchDir dir;
+  const std::string plain = fsdp2_config(6);
+  std::string checkpointed = plain;
+  const std::string inner = R"(model = { instance_key = "initialized_model", pass_type = "BY_REFERENCE" })";
+  const auto at = checkpointed.find(inner, checkpointed.find("[model.config]"));
+  ASSERT_NE(at, std::string::npos);
+  checkpointed.replace(at, inner.size(), R"(model = { instance_key = "checkpointed_model", pass_type = "BY_REFERENCE" })");
+  checkpointed += R"(
+[checkpointed_model]
+component_key = "model"
+variant_key = "activation_checkpointed"
+config = { ac_variant = "full_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "initialized_model", pass_type = "BY_REFERENCE" }, ac_fun_params = {} }
+)";
+  const std::string root = (dir.path() / "experiments").string();
+  std::vector<std::vector<std::pair<double, double>>> curves;
+  for (const auto& [id, text] : {std::pair{"plain", plain}, std::pair{"checkpointed", checkpointed}}) {
+    const auto file = dir.write(std::string(id) + ".toml", text);
+    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                    file.string(), "--experiments_root_path", root, "--experiment_id", id},
+                                   180);
+    ASSERT_EQ(r.exit_code, 0) << r;
+    curves.push_back(logged_losses_and_norms(dir.path() / "experiments" / id / "evaluation_results.jsonl"));
+  }
+  ASSERT_EQ(curves[0].size(), 6u);
+  EXPECT_EQ(curves[1], curves[0]);
+}
+
 // FSDP1's HYBRID_SHARD shards within a node and replicates across nodes: two launchers act as two
 // "nodes" of 2 ranks (--nnodes 2, the same rendezvous), and the 4-rank run follows one process on
 // the same global batch like the other layouts (within 1e-5 relative; gradient_clipper/fsdp1

@@ -612,6 +612,9 @@ class FullyShardedModule final : public Module {
   std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
     return engine_->inner().add_hook(std::move(hook), fqns);
   }
+  std::shared_ptr<RemovableHandle> add_block_runner(BlockRunner runner, std::span<const std::string> fqns) override {
+    return engine_->inner().add_block_runner(std::move(runner), fqns);
+  }
 
   bool synchronizes_gradients() const override { return true; }
   void set_requires_gradient_sync(bool sync) override { engine_->set_requires_gradient_sync(sync); }

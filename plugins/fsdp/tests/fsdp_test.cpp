@@ -91,7 +91,7 @@ class ToyModel final : public Module {
     hooks_.call(HookPoint::kPreForward, "", "ToyStack", {}, {});  // a wrapper gathers the root here
     at::Tensor h = emb_(inputs.at("input_ids"));
     for (std::size_t i = 0; i < blocks_.size(); ++i)
-      h = hooks_.around(fqns_[i], "ToyBlock", h, [&](const at::Tensor& x) { return blocks_[i]->forward(x); });
+      h = hooks_.around(fqns_[i], "ToyBlock", h, [block = blocks_[i]](const at::Tensor& x) { return block->forward(x); });
     return {{"logits", head_(h)}};
   }
   torch::nn::Module& module() override { return *root_; }

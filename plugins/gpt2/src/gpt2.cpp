@@ -880,13 +880,10 @@ class GPT2LLMImpl final : public torch::nn::Module {
           h = block(h, B, T, dt);
           continue;
         }
-        const std::string fqn = "transformer.h." + item.key();
-        const at::Tensor in[] = {h};
-        hooks_.call(HookPoint::kPreForward, fqn, "GPT2Block", in, {});
-        h = block(h, B, T, dt);
-        const at::Tensor out[] = {h};
-        hooks_.call(HookPoint::kForward, fqn, "GPT2Block", in, out);
-        if (hooks_.wants(fqn)) hooks_.on_backward(h, fqn, "GPT2Block");
+        // Only the model-owned block and values: a block runner (activation checkpointing) may call
+        // it again in backward.
+        h = hooks_.around("transformer.h." + item.key(), "GPT2Block", h,
+                          [&block, B, T, dt](const at::Tensor& x) { return block(x, B, T, dt); });
       }
     }
     if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
@@ -1052,6 +1049,9 @@ class GPT2 final : public Module {
   // Hooks fire on the root ("") and the blocks; `fqns` empty means all of them.
   std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
     return impl_->hooks().add(std::move(hook), fqns, block_fqns(), "gpt2");
+  }
+  std::shared_ptr<RemovableHandle> add_block_runner(BlockRunner runner, std::span<const std::string> fqns) override {
+    return impl_->hooks().add_runner(std::move(runner), fqns, block_fqns(), "gpt2");
   }
 
   void reset_parameters() override {

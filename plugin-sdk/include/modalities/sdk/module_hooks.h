@@ -6,16 +6,19 @@
 //     modalities::ModuleHooks hooks_;
 //     TensorMap forward(const TensorMap& in) override {
 //       ...
-//       for (std::size_t i = 0; i < blocks_.size(); ++i) h = hooks_.around(fqn_[i], "MyBlock", h,
-//                                                                          [&](const at::Tensor& x) { return blocks_[i](x); });
+//       for (std::size_t i = 0; i < blocks_.size(); ++i)  // capture by value: a runner may call it in backward
+//         h = hooks_.around(fqn_[i], "MyBlock", h, [block = blocks_[i]](const at::Tensor& x) { return block->forward(x); });
 //     }
 //     std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
 //       return hooks_.add(std::move(hook), fqns, block_fqns(), "mymodel");
 //     }
+//     std::shared_ptr<RemovableHandle> add_block_runner(BlockRunner r, std::span<const std::string> fqns) override {
+//       return hooks_.add_runner(std::move(r), fqns, block_fqns(), "mymodel");
+//     }
 //   };
 //
-// Hooks are added and removed between steps; kBackward hooks run on autograd's threads, so the
-// list must not change during a step. Used by the bundled gpt2 and by the test model of
+// Hooks and runners are added and removed between steps; kBackward hooks run on autograd's
+// threads, so the lists must not change during a step. Used by the bundled gpt2 and by the test model of
 // plugins/fsdp/tests (a second model that model/fsdp2_wrapped shards without knowing it).
 #pragma once
 
@@ -41,7 +44,14 @@ class MODALITIES_SDK_API ModuleHooks {
     std::unordered_set<std::string> fqns;  // empty: every hookable submodule
   };
 
-  bool empty() const { return entries_->empty(); }
+  struct RunnerEntry {
+    std::uint64_t id;
+    BlockRunner runner;
+    std::unordered_set<std::string> fqns;  // empty: every block
+  };
+
+  /// No hooks and no runners: the model may call its blocks directly.
+  bool empty() const { return entries_->empty() && runners_->empty(); }
   /// Whether a hook listens to `fqn`.
   bool wants(std::string_view fqn) const;
   /// Calls the hooks of `fqn` at `point`.
@@ -50,18 +60,25 @@ class MODALITIES_SDK_API ModuleHooks {
   /// Registers the kBackward call of `fqn` on `output` (fires when its gradient is known).
   void on_backward(const at::Tensor& output, std::string fqn, std::string class_name) const;
 
-  /// kPreForward, `f(input)`, kForward and the kBackward registration around one submodule with
-  /// one input and one output. Without hooks just `f(input)`.
+  /// kPreForward, `f(input)` (through the block's runner if it has one), kForward and the
+  /// kBackward registration around one submodule with one input and one output. Without hooks
+  /// and runners just `f(input)`. `f` must stay valid until backward (see BlockFunction).
   at::Tensor around(const std::string& fqn, const std::string& class_name, const at::Tensor& input,
-                    const std::function<at::Tensor(const at::Tensor&)>& f) const;
+                    const BlockFunction& f) const;
 
   /// Module::add_hook: checks every requested fqn is "" or one of `hookable` (an Error naming
   /// `model` otherwise) and returns the handle that removes the hook.
   std::shared_ptr<RemovableHandle> add(ModuleHook hook, std::span<const std::string> fqns,
                                        const std::vector<std::string>& hookable, std::string_view model);
 
+  /// Module::add_block_runner: every requested fqn must be one of `blocks` (empty: all of them),
+  /// and none may have a runner already (an Error naming `model` otherwise).
+  std::shared_ptr<RemovableHandle> add_runner(BlockRunner runner, std::span<const std::string> fqns,
+                                              const std::vector<std::string>& blocks, std::string_view model);
+
  private:
   std::shared_ptr<std::vector<Entry>> entries_ = std::make_shared<std::vector<Entry>>();
+  std::shared_ptr<std::vector<RunnerEntry>> runners_ = std::make_shared<std::vector<RunnerEntry>>();
   std::uint64_t next_id_ = 1;
 };
 

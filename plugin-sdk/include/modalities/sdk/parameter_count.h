@@ -14,7 +14,7 @@ class Module;
 /// Elements of the parameters that require a gradient, over all `parts`, each tensor once (a tied
 /// matrix is one parameter), at its global size: a sharded parameter counts its whole tensor
 /// (Module::shard_placements), so every rank and every world size gives the same number.
-/// Since: SDK 0.1 (ABI 3).
+/// Since: SDK 0.1 (ABI 4).
 MODALITIES_SDK_API std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts);
 
 }  // namespace modalities

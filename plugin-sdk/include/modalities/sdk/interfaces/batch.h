@@ -114,7 +114,7 @@ struct EvaluationResultBatch {
 /// metrics, losses and metrics in order, each group followed by " | " (also when
 /// empty), every value the float32 mean of its tensor, rounded to its decimal
 /// places and spelled as Python prints it. The one formatter of the training log
-/// line: the gym and results_subscriber/rich both print it. Since: SDK 0.1 (ABI 3).
+/// line: the gym and results_subscriber/rich both print it. Since: SDK 0.1 (ABI 4).
 MODALITIES_SDK_API std::string result_line(const EvaluationResultBatch& r);
 
 /// How far training is, counted in optimizer steps and tokens. The previous-run

@@ -56,6 +56,16 @@ struct ModuleHookCall {
 /// Must not replace the tensors it is shown.
 using ModuleHook = std::function<void(const ModuleHookCall&)>;
 
+/// One block's forward as a function of its input, as the model hands it to a BlockRunner. It
+/// must stay callable, with the same result, until the backward of that forward has run (capture
+/// by value, never references to the model's locals).
+using BlockFunction = std::function<at::Tensor(const at::Tensor& input)>;
+
+/// Runs one block in place of the model: returns what `run(input)` returns, but may run it
+/// differently, e.g. without keeping its activations and running it again in backward (activation
+/// checkpointing). Called inside the block's hooks (a sharding wrapper's gather is around it).
+using BlockRunner = std::function<at::Tensor(const at::Tensor& input, const BlockFunction& run)>;
+
 /// Where a local tensor sits in the full, unsharded tensor: the local tensor
 /// is the block starting at `offsets` with the local tensor's own shape.
 /// Used by checkpoint writers and parameter counting under sharding.
@@ -206,6 +216,13 @@ class MODALITIES_SDK_API Module {
   /// `debugging_enriched`, and sharding wrappers (gather parameters before a
   /// block runs, free them after). Default: throws modalities::Error ("not supported").
   virtual std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns);
+
+  /// Runs the blocks named in `fqns` (from block_fqns(); empty: every block) through `runner`
+  /// instead of calling them directly, until the handle's remove(); one runner per block. The
+  /// model calls the runner inside the block's hooks. Used by `model/activation_checkpointed`.
+  /// Wrappers forward it to the model they wrap. Default: throws modalities::Error ("not
+  /// supported"). Since: SDK 0.1 (ABI 4).
+  virtual std::shared_ptr<RemovableHandle> add_block_runner(BlockRunner runner, std::span<const std::string> fqns);
 
   /// Placement of every *sharded* entry of state_dict() in its full tensor,
   /// by FQN; entries not listed are complete on every rank. Default: empty.

@@ -1,0 +1,150 @@
+// Activation checkpointing (README.md): `model/activation_checkpointed` (Modalities'
+// ActivationCheckpointedModelConfig: full or selective-layer checkpointing of the blocks under
+// `layers_fqn`) and `model/activation_checkpointed_fsdp1` (Modalities' FSDP1 variant: the
+// submodules of the listed classes). Both return the same model, its chosen blocks now run
+// through checkpointed() (checkpoint.h) by way of Module::add_block_runner, so they compose with
+// any wrapper that forwards the runner (fsdp2_wrapped, fsdp1_wrapped) and any model that runs its
+// blocks through ModuleHooks::around.
+#include "checkpoint.h"
+
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/removable_handle.h>
+#include <modalities/sdk/plugin.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::activation_checkpointing {
+namespace {
+
+constexpr const char* kFull = "full_activation_checkpointing";
+constexpr const char* kSelectiveLayer = "selective_layer_activation_checkpointing";
+constexpr const char* kSelectiveOp = "selective_op_activation_checkpointing";
+
+struct AcFunParams {
+  std::optional<std::int64_t> ac_freq;
+  std::optional<std::vector<std::string>> save_ops_keys;
+  static void describe(Schema<AcFunParams>& s) {
+    s.field("ac_freq", &AcFunParams::ac_freq,
+            "selective_layer: checkpoint every ac_freq-th block (blocks ac_freq-1, 2*ac_freq-1, ...).")
+        .at_least(1);
+    s.field("save_ops_keys", &AcFunParams::save_ops_keys, "selective_op: ops whose outputs are saved (not supported).");
+  }
+};
+
+struct ActivationCheckpointedConfig {
+  std::string ac_variant;
+  std::string layers_fqn;
+  Ref<Module> model;
+  AcFunParams ac_fun_params;
+  static void describe(Schema<ActivationCheckpointedConfig>& s) {
+    using C = ActivationCheckpointedConfig;
+    s.field("ac_variant", &C::ac_variant, "Which blocks are checkpointed.")
+        .required()
+        .one_of({kFull, kSelectiveLayer, kSelectiveOp});
+    s.field("layers_fqn", &C::layers_fqn, "FQN of the blocks' container, e.g. \"transformer.h\".").required();
+    s.field("model", &C::model, "The model (before sharding: apply activation checkpointing, then FSDP).")
+        .required();
+    s.field("ac_fun_params", &C::ac_fun_params,
+            "{} for full; { ac_freq = k } for selective_layer; { save_ops_keys = [...] } for selective_op.");
+  }
+};
+
+struct ActivationCheckpointedFsdp1Config {
+  Ref<Module> model;
+  std::vector<std::string> activation_checkpointing_modules;
+  static void describe(Schema<ActivationCheckpointedFsdp1Config>& s) {
+    using C = ActivationCheckpointedFsdp1Config;
+    s.field("model", &C::model, "The FSDP1-wrapped model.").required();
+    s.field("activation_checkpointing_modules", &C::activation_checkpointing_modules,
+            "Class names whose submodules are checkpointed, e.g. [\"GPT2Block\"]; empty: nothing.");
+  }
+};
+
+// The blocks of `model` under `container` ("transformer.h" -> "transformer.h.0", ...), in order.
+std::vector<std::string> blocks_under(const Module& model, const std::string& container) {
+  std::vector<std::string> out;
+  for (const std::string& b : model.block_fqns())
+    if (b.size() > container.size() && b.compare(0, container.size(), container) == 0 && b[container.size()] == '.' &&
+        b.find('.', container.size() + 1) == std::string::npos)
+      out.push_back(b);
+  return out;
+}
+
+std::shared_ptr<Module> activation_checkpointed(const ActivationCheckpointedConfig& c, BuildContext& ctx) {
+  const std::shared_ptr<Module> model = c.model.shared();
+  const std::vector<std::string> blocks = blocks_under(*model, c.layers_fqn);
+  if (blocks.empty()) {
+    const std::vector<std::string> all = model->block_fqns();
+    throw ConfigError("layers_fqn",
+                      fmt::format("'{}' holds none of the model's blocks ({})", c.layers_fqn,
+                                  all.empty() ? std::string("it reports none")
+                                              : fmt::format("\"{}\" ... \"{}\"", all.front(), all.back())));
+  }
+  const AcFunParams& p = c.ac_fun_params;
+  std::vector<std::string> chosen;
+  if (c.ac_variant == kFull) {
+    if (p.ac_freq || p.save_ops_keys)
+      throw ConfigError("ac_fun_params", "full_activation_checkpointing takes no parameters (ac_fun_params = {})");
+    chosen = blocks;
+  } else if (c.ac_variant == kSelectiveLayer) {
+    if (!p.ac_freq) throw ConfigError("ac_fun_params.ac_freq", "selective_layer_activation_checkpointing needs ac_freq");
+    if (p.save_ops_keys)
+      throw ConfigError("ac_fun_params.save_ops_keys", "not a parameter of selective_layer_activation_checkpointing");
+    // Modalities counts blocks with a process-wide counter that is never reset; per model here
+    // (the same blocks for the first model a process wraps; README.md).
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      if ((static_cast<std::int64_t>(i) + 1) % *p.ac_freq == 0) chosen.push_back(blocks[i]);
+    if (chosen.empty())
+      ctx.warn(fmt::format("ac_freq {} is larger than the {} blocks under '{}': no block is checkpointed", *p.ac_freq,
+                           blocks.size(), c.layers_fqn));
+  } else {
+    throw ConfigError("ac_variant",
+                      "selective_op_activation_checkpointing is not supported yet: its save_ops_keys name PyTorch "
+                      "kernels (aten.mm, SDPA, ...) that the fused ops of this implementation do not call one by one; "
+                      "use full_activation_checkpointing or selective_layer_activation_checkpointing");
+  }
+  if (!chosen.empty()) model->add_block_runner(checkpointed, chosen);
+  return model;
+}
+
+std::shared_ptr<Module> activation_checkpointed_fsdp1(const ActivationCheckpointedFsdp1Config& c, BuildContext& ctx) {
+  const std::shared_ptr<Module> model = c.model.shared();
+  std::vector<std::string> chosen;
+  for (const std::string& cls : c.activation_checkpointing_modules) {
+    const std::vector<std::string> found = model->submodules_of_class(cls);
+    if (found.empty())
+      ctx.warn(fmt::format("activation_checkpointing_modules: the model has no submodule of class '{}' (as in "
+                           "Modalities, nothing is checkpointed for it)",
+                           cls));
+    chosen.insert(chosen.end(), found.begin(), found.end());
+  }
+  if (!chosen.empty()) model->add_block_runner(checkpointed, chosen);
+  return model;
+}
+
+}  // namespace
+
+void register_components(Registrar& r) {
+  r.add<Module, ActivationCheckpointedConfig>(
+      "activation_checkpointed",
+      "Activation checkpointing of the model's blocks (full or every k-th); recomputed in backward with the same "
+      "random state. Returns the same model; apply before fsdp2_wrapped.",
+      activation_checkpointed);
+  r.add<Module, ActivationCheckpointedFsdp1Config>(
+      "activation_checkpointed_fsdp1",
+      "Activation checkpointing of the submodules of the listed classes of an FSDP1-wrapped model. Returns the same "
+      "model.",
+      activation_checkpointed_fsdp1);
+}
+
+}  // namespace modalities::plugins::activation_checkpointing
+
+MODALITIES_PLUGIN(activation_checkpointing, MODALITIES_PLUGIN_VERSION,
+                  modalities::plugins::activation_checkpointing::register_components)

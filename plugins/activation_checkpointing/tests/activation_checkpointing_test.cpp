@@ -1,0 +1,259 @@
+// model/activation_checkpointed and activation_checkpointed_fsdp1 on the bundled GPT-2 (dropout on,
+// training mode): gradients and losses bit for bit those of the same model without checkpointing
+// (the random state is replayed, so dropout draws the same masks in the recomputation); the same
+// under model/fsdp2_wrapped (its gathers happen around the recomputed block); config errors; and
+// the activation memory it saves, counted by a counting CPU allocator, with the time it costs.
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/testing/harness.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+namespace modalities::plugins::activation_checkpointing {
+namespace {
+
+using ::testing::HasSubstr;
+using modalities::testing::Harness;
+
+std::string example() {
+  std::ifstream in(std::string(MODALITIES_TEST_PLUGIN_SOURCE_DIR) + "/configs/example.toml");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The example's model_raw table under another key (same seed: the same initial weights).
+std::string copy_of_raw(const std::string& text, const std::string& key) {
+  const auto begin = text.find("[model_raw]");
+  const auto end = text.find("[model]\n");
+  std::string t = text.substr(begin, end - begin);
+  for (std::size_t at; (at = t.find("model_raw")) != std::string::npos;) t.replace(at, 9, key);
+  return t;
+}
+
+Harness harness(const std::string& text) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_FSDP_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_MESH_PLUGIN);
+  h.set_config_text(text);
+  return h;
+}
+
+// Loss of one training forward (dropout drawn after seeding), backward done.
+at::Tensor train_step(Module& m, const at::Tensor& ids) {
+  m.train(true);
+  at::manual_seed(11);
+  const at::Tensor logits = m.forward({{"input_ids", ids}}).at("logits");
+  const std::int64_t V = logits.size(-1);
+  at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, V}),
+                                           ids.narrow(1, 1, ids.size(1) - 1).reshape({-1}));
+  loss.backward();
+  return loss.detach();
+}
+
+void expect_same_gradients(Module& got, Module& want, const std::string& what) {
+  std::map<std::string, at::Tensor> wanted;
+  for (const auto& [name, p] : want.named_parameters()) wanted[name] = p.grad();
+  for (const auto& [name, p] : got.named_parameters()) {
+    ASSERT_TRUE(p.grad().defined()) << what << ": " << name;
+    EXPECT_TRUE(at::equal(p.grad(), wanted.at(name))) << what << ": gradient of " << name << " differs by "
+                                                      << (p.grad() - wanted.at(name)).abs().max().item<double>();
+  }
+}
+
+TEST(ActivationCheckpointingTest, FullAndEverySecondBlockGiveTheGradientsOfNoCheckpointingBitForBit) {
+  std::string text = example();
+  text += copy_of_raw(text, "plain") + copy_of_raw(text, "every_second_raw") + R"(
+[every_second]
+component_key = "model"
+variant_key = "activation_checkpointed"
+config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "every_second_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { ac_freq = 2 } }
+)";
+  Harness h = harness(text);
+  const auto plain = h.get<Module>("plain");
+  ASSERT_NE(plain, nullptr) << h.build_error();
+  const auto ids = at::randint(0, 128, {4, 32}, at::kLong);
+  const at::Tensor want = train_step(*plain, ids);
+  for (const char* key : {"model", "every_second", "model_fsdp1_style"}) {
+    const auto m = h.get<Module>(key);
+    ASSERT_NE(m, nullptr) << h.build_error();
+    const at::Tensor got = train_step(*m, ids);
+    EXPECT_TRUE(at::equal(got, want)) << key << ": loss " << got.item<double>() << " vs " << want.item<double>();
+    expect_same_gradients(*m, *plain, key);
+  }
+  // Evaluation (no grad) runs the blocks once, as without checkpointing. (The manual attention
+  // applies its dropout in every mode, as Modalities' does, hence the seed.)
+  at::NoGradGuard no_grad;
+  const auto m = h.get<Module>("model");
+  m->train(false);
+  plain->train(false);
+  at::manual_seed(5);
+  const at::Tensor a = m->forward({{"input_ids", ids}}).at("logits");
+  at::manual_seed(5);
+  const at::Tensor b = plain->forward({{"input_ids", ids}}).at("logits");
+  EXPECT_TRUE(at::equal(a, b));
+}
+
+TEST(ActivationCheckpointingTest, ShardedOverCheckpointedBlocksGivesTheGradientsOfShardedAlone) {
+  std::string text = example();
+  const std::string sharded = R"(
+[device_mesh]
+component_key = "device_mesh"
+variant_key = "default"
+config = { device_type = "cpu", data_parallel_shard_degree = -1, world_size = 1 }
+
+[KEY]
+component_key = "model"
+variant_key = "fsdp2_wrapped"
+config = { model = { instance_key = "INNER", pass_type = "BY_REFERENCE" }, block_names = ["GPT2Block"], mixed_precision_settings = { param_dtype = "FP_32", reduce_dtype = "FP_32" }, reshard_after_forward = true, device_mesh = { instance_key = "device_mesh", pass_type = "BY_REFERENCE" } }
+)";
+  const auto wrap = [&](const std::string& key, const std::string& inner, bool with_mesh) {
+    std::string t = sharded.substr(with_mesh ? 0 : sharded.find("[KEY]"));
+    t.replace(t.find("KEY"), 3, key);
+    t.replace(t.find("INNER"), 5, inner);
+    return t;
+  };
+  text += copy_of_raw(text, "plain") + wrap("sharded_checkpointed", "model", true) + wrap("sharded", "plain", false);
+  Harness h = harness(text);
+  const auto a = h.get<Module>("sharded_checkpointed");
+  ASSERT_NE(a, nullptr) << h.build_error();
+  const auto b = h.get<Module>("sharded");
+  ASSERT_NE(b, nullptr) << h.build_error();
+  const auto ids = at::randint(0, 128, {4, 32}, at::kLong);
+  for (int round = 0; round < 2; ++round) {
+    EXPECT_TRUE(at::equal(train_step(*a, ids), train_step(*b, ids))) << "round " << round;
+    expect_same_gradients(*a, *b, fmt::format("round {}", round));
+    // The gathered parameters of every block were freed again after backward.
+    for (const auto& item : a->module().named_parameters(/*recurse=*/true))
+      EXPECT_EQ(item.value().storage().nbytes(), 0u) << item.key();
+    for (Module* m : {a.get(), b.get()})
+      for (const auto& [name, p] : m->named_parameters()) p.mutable_grad().reset();
+  }
+}
+
+TEST(ActivationCheckpointingTest, BadConfigsAreRefusedWithTheirPath) {
+  const auto error_of = [](const std::string& variant, const std::string& layers, const std::string& params) {
+    std::string text = example();
+    const auto at = text.find("ac_variant = \"full_activation_checkpointing\"");
+    text.replace(at, std::string("ac_variant = \"full_activation_checkpointing\"").size(),
+                 fmt::format("ac_variant = \"{}\"", variant));
+    text.replace(text.find("layers_fqn = \"transformer.h\""), 28, fmt::format("layers_fqn = \"{}\"", layers));
+    text.replace(text.find("ac_fun_params = {}"), 18, "ac_fun_params = " + params);
+    Harness h = harness(text);
+    return h.build_error();
+  };
+  EXPECT_THAT(error_of("full_activation_checkpointing", "transformer.blocks", "{}"),
+              HasSubstr("model.config.layers_fqn: 'transformer.blocks' holds none of the model's blocks "
+                        "(\"transformer.h.0\" ... \"transformer.h.3\")"));
+  EXPECT_THAT(error_of("selective_layer_activation_checkpointing", "transformer.h", "{}"),
+              HasSubstr("model.config.ac_fun_params.ac_freq: selective_layer_activation_checkpointing needs ac_freq"));
+  EXPECT_THAT(error_of("selective_layer_activation_checkpointing", "transformer.h", "{ ac_freq = 0 }"),
+              HasSubstr("model.config.ac_fun_params.ac_freq: must be >= 1"));
+  EXPECT_THAT(error_of("full_activation_checkpointing", "transformer.h", "{ ac_freq = 2 }"),
+              HasSubstr("model.config.ac_fun_params: full_activation_checkpointing takes no parameters"));
+  EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h",
+                       "{ save_ops_keys = [\"ops.aten.mm.default\"] }"),
+              HasSubstr("model.config.ac_variant: selective_op_activation_checkpointing is not supported yet"));
+  EXPECT_THAT(error_of("half_activation_checkpointing", "transformer.h", "{}"), HasSubstr("model.config.ac_variant"));
+}
+
+// --- activation memory --------------------------------------------------------------------------
+
+// Counts the bytes of live CPU allocations (the default CPU allocator underneath).
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  c10::DataPtr allocate(std::size_t n) override {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    live_ += static_cast<std::int64_t>(n);
+    peak_ = std::max(peak_.load(), live_.load());
+    auto* ctx = new Held{std::move(inner), n, this};
+    return {data, ctx, &release, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+  std::int64_t live() const { return live_; }
+  std::int64_t peak() const { return peak_; }
+  void reset_peak() { peak_ = live_.load(); }
+
+ private:
+  struct Held {
+    c10::DataPtr inner;
+    std::size_t n;
+    CountingAllocator* owner;
+  };
+  static void release(void* p) {
+    auto* h = static_cast<Held*>(p);
+    h->owner->live_ -= static_cast<std::int64_t>(h->n);
+    delete h;
+  }
+  c10::Allocator* base_;
+  std::atomic<std::int64_t> live_{0}, peak_{0};
+};
+
+// A GPT-2 whose block activations dominate (128-token vocabulary, 8 blocks, 256 tokens x 8
+// samples): live bytes after forward (what backward will need) and the peak over forward +
+// backward, without checkpointing, with every second block and with every block checkpointed;
+// plus the time of a forward + backward. Checkpointing every block must keep less than half.
+TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
+  std::string base = example();
+  for (const auto& [from, to] : std::map<std::string, std::string>{
+           {"n_layer = 4", "n_layer = 8"}, {"sequence_length = 32", "sequence_length = 256"}})
+    for (std::size_t at; (at = base.find(from)) != std::string::npos;) base.replace(at, from.size(), to);
+  std::string text = base + copy_of_raw(base, "plain") + copy_of_raw(base, "every_second_raw") + R"(
+[every_second]
+component_key = "model"
+variant_key = "activation_checkpointed"
+config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "every_second_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { ac_freq = 2 } }
+)";
+  Harness h = harness(text);
+  ASSERT_NE(h.get<Module>("plain"), nullptr) << h.build_error();
+  static CountingAllocator counting(c10::GetDefaultCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  const auto ids = at::randint(0, 128, {8, 256}, at::kLong);
+  std::map<std::string, std::int64_t> kept;
+  for (const char* key : {"plain", "every_second", "model"}) {
+    const auto m = h.get<Module>(key);
+    m->train(true);
+    for (int warm = 0; warm < 2; ++warm) {  // the second round is measured (first-touch effects gone)
+      for (const auto& [name, p] : m->named_parameters()) p.mutable_grad().reset();
+      const std::int64_t before = counting.live();
+      counting.reset_peak();
+      const auto t0 = std::chrono::steady_clock::now();
+      at::manual_seed(11);
+      const at::Tensor logits = m->forward({{"input_ids", ids}}).at("logits");
+      at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, 255).reshape({-1, 128}),
+                                               ids.narrow(1, 1, 255).reshape({-1}));
+      const std::int64_t after_forward = counting.live() - before;
+      loss.backward();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (warm == 1) {
+        kept[key] = after_forward;
+        std::printf("%-13s kept after forward %8.2f MB, peak over forward+backward %8.2f MB, %.3f s\n", key,
+                    static_cast<double>(after_forward) / 1e6, static_cast<double>(counting.peak() - before) / 1e6,
+                    seconds);
+      }
+    }
+  }
+  c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/101);
+  EXPECT_LT(kept["every_second"], kept["plain"]);
+  EXPECT_LT(kept["model"], kept["every_second"]);
+  EXPECT_LT(kept["model"] * 2, kept["plain"]);
+}
+
+}  // namespace
+}  // namespace modalities::plugins::activation_checkpointing
