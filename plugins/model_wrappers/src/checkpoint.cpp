@@ -28,7 +28,7 @@
 #include <optional>
 #include <utility>
 
-namespace modalities::plugins::activation_checkpointing {
+namespace modalities::plugins::model_wrappers {
 namespace {
 
 // The generators a block's random ops draw from, and their states at one moment.
@@ -150,4 +150,4 @@ at::Tensor checkpointed(const at::Tensor& input, const BlockFunction& run) {
   return output;
 }
 
-}  // namespace modalities::plugins::activation_checkpointing
+}  // namespace modalities::plugins::model_wrappers

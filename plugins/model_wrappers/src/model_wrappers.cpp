@@ -1,7 +1,8 @@
-// Activation checkpointing (README.md): `model/activation_checkpointed` (Modalities'
-// ActivationCheckpointedModelConfig: full or selective-layer checkpointing of the blocks under
-// `layers_fqn`) and `model/activation_checkpointed_fsdp1` (Modalities' FSDP1 variant: the
-// submodules of the listed classes). Both return the same model, its chosen blocks now run
+// Model wrappers that return the same model (README.md). Activation checkpointing:
+// `model/activation_checkpointed` (Modalities' ActivationCheckpointedModelConfig: full or
+// selective-layer checkpointing of the blocks under `layers_fqn`) and
+// `model/activation_checkpointed_fsdp1` (Modalities' FSDP1 variant: the submodules of the listed
+// classes). And `model/compiled` (Note [model/compiled]). The first two return the model, its chosen blocks now run
 // through checkpointed() (checkpoint.h) by way of Module::add_block_runner, so they compose with
 // any wrapper that forwards the runner (fsdp2_wrapped, fsdp1_wrapped) and any model that runs its
 // blocks through ModuleHooks::around.
@@ -20,7 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace modalities::plugins::activation_checkpointing {
+namespace modalities::plugins::model_wrappers {
 namespace {
 
 constexpr const char* kFull = "full_activation_checkpointing";
@@ -129,6 +130,38 @@ std::shared_ptr<Module> activation_checkpointed_fsdp1(const ActivationCheckpoint
   return model;
 }
 
+struct CompiledConfig {
+  Ref<Module> model;
+  std::vector<std::string> block_names;
+  bool fullgraph = true;
+  bool debug = false;
+  static void describe(Schema<CompiledConfig>& s) {
+    using C = CompiledConfig;
+    s.field("model", &C::model, "The model.").required();
+    s.field("block_names", &C::block_names,
+            "Classes of the blocks Modalities compiles one by one; each must name submodules of the model.")
+        .required();
+    s.field("fullgraph", &C::fullgraph, "torch.compile's fullgraph (accepted, no effect here).");
+    s.field("debug", &C::debug, "Compiler tracing (accepted, no effect here).");
+  }
+};
+
+// Note [model/compiled]
+// LibTorch has no torch.compile (no Dynamo, no Inductor). Modalities configs use model/compiled
+// around their model, so it must build: it checks its fields as Modalities does (every block name
+// must name submodules) and returns the model unchanged, saying so once. What the compiler would
+// fuse, the bundled gpt2 does with its fused autograd ops (plugins/gpt2/README.md) compiled or not.
+std::shared_ptr<Module> compiled(const CompiledConfig& c, BuildContext& ctx) {
+  const std::shared_ptr<Module> model = c.model.shared();
+  for (std::size_t i = 0; i < c.block_names.size(); ++i)
+    if (model->submodules_of_class(c.block_names[i]).empty())
+      throw ConfigError(fmt::format("block_names[{}]", i),
+                        fmt::format("the model has no submodule of class '{}'", c.block_names[i]));
+  ctx.warn("model/compiled: LibTorch has no torch.compile; the model runs eager, as built (gpt2 uses its fused "
+           "ops either way)");
+  return model;
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -142,9 +175,13 @@ void register_components(Registrar& r) {
       "Activation checkpointing of the submodules of the listed classes of an FSDP1-wrapped model. Returns the same "
       "model.",
       activation_checkpointed_fsdp1);
+  r.add<Module, CompiledConfig>("compiled",
+                                "Modalities' torch.compile wrapper. LibTorch has no compiler: returns the model "
+                                "unchanged, with a notice (README.md).",
+                                compiled);
 }
 
-}  // namespace modalities::plugins::activation_checkpointing
+}  // namespace modalities::plugins::model_wrappers
 
-MODALITIES_PLUGIN(activation_checkpointing, MODALITIES_PLUGIN_VERSION,
-                  modalities::plugins::activation_checkpointing::register_components)
+MODALITIES_PLUGIN(model_wrappers, MODALITIES_PLUGIN_VERSION,
+                  modalities::plugins::model_wrappers::register_components)

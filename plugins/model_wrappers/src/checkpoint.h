@@ -6,7 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace modalities::plugins::activation_checkpointing {
+namespace modalities::plugins::model_wrappers {
 
 /// run(input) without keeping its activations: under grad mode the block runs without autograd
 /// and its output gets a node that, in backward, runs the block again (with the random state of
@@ -14,4 +14,4 @@ namespace modalities::plugins::activation_checkpointing {
 /// mode just run(input). Usable as a BlockRunner.
 at::Tensor checkpointed(const at::Tensor& input, const BlockFunction& run);
 
-}  // namespace modalities::plugins::activation_checkpointing
+}  // namespace modalities::plugins::model_wrappers

@@ -1,3 +1,4 @@
+// model/compiled: returns the model unchanged; an unknown block class is an error.
 // model/activation_checkpointed and activation_checkpointed_fsdp1 on the bundled GPT-2 (dropout on,
 // training mode): gradients and losses bit for bit those of the same model without checkpointing
 // (the random state is replayed, so dropout draws the same masks in the recomputation); the same
@@ -21,7 +22,7 @@
 #include <sstream>
 #include <string>
 
-namespace modalities::plugins::activation_checkpointing {
+namespace modalities::plugins::model_wrappers {
 namespace {
 
 using ::testing::HasSubstr;
@@ -144,6 +145,18 @@ config = { model = { instance_key = "INNER", pass_type = "BY_REFERENCE" }, block
   }
 }
 
+TEST(CompiledTest, ReturnsTheSameModelAndChecksTheBlockNames) {
+  Harness h = harness(example());
+  const auto compiled = h.get<Module>("compiled_model");
+  ASSERT_NE(compiled, nullptr) << h.build_error();
+  EXPECT_EQ(compiled.get(), h.get<Module>("model").get());
+  std::string text = example();
+  text.replace(text.find("block_names = [\"GPT2Block\"]"), 27, "block_names = [\"GPT2Block\", \"LlamaBlock\"]");
+  Harness bad = harness(text);
+  EXPECT_THAT(bad.build_error(),
+              HasSubstr("compiled_model.config.block_names[1]: the model has no submodule of class 'LlamaBlock'"));
+}
+
 TEST(ActivationCheckpointingTest, BadConfigsAreRefusedWithTheirPath) {
   const auto error_of = [](const std::string& variant, const std::string& layers, const std::string& params) {
     std::string text = example();
@@ -256,4 +269,4 @@ config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn =
 }
 
 }  // namespace
-}  // namespace modalities::plugins::activation_checkpointing
+}  // namespace modalities::plugins::model_wrappers
