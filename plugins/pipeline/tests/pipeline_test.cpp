@@ -1,0 +1,114 @@
+// stages_generator/gpt2_stages_generator: Modalities' documented example, uneven weights that
+// Modalities 0.5's packing could not place, the errors, and over many shapes the property that
+// matters: exactly num_stages contiguous stages holding every module once, in model order.
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/stages_generator.h>
+#include <modalities/testing/harness.h>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::pipeline {
+namespace {
+
+using ::testing::HasSubstr;
+using modalities::testing::Harness;
+using Stages = std::vector<std::vector<std::string>>;
+
+std::shared_ptr<StagesGenerator> generator(Harness& h, int layers, int in_eq = 1, int out_eq = 1) {
+  h.set_config_text(fmt::format(R"([stages_generator]
+component_key = "stages_generator"
+variant_key = "gpt2_stages_generator"
+config = {{ num_model_layers = {}, input_layer_equivalence = {}, output_layer_equivalence = {} }}
+)",
+                                layers, in_eq, out_eq));
+  auto g = h.get<StagesGenerator>("stages_generator");
+  EXPECT_NE(g, nullptr) << h.build_error();
+  return g;
+}
+
+std::string error_of(const StagesGenerator& g, int per_stage, int pp) {
+  try {
+    g.stages(per_stage, pp);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Gpt2StagesGeneratorTest, ModalitiesExampleAndEvenSplits) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  EXPECT_EQ(generator(h, 2)->stages(2, 2),
+            (Stages{{"transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0"},
+                    {"transformer.h.1", "transformer.lm_head_norm", "transformer.lm_head"}}));
+  EXPECT_EQ(generator(h, 6)->stages(2, 2),
+            (Stages{{"transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0"},
+                    {"transformer.h.1", "transformer.h.2"},
+                    {"transformer.h.3", "transformer.h.4"},
+                    {"transformer.h.5", "transformer.lm_head_norm", "transformer.lm_head"}}));
+  EXPECT_EQ(generator(h, 4, 3)->stages(3, 1),
+            (Stages{{"transformer.wte", "transformer.wpe", "transformer.drop"},
+                    {"transformer.h.0", "transformer.h.1", "transformer.h.2"},
+                    {"transformer.h.3", "transformer.lm_head_norm", "transformer.lm_head"}}));
+}
+
+// A head weighing 3 blocks with 2 blocks per stage: 4 stages of capacity 2 in Modalities 0.5,
+// whose packing refuses a split point heavier than that; here the lightest contiguous packing.
+TEST(Gpt2StagesGeneratorTest, AHeavyHeadGetsAStageOfItsOwn) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  EXPECT_EQ(generator(h, 3, 1, 3)->stages(2, 2),
+            (Stages{{"transformer.wte", "transformer.wpe", "transformer.drop"},
+                    {"transformer.h.0", "transformer.h.1"},
+                    {"transformer.h.2"},
+                    {"transformer.lm_head_norm", "transformer.lm_head"}}));
+}
+
+TEST(Gpt2StagesGeneratorTest, StageCountsThatCannotWorkAreErrors) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  EXPECT_THAT(error_of(*generator(h, 2), 1, 3),
+              HasSubstr("4 stages (ceil((2 blocks + 1 + 1) / 1 per stage)) cannot be spread evenly over a pipeline "
+                        "degree of 3"));
+  EXPECT_THAT(error_of(*generator(h, 1, 2), 1, 1),
+              HasSubstr("4 stages need at least as many split points, the model has 3"));
+  EXPECT_THAT(error_of(*generator(h, 2), 0, 1), HasSubstr("num_layers_per_stage must be >= 1, got 0"));
+  h.set_config_text(R"([stages_generator]
+component_key = "stages_generator"
+variant_key = "gpt2_stages_generator"
+config = { num_model_layers = 0 }
+)");
+  EXPECT_THAT(h.build_error(), HasSubstr("stages_generator.config.num_model_layers: must be >= 1, got 0"));
+}
+
+TEST(Gpt2StagesGeneratorTest, EveryModuleLandsInExactlyOneStageInOrder) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  int checked = 0;
+  for (int layers = 1; layers <= 12; ++layers)
+    for (int in_eq = 1; in_eq <= 3; ++in_eq)
+      for (int out_eq = 1; out_eq <= 3; ++out_eq) {
+        const auto g = generator(h, layers, in_eq, out_eq);
+        std::vector<std::string> all = {"transformer.wte", "transformer.wpe", "transformer.drop"};
+        for (int i = 0; i < layers; ++i) all.push_back(fmt::format("transformer.h.{}", i));
+        all.insert(all.end(), {"transformer.lm_head_norm", "transformer.lm_head"});
+        for (int per_stage = 1; per_stage <= 5; ++per_stage) {
+          const int num_stages = (layers + in_eq + out_eq + per_stage - 1) / per_stage;
+          if (num_stages > layers + 2) continue;  // an error, tested above
+          const Stages stages = g->stages(per_stage, 1);
+          ASSERT_EQ(static_cast<int>(stages.size()), num_stages) << layers << " " << in_eq << " " << out_eq;
+          std::vector<std::string> flat;
+          for (const auto& s : stages) {
+            EXPECT_FALSE(s.empty());
+            flat.insert(flat.end(), s.begin(), s.end());
+          }
+          EXPECT_EQ(flat, all) << layers << " blocks, " << per_stage << " per stage";
+          ++checked;
+        }
+      }
+  EXPECT_GT(checked, 300);
+}
+
+}  // namespace
+}  // namespace modalities::plugins::pipeline
