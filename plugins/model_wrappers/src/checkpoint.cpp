@@ -102,6 +102,7 @@ class RecomputeBlock final : public torch::autograd::Node {
   std::string name() const override { return "ActivationCheckpointBackward"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};  // nothing flows back through this block
     TORCH_CHECK(run_, "activation checkpointing: the block was already recomputed and released; a second "
                       "backward through it needs retain_graph");
     TORCH_CHECK(input_._version() == input_version_,
