@@ -48,22 +48,26 @@ at::Tensor attach(const at::Tensor& input, at::Tensor output, const char* name, 
 
 bool active(const Group& g) { return g && g->getSize() > 1; }
 
-std::int64_t normalized(std::int64_t dim, const at::Tensor& x, const char* op) {
-  const std::int64_t d = dim < 0 ? dim + x.dim() : dim;
-  if (d < 0 || d >= x.dim())
-    throw Error(fmt::format("tensor parallel {}: dim {} is out of range for a tensor of {} dims", op, dim, x.dim()));
-  return d;
-}
-
 at::Tensor all_reduce(const at::Tensor& x, const Group& g, c10d::ReduceOp op = c10d::ReduceOp::SUM) {
-  std::vector<at::Tensor> t = {x.contiguous().clone()};
+  std::vector<at::Tensor> t = {x.clone(at::MemoryFormat::Contiguous)};
   c10d::AllreduceOptions o;
   o.reduceOp = op;
   g->allreduce(t, o)->wait();
   return t[0];
 }
 
-at::Tensor all_gather_along(const at::Tensor& x, std::int64_t dim, const Group& g) {
+// The collectives along one dim, all with the signature of AlongDim. `op` names the public op in
+// errors.
+using AlongDim = at::Tensor (*)(const at::Tensor& x, std::int64_t dim, const Group& g, const char* op);
+
+void check_divisible(const at::Tensor& x, std::int64_t dim, const Group& g, const char* op) {
+  if (x.size(dim) % g->getSize() != 0)
+    throw Error(fmt::format("tensor parallel {}: size {} of dim {} is not divisible by the {} ranks", op,
+                            x.size(dim), dim, g->getSize()));
+}
+
+// The ranks' x concatenated along dim.
+at::Tensor all_gather_along(const at::Tensor& x, std::int64_t dim, const Group& g, const char* /*op*/) {
   // Flat buffers: Gloo checks that the output is the input's shape with world x its elements.
   at::Tensor src = x.contiguous().view({-1});
   at::Tensor buffer = at::empty({src.numel() * g->getSize()}, src.options());
@@ -73,11 +77,10 @@ at::Tensor all_gather_along(const at::Tensor& x, std::int64_t dim, const Group& 
   return at::cat(buffer.view(sizes).unbind(0), dim);
 }
 
+// The sum over the ranks, this rank's chunk along dim.
 at::Tensor reduce_scatter_along(const at::Tensor& x, std::int64_t dim, const Group& g, const char* op) {
+  check_divisible(x, dim, g, op);
   const std::int64_t n = g->getSize();
-  if (x.size(dim) % n != 0)
-    throw Error(fmt::format("tensor parallel {}: size {} of dim {} is not divisible by the {} ranks", op,
-                            x.size(dim), dim, n));
   at::Tensor stacked = at::stack(x.chunk(n, dim), 0).contiguous();  // [n, chunk...]
   at::Tensor out = at::empty({stacked.numel() / n}, x.options());
   at::Tensor flat = stacked.view({-1});
@@ -85,12 +88,25 @@ at::Tensor reduce_scatter_along(const at::Tensor& x, std::int64_t dim, const Gro
   return out.view(stacked.sizes().slice(1));
 }
 
+// This rank's chunk along dim.
 at::Tensor own_chunk(const at::Tensor& x, std::int64_t dim, const Group& g, const char* op) {
-  const std::int64_t n = g->getSize();
-  if (x.size(dim) % n != 0)
-    throw Error(fmt::format("tensor parallel {}: size {} of dim {} is not divisible by the {} ranks", op,
-                            x.size(dim), dim, n));
-  return x.chunk(n, dim)[g->getRank()].contiguous();
+  check_divisible(x, dim, g, op);
+  return x.chunk(g->getSize(), dim)[g->getRank()].contiguous();
+}
+
+// forward(x) as an op along `dim` whose backward is backward(grad); the identity without a group.
+at::Tensor along(const at::Tensor& x, std::int64_t dim, const Group& group, const char* op, const char* node,
+                 AlongDim forward, AlongDim backward) {
+  if (!active(group)) return x;
+  const std::int64_t d = dim < 0 ? dim + x.dim() : dim;
+  if (d < 0 || d >= x.dim())
+    throw Error(fmt::format("tensor parallel {}: dim {} is out of range for a tensor of {} dims", op, dim, x.dim()));
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = forward(x, d, group, op);
+  }
+  return attach(x, y, node, [=](const at::Tensor& g) { return backward(g, d, group, op); });
 }
 
 }  // namespace
@@ -116,51 +132,22 @@ at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, const Group& group) 
 }
 
 at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const Group& group) {
-  if (!active(group)) return x;
-  const std::int64_t d = normalized(dim, x, "gather_sequence");
-  at::Tensor y;
-  {
-    at::NoGradGuard no_grad;
-    y = all_gather_along(x, d, group);
-  }
-  return attach(x, y, "GatherSequenceBackward",
-                [group, d](const at::Tensor& g) { return reduce_scatter_along(g, d, group, "gather_sequence"); });
+  return along(x, dim, group, "gather_sequence", "GatherSequenceBackward", all_gather_along, reduce_scatter_along);
 }
 
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, std::int64_t dim, const Group& group) {
-  if (!active(group)) return x;
-  const std::int64_t d = normalized(dim, x, "reduce_scatter_sequence");
-  at::Tensor y;
-  {
-    at::NoGradGuard no_grad;
-    y = reduce_scatter_along(x, d, group, "reduce_scatter_sequence");
-  }
-  return attach(x, y, "ReduceScatterSequenceBackward",
-                [group, d](const at::Tensor& g) { return all_gather_along(g, d, group); });
+  return along(x, dim, group, "reduce_scatter_sequence", "ReduceScatterSequenceBackward", reduce_scatter_along,
+               all_gather_along);
 }
 
 at::Tensor split_to_tensor_parallel(const at::Tensor& x, std::int64_t dim, const Group& group) {
-  if (!active(group)) return x;
-  const std::int64_t d = normalized(dim, x, "split_to_tensor_parallel");
-  at::Tensor y;
-  {
-    at::NoGradGuard no_grad;
-    y = own_chunk(x, d, group, "split_to_tensor_parallel");
-  }
-  return attach(x, y, "SplitToTensorParallelBackward",
-                [group, d](const at::Tensor& g) { return all_gather_along(g, d, group); });
+  return along(x, dim, group, "split_to_tensor_parallel", "SplitToTensorParallelBackward", own_chunk,
+               all_gather_along);
 }
 
 at::Tensor gather_from_tensor_parallel(const at::Tensor& x, std::int64_t dim, const Group& group) {
-  if (!active(group)) return x;
-  const std::int64_t d = normalized(dim, x, "gather_from_tensor_parallel");
-  at::Tensor y;
-  {
-    at::NoGradGuard no_grad;
-    y = all_gather_along(x, d, group);
-  }
-  return attach(x, y, "GatherFromTensorParallelBackward",
-                [group, d](const at::Tensor& g) { return own_chunk(g, d, group, "gather_from_tensor_parallel"); });
+  return along(x, dim, group, "gather_from_tensor_parallel", "GatherFromTensorParallelBackward", all_gather_along,
+               own_chunk);
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target, std::int64_t vocab_start,

@@ -415,17 +415,37 @@ TEST(DistributedRunTest, ARankWithAnotherConfigFileIsRefusedOnEveryRank) {
 
 // --- FSDP2 training through `run` ----------------------------------------------------------------
 
+// `text` with its first `from` replaced by `to`; a config without `from` means the test is out of date.
+std::string edited(std::string text, const std::string& from, const std::string& to) {
+  const auto at = text.find(from);
+  if (at == std::string::npos) throw std::runtime_error("the config has no '" + from + "'");
+  return text.replace(at, from.size(), to);
+}
+
+// The number after "key": in a line of evaluation_results.jsonl (NaN without the key).
+double number_after(const std::string& line, const std::string& key) {
+  const auto at = line.find("\"" + key + "\": ");
+  return at == std::string::npos ? std::nan("") : std::stod(line.substr(at + key.size() + 4));
+}
+
+// `run` of `config_file` as experiment `id` under `root`: one process, or `ranks` ranks under the
+// launcher; no progress bar, one thread per rank, under coreutils timeout.
+CommandResult train(int ranks, const std::filesystem::path& config_file, const std::filesystem::path& root,
+                    const std::string& id, int limit_s = 300) {
+  std::vector<std::string> argv = {"timeout", "-k", "5", std::to_string(limit_s), kHost};
+  if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
+  argv.insert(argv.end(), {"run", "--config_file_path", config_file.string(), "--experiments_root_path",
+                           root.string(), "--experiment_id", id});
+  return run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+}
+
 // configs/distributed/<file> for a short run, logged every step, with absolute data paths. The
 // config fixes the global batch (8 samples); the micro-batch size follows the world size and
 // `accumulation`. `checkpoint_every` > 0 keeps a checkpoint every that many steps.
 std::string distributed_config(const std::string& file, int steps, int accumulation = 1, int checkpoint_every = 0) {
   std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/" + file);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto replace = [&](const std::string& from, const std::string& to) {
-    const auto at = text.find(from);
-    if (at == std::string::npos) throw std::runtime_error(file + " has no '" + from + "'");
-    text.replace(at, from.size(), to);
-  };
+  const auto replace = [&](const std::string& from, const std::string& to) { text = edited(std::move(text), from, to); };
   replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
   replace("num_target_steps = 80", fmt::format("num_target_steps = {}", steps));
   replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
@@ -446,14 +466,15 @@ std::string fsdp2_config(int steps, int accumulation = 1) {
 std::vector<std::pair<double, double>> logged_losses_and_norms(const std::filesystem::path& results) {
   std::ifstream in(results);
   std::vector<std::pair<double, double>> out;
-  const auto number_after = [](const std::string& line, const std::string& key) {
-    const auto at = line.find("\"" + key + "\": ");
-    return at == std::string::npos ? std::nan("") : std::stod(line.substr(at + key.size() + 4));
-  };
   for (std::string line; std::getline(in, line);)
     if (line.find("\"train loss avg\"") != std::string::npos)
       out.emplace_back(number_after(line, "train loss avg"), number_after(line, "grad norm avg"));
   return out;
+}
+
+// The logged (loss, grad norm) curve of experiment `id` under `root`.
+std::vector<std::pair<double, double>> curve_of(const std::filesystem::path& root, const std::string& id) {
+  return logged_losses_and_norms(root / id / "evaluation_results.jsonl");
 }
 
 // The issue's acceptance: one process vs FSDP2 on 2 and 4 ranks vs HSDP 2x2 vs FSDP1 NO_SHARD on
@@ -465,21 +486,10 @@ std::vector<std::pair<double, double>> logged_losses_and_norms(const std::filesy
 TEST(DistributedRunTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlobalBatch) {
   const modalities::testing::ScratchDir dir;
   constexpr int kSteps = 20;
-  const std::string root = (dir.path() / "experiments").string();
-  const std::vector<std::pair<std::string, std::string>> env{{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}};
+  const auto root = dir.path() / "experiments";
   const auto run_on = [&](int ranks, const std::string& id, const std::string& config) {
-    const auto file = dir.write(id + ".toml", config);
-    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
-    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
-    argv.insert(argv.end(), {"run", "--config_file_path", file.string(), "--experiments_root_path", root,
-                             "--experiment_id", id});
-    const CommandResult r = run_command(argv, env);
+    const CommandResult r = train(ranks, dir.write(id + ".toml", config), root, id);
     EXPECT_EQ(r.exit_code, 0) << r;
-  };
-  const auto edited = [](std::string text, const std::string& from, const std::string& to) {
-    const auto at = text.find(from);
-    if (at == std::string::npos) throw std::runtime_error("config has no '" + from + "'");
-    return text.replace(at, from.size(), to);
   };
   const std::string fsdp2 = fsdp2_config(kSteps);
   const std::string fsdp1 = distributed_config("fsdp1_cpu.toml", kSteps);
@@ -494,9 +504,7 @@ TEST(DistributedRunTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlo
   run_on(1, "one_fsdp1", no_shard);  // NO_SHARD's reference: gradient_clipper/fsdp1's float32 norm, in one process
   run_on(2, "fsdp1_2_accum2", distributed_config("fsdp1_cpu.toml", kSteps, 2));
 
-  const auto curve = [&](const std::string& id) {
-    return logged_losses_and_norms(dir.path() / "experiments" / id / "evaluation_results.jsonl");
-  };
+  const auto curve = [&](const std::string& id) { return curve_of(root, id); };
   const auto ref_fsdp2 = curve("one_8x1");
   const auto& ref = ref_fsdp2;
   const auto floor = curve("one_2x4");
@@ -557,10 +565,8 @@ TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
 TEST(DistributedRunTest, AWorldSizeTheDataCannotFeedIsRefusedBeforeTraining) {
   const modalities::testing::ScratchDir dir;
   const auto run_on = [&](int ranks, const std::string& text) {
-    const auto file = dir.write(fmt::format("feed_{}.toml", ranks), text);
-    return launch({"--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--", "run", "--config_file_path",
-                   file.string(), "--experiments_root_path", (dir.path() / "experiments").string()},
-                  120);
+    const std::string id = fmt::format("feed_{}", ranks);
+    return train(ranks, dir.write(id + ".toml", text), dir.path() / "experiments", id, 120);
   };
   const CommandResult three = run_on(3, fsdp2_config(6));
   EXPECT_NE(three.exit_code, 0) << three;
@@ -593,15 +599,10 @@ model_parts = { instance_key = "model", pass_type = "BY_REFERENCE" }
 peak_flops_per_device = 1e9
 )";
   const auto file = dir.write("mfu.toml", text);
-  const std::string root = (dir.path() / "experiments").string();
   std::vector<std::int64_t> counts;
   for (const int ranks : {1, 2}) {
     const std::string id = fmt::format("on{}", ranks);
-    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
-    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
-    argv.insert(argv.end(), {"run", "--config_file_path", file.string(), "--experiments_root_path", root,
-                             "--experiment_id", id});
-    const CommandResult r = run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+    const CommandResult r = train(ranks, file, dir.path() / "experiments", id);
     ASSERT_EQ(r.exit_code, 0) << r;
     const auto at = r.out.find("trainable parameters: ");
     ASSERT_NE(at, std::string::npos) << r;
@@ -609,10 +610,6 @@ peak_flops_per_device = 1e9
     counts.push_back(n);
     const double flops_per_token = 6.0 * static_cast<double>(n) + 12.0 * 2 * 128 * 128;
     std::ifstream in(dir.path() / "experiments" / id / "evaluation_results.jsonl");
-    const auto number_after = [](const std::string& line, const std::string& key) {
-      const auto k = line.find("\"" + key + "\": ");
-      return k == std::string::npos ? std::nan("") : std::stod(line.substr(k + key.size() + 4));
-    };
     int logged = 0;
     for (std::string line; std::getline(in, line);) {
       if (line.find("\"train mfu (16-bit)\"") == std::string::npos) continue;
@@ -636,26 +633,19 @@ peak_flops_per_device = 1e9
 TEST(DistributedRunTest, ActivationCheckpointingUnderFsdp2OnTwoRanksChangesNoBit) {
   const modalities::testing::ScratchDir dir;
   const std::string plain = fsdp2_config(6);
-  std::string checkpointed = plain;
-  const std::string inner = R"(model = { instance_key = "initialized_model", pass_type = "BY_REFERENCE" })";
-  const auto at = checkpointed.find(inner, checkpointed.find("[model.config]"));
-  ASSERT_NE(at, std::string::npos);
-  checkpointed.replace(at, inner.size(), R"(model = { instance_key = "checkpointed_model", pass_type = "BY_REFERENCE" })");
-  checkpointed += R"(
+  const std::string checkpointed = edited(plain, "[model.config]\nmodel = { instance_key = \"initialized_model\"",
+                                          "[model.config]\nmodel = { instance_key = \"checkpointed_model\"") +
+                                   R"(
 [checkpointed_model]
 component_key = "model"
 variant_key = "activation_checkpointed"
 config = { ac_variant = "full_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "initialized_model", pass_type = "BY_REFERENCE" }, ac_fun_params = {} }
 )";
-  const std::string root = (dir.path() / "experiments").string();
   std::vector<std::vector<std::pair<double, double>>> curves;
   for (const auto& [id, text] : {std::pair{"plain", plain}, std::pair{"checkpointed", checkpointed}}) {
-    const auto file = dir.write(std::string(id) + ".toml", text);
-    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
-                                    file.string(), "--experiments_root_path", root, "--experiment_id", id},
-                                   180);
+    const CommandResult r = train(2, dir.write(std::string(id) + ".toml", text), dir.path() / "experiments", id);
     ASSERT_EQ(r.exit_code, 0) << r;
-    curves.push_back(logged_losses_and_norms(dir.path() / "experiments" / id / "evaluation_results.jsonl"));
+    curves.push_back(curve_of(dir.path() / "experiments", id));
   }
   ASSERT_EQ(curves[0].size(), 6u);
   EXPECT_EQ(curves[1], curves[0]);
@@ -666,24 +656,15 @@ config = { ac_variant = "full_activation_checkpointing", layers_fqn = "transform
 // within 2% (bf16 has 8 bits of mantissa; measured 1.0%) and grad norm within 3% (measured 0.6%).
 TEST(DistributedRunTest, Bf16HsdpTrainsLikeFp32) {
   const modalities::testing::ScratchDir dir;
-  std::string fp32 = fsdp2_config(6);
-  const auto replace = [](std::string& text, const std::string& from, const std::string& to) {
-    const auto at = text.find(from);
-    ASSERT_NE(at, std::string::npos) << from;
-    text.replace(at, from.size(), to);
-  };
-  replace(fp32, "data_parallel_shard_degree = -1,", "data_parallel_replicate_degree = 2, data_parallel_shard_degree = -1,");
-  std::string bf16 = fp32;
-  replace(bf16, R"(param_dtype = "FP_32", reduce_dtype = "FP_32")", R"(param_dtype = "BF_16", reduce_dtype = "BF_16")");
-  const std::string root = (dir.path() / "experiments").string();
+  const std::string fp32 = edited(fsdp2_config(6), "data_parallel_shard_degree = -1,",
+                                  "data_parallel_replicate_degree = 2, data_parallel_shard_degree = -1,");
+  const std::string bf16 = edited(fp32, R"(param_dtype = "FP_32", reduce_dtype = "FP_32")",
+                                  R"(param_dtype = "BF_16", reduce_dtype = "BF_16")");
   std::vector<std::vector<std::pair<double, double>>> curves;
   for (const auto& [id, text] : {std::pair{"fp32", fp32}, std::pair{"bf16", bf16}}) {
-    const auto file = dir.write(std::string(id) + ".toml", text);
-    const CommandResult r = launch({"--nproc-per-node", "4", "--grace-s", "5", "--", "run", "--config_file_path",
-                                    file.string(), "--experiments_root_path", root, "--experiment_id", id},
-                                   180);
+    const CommandResult r = train(4, dir.write(std::string(id) + ".toml", text), dir.path() / "experiments", id);
     ASSERT_EQ(r.exit_code, 0) << r;
-    curves.push_back(logged_losses_and_norms(dir.path() / "experiments" / id / "evaluation_results.jsonl"));
+    curves.push_back(curve_of(dir.path() / "experiments", id));
   }
   ASSERT_EQ(curves[0].size(), 6u);
   ASSERT_EQ(curves[1].size(), 6u);
@@ -743,11 +724,7 @@ TEST(DistributedRunTest, InitializingAfterWrappingAMetaModelGivesTheSameWeightsA
   const modalities::testing::ScratchDir dir;
   constexpr int kSteps = 6;
   std::string text = fsdp2_config(kSteps);
-  const auto swap = [&](const std::string& from, const std::string& to) {
-    const auto at = text.find(from);
-    if (at == std::string::npos) throw std::runtime_error("no '" + from + "'");
-    text.replace(at, from.size(), to);
-  };
+  const auto swap = [&](const std::string& from, const std::string& to) { text = edited(std::move(text), from, to); };
   for (std::string::size_type at; (at = text.find("{ instance_key = \"model\", pass_type")) != std::string::npos;)
     text.replace(at, 24, "{ instance_key = \"initialized_model\"");
   swap("[model.config]\nmodel = { instance_key = \"initialized_model\"", "[model.config]\nmodel = { instance_key = \"model_raw\"");
@@ -755,17 +732,12 @@ TEST(DistributedRunTest, InitializingAfterWrappingAMetaModelGivesTheSameWeightsA
        "[initialized_model.config]\nmodel = { instance_key = \"model\"");
   swap("use_weight_tying = true", "use_weight_tying = false\nuse_meta_device = true");
   const auto file = dir.write("meta.toml", text);
-  const std::string root = (dir.path() / "experiments").string();
   for (const int ranks : {1, 2}) {
-    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
-    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", "2", "--grace-s", "5", "--"});
-    argv.insert(argv.end(), {"run", "--config_file_path", file.string(), "--experiments_root_path", root,
-                             "--experiment_id", fmt::format("on{}", ranks)});
-    const CommandResult r = run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+    const CommandResult r = train(ranks, file, dir.path() / "experiments", fmt::format("on{}", ranks));
     ASSERT_EQ(r.exit_code, 0) << r;
   }
-  const auto one = logged_losses_and_norms(dir.path() / "experiments/on1/evaluation_results.jsonl");
-  const auto two = logged_losses_and_norms(dir.path() / "experiments/on2/evaluation_results.jsonl");
+  const auto one = curve_of(dir.path() / "experiments", "on1");
+  const auto two = curve_of(dir.path() / "experiments", "on2");
   ASSERT_EQ(one.size(), static_cast<std::size_t>(kSteps));
   ASSERT_EQ(two.size(), one.size());
   for (std::size_t k = 0; k < one.size(); ++k) {
@@ -853,12 +825,8 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
 )",
                                                                   init_file.string()));
   const auto file = dir.write("train.toml", config);
-  const std::string fp32 = R"(mixed_precision_settings = { param_dtype = "FP_32", reduce_dtype = "FP_32" })";
-  const auto at = config.find(fp32);
-  ASSERT_NE(at, std::string::npos);
-  const auto bf16_file =
-      dir.write("train_bf16.toml", config.replace(at, fp32.size(), R"(mixed_precision_settings = { param_dtype = )"
-                                                                    R"("BF_16", reduce_dtype = "FP_32" })"));
+  const auto bf16_file = dir.write("train_bf16.toml", edited(config, R"(param_dtype = "FP_32", reduce_dtype = "FP_32")",
+                                                               R"(param_dtype = "BF_16", reduce_dtype = "FP_32")"));
   const std::string root = (dir.path() / "experiments").string();
   struct Case {
     int ranks;
@@ -870,13 +838,9 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
     const int ranks = c.ranks;
     const std::string key = fmt::format("{}{}", ranks, c.bf16 ? "_bf16" : "");
     const std::string id = "on" + key;
-    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
-    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
-    argv.insert(argv.end(), {"run", "--config_file_path", (c.bf16 ? bf16_file : file).string(),
-                             "--experiments_root_path", root, "--experiment_id", id});
-    const CommandResult r = run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+    const CommandResult r = train(ranks, c.bf16 ? bf16_file : file, root, id);
     ASSERT_EQ(r.exit_code, 0) << r;
-    const auto got = logged_losses_and_norms(dir.path() / "experiments" / id / "evaluation_results.jsonl");
+    const auto got = curve_of(root, id);
     const simdjson::dom::element run = ref["runs"][key];
     std::vector<double> loss, norm;
     for (auto v : run["loss"].get_array()) loss.push_back(v.get_double());
@@ -896,7 +860,9 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
     EXPECT_LE(worst_loss, c.loss_tolerance) << key;
     // In bf16 both losses are means of bf16 values: most steps agree exactly (an fp32 computation
     // would match none), the others by one bf16 step (2^-7 relative at most).
-    if (c.bf16) EXPECT_GE(equal_losses, 10) << key;
+    if (c.bf16) {
+      EXPECT_GE(equal_losses, 10) << key;
+    }
     EXPECT_LE(worst_norm, c.norm_tolerance) << key;
   }
 }
@@ -907,10 +873,6 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
 std::map<int, std::pair<double, double>> logged_steps(const std::filesystem::path& results) {
   std::ifstream in(results);
   std::map<int, std::pair<double, double>> out;
-  const auto number_after = [](const std::string& line, const std::string& key) {
-    const auto at = line.find("\"" + key + "\": ");
-    return at == std::string::npos ? std::nan("") : std::stod(line.substr(at + key.size() + 4));
-  };
   for (std::string line; std::getline(in, line);)
     if (line.find("\"train loss avg\"") != std::string::npos)
       out[static_cast<int>(number_after(line, "num_train_steps_done"))] = {number_after(line, "train loss avg"),

@@ -49,16 +49,12 @@ namespace {
 
 // The norm config schemas and formulas are the `layer_norm` component's, from the SDK
 // (modalities/sdk/norms.h), so model/gpt2 and layer_norm/* cannot drift apart.
-using NormKind = norms::Kind;
-using LayerNormFields = norms::LayerNormConfig;
-using RmsLayerNormFields = norms::RmsLayerNormConfig;
-using TorchRmsNormFields = norms::TorchRmsNormConfig;
 
 /// `{norm_type, config}` (Modalities' LayerNormWrapperConfig), resolved to what
 /// the norm module needs. The config schema is chosen by norm_type.
 struct NormWrapperConfig {
   std::string norm_type;
-  NormKind kind = NormKind::kLayerNorm;
+  norms::Kind kind = norms::Kind::kLayerNorm;
   std::int64_t size = 0;
   double eps = 1e-5;
   bool weight = true;
@@ -166,11 +162,11 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
         schema_as_field("[norm_type = layer_norm] config",
                         "LayerNorm keys; eps defaults to 1e-5 unless elementwise_affine or bias is given, then 1e-6 "
                         "(Modalities' config-union resolution)",
-                        Schema<LayerNormFields>::instance().fields()),
+                        Schema<norms::LayerNormConfig>::instance().fields()),
         schema_as_field("[norm_type = rms_norm] config", "RMSLayerNorm keys",
-                        Schema<RmsLayerNormFields>::instance().fields()),
+                        Schema<norms::RmsLayerNormConfig>::instance().fields()),
         schema_as_field("[norm_type = pytorch_rms_norm] config", "RMSNorm keys",
-                        Schema<TorchRmsNormFields>::instance().fields())};
+                        Schema<norms::TorchRmsNormConfig>::instance().fields())};
     info.children = {type, config};
   }
   static Parsed parse(const Value& v, T& out, const std::string& path, ParseContext& ctx) {
@@ -182,9 +178,9 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
     out.norm_type = tag;
     Parsed r = Parsed::kOk;
     if (tag == "layer_norm") {
-      LayerNormFields f;
-      r = Schema<LayerNormFields>::instance().parse(*cfg, f, cpath, ctx);
-      out.kind = NormKind::kLayerNorm;
+      norms::LayerNormConfig f;
+      r = Schema<norms::LayerNormConfig>::instance().parse(*cfg, f, cpath, ctx);
+      out.kind = norms::Kind::kLayerNorm;
       out.size = f.normalized_shape;
       out.size_key = "normalized_shape";
       // Note [layer_norm eps default]: Modalities parses the config with a pydantic
@@ -197,9 +193,9 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
       out.weight = f.elementwise_affine;
       out.bias = f.elementwise_affine && f.bias;
     } else if (tag == "rms_norm") {
-      RmsLayerNormFields f;
-      r = Schema<RmsLayerNormFields>::instance().parse(*cfg, f, cpath, ctx);
-      out.kind = NormKind::kRmsLayerNorm;
+      norms::RmsLayerNormConfig f;
+      r = Schema<norms::RmsLayerNormConfig>::instance().parse(*cfg, f, cpath, ctx);
+      out.kind = norms::Kind::kRmsLayerNorm;
       out.size = f.ndim;
       out.size_key = "ndim";
       out.eps = f.epsilon;
@@ -208,9 +204,9 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
       ctx.warn(join_path(path, "norm_type"),
                "rms_norm (Modalities' RMSLayerNorm) is deprecated in Modalities; prefer pytorch_rms_norm");
     } else {
-      TorchRmsNormFields f;
-      r = Schema<TorchRmsNormFields>::instance().parse(*cfg, f, cpath, ctx);
-      out.kind = NormKind::kTorchRmsNorm;
+      norms::TorchRmsNormConfig f;
+      r = Schema<norms::TorchRmsNormConfig>::instance().parse(*cfg, f, cpath, ctx);
+      out.kind = norms::Kind::kTorchRmsNorm;
       out.size = f.normalized_shape;
       out.size_key = "normalized_shape";
       out.eps = f.eps;
@@ -528,7 +524,7 @@ class NormImpl final : public Leaf {
   // x: [..., n] -> [..., n], Modalities' norm formulas (README.md), in the compute dtype dt.
   at::Tensor operator()(const at::Tensor& x, Dt dt) const {
     // CPU fast path of RMSNorm, bit-identical to at::rms_norm (fused_ops.h).
-    if (kind_ == NormKind::kTorchRmsNorm && x.dim() >= 1 && x.size(-1) == n_)
+    if (kind_ == norms::Kind::kTorchRmsNorm && x.dim() >= 1 && x.size(-1) == n_)
       return fused_rms_norm(x, cast(weight, dt), eps_);
     return norms::apply(kind_, x, n_, cast(weight, dt), cast(bias, dt), eps_);
   }
@@ -540,7 +536,7 @@ class NormImpl final : public Leaf {
     weight = registered("weight");
     bias = registered("bias");
   }
-  NormKind kind_;
+  norms::Kind kind_;
   std::int64_t n_;
   double eps_;
 };
@@ -876,7 +872,7 @@ class GPT2LLMImpl final : public torch::nn::Module {
     if (transformer_->contains("h")) {
       for (const auto& item : *h_) {
         auto& block = *item.value()->as<GPT2BlockImpl>();
-        if (hooks_.empty()) {
+        if (hooks_.empty()) {  // the common case: no fqn string, no std::function per block
           h = block(h, B, T, dt);
           continue;
         }

@@ -53,14 +53,27 @@ Harness harness(const std::string& text) {
   return h;
 }
 
-// Loss of one training forward (dropout drawn after seeding), backward done.
-at::Tensor train_step(Module& m, const at::Tensor& ids) {
-  m.train(true);
+// Every second block of a copy of the example's model ("every_second_raw"), checkpointed.
+constexpr const char* kEverySecond = R"(
+[every_second]
+component_key = "model"
+variant_key = "activation_checkpointed"
+config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "every_second_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { ac_freq = 2 } }
+)";
+
+// The next-token loss of `m` on `ids`, dropout drawn after seeding.
+at::Tensor clm_loss(Module& m, const at::Tensor& ids) {
   at::manual_seed(11);
   const at::Tensor logits = m.forward({{"input_ids", ids}}).at("logits");
   const std::int64_t V = logits.size(-1);
-  at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, V}),
-                                           ids.narrow(1, 1, ids.size(1) - 1).reshape({-1}));
+  return at::cross_entropy_loss(logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, V}),
+                                ids.narrow(1, 1, ids.size(1) - 1).reshape({-1}));
+}
+
+// Loss of one training forward, backward done.
+at::Tensor train_step(Module& m, const at::Tensor& ids) {
+  m.train(true);
+  at::Tensor loss = clm_loss(m, ids);
   loss.backward();
   return loss.detach();
 }
@@ -77,12 +90,7 @@ void expect_same_gradients(Module& got, Module& want, const std::string& what) {
 
 TEST(ActivationCheckpointingTest, FullAndEverySecondBlockGiveTheGradientsOfNoCheckpointingBitForBit) {
   std::string text = example();
-  text += copy_of_raw(text, "plain") + copy_of_raw(text, "every_second_raw") + R"(
-[every_second]
-component_key = "model"
-variant_key = "activation_checkpointed"
-config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "every_second_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { ac_freq = 2 } }
-)";
+  text += copy_of_raw(text, "plain") + copy_of_raw(text, "every_second_raw") + kEverySecond;
   Harness h = harness(text);
   const auto plain = h.get<Module>("plain");
   ASSERT_NE(plain, nullptr) << h.build_error();
@@ -227,12 +235,7 @@ TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
   for (const auto& [from, to] : std::map<std::string, std::string>{
            {"n_layer = 4", "n_layer = 8"}, {"sequence_length = 32", "sequence_length = 256"}})
     for (std::size_t at; (at = base.find(from)) != std::string::npos;) base.replace(at, from.size(), to);
-  std::string text = base + copy_of_raw(base, "plain") + copy_of_raw(base, "every_second_raw") + R"(
-[every_second]
-component_key = "model"
-variant_key = "activation_checkpointed"
-config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "every_second_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { ac_freq = 2 } }
-)";
+  const std::string text = base + copy_of_raw(base, "plain") + copy_of_raw(base, "every_second_raw") + kEverySecond;
   Harness h = harness(text);
   ASSERT_NE(h.get<Module>("plain"), nullptr) << h.build_error();
   static CountingAllocator counting(c10::GetDefaultCPUAllocator());
@@ -247,10 +250,7 @@ config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn =
       const std::int64_t before = counting.live();
       counting.reset_peak();
       const auto t0 = std::chrono::steady_clock::now();
-      at::manual_seed(11);
-      const at::Tensor logits = m->forward({{"input_ids", ids}}).at("logits");
-      at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, 255).reshape({-1, 128}),
-                                               ids.narrow(1, 1, 255).reshape({-1}));
+      at::Tensor loss = clm_loss(*m, ids);
       const std::int64_t after_forward = counting.live() - before;
       loss.backward();
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -37,59 +36,49 @@ struct SplitPoint {
 // asked for, the heaviest stage of several split points is cut where its heavier half is
 // lightest. Every split point lands in exactly one stage. For GPT-2's unit weights this gives
 // Modalities' stages whenever Modalities' packing fits.
-std::vector<std::vector<SplitPoint>> greedy(const std::vector<SplitPoint>& points, i64 capacity) {
-  std::vector<std::vector<SplitPoint>> stages;
+// The first split point of each stage when split points are packed left to right into stages
+// of at most `capacity`.
+std::vector<std::size_t> greedy(const std::vector<i64>& weights, i64 capacity) {
+  std::vector<std::size_t> starts;
   i64 load = 0;
-  for (const SplitPoint& p : points) {
-    if (stages.empty() || load + p.weight > capacity) {
-      stages.emplace_back();
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    if (starts.empty() || load + weights[i] > capacity) {
+      starts.push_back(i);
       load = 0;
     }
-    stages.back().push_back(p);
-    load += p.weight;
+    load += weights[i];
   }
-  return stages;
+  return starts;
 }
 
-i64 weight_of(const std::vector<SplitPoint>& stage) {
-  i64 w = 0;
-  for (const SplitPoint& p : stage) w += p.weight;
-  return w;
-}
-
-std::vector<std::vector<SplitPoint>> pack(const std::vector<SplitPoint>& points, i64 num_stages) {
-  i64 lo = 0, hi = 0;
-  for (const SplitPoint& p : points) {
-    lo = std::max(lo, p.weight);
-    hi += p.weight;
-  }
+// The first split point of each of exactly `num_stages` stages (Note [Packing stages]).
+std::vector<std::size_t> pack(const std::vector<i64>& weights, std::size_t num_stages) {
+  std::vector<i64> prefix(weights.size() + 1, 0);  // prefix[i]: weight of split points [0, i)
+  for (std::size_t i = 0; i < weights.size(); ++i) prefix[i + 1] = prefix[i] + weights[i];
+  i64 lo = *std::max_element(weights.begin(), weights.end()), hi = prefix.back();
   while (lo < hi) {  // the smallest capacity that fits into num_stages
     const i64 mid = lo + (hi - lo) / 2;
-    if (static_cast<i64>(greedy(points, mid).size()) <= num_stages) hi = mid;
+    if (greedy(weights, mid).size() <= num_stages) hi = mid;
     else lo = mid + 1;
   }
-  std::vector<std::vector<SplitPoint>> stages = greedy(points, lo);
-  while (static_cast<i64>(stages.size()) < num_stages) {
-    std::size_t heaviest = stages.size();
-    for (std::size_t s = 0; s < stages.size(); ++s)
-      if (stages[s].size() > 1 && (heaviest == stages.size() || weight_of(stages[s]) > weight_of(stages[heaviest])))
+  std::vector<std::size_t> starts = greedy(weights, lo);
+  while (starts.size() < num_stages) {
+    const auto end_of = [&](std::size_t s) { return s + 1 < starts.size() ? starts[s + 1] : weights.size(); };
+    std::size_t heaviest = starts.size();  // the heaviest stage of several split points
+    for (std::size_t s = 0; s < starts.size(); ++s)
+      if (end_of(s) - starts[s] > 1 &&
+          (heaviest == starts.size() ||
+           prefix[end_of(s)] - prefix[starts[s]] > prefix[end_of(heaviest)] - prefix[starts[heaviest]]))
         heaviest = s;
-    const std::vector<SplitPoint> stage = stages[heaviest];
-    const i64 total = weight_of(stage);
-    std::size_t best = 1;
-    i64 best_cost = total, prefix = 0;
-    for (std::size_t k = 1; k < stage.size(); ++k) {
-      prefix += stage[k - 1].weight;
-      if (const i64 cost = std::max(prefix, total - prefix); cost < best_cost) {
-        best_cost = cost;
-        best = k;
-      }
-    }
-    stages[heaviest].assign(stage.begin(), stage.begin() + static_cast<std::ptrdiff_t>(best));
-    stages.insert(stages.begin() + static_cast<std::ptrdiff_t>(heaviest) + 1,
-                  std::vector<SplitPoint>(stage.begin() + static_cast<std::ptrdiff_t>(best), stage.end()));
+    const std::size_t begin = starts[heaviest], end = end_of(heaviest);
+    std::size_t cut = begin + 1;  // where the heavier half is lightest (the first such cut)
+    for (std::size_t k = begin + 1; k < end; ++k)
+      if (std::max(prefix[k] - prefix[begin], prefix[end] - prefix[k]) <
+          std::max(prefix[cut] - prefix[begin], prefix[end] - prefix[cut]))
+        cut = k;
+    starts.insert(starts.begin() + static_cast<std::ptrdiff_t>(heaviest) + 1, cut);
   }
-  return stages;
+  return starts;
 }
 
 struct Gpt2StagesConfig {
@@ -133,10 +122,13 @@ class Gpt2StagesGenerator final : public StagesGenerator {
       throw Error(fmt::format("gpt2_stages_generator: {} stages need at least as many split points, the model has {} "
                               "(embeddings, {} blocks, head); use more layers per stage",
                               num_stages, points.size(), c_.num_model_layers));
+    std::vector<i64> weights;
+    for (const SplitPoint& p : points) weights.push_back(p.weight);
     std::vector<std::vector<std::string>> out;
-    for (const auto& stage : pack(points, num_stages)) {
-      out.emplace_back();
-      for (const SplitPoint& p : stage) out.back().insert(out.back().end(), p.fqns.begin(), p.fqns.end());
+    const std::vector<std::size_t> starts = pack(weights, static_cast<std::size_t>(num_stages));
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      if (out.size() < starts.size() && i == starts[out.size()]) out.emplace_back();
+      out.back().insert(out.back().end(), points[i].fqns.begin(), points[i].fqns.end());
     }
     return out;
   }
