@@ -413,12 +413,16 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
     }
     dist::barrier();
 
+    // Warnings (the config's and the components', e.g. model/compiled's notice) from rank 0;
+    // the per-component build lines with --verbose.
     core::ComponentGraph graph(registry, root, core::find_pipeline("training"));
-    for (const auto& d : graph.validate())
-      if (d.warning && launch.rank == 0) std::cerr << d.str() << "\n";
-    const core::BuiltGraph built = graph.build([&](const std::string& line) {
-      if (a.verbose) std::cerr << line << "\n";
-    });
+    const core::BuiltGraph built = graph.build(
+        [&](const std::string& line) {
+          if (a.verbose) std::cerr << line << "\n";
+        },
+        [&](const std::string& line) {
+          if (launch.rank == 0) std::cerr << line << "\n";
+        });
     core::GymComponents components = core::GymComponents::from(built);
     const auto& cuda_env = components.settings.cuda_env;
     if (cuda_env.world_size != launch.world_size || cuda_env.global_rank != launch.rank)
@@ -527,7 +531,8 @@ int run_generate_text(const std::vector<std::string>& args) {
     const core::ConfigNode root = core::load_resolved(config_file_path, registry, core::env_for_config(config_file_path));
     choose_device(root);
     core::ComponentGraph graph(registry, root, core::find_pipeline("text_generation"));
-    const core::BuiltGraph built = graph.build([](const std::string&) {});
+    const core::BuiltGraph built =
+        graph.build([](const std::string&) {}, [](const std::string& line) { std::cerr << line << "\n"; });
     const Value* v = built.get("text_inference_component");
     if (v == nullptr || !v->is_object() || v->as_object().interface != TextInferenceComponent::kInterface)
       throw Error("text_inference_component must produce a TextInferenceComponent");

@@ -299,7 +299,7 @@ Value ComponentGraph::build_node(const ConfigNode& n, const ConfigPath& p,
   const ConfigPath cfg_path = p.child("config");
   Value::Table config;
   for (const auto& [k, v] : n.find("config")->as_table()) config.emplace_back(k, build_node(v, cfg_path.child(k), log));
-  NodeBuildContext ctx(p.str(), log);
+  NodeBuildContext ctx(p.str(), warn_);
   Value result;
   try {
     result = variant.spec.build(Value(std::move(config)), ctx);
@@ -324,12 +324,14 @@ Value ComponentGraph::build_node(const ConfigNode& n, const ConfigPath& p,
   return result;
 }
 
-BuiltGraph ComponentGraph::build(const std::function<void(const std::string&)>& log) {
+BuiltGraph ComponentGraph::build(const std::function<void(const std::string&)>& log,
+                                 const std::function<void(const std::string&)>& warn) {
+  warn_ = warn ? warn : log;
   std::vector<Diagnostic> found = validate();
   std::vector<Diagnostic> errors;
   for (auto& d : found) {
     if (d.warning) {
-      if (log) log(d.str());
+      if (warn_) warn_(d.str());
     } else {
       errors.push_back(d);
     }
@@ -351,7 +353,7 @@ BuiltGraph ComponentGraph::build(const std::function<void(const std::string&)>& 
   std::vector<Diagnostic> build_errors;
   for (auto& d : diagnostics_) {
     if (!d.warning) build_errors.push_back(d);
-    else if (log) log(d.str());
+    else if (warn_) warn_(d.str());
   }
   if (!build_errors.empty()) throw ConfigFileError(std::move(build_errors));
   return out;

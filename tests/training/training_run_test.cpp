@@ -270,6 +270,27 @@ TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeigh
   EXPECT_EQ(state.at("model.transformer.wte.weight").scalar_type(), at::kFloat);
 }
 
+// A component's build-time warning reaches the user without --verbose: model/compiled's notice
+// that LibTorch has no compiler is printed once, and the run trains as without it.
+TEST_F(TrainingRunTest, ComponentWarningsArePrintedWithoutVerbose) {
+  const fs::path train = dir_.write(
+      "train.toml",
+      tiny_config("train.toml",
+                  {{"model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
+                    "model = { instance_key = \"compiled_model\", pass_type = \"BY_REFERENCE\" }"},
+                   {"[model_raw]\n",
+                    "[compiled_model]\ncomponent_key = \"model\"\nvariant_key = \"compiled\"\n"
+                    "config = { model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }, "
+                    "block_names = [\"GPT2Block\"] }\n\n"
+                    "[model_raw]\n"}}));
+  const fs::path experiments = dir_.path() / "experiments";
+  const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
+                                      experiments.string(), "--experiment_id", "compiled"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.err, HasSubstr("warning: compiled_model: LibTorch has no torch.compile")) << r;
+  EXPECT_EQ(train_results(experiments / "compiled/evaluation_results.jsonl").size(), 8u);
+}
+
 TEST_F(TrainingRunTest, EvaluationRunsAtItsIntervalInEvalModeAndIsRecorded) {
   const std::string tables = val_tables();
   const fs::path train = dir_.write(

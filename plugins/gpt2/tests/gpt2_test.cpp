@@ -478,7 +478,9 @@ TEST(Gpt2HookTest, RootAndBlockHooksFireInForwardAndBackwardOrder) {
     const char* point = c.point == HookPoint::kPreForward ? "pre" : c.point == HookPoint::kForward ? "fwd" : "bwd";
     calls.push_back(fmt::format("{} {} {}", point, c.fqn.empty() ? "<root>" : std::string(c.fqn), c.class_name));
     if (c.point == HookPoint::kBackward) grad_shapes[std::string(c.fqn)] = c.outputs[0].sizes().vec();
-    if (c.point == HookPoint::kForward) EXPECT_EQ(c.outputs.size(), 1u);
+    if (c.point == HookPoint::kForward) {
+      EXPECT_EQ(c.outputs.size(), 1u);
+    }
   };
   auto handle = m->add_hook(record, {});
   const at::Tensor ids = at::randint(0, 50304, {2, 16}, at::kLong);

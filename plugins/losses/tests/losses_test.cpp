@@ -97,8 +97,11 @@ TEST_F(ClmLossTest, MatchesPyTorchReference) {
     EXPECT_EQ(from_batch.dim(), 0);
     EXPECT_EQ(from_batch.scalar_type(), c.dtype) << "the loss keeps the logits' dtype";
     const double got = from_batch.item<double>();
-    if (c.dtype == at::kBFloat16) EXPECT_EQ(got, c.loss);
-    else EXPECT_NEAR(got, c.loss, 1e-6 * std::abs(c.loss)) << "difference " << got - c.loss;
+    if (c.dtype == at::kBFloat16) {
+      EXPECT_EQ(got, c.loss);
+    } else {
+      EXPECT_NEAR(got, c.loss, 1e-6 * std::abs(c.loss)) << "difference " << got - c.loss;
+    }
     EXPECT_TRUE(from_batch.equal(from_tensors)) << "both compute() overloads agree";
   }
 }

@@ -157,7 +157,7 @@ std::shared_ptr<Module> compiled(const CompiledConfig& c, BuildContext& ctx) {
     if (model->submodules_of_class(c.block_names[i]).empty())
       throw ConfigError(fmt::format("block_names[{}]", i),
                         fmt::format("the model has no submodule of class '{}'", c.block_names[i]));
-  ctx.warn("model/compiled: LibTorch has no torch.compile; the model runs eager, as built (gpt2 uses its fused "
+  ctx.warn("LibTorch has no torch.compile: model/compiled runs the model eager, as built (gpt2 uses its fused "
            "ops either way)");
   return model;
 }

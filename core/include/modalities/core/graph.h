@@ -65,9 +65,12 @@ class ComponentGraph {
   std::vector<Diagnostic> validate();
 
   /// Validates, then builds. `log` receives one line per built component
-  /// ("Instantiated optimizer/adam_w -> Optimizer: optimizer"). Throws
-  /// ConfigFileError on invalid configs and on factory failures.
-  BuiltGraph build(const std::function<void(const std::string&)>& log);
+  /// ("Instantiated optimizer/adam_w -> Optimizer: optimizer"); `warn` every warning: the
+  /// validation's, the factories' (BuildContext::warn) and the pipeline's checks on built values
+  /// (without `warn` they go to `log`). Throws ConfigFileError on invalid configs and on factory
+  /// failures.
+  BuiltGraph build(const std::function<void(const std::string&)>& log,
+                   const std::function<void(const std::string&)>& warn = {});
 
   /// Graphviz DOT: boxes for top-level nodes, ellipses for inline components,
   /// solid edges for nesting, dashed edges for references.
@@ -96,6 +99,7 @@ class ComponentGraph {
   std::map<std::string, Value> dry_cache_;    // top-level key -> dry value
   std::vector<std::string> in_progress_;      // reference chain, for cycles
   std::map<std::string, Value> built_cache_;  // top-level key -> built value
+  std::function<void(const std::string&)> warn_;  // build()'s warning sink
 };
 
 /// Expected-vs-actual check used by pipelines: does `v` satisfy `expects`?
