@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Set-up, build and the whole test suite (GoogleTest via CTest, plugin smoke
-# tests, out-of-tree plugin against the installed SDK). Usage: scripts/test.sh [ctest args...]
+# Set-up, build and the test suite (GoogleTest via CTest, plugin smoke tests, out-of-tree plugin
+# against the installed SDK). Usage: scripts/test.sh [--full] [ctest args...]
+# The default suite leaves out the tests labelled `full` (the heavy multi-rank acceptance runs:
+# 4 ranks, 20 steps, every layout); --full runs them too.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+preset=cpu
+if [[ "${1:-}" == "--full" ]]; then
+  preset=cpu-full
+  shift
+fi
 "${root}/scripts/build.sh" cpu
 cd "${root}"
-ctest --preset cpu "$@"
+ctest --preset "${preset}" "$@"

@@ -278,6 +278,7 @@ int supervise(std::vector<Rank>& ranks, const LaunchOptions& o) {
   using Clock = std::chrono::steady_clock;
   std::optional<int> result;
   std::optional<Clock::time_point> kill_at;
+  std::optional<Clock::time_point> first_failure;
   bool killed = false;
   const auto stop_others = [&](int sig) {
     signal_all(ranks, sig);
@@ -320,6 +321,7 @@ int supervise(std::vector<Rank>& ranks, const LaunchOptions& o) {
         const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
         if (failed && !result) {
           result = exit_code_of(status);
+          first_failure = Clock::now();
           note(fmt::format("rank {} (pid {}) {}; stopping the other ranks", r.rank, r.pid, describe_status(status)));
           stop_others(SIGTERM);
         } else if (failed && !killed) {
@@ -334,6 +336,9 @@ int supervise(std::vector<Rank>& ranks, const LaunchOptions& o) {
       killed = true;
     }
   }
+  if (first_failure)
+    note(fmt::format("every rank stopped {:.1f} s after the first failure",
+                     std::chrono::duration<double>(Clock::now() - *first_failure).count()));
   return result.value_or(kOk);
 }
 

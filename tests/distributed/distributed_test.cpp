@@ -477,66 +477,89 @@ std::vector<std::pair<double, double>> curve_of(const std::filesystem::path& roo
   return logged_losses_and_norms(root / id / "evaluation_results.jsonl");
 }
 
-// The issue's acceptance: one process vs FSDP2 on 2 and 4 ranks vs HSDP 2x2 vs FSDP1 NO_SHARD on
-// 2 ranks vs FSDP1 FULL_SHARD on 2 ranks with gradient accumulation 2 (gradients synchronised
-// once per step), all on the same global batch of 8 for 20 steps: loss and grad norm of every
-// step agree with the one-process run within 1e-5 relative, or within 10x the noise floor of
-// splitting the same batch differently inside one process (8 x 1 vs 2 x 4 accumulation) if that
-// is larger. Every curve is printed.
-TEST(DistributedRunTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlobalBatch) {
+// A data-parallel layout to train: its experiment id, the number of ranks and the config.
+struct Layout {
+  std::string id;
+  int ranks;
+  std::string config;
+};
+
+// Trains one process on the global batch of 8 (8 x 1, the reference, and 2 x 4 accumulation, the
+// noise floor of splitting the same batch differently) and every layout for `steps` steps: the
+// loss and grad norm of every step of each layout agree with the one-process run within 1e-5
+// relative, or within 10x the noise floor if that is larger. A layout whose id starts with
+// "no_shard" is compared with one process using gradient_clipper/fsdp1 (FSDP1's float32 norm, bit
+// for bit PyTorch's, which differs from the float64 norm of the sharded clippers by up to ~1e-4
+// relative). Every curve is printed.
+void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>& layouts) {
   const modalities::testing::ScratchDir dir;
-  constexpr int kSteps = 20;
   const auto root = dir.path() / "experiments";
   const auto run_on = [&](int ranks, const std::string& id, const std::string& config) {
     const CommandResult r = train(ranks, dir.write(id + ".toml", config), root, id);
     EXPECT_EQ(r.exit_code, 0) << r;
   };
-  const std::string fsdp2 = fsdp2_config(kSteps);
-  const std::string fsdp1 = distributed_config("fsdp1_cpu.toml", kSteps);
-  run_on(1, "one_8x1", fsdp2);
-  run_on(1, "one_2x4", fsdp2_config(kSteps, 4));
-  run_on(2, "fsdp2_2", fsdp2);
-  run_on(4, "fsdp2_4", fsdp2);
-  run_on(4, "hsdp_2x2", edited(fsdp2, "data_parallel_shard_degree = -1",
-                               "data_parallel_replicate_degree = 2, data_parallel_shard_degree = -1"));
-  const std::string no_shard = edited(fsdp1, "sharding_strategy = \"FULL_SHARD\"", "sharding_strategy = \"NO_SHARD\"");
-  run_on(2, "no_shard_2", no_shard);
-  run_on(1, "one_fsdp1", no_shard);  // NO_SHARD's reference: gradient_clipper/fsdp1's float32 norm, in one process
-  run_on(2, "fsdp1_2_accum2", distributed_config("fsdp1_cpu.toml", kSteps, 2));
+  const std::string no_shard = edited(distributed_config("fsdp1_cpu.toml", steps),
+                                      "sharding_strategy = \"FULL_SHARD\"", "sharding_strategy = \"NO_SHARD\"");
+  const bool any_no_shard = std::any_of(layouts.begin(), layouts.end(),
+                                        [](const Layout& l) { return l.id.starts_with("no_shard"); });
+  run_on(1, "one_8x1", fsdp2_config(steps));
+  run_on(1, "one_2x4", fsdp2_config(steps, 4));
+  if (any_no_shard) run_on(1, "one_fsdp1", no_shard);
+  for (const Layout& l : layouts) run_on(l.ranks, l.id, l.config);
 
-  const auto curve = [&](const std::string& id) { return curve_of(root, id); };
-  const auto ref_fsdp2 = curve("one_8x1");
-  const auto& ref = ref_fsdp2;
-  const auto floor = curve("one_2x4");
-  ASSERT_EQ(ref.size(), static_cast<std::size_t>(kSteps));
-  ASSERT_EQ(floor.size(), static_cast<std::size_t>(kSteps));
+  const auto ref_fsdp2 = curve_of(root, "one_8x1");
+  const auto floor = curve_of(root, "one_2x4");
+  ASSERT_EQ(ref_fsdp2.size(), static_cast<std::size_t>(steps));
+  ASSERT_EQ(floor.size(), static_cast<std::size_t>(steps));
   const auto rel = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
   double loss_floor = 0, norm_floor = 0;
-  for (int k = 0; k < kSteps; ++k) {
-    loss_floor = std::max(loss_floor, rel(floor[k].first, ref[k].first));
-    norm_floor = std::max(norm_floor, rel(floor[k].second, ref[k].second));
+  for (int k = 0; k < steps; ++k) {
+    loss_floor = std::max(loss_floor, rel(floor[k].first, ref_fsdp2[k].first));
+    norm_floor = std::max(norm_floor, rel(floor[k].second, ref_fsdp2[k].second));
   }
   std::printf("noise floor (one process, 2 x 4 accumulation vs 8 x 1): loss %.2e, grad norm %.2e\n", loss_floor,
               norm_floor);
-  const auto ref_fsdp1 = curve("one_fsdp1");
-  for (const std::string id : {"fsdp2_2", "fsdp2_4", "hsdp_2x2", "no_shard_2", "fsdp1_2_accum2"}) {
-    // gradient_clipper/fsdp1 without sharding computes FSDP1's float32 norm (bit for bit PyTorch's),
-    // which differs from the float64 norm of the sharded clippers by up to ~1e-4 relative: NO_SHARD
-    // is compared with one process using the same clipper.
-    const auto& ref = id == "no_shard_2" ? ref_fsdp1 : ref_fsdp2;
-    const auto got = curve(id);
-    ASSERT_EQ(got.size(), static_cast<std::size_t>(kSteps)) << id;
+  const auto ref_fsdp1 = any_no_shard ? curve_of(root, "one_fsdp1") : ref_fsdp2;
+  for (const Layout& l : layouts) {
+    const auto& ref = l.id.starts_with("no_shard") ? ref_fsdp1 : ref_fsdp2;
+    const auto got = curve_of(root, l.id);
+    ASSERT_EQ(got.size(), static_cast<std::size_t>(steps)) << l.id;
     double loss = 0, norm = 0;
-    for (int k = 0; k < kSteps; ++k) {
+    for (int k = 0; k < steps; ++k) {
       loss = std::max(loss, rel(got[k].first, ref[k].first));
       norm = std::max(norm, rel(got[k].second, ref[k].second));
-      std::printf("%-15s step %2d  loss %.9g (one process %.9g)  grad norm %.9g (one process %.9g)\n", id.c_str(),
+      std::printf("%-15s step %2d  loss %.9g (one process %.9g)  grad norm %.9g (one process %.9g)\n", l.id.c_str(),
                   k + 1, got[k].first, ref[k].first, got[k].second, ref[k].second);
     }
-    std::printf("%-15s worst relative difference: loss %.2e, grad norm %.2e\n", id.c_str(), loss, norm);
-    EXPECT_LE(loss, std::max(1e-5, 10 * loss_floor)) << id;
-    EXPECT_LE(norm, std::max(1e-5, 10 * norm_floor)) << id;
+    std::printf("%-15s worst relative difference: loss %.2e, grad norm %.2e\n", l.id.c_str(), loss, norm);
+    EXPECT_LE(loss, std::max(1e-5, 10 * loss_floor)) << l.id;
+    EXPECT_LE(norm, std::max(1e-5, 10 * norm_floor)) << l.id;
   }
+}
+
+// In the default suite: FSDP2 and FSDP1 with gradient accumulation 2 (gradients synchronised once
+// per step) on 2 ranks, 10 steps.
+TEST(DistributedRunTest, TwoRankLayoutsTrainLikeOneProcessOnTheSameGlobalBatch) {
+  constexpr int kSteps = 10;
+  expect_layouts_train_like_one_process(
+      kSteps, {{"fsdp2_2", 2, fsdp2_config(kSteps)}, {"fsdp1_2_accum2", 2, distributed_config("fsdp1_cpu.toml", kSteps, 2)}});
+}
+
+// The issue's acceptance (label `full`): one process vs FSDP2 on 2 and 4 ranks vs HSDP 2x2 vs FSDP1
+// NO_SHARD on 2 ranks vs FSDP1 FULL_SHARD on 2 ranks with gradient accumulation 2, 20 steps.
+TEST(DistributedRunFullTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlobalBatch) {
+  constexpr int kSteps = 20;
+  const std::string fsdp2 = fsdp2_config(kSteps);
+  expect_layouts_train_like_one_process(
+      kSteps, {{"fsdp2_2", 2, fsdp2},
+               {"fsdp2_4", 4, fsdp2},
+               {"hsdp_2x2", 4,
+                edited(fsdp2, "data_parallel_shard_degree = -1",
+                       "data_parallel_replicate_degree = 2, data_parallel_shard_degree = -1")},
+               {"no_shard_2", 2,
+                edited(distributed_config("fsdp1_cpu.toml", kSteps), "sharding_strategy = \"FULL_SHARD\"",
+                       "sharding_strategy = \"NO_SHARD\"")},
+               {"fsdp1_2_accum2", 2, distributed_config("fsdp1_cpu.toml", kSteps, 2)}});
 }
 
 // A dp_degree that is not the data-parallel size (here a literal 1 on 2 ranks) would make every
@@ -720,7 +743,7 @@ TEST(DistributedRunTest, Fsdp1HybridShardOverTwoLauncherNodesTrainsLikeOneProces
 // Modalities' own order: model_raw built on the meta device -> fsdp2_wrapped -> model_initialized
 // (Module::apply_to_full_parameters: the initializer runs on gathered, whole tensors). The weights
 // must then not depend on the world size: 2 ranks train like 1 process of the same config.
-TEST(DistributedRunTest, InitializingAfterWrappingAMetaModelGivesTheSameWeightsAtEveryWorldSize) {
+TEST(DistributedRunFullTest, InitializingAfterWrappingAMetaModelGivesTheSameWeightsAtEveryWorldSize) {
   const modalities::testing::ScratchDir dir;
   constexpr int kSteps = 6;
   std::string text = fsdp2_config(kSteps);
@@ -777,7 +800,14 @@ std::vector<std::int64_t> shape_of(simdjson::dom::element e) {
 // And with bf16 mixed precision on 2 ranks (param_dtype BF_16, reduce_dtype FP_32 against FSDP2's
 // MixedPrecisionPolicy): losses within one bf16 step (8e-3; measured 3.4e-3, most steps equal),
 // grad norms within 1.5e-3 (measured 5.3e-4; PyTorch bf16 and fp32 differ by up to 4.4e-3).
-TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnOneTwoAndFourRanks) {
+// A world size and precision to compare with PyTorch FSDP2, with the allowed relative differences.
+struct PyTorchCase {
+  int ranks;
+  bool bf16;
+  double loss_tolerance, norm_tolerance;
+};
+
+void expect_fsdp2_matches_pytorch(const std::vector<PyTorchCase>& cases) {
   const modalities::testing::ScratchDir dir;
   simdjson::dom::parser parser;
   const simdjson::dom::element ref =
@@ -828,13 +858,7 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
   const auto bf16_file = dir.write("train_bf16.toml", edited(config, R"(param_dtype = "FP_32", reduce_dtype = "FP_32")",
                                                                R"(param_dtype = "BF_16", reduce_dtype = "FP_32")"));
   const std::string root = (dir.path() / "experiments").string();
-  struct Case {
-    int ranks;
-    bool bf16;
-    double loss_tolerance, norm_tolerance;
-  };
-  for (const Case c : {Case{1, false, 1e-5, 5e-4}, Case{2, false, 1e-5, 5e-4}, Case{4, false, 1e-5, 5e-4},
-                       Case{2, true, 8e-3, 1.5e-3}}) {
+  for (const PyTorchCase& c : cases) {
     const int ranks = c.ranks;
     const std::string key = fmt::format("{}{}", ranks, c.bf16 ? "_bf16" : "");
     const std::string id = "on" + key;
@@ -867,6 +891,14 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
   }
 }
 
+// In the default suite: fp32 on 2 ranks.
+TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnTwoRanks) { expect_fsdp2_matches_pytorch({{2, false, 1e-5, 5e-4}}); }
+
+// Label `full`: fp32 on 1 and 4 ranks, bf16 on 2.
+TEST(DistributedRunFullTest, Fsdp2MatchesPyTorchFullyShardOnOneAndFourRanksAndInBf16) {
+  expect_fsdp2_matches_pytorch({{1, false, 1e-5, 5e-4}, {4, false, 1e-5, 5e-4}, {2, true, 8e-3, 1.5e-3}});
+}
+
 // --- sharded checkpoints ------------------------------------------------------------------
 
 // step -> (train loss avg, grad norm avg) of the training lines of evaluation_results.jsonl.
@@ -888,63 +920,98 @@ std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std
   throw std::runtime_error(fmt::format("{} has no checkpoint of step {}", id, step));
 }
 
-// The issue's acceptance: checkpoint at step 10 on 4 ranks; continued on 4 ranks the steps 11-20
-// are bit for bit those of the uninterrupted run, continued on 2 and on 1 rank within 1e-5; and
-// back: the 2-rank and 1-rank continuations' step-15 checkpoints continued on 4 ranks. Every run
-// has the global batch 8 (the config derives the micro-batch size from the world size).
-TEST(DistributedCheckpointTest, SavedOnFourRanksContinuesOnFourTwoAndOneAndBack) {
-  const modalities::testing::ScratchDir dir;
-  constexpr int kSteps = 20;
-  const std::filesystem::path root = dir.path() / "experiments";
-  const auto train = dir.write("train.toml", distributed_config("fsdp2_cpu.toml", kSteps, 1, 5));
-  const auto resume = dir.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", kSteps, 1, 5));
-  const std::vector<std::pair<std::string, std::string>> env{{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}};
-  const auto run_on = [&](int ranks, std::vector<std::string> args) {
-    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
-    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
-    argv.insert(argv.end(), args.begin(), args.end());
-    return run_command(argv, env);
-  };
-  const auto continue_on = [&](int ranks, const std::string& from, int step, const std::string& id) {
-    const auto info = dir.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
-                                                               checkpoint_of(root, from, step).string()));
-    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path", resume.string(), "--experiments_root_path",
-                                           root.string(), "--experiment_id", id, "--last_checkpoint_info_file_path",
-                                           info.string()});
-    EXPECT_EQ(r.exit_code, 0) << r;
-  };
-  const CommandResult b = run_on(4, {"run", "--config_file_path", train.string(), "--experiments_root_path",
-                                     root.string(), "--experiment_id", "base"});
-  ASSERT_EQ(b.exit_code, 0) << b;
-  const auto folder = checkpoint_of(root, "base", 10);
-  for (int r = 0; r < 4; ++r) EXPECT_TRUE(std::filesystem::exists(folder / fmt::format("rank_{:05d}.safetensors", r)));
-  continue_on(4, "base", 10, "on4");
-  continue_on(2, "base", 10, "on2");
-  continue_on(1, "base", 10, "on1");
-  continue_on(4, "on2", 15, "on2_then4");
-  continue_on(4, "on1", 15, "on1_then4");
+// Training runs of fsdp2_cpu.toml for `steps` steps with a checkpoint every `every` steps, and
+// their continuations (warmstart) from a checkpoint on any number of ranks. Every run has the
+// global batch 8 (the config derives the micro-batch size from the world size).
+class CheckpointRuns {
+ public:
+  CheckpointRuns(int steps, int every)
+      : steps_(steps),
+        root_(dir_.path() / "experiments"),
+        train_(dir_.write("train.toml", distributed_config("fsdp2_cpu.toml", steps, 1, every))),
+        resume_(dir_.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", steps, 1, every))) {}
 
-  const auto base = logged_steps(root / "base/evaluation_results.jsonl");
-  ASSERT_EQ(base.size(), static_cast<std::size_t>(kSteps)) << b;
-  const auto rel = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
-  const auto compare = [&](const std::string& id, int first, double tolerance) {
-    const auto got = logged_steps(root / id / "evaluation_results.jsonl");
-    ASSERT_EQ(got.size(), static_cast<std::size_t>(kSteps - first + 1)) << id;
+  // Trains experiment `id` from scratch on `ranks` ranks.
+  void train_on(int ranks, const std::string& id) {
+    const CommandResult r = run_on(ranks, {"run", "--config_file_path", train_.string(), "--experiments_root_path",
+                                           root_.string(), "--experiment_id", id});
+    ASSERT_EQ(r.exit_code, 0) << r;
+    ASSERT_EQ(logged_steps(root_ / id / "evaluation_results.jsonl").size(), static_cast<std::size_t>(steps_)) << r;
+  }
+
+  // Continues experiment `from`'s checkpoint of `step` on `ranks` ranks as experiment `id`.
+  void continue_on(int ranks, const std::string& from, int step, const std::string& id) {
+    const auto info = dir_.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
+                                                                checkpoint_of(root_, from, step).string()));
+    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path", resume_.string(),
+                                           "--experiments_root_path", root_.string(), "--experiment_id", id,
+                                           "--last_checkpoint_info_file_path", info.string()});
+    EXPECT_EQ(r.exit_code, 0) << r;
+  }
+
+  // Steps `first`..steps of `id` equal those of the uninterrupted `base` within `tolerance`.
+  void compare(const std::string& base_id, const std::string& id, int first, double tolerance) const {
+    const auto base = logged_steps(root_ / base_id / "evaluation_results.jsonl");
+    const auto got = logged_steps(root_ / id / "evaluation_results.jsonl");
+    ASSERT_EQ(got.size(), static_cast<std::size_t>(steps_ - first + 1)) << id;
+    const auto rel = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
     double worst = 0;
-    for (int k = first; k <= kSteps; ++k) {
+    for (int k = first; k <= steps_; ++k) {
       ASSERT_TRUE(got.contains(k)) << id << " step " << k;
       worst = std::max({worst, rel(got.at(k).first, base.at(k).first), rel(got.at(k).second, base.at(k).second)});
-      std::printf("%-10s step %2d  loss %.9g (uninterrupted %.9g)  grad norm %.9g (uninterrupted %.9g)\n", id.c_str(), k,
-                  got.at(k).first, base.at(k).first, got.at(k).second, base.at(k).second);
+      std::printf("%-10s step %2d  loss %.9g (uninterrupted %.9g)  grad norm %.9g (uninterrupted %.9g)\n", id.c_str(),
+                  k, got.at(k).first, base.at(k).first, got.at(k).second, base.at(k).second);
     }
     std::printf("%-10s worst relative difference %.2e (allowed %.0e)\n", id.c_str(), worst, tolerance);
     EXPECT_LE(worst, tolerance) << id;
-  };
-  compare("on4", 11, 0.0);  // bit for bit
-  compare("on2", 11, 1e-5);
-  compare("on1", 11, 1e-5);
-  compare("on2_then4", 16, 1e-5);
-  compare("on1_then4", 16, 1e-5);
+  }
+
+  const std::filesystem::path& root() const { return root_; }
+
+ private:
+  CommandResult run_on(int ranks, const std::vector<std::string>& args) const {
+    std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
+    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+  }
+
+  modalities::testing::ScratchDir dir_;
+  int steps_;
+  std::filesystem::path root_, train_, resume_;
+};
+
+// In the default suite: a checkpoint at step 5 of 10 on 2 ranks, continued on 2 ranks bit for bit
+// and on 1 rank within 1e-5.
+TEST(DistributedCheckpointTest, SavedOnTwoRanksContinuesOnTwoAndOne) {
+  CheckpointRuns runs(10, 5);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "base"));
+  const auto folder = checkpoint_of(runs.root(), "base", 5);
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(std::filesystem::exists(folder / fmt::format("rank_{:05d}.safetensors", r)));
+  runs.continue_on(2, "base", 5, "on2");
+  runs.continue_on(1, "base", 5, "on1");
+  runs.compare("base", "on2", 6, 0.0);  // bit for bit
+  runs.compare("base", "on1", 6, 1e-5);
+}
+
+// The issue's acceptance (label `full`): checkpoint at step 10 on 4 ranks; continued on 4 ranks the
+// steps 11-20 are bit for bit those of the uninterrupted run, continued on 2 and on 1 rank within
+// 1e-5; and back: the 2-rank and 1-rank continuations' step-15 checkpoints continued on 4 ranks.
+TEST(DistributedCheckpointFullTest, SavedOnFourRanksContinuesOnFourTwoAndOneAndBack) {
+  CheckpointRuns runs(20, 5);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(4, "base"));
+  const auto folder = checkpoint_of(runs.root(), "base", 10);
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(std::filesystem::exists(folder / fmt::format("rank_{:05d}.safetensors", r)));
+  runs.continue_on(4, "base", 10, "on4");
+  runs.continue_on(2, "base", 10, "on2");
+  runs.continue_on(1, "base", 10, "on1");
+  runs.continue_on(4, "on2", 15, "on2_then4");
+  runs.continue_on(4, "on1", 15, "on1_then4");
+  runs.compare("base", "on4", 11, 0.0);  // bit for bit
+  runs.compare("base", "on2", 11, 1e-5);
+  runs.compare("base", "on1", 11, 1e-5);
+  runs.compare("base", "on2_then4", 16, 1e-5);
+  runs.compare("base", "on1_then4", 16, 1e-5);
 }
 
 // --- failures -----------------------------------------------------------------------------
@@ -973,8 +1040,9 @@ TimedResult run_with_fault(const modalities::testing::ScratchDir& dir, const std
 
 // kill -9 of one rank in the middle of a step (after its backward), rank 0 (which hosts the
 // store) and rank 1: the launcher names the rank and the signal and exits with 128 + 9; the other
-// rank is out well within the 5 s timeout + 10 s (the launcher's grace period is 60 s, so it does
-// not kill it first).
+// rank is out within 20 s of the failure, as the launcher reports it (its grace period is 60 s, so
+// it did not have to SIGKILL it). Measured from the failure, not from the launch: start-up and the
+// six steps before it take as long as the CI machine is loaded.
 TEST(DistributedFailureTest, ARankKilledMidStepEndsTheRunNamingItOnEveryRank) {
   const modalities::testing::ScratchDir dir;
   for (const int victim : {1, 0}) {
@@ -983,8 +1051,12 @@ TEST(DistributedFailureTest, ARankKilledMidStepEndsTheRunNamingItOnEveryRank) {
     EXPECT_EQ(t.result.exit_code, 128 + 9) << t.result;
     EXPECT_THAT(t.result.err, HasSubstr(fmt::format("rank {} (pid", victim))) << t.result;
     EXPECT_THAT(t.result.err, HasSubstr("was killed by signal 9 (SIGKILL)")) << t.result;
-    EXPECT_LT(t.seconds, 5 + 10) << t.result;
-    std::printf("rank %d killed at its 7th micro-batch: the launcher exited after %.1f s\n", victim, t.seconds);
+    ASSERT_THAT(t.result.err, HasSubstr("s after the first failure")) << t.result;
+    const std::string marker = "every rank stopped ";
+    const double stopped_after = std::stod(t.result.err.substr(t.result.err.find(marker) + marker.size()));
+    EXPECT_LT(stopped_after, 20.0) << t.result;
+    std::printf("rank %d killed at its 7th micro-batch: every rank stopped %.1f s later (%.1f s from the launch)\n",
+                victim, stopped_after, t.seconds);
   }
 }
 
@@ -1023,7 +1095,7 @@ TEST(DistributedFailureTest, ANanOnOneRankStopsEveryRankAtTheSameStep) {
 // kill -9 of rank 1 while the step-6 checkpoint is being written (after its file is on disk, before
 // rank 0 commits the folder): no step-6 folder appears, last_checkpoint_info.json still names step
 // 3, and continuing from it reproduces steps 4-12 of an uninterrupted run bit for bit.
-TEST(DistributedFailureTest, ARankKilledDuringACheckpointWriteLeavesThePreviousOneToResume) {
+TEST(DistributedFailureFullTest, ARankKilledDuringACheckpointWriteLeavesThePreviousOneToResume) {
   const modalities::testing::ScratchDir dir;
   const std::filesystem::path root = dir.path() / "experiments";
   const TimedResult full = run_with_fault(dir, "full", "", 12, 3, 5);
@@ -1083,7 +1155,7 @@ std::pair<std::map<int, std::string>, std::vector<int>> ledger_of(const std::fil
 // ends with exit 0. The data ledger shows steps 7 and 8 twice (trained again after the restart)
 // with the same hashes, and every step's hash equals the uninterrupted run's (also at another
 // world size: the global batch, not its split over ranks, is hashed): no sample skipped or repeated.
-TEST(DistributedRestartTest, MaxRestartsResumesFromTheLastCheckpointAndTheLedgerProvesTheData) {
+TEST(DistributedRestartFullTest, MaxRestartsResumesFromTheLastCheckpointAndTheLedgerProvesTheData) {
   const modalities::testing::ScratchDir dir;
   const std::filesystem::path root = dir.path() / "experiments";
   const auto config = dir.write("train.toml", distributed_config("fsdp2_cpu.toml", 12, 1, 3));
