@@ -263,20 +263,30 @@ class Gym {
                               "(configs/distributed/fsdp2_cpu.toml)",
                               sp.dp_degree, source, sp.dp_degree, dp_ranks));
     if (s.cuda_env.world_size > 1) {
-      // Several ranks train one model only if every part synchronises its gradients across the
-      // data-parallel ranks, which the sharding wrappers do (their parameters are shards).
-      for (const auto& part : parts_)
-        if (!part->synchronizes_gradients())
-          throw Error(fmt::format(
-              "settings.cuda_env.world_size = {}: the model is not wrapped for data parallelism, so each rank would "
-              "train its own copy; wrap it in model/fsdp2_wrapped or model/fsdp1_wrapped "
-              "(configs/distributed/fsdp2_cpu.toml)",
-              s.cuda_env.world_size));
+      // Several data-parallel ranks train one model only if every part synchronises its gradients
+      // across them, which the sharding wrappers do (their parameters are shards). Ranks that only
+      // split the model (tensor parallel with dp 1) need no such wrapper.
+      if (dp_ranks > 1)
+        for (const auto& part : parts_)
+          if (!part->synchronizes_gradients())
+            throw Error(fmt::format(
+                "settings.cuda_env.world_size = {}: the model is not wrapped for data parallelism ({} data-parallel "
+                "ranks), so each rank would train its own copy; wrap it in model/fsdp2_wrapped or "
+                "model/fsdp1_wrapped (configs/distributed/fsdp2_cpu.toml)",
+                s.cuda_env.world_size, dp_ranks));
       if (!dist::initialized())
         throw Error(fmt::format("settings.cuda_env.world_size = {}, but no process group was created (launch with "
                                 "`modalities launch`, torchrun or srun)",
                                 s.cuda_env.world_size));
     }
+    // Loss parallel: logits split on the vocabulary reach only a loss that reduces them across
+    // the tensor-parallel ranks; any other would read a slice of the vocabulary as all of it.
+    if (parts_.size() == 1) vocab_shard_ = parts_.front()->vocab_shard();
+    if (vocab_shard_ && !c_.loss_fn->accepts_vocab_shards())
+      throw Error(fmt::format("loss_fn: the model returns logits split on the vocabulary over the tensor-parallel "
+                              "ranks (device_mesh.config.enable_loss_parallel = true), and loss '{}' cannot reduce "
+                              "them; use loss/clm_cross_entropy_loss or set enable_loss_parallel = false",
+                              c_.loss_fn->tag()));
     optimizer_ = c_.app_state->optimizer();
     scheduler_ = c_.app_state->lr_scheduler();
     check_resumed_state();
@@ -344,6 +354,7 @@ class Gym {
       InferenceResultBatch result;
       result.targets = std::move(batch->targets);
       result.predictions = forward(batch->samples);
+      result.vocab_shard = vocab_shard_;
       at::Tensor loss = c_.loss_fn->compute(result);
       // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
       // node per step) is skipped.
@@ -554,6 +565,7 @@ class Gym {
           InferenceResultBatch result;
           result.targets = std::move(batch->targets);
           result.predictions = forward(batch->samples);
+          result.vocab_shard = vocab_shard_;
           sum.add_(c_.loss_fn->compute(result).to(at::kFloat));
           ++count;
           publish_progress(++batch_id, ExperimentStatus::kEvaluation, tag);
@@ -589,6 +601,7 @@ class Gym {
   std::ostream& out_;
   DataLedger ledger_{o_.data_ledger_path};
   i64 G_ = 1, S0_ = 0, K0_ = 0, dp_ = 1, tokens_per_step_ = 0;
+  std::optional<tp::VocabShard> vocab_shard_;  // loss parallel: the model's logits are split on the vocabulary
   std::vector<std::shared_ptr<Module>> parts_;
   std::shared_ptr<Optimizer> optimizer_;
   std::shared_ptr<LRScheduler> scheduler_;

@@ -67,6 +67,7 @@ DeviceMesh::~DeviceMesh() = default;
 DistributedCheckpointLoading::~DistributedCheckpointLoading() = default;
 GradientClipper::~GradientClipper() = default;
 Loss::~Loss() = default;
+bool Loss::accepts_vocab_shards() const { return false; }
 LRScheduler::~LRScheduler() = default;
 MessageSubscriber::~MessageSubscriber() = default;
 MFUCalculator::~MFUCalculator() = default;
@@ -328,6 +329,7 @@ bool Module::synchronizes_gradients() const { return false; }
 void Module::set_requires_gradient_sync(bool /*sync*/) {}
 
 void Module::apply_to_full_parameters(const std::function<void(Module&)>& fn) { fn(*this); }
+std::optional<tp::VocabShard> Module::vocab_shard() const { return std::nullopt; }
 
 // --- other defaults ---------------------------------------------------------------
 

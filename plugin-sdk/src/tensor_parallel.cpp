@@ -18,6 +18,14 @@
 #include <vector>
 
 namespace modalities::tp {
+
+VocabShard::VocabShard(Group g, std::int64_t s, std::int64_t v) : group(std::move(g)), start(s), vocab_size(v) {}
+VocabShard::VocabShard(const VocabShard&) = default;
+VocabShard::VocabShard(VocabShard&&) noexcept = default;
+VocabShard& VocabShard::operator=(const VocabShard&) = default;
+VocabShard& VocabShard::operator=(VocabShard&&) noexcept = default;
+VocabShard::~VocabShard() = default;
+
 namespace {
 
 using Backward = std::function<at::Tensor(const at::Tensor& grad)>;

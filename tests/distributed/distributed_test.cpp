@@ -562,6 +562,56 @@ TEST(DistributedRunFullTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSam
                {"fsdp1_2_accum2", 2, distributed_config("fsdp1_cpu.toml", kSteps, 2)}});
 }
 
+// --- tensor parallel -------------------------------------------------------------------------
+
+// configs/distributed/tp_cpu.toml for a short run (see distributed_config), with or without
+// sequence parallelism and loss parallelism.
+std::string tp_config(int steps, bool sequence_parallel = true, bool loss_parallel = false) {
+  std::string text = distributed_config("tp_cpu.toml", steps);
+  if (!sequence_parallel) text = edited(text, "sequence_parallel = true", "sequence_parallel = false");
+  if (loss_parallel) text = edited(text, "enable_loss_parallel = false", "enable_loss_parallel = true");
+  return text;
+}
+
+// In the default suite: TP2 with sequence parallelism, and TP2 without it but with loss parallel
+// (vocabulary-split logits into the loss), 10 steps, against one process on the same global batch.
+TEST(DistributedTpTest, TensorParallelOnTwoRanksTrainsLikeOneProcess) {
+  constexpr int kSteps = 10;
+  expect_layouts_train_like_one_process(
+      kSteps, {{"tp2_sp", 2, tp_config(kSteps)}, {"tp2_loss_parallel", 2, tp_config(kSteps, false, true)}});
+}
+
+// The acceptance (label `full`): TP2, SP on TP2, SP and loss parallel on TP2, FSDP2 x TP2
+// on 4 ranks (dp_shard 2 x tp 2) with and without loss parallel, 20 steps each.
+TEST(DistributedTpFullTest, EveryTensorParallelLayoutTrainsLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_one_process(kSteps, {{"tp2", 2, tp_config(kSteps, false)},
+                                                 {"tp2_sp", 2, tp_config(kSteps)},
+                                                 {"tp2_sp_loss_parallel", 2, tp_config(kSteps, true, true)},
+                                                 {"fsdp2x2_tp2_sp", 4, tp_config(kSteps)},
+                                                 {"fsdp2x2_tp2_loss_parallel", 4, tp_config(kSteps, false, true)}});
+}
+
+// Heads or kv heads that the tp ranks cannot split evenly are config errors, on every rank, before
+// anything is built on them. (The vocabulary, a multiple of 128 for model/gpt2, always splits over
+// a power-of-two degree; its check is the same code.)
+TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
+  const modalities::testing::ScratchDir dir;
+  const auto refused = [&](const std::string& id, const std::string& config, const std::string& message) {
+    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                    dir.write(id + ".toml", config).string(), "--experiments_root_path",
+                                    (dir.path() / "experiments").string()},
+                                   120);
+    EXPECT_NE(r.exit_code, 0) << r;
+    EXPECT_THAT(r.err, HasSubstr(message)) << r;
+    EXPECT_THAT(r.err, HasSubstr("[rank 1]")) << r;
+  };
+  refused("kv_heads", edited(tp_config(4), "n_head_kv = 4", "n_head_kv = 1"),
+          "model/gpt2's n_head_kv = 1 is not divisible by the tensor-parallel degree 2");
+  refused("heads", edited(edited(tp_config(4), "n_head_kv = 4", "n_head_kv = 1"), "n_head_q = 8", "n_head_q = 1"),
+          "model/gpt2's n_head_q = 1 is not divisible by the tensor-parallel degree 2");
+}
+
 // A dp_degree that is not the data-parallel size (here a literal 1 on 2 ranks) would make every
 // token count wrong while training "works": refused before the first step, on every rank.
 TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
@@ -925,25 +975,29 @@ std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std
 // global batch 8 (the config derives the micro-batch size from the world size).
 class CheckpointRuns {
  public:
+  // With `tensor_parallel`, runs use tp_cpu.toml and tp_cpu_warmstart.toml (TP2) instead.
   CheckpointRuns(int steps, int every)
       : steps_(steps),
         root_(dir_.path() / "experiments"),
         train_(dir_.write("train.toml", distributed_config("fsdp2_cpu.toml", steps, 1, every))),
-        resume_(dir_.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", steps, 1, every))) {}
+        resume_(dir_.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", steps, 1, every))),
+        train_tp_(dir_.write("train_tp.toml", distributed_config("tp_cpu.toml", steps, 1, every))),
+        resume_tp_(dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))) {}
 
   // Trains experiment `id` from scratch on `ranks` ranks.
-  void train_on(int ranks, const std::string& id) {
-    const CommandResult r = run_on(ranks, {"run", "--config_file_path", train_.string(), "--experiments_root_path",
-                                           root_.string(), "--experiment_id", id});
+  void train_on(int ranks, const std::string& id, bool tensor_parallel = false) {
+    const CommandResult r = run_on(ranks, {"run", "--config_file_path", (tensor_parallel ? train_tp_ : train_).string(),
+                                           "--experiments_root_path", root_.string(), "--experiment_id", id});
     ASSERT_EQ(r.exit_code, 0) << r;
     ASSERT_EQ(logged_steps(root_ / id / "evaluation_results.jsonl").size(), static_cast<std::size_t>(steps_)) << r;
   }
 
   // Continues experiment `from`'s checkpoint of `step` on `ranks` ranks as experiment `id`.
-  void continue_on(int ranks, const std::string& from, int step, const std::string& id) {
+  void continue_on(int ranks, const std::string& from, int step, const std::string& id, bool tensor_parallel = false) {
     const auto info = dir_.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
                                                                 checkpoint_of(root_, from, step).string()));
-    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path", resume_.string(),
+    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path",
+                                           (tensor_parallel ? resume_tp_ : resume_).string(),
                                            "--experiments_root_path", root_.string(), "--experiment_id", id,
                                            "--last_checkpoint_info_file_path", info.string()});
     EXPECT_EQ(r.exit_code, 0) << r;
@@ -978,7 +1032,7 @@ class CheckpointRuns {
 
   modalities::testing::ScratchDir dir_;
   int steps_;
-  std::filesystem::path root_, train_, resume_;
+  std::filesystem::path root_, train_, resume_, train_tp_, resume_tp_;
 };
 
 // In the default suite: a checkpoint at step 5 of 10 on 2 ranks, continued on 2 ranks bit for bit
@@ -992,6 +1046,20 @@ TEST(DistributedCheckpointTest, SavedOnTwoRanksContinuesOnTwoAndOne) {
   runs.continue_on(1, "base", 5, "on1");
   runs.compare("base", "on2", 6, 0.0);  // bit for bit
   runs.compare("base", "on1", 6, 1e-5);
+}
+
+// Across tensor-parallel degrees (default suite): a checkpoint of step 3 (of 9) written by TP2 is
+// continued on TP2 bit for bit and on one process (no TP: fsdp2_cpu_warmstart.toml) within 1e-5;
+// that one process's step-6 checkpoint continues on TP2 within 1e-5 of the uninterrupted run.
+TEST(DistributedCheckpointTest, TensorParallelCheckpointsContinueAtAnotherDegreeAndBack) {
+  CheckpointRuns runs(9, 3);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "tp2", /*tensor_parallel=*/true));
+  runs.continue_on(2, "tp2", 3, "tp2_on_tp2", true);
+  runs.continue_on(1, "tp2", 3, "tp2_on_tp1");
+  runs.continue_on(2, "tp2_on_tp1", 6, "tp1_on_tp2", true);
+  runs.compare("tp2", "tp2_on_tp2", 4, 0.0);  // bit for bit
+  runs.compare("tp2", "tp2_on_tp1", 4, 1e-5);
+  runs.compare("tp2", "tp1_on_tp2", 7, 1e-5);
 }
 
 // The acceptance (label `full`): checkpoint at step 10 on 4 ranks; continued on 4 ranks the

@@ -110,6 +110,7 @@ struct MeshState {
   std::string device_type;
   std::map<std::vector<std::size_t>, c10::intrusive_ptr<c10d::ProcessGroup>> groups;  // by adjacent dim run
   bool distributed = false;
+  bool loss_parallel = false;
 };
 
 class Mesh final : public DeviceMesh {
@@ -154,6 +155,7 @@ class Mesh final : public DeviceMesh {
     return group({at(dim)});
   }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return group(dims_); }
+  bool loss_parallel() const override { return s_->loss_parallel; }
 
  private:
   std::optional<std::size_t> find(std::string_view dim) const {
@@ -187,6 +189,7 @@ std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
   const std::array<i64, 5> degrees = resolve_degrees(c);
   auto state = std::make_shared<MeshState>();
   state->device_type = c.device_type;
+  state->loss_parallel = c.enable_loss_parallel.value_or(false);
   for (std::size_t k = 0; k < kDimOrder.size(); ++k)
     if (degrees[k] > 1 || kDimOrder[k] == "dp_shard") {
       state->names.emplace_back(kDimOrder[k]);

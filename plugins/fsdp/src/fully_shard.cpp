@@ -122,6 +122,7 @@ class Engine {
   const std::vector<Param>& params() const { return params_; }
   int world() const { return world_; }
   int rank() const { return rank_; }
+  int replicas() const { return o_.replicate_group ? o_.replicate_group->getSize() : 1; }
 
   // Gathers every unit at full (master) precision, e.g. to read or re-initialize full
   // parameters, then frees them.
@@ -557,8 +558,14 @@ class FullyShardedModule final : public Module {
 
   // Every state_dict() name of a sharded parameter, aliases included (a tied lm_head.weight is the
   // same shard as wte.weight and must be placed like it, or a checkpoint would take it as whole).
+  //
+  // Over a model that is itself split (model/gpt2_tp: its parameters are blocks of the full
+  // tensors, placed by its own shard_placements), a shard is a block of that block: the offsets
+  // add up and the global shape is the inner one's.
   std::map<std::string, ShardPlacement> shard_placements() const override {
-    if (engine_->world() == 1) return {};  // one shard: every rank holds whole tensors (NO_SHARD, one process)
+    std::map<std::string, ShardPlacement> inner = engine_->inner().shard_placements();
+    // One shard: every rank holds whole (inner) tensors (NO_SHARD, one process).
+    if (engine_->world() == 1) return inner;
     std::unordered_map<const void*, const Param*> by_impl;
     for (const Param& p : engine_->params()) by_impl[p.module_param.unsafeGetTensorImpl()] = &p;
     std::map<std::string, ShardPlacement> out;
@@ -567,9 +574,14 @@ class FullyShardedModule final : public Module {
       if (it == by_impl.end()) continue;
       const Param& p = *it->second;
       ShardPlacement s;
-      s.global_shape = p.full_shape;
-      s.offsets.assign(p.full_shape.size(), 0);
-      s.offsets[0] = std::min<std::int64_t>(static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.rows);
+      if (const auto in = inner.find(item.key()); in != inner.end()) {
+        s = in->second;
+      } else {
+        s.global_shape = p.full_shape;
+        s.offsets.assign(p.full_shape.size(), 0);
+      }
+      s.offsets[0] += std::min<std::int64_t>(static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.rows);
+      s.replicas *= engine_->replicas();
       out[item.key()] = std::move(s);
     }
     return out;
@@ -604,7 +616,7 @@ class FullyShardedModule final : public Module {
 
   void apply_to_full_parameters(const std::function<void(Module&)>& fn) override {
     engine_->with_all_gathered([&] {
-      fn(engine_->inner());
+      engine_->inner().apply_to_full_parameters(fn);  // a split inner model (gpt2_tp) gathers its part too
       engine_->shards_from_module_params();
     });
   }
@@ -618,6 +630,7 @@ class FullyShardedModule final : public Module {
 
   bool synchronizes_gradients() const override { return true; }
   void set_requires_gradient_sync(bool sync) override { engine_->set_requires_gradient_sync(sync); }
+  std::optional<tp::VocabShard> vocab_shard() const override { return engine_->inner().vocab_shard(); }
 
  private:
   std::unique_ptr<Engine> engine_;

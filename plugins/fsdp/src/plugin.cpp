@@ -59,10 +59,12 @@ std::shared_ptr<Module> wrap(const Fsdp2Config& c) {
   const DeviceMesh& mesh = *c.device_mesh;
   if (!mesh.has_dim("dp_shard"))
     throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", mesh.dim_names()));
-  for (const char* dim : {"tp", "pp", "cp"})
+  // A tp dim is fine: the model was split by model/gpt2_tp first, and each rank shards its own
+  // part over dp_shard.
+  for (const char* dim : {"pp", "cp"})
     if (mesh.has_dim(dim))
       throw ConfigError("device_mesh", fmt::format("has a '{}' dim; fsdp2_wrapped shards over dp_shard and "
-                                                   "dp_replicate only in this version",
+                                                   "dp_replicate (with tp) only in this version",
                                                    dim));
   ShardingOptions o;
   if (mesh.size() > 1) {

@@ -9,6 +9,7 @@
 // Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
 #include "fused_ops.h"
 
+#include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/module_hooks.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
@@ -16,8 +17,12 @@
 #include <modalities/sdk/norms.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
+#include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/init.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>
@@ -429,6 +434,37 @@ at::Tensor cast(const at::Tensor& t, Dt dt) {
 
 using Remap = std::function<at::Tensor(const at::Tensor&)>;
 
+// Tensor parallelism (`model/gpt2_tp`, README.md): how this rank's part of the model talks to the
+// other `size` ranks of the tp group. Activations are [B*T, d] matrices (one row per token); with
+// sequence parallelism, between the parallel regions each rank holds the rows of its chunk of the
+// sequence, [B*(T/size), d] (chunk `rank` of dim 1 of [B, T, d]).
+struct TpPlan {
+  tp::Group group;
+  std::int64_t rank = 0, size = 1;
+  bool sequence_parallel = true;
+  bool loss_parallel = false;
+
+  // The input of a column-parallel layer, whole on every rank: gathered from the sequence chunks
+  // (backward: reduce-scatter), or the replicated activation (backward: all-reduce). Either way the
+  // backward sums the ranks' partial input gradients.
+  at::Tensor enter(const at::Tensor& x, std::int64_t B, std::int64_t T) const {
+    if (!sequence_parallel) return tp::copy_to_tensor_parallel(x, group);
+    const std::int64_t d = x.size(-1);
+    return tp::gather_sequence(x.view({B, T / size, d}), 1, group).reshape({B * T, d});
+  }
+  // The output of a row-parallel layer, partial sums [B*T, d]: their sum, replicated (all-reduce)
+  // or this rank's sequence chunk (reduce-scatter).
+  at::Tensor leave(const at::Tensor& partial, std::int64_t B, std::int64_t T) const {
+    const std::int64_t d = partial.size(-1);
+    if (!sequence_parallel) return tp::reduce_from_tensor_parallel(partial, group);
+    return tp::reduce_scatter_sequence(partial.view({B, T, d}), 1, group).reshape({B * (T / size), d});
+  }
+  // A replicated parameter that this rank applies to its part of the data only (a norm under
+  // sequence parallelism, qk-norm on the local heads): forward as is, backward the sum of the
+  // ranks' partial gradients, so every replica gets the whole gradient.
+  at::Tensor shared(const at::Tensor& w) const { return w.defined() ? tp::copy_to_tensor_parallel(w, group) : w; }
+};
+
 // Note [Replacing registered tensors]
 // libtorch's Module::to() moves tensors with set_data(), which cannot turn a meta
 // tensor into a real one (their TensorImpls are not shallow-copy compatible), and
@@ -523,13 +559,15 @@ class NormImpl final : public Leaf {
   }
   // x: [..., n] -> [..., n], Modalities' norm formulas (README.md), in the compute dtype dt.
   at::Tensor operator()(const at::Tensor& x, Dt dt) const {
+    const at::Tensor w = partial ? partial->shared(weight) : weight;
     // CPU fast path of RMSNorm, bit-identical to at::rms_norm (fused_ops.h).
     if (kind_ == norms::Kind::kTorchRmsNorm && x.dim() >= 1 && x.size(-1) == n_)
-      return fused_rms_norm(x, cast(weight, dt), eps_);
-    return norms::apply(kind_, x, n_, cast(weight, dt), cast(bias, dt), eps_);
+      return fused_rms_norm(x, cast(w, dt), eps_);
+    return norms::apply(kind_, x, n_, cast(w, dt), cast(partial ? partial->shared(bias) : bias, dt), eps_);
   }
 
   at::Tensor weight, bias;
+  const TpPlan* partial = nullptr;  // tensor parallel: applied to part of the data (TpPlan::shared)
 
  private:
   void sync() override {
@@ -641,6 +679,16 @@ class CausalMaskCache {
 
 enum class AttentionImpl { kManual, kPytorchFlash };
 
+// A row-parallel linear (its weight split on the input dim): the local product, summed over the
+// ranks by TpPlan::leave, then the bias, once (a replicated parameter: under sequence parallelism
+// each rank adds it to its chunk, so its gradient is summed over the ranks).
+at::Tensor row_parallel(const LinearImpl& l, const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt,
+                        const TpPlan& tp) {
+  at::Tensor y = tp.leave(fused_linear(x, cast(l.weight, dt), at::Tensor()), B, T);
+  if (l.bias.defined()) y = y + cast(tp.sequence_parallel ? tp.shared(l.bias) : l.bias, dt);
+  return y;
+}
+
 class CausalSelfAttentionImpl final : public torch::nn::Module {
  public:
   CausalSelfAttentionImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, const at::TensorOptions& o)
@@ -723,16 +771,26 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       // Dropout in every mode too: Modalities passes dropout_p without consulting the mode.
       y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_, /*is_causal=*/true);
     }
-    y = fused_merge_heads(y);  // [B*T, d], heads side by side
-    y = (*c_proj)(y, dt);
+    y = fused_merge_heads(y);  // [B*T, d], heads side by side (this rank's heads under TP)
+    y = tp_ ? row_parallel(*c_proj, y, B, T, dt, *tp_) : (*c_proj)(y, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
+  }
+
+  // Tensor parallel: this rank computes heads [rank * Hq / size, ...) (and the matching kv heads);
+  // the projections' weights were split by GPT2::parallelize.
+  void parallelize(const TpPlan& tp) {
+    hq_ /= tp.size;
+    hkv_ /= tp.size;
+    tp_ = &tp;
+    if (q_norm) q_norm->partial = k_norm->partial = &tp;  // per-head norms see this rank's heads only
   }
 
   std::shared_ptr<LinearImpl> q_attn, k_attn, v_attn, c_proj;
   std::shared_ptr<NormImpl> q_norm, k_norm;
 
  private:
+  const TpPlan* tp_ = nullptr;
   std::int64_t hq_, hkv_, hd_;
   double dropout_;
   AttentionImpl impl_;
@@ -749,12 +807,15 @@ class SwiGLUImpl final : public torch::nn::Module {
     V = register_module("V", std::make_shared<LinearImpl>(c.n_embd, h, c.bias, o));
     W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.bias, o));
   }
-  // x: [B, T, d] -> [B, T, h] -> [B, T, d]; no dropout (as in Modalities)
-  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
-    return (*W_2)(fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt)), dt);
+  // x: [B*T, d] -> [B*T, h] -> [B*T, d]; no dropout (as in Modalities). Under TP h is this
+  // rank's part of the hidden units and W_2 is row-parallel.
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
+    const at::Tensor g = fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt));
+    return tp ? row_parallel(*W_2, g, B, T, dt, *tp) : (*W_2)(g, dt);
   }
 
   std::shared_ptr<LinearImpl> W, V, W_2;
+  const TpPlan* tp = nullptr;
 };
 
 class TransformerMLPImpl final : public torch::nn::Module {
@@ -766,14 +827,17 @@ class TransformerMLPImpl final : public torch::nn::Module {
     c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.ffn_hidden, c.n_embd, c.bias, o));
     register_module("dropout", torch::nn::Dropout(c.dropout));
   }
-  // x: [B, T, d] -> [B, T, ffn_hidden] -> [B, T, d]; exact (erf) GELU
-  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
-    at::Tensor y = (*c_proj)(at::gelu((*c_fc)(x, dt)), dt);
+  // x: [B*T, d] -> [B*T, ffn_hidden] -> [B*T, d]; exact (erf) GELU. Under TP c_fc is
+  // column-parallel, c_proj row-parallel.
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
+    const at::Tensor a = at::gelu((*c_fc)(x, dt));
+    at::Tensor y = tp ? row_parallel(*c_proj, a, B, T, dt, *tp) : (*c_proj)(a, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
   }
 
   std::shared_ptr<LinearImpl> c_fc, c_proj;
+  const TpPlan* tp = nullptr;
 
  private:
   double dropout_;
@@ -789,12 +853,23 @@ class GPT2BlockImpl final : public torch::nn::Module {
     if (c.activation_type == "swiglu") swiglu = register_module("mlp", std::make_shared<SwiGLUImpl>(c, o));
     else gelu_mlp = register_module("mlp", std::make_shared<TransformerMLPImpl>(c, o));
   }
-  // Pre-norm residual block. x: [B*T, d] -> [B*T, d]
+  // Pre-norm residual block. x: [B*T, d] -> [B*T, d]; under sequence parallelism this rank's
+  // sequence chunk [B*(T/tp), d], gathered whole into the attention and the MLP.
   at::Tensor operator()(at::Tensor x, std::int64_t B, std::int64_t T, Dt dt) {
-    x = x + (*attn)((*attention_norm)(x, dt), B, T, dt);
-    const at::Tensor n = (*ffn_norm)(x, dt);
-    return x + (swiglu ? (*swiglu)(n, dt) : (*gelu_mlp)(n, dt));
+    const auto enter = [&](const at::Tensor& n) { return tp ? tp->enter(n, B, T) : n; };
+    x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt);
+    const at::Tensor n = enter((*ffn_norm)(x, dt));
+    return x + (swiglu ? (*swiglu)(n, B, T, dt) : (*gelu_mlp)(n, B, T, dt));
   }
+
+  void parallelize(const TpPlan& plan) {
+    tp = &plan;
+    attn->parallelize(plan);
+    if (swiglu) swiglu->tp = &plan;
+    else gelu_mlp->tp = &plan;
+    if (plan.sequence_parallel) attention_norm->partial = ffn_norm->partial = &plan;
+  }
+  const TpPlan* tp = nullptr;
 
   std::shared_ptr<NormImpl> attention_norm, ffn_norm;
   std::shared_ptr<CausalSelfAttentionImpl> attn;
@@ -856,8 +931,19 @@ class GPT2LLMImpl final : public torch::nn::Module {
     const std::int64_t B = input.size(0), T = input.size(1);
     TORCH_CHECK(T <= sequence_length_, "gpt2: cannot forward a sequence of length ", T,
                 ", the model's maximum input sequence length (sequence_length) is ", sequence_length_);
+    const TpPlan* tp = tp_.get();
+    const bool sp = tp && tp->sequence_parallel;
+    TORCH_CHECK(!sp || T % tp->size == 0, "gpt2_tp: sequence parallelism splits the sequence over the ", tp->size,
+                " tensor-parallel ranks; an input of length ", T, " does not split evenly");
     at::Tensor h;
-    if (transformer_->contains("wte")) {
+    if (transformer_->contains("wte") && tp) {
+      h = vocab_parallel_embedding(input, B, T, dt);  // [B*T, d], or [B*(T/tp), d] with SP
+      if (absolute_ && transformer_->contains("wpe")) {
+        const std::int64_t Tl = sp ? T / tp->size : T;
+        const at::Tensor w = cast(sp ? tp->shared(wpe_->weight) : wpe_->weight, dt).narrow(0, sp ? tp->rank * Tl : 0, Tl);
+        h = (h.view({B, Tl, -1}) + w).view({B * Tl, -1});
+      }
+    } else if (transformer_->contains("wte")) {
       if (absolute_ && transformer_->contains("wpe"))
         h = ((*wte_)(input, dt) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
       else
@@ -867,6 +953,8 @@ class GPT2LLMImpl final : public torch::nn::Module {
       h = (input.is_floating_point() ? cast(input, dt) : input).reshape({B * T, input.size(2)});
       if (absolute_ && transformer_->contains("wpe"))
         h = (h.view({B, T, -1}) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+      if (sp)  // replicated hidden states -> this rank's sequence chunk
+        h = tp::split_to_tensor_parallel(h.view({B, T, -1}), 1, tp->group).reshape({B * (T / tp->size), -1});
     }
     if (is_training() && dropout_ > 0) h = at::dropout(h, dropout_, /*train=*/true);
     if (transformer_->contains("h")) {
@@ -883,9 +971,27 @@ class GPT2LLMImpl final : public torch::nn::Module {
       }
     }
     if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
-    if (transformer_->contains("lm_head")) h = (*lm_head_)(h, dt);  // [B*T, V]
+    if (transformer_->contains("lm_head") && tp) {
+      // Column-parallel head: this rank's vocabulary slice [B*T, V/tp], gathered to [B*T, V]
+      // unless the loss takes the slices (loss parallel).
+      h = fused_linear(tp->enter(h, B, T), cast(lm_head_->weight, dt), at::Tensor());
+      if (!tp->loss_parallel) h = tp::gather_from_tensor_parallel(h, 1, tp->group);
+    } else if (transformer_->contains("lm_head")) {
+      h = (*lm_head_)(h, dt);  // [B*T, V]
+    } else if (sp) {  // a part without the head hands on whole, replicated hidden states
+      h = tp::gather_from_tensor_parallel(h.view({B, T / tp->size, -1}), 1, tp->group).reshape({B * T, -1});
+    }
     return h.view({B, T, -1});
   }
+
+  // Tensor parallel: every module learns the plan; the weights were split by GPT2::parallelize.
+  void parallelize(std::shared_ptr<const TpPlan> plan) {
+    tp_ = std::move(plan);
+    if (transformer_->contains("h"))
+      for (const auto& item : *h_) item.value()->as<GPT2BlockImpl>()->parallelize(*tp_);
+    if (tp_->sequence_parallel && lm_head_norm_) lm_head_norm_->partial = tp_.get();
+  }
+  const TpPlan* tp_plan() const { return tp_.get(); }
 
   // The root's forward with its hooks around it (kPreForward, kForward, kBackward of "").
   at::Tensor hooked_forward(const at::Tensor& input, Dt dt) {
@@ -942,6 +1048,18 @@ class GPT2LLMImpl final : public torch::nn::Module {
     return m;
   }
 
+  // The embedding of token ids with this rank's rows [rank * V/tp, ...) of the table: ids outside
+  // the slice look up row 0 and are zeroed, and the sum over the ranks (TpPlan::leave) is the
+  // whole embedding, exactly (x + 0 = x).
+  at::Tensor vocab_parallel_embedding(const at::Tensor& ids, std::int64_t B, std::int64_t T, Dt dt) const {
+    const at::Tensor w = cast(wte_->weight, dt);
+    const std::int64_t rows = w.size(0);
+    const at::Tensor local = ids.reshape({B * T}) - tp_->rank * rows;
+    const at::Tensor outside = local.lt(0).logical_or(local.ge(rows));
+    const at::Tensor e = at::embedding(w, local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(1), 0.0);
+    return tp_->leave(e, B, T);
+  }
+
   bool absolute_;
   std::int64_t sequence_length_;
   double dropout_;
@@ -951,6 +1069,7 @@ class GPT2LLMImpl final : public torch::nn::Module {
   torch::nn::ModuleDict h_{nullptr};
   torch::nn::ModuleDict transformer_{nullptr};
   ModuleHooks hooks_;
+  std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
 };
 
 // ===================================================================================
@@ -959,6 +1078,18 @@ class GPT2LLMImpl final : public torch::nn::Module {
 
 constexpr const char* kWteKey = "transformer.wte.weight";
 constexpr const char* kLmHeadKey = "transformer.lm_head.weight";
+
+// Tensor parallel: the dim along which `model/gpt2_tp` splits a parameter (0: the output
+// features, column-parallel, and the embedding's vocabulary; 1: the input features,
+// row-parallel), or none for a replicated one (norms, row-parallel biases, wpe).
+std::optional<std::int64_t> tp_split_dim(std::string_view fqn) {
+  if (fqn == kWteKey || fqn == kLmHeadKey) return 0;
+  for (std::string_view s : {".attn.q_attn.", ".attn.k_attn.", ".attn.v_attn.", ".mlp.W.", ".mlp.V.", ".mlp.c_fc."})
+    if (fqn.find(s) != std::string_view::npos) return 0;
+  for (std::string_view s : {".attn.c_proj.weight", ".mlp.W_2.weight", ".mlp.c_proj.weight"})
+    if (fqn.ends_with(s)) return 1;
+  return std::nullopt;
+}
 
 class GPT2 final : public Module {
  public:
@@ -995,6 +1126,22 @@ class GPT2 final : public Module {
   // Tied models: either key alone is enough; with both, lm_head's value wins (PyTorch
   // loads in module order, lm_head last).
   void load_state_dict(const StateDict& state, bool strict) override {
+    if (tp_ && !whole_) {  // split: whole tensors give this rank's chunk
+      StateDict s = state;
+      for (auto& [key, t] : s) {
+        const auto d = tp_split_dim(key);
+        const auto mine = local_shapes_.find(key);
+        if (!d || mine == local_shapes_.end() || t.sizes().vec() == mine->second) continue;
+        const std::int64_t n = mine->second[static_cast<std::size_t>(*d)];
+        if (t.dim() == static_cast<std::int64_t>(mine->second.size()) && t.size(*d) == n * tp_->size)
+          t = t.narrow(*d, tp_->rank * n, n);
+      }
+      return load_unsplit(s, strict);
+    }
+    load_unsplit(state, strict);
+  }
+
+  void load_unsplit(const StateDict& state, bool strict) {
     if (!impl_->tied()) return Module::load_state_dict(state, strict);
     StateDict s = state;
     const auto wte = s.find(kWteKey), head = s.find(kLmHeadKey);
@@ -1055,13 +1202,124 @@ class GPT2 final : public Module {
       if (t.is_meta())
         throw Error("gpt2: reset_parameters() needs materialized tensors; the model is on the meta device "
                     "(move it with to(device) first)");
+    // Split: the whole model is initialized as in one process (same random numbers), each rank keeps its part.
+    if (tp_ && !whole_) return apply_to_full_parameters([](Module& full) { full.reset_parameters(); });
     GPT2LLMImpl::reset_leaves(*impl_);
+  }
+
+  // --- tensor parallel (model/gpt2_tp) ---------------------------------------------------
+
+  // Splits the model over plan.size ranks: every split parameter (tp_split_dim) is replaced by
+  // this rank's chunk, the modules compute their local heads and hidden units. Works on the meta
+  // device too (the chunks are meta then).
+  void parallelize(const TpPlan& plan) {
+    if (tp_) throw Error("gpt2_tp: the model is split already (model/gpt2_tp applied twice)");
+    const std::int64_t p = plan.size;
+    const auto divisible = [&](std::string_view field, std::int64_t value) {
+      if (value % p != 0)
+        throw ConfigError("model", fmt::format("model/gpt2's {} = {} is not divisible by the tensor-parallel degree "
+                                               "{} (device_mesh.config.tensor_parallel_degree)",
+                                               field, value, p));
+    };
+    divisible("n_head_q", config_.n_head_q);
+    divisible("n_head_kv", config_.n_head_kv);
+    divisible("vocab_size", config_.vocab_size);
+    divisible(config_.activation_type == "swiglu" ? "SwiGLU hidden size (from ffn_hidden)" : "ffn_hidden",
+              config_.activation_type == "swiglu"
+                  ? swiglu_hidden(config_.ffn_hidden, config_.enforce_swiglu_hidden_dim_multiple_of)
+                  : config_.ffn_hidden);
+    if (plan.sequence_parallel) divisible("sequence_length (sequence parallelism splits it)", config_.sequence_length);
+    std::unordered_map<const void*, std::int64_t> dim_of;
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      if (const auto d = tp_split_dim(item.key())) dim_of[item.value().unsafeGetTensorImpl()] = *d;
+    impl_->remap_leaves([&](const at::Tensor& t) {
+      const auto it = dim_of.find(t.unsafeGetTensorImpl());
+      if (it == dim_of.end()) return t;
+      const std::int64_t n = t.size(it->second) / p;
+      at::NoGradGuard no_grad;
+      return t.narrow(it->second, plan.rank * n, n).clone().set_requires_grad(t.requires_grad());
+    });
+    tp_ = std::make_shared<const TpPlan>(plan);
+    impl_->parallelize(tp_);
+    // Recorded now: a wrapper (fsdp2_wrapped) may free the module's tensors between uses.
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      local_shapes_[item.key()] = item.value().sizes().vec();
+  }
+
+  // Every parameter, split or replicated (then held alike by the tp ranks), as a block of the full tensor.
+  std::map<std::string, ShardPlacement> shard_placements() const override {
+    if (!tp_ || whole_) return {};
+    std::map<std::string, ShardPlacement> out;
+    for (const auto& [fqn, shape] : local_shapes_) {
+      ShardPlacement s;
+      s.global_shape = shape;
+      s.offsets.assign(s.global_shape.size(), 0);
+      if (const auto d = tp_split_dim(fqn)) {
+        s.offsets[*d] = tp_->rank * s.global_shape[*d];
+        s.global_shape[*d] *= tp_->size;
+      } else {
+        s.replicas = tp_->size;
+      }
+      out[fqn] = std::move(s);
+    }
+    return out;
+  }
+
+  // Split: whole tensors gathered over the tp ranks, `fn` on the whole model, each rank keeps its
+  // chunk of whatever fn wrote. A collective.
+  void apply_to_full_parameters(const std::function<void(Module&)>& fn) override {
+    if (!tp_ || whole_) return fn(*this);
+    at::NoGradGuard no_grad;
+    struct Split {
+      at::Tensor local, full;
+      std::int64_t dim;
+    };
+    std::unordered_map<const void*, Split> split;  // by the local tensor
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true)) {
+      const auto d = tp_split_dim(item.key());
+      const at::Tensor& t = item.value();
+      if (!d || split.contains(t.unsafeGetTensorImpl())) continue;
+      if (t.is_meta())
+        throw Error("gpt2_tp: the model's parameters are on the meta device; move it to a device before "
+                    "initializing it (model/model_initialized does)");
+      at::Tensor full = tp::gather_from_tensor_parallel(t, *d, tp_->group).set_requires_grad(t.requires_grad());
+      split.emplace(t.unsafeGetTensorImpl(), Split{t, std::move(full), *d});
+    }
+    const auto swap_to = [&](bool whole) {
+      std::unordered_map<const void*, at::Tensor> to;
+      for (const auto& [impl, s] : split) to.emplace(whole ? s.local.unsafeGetTensorImpl() : s.full.unsafeGetTensorImpl(), whole ? s.full : s.local);
+      impl_->remap_leaves([&](const at::Tensor& t) {
+        const auto it = to.find(t.unsafeGetTensorImpl());
+        return it == to.end() ? t : it->second;
+      });
+    };
+    swap_to(true);
+    whole_ = true;
+    try {
+      fn(*this);
+    } catch (...) {
+      whole_ = false;
+      swap_to(false);
+      throw;
+    }
+    whole_ = false;
+    for (auto& [impl, s] : split) {
+      const std::int64_t n = s.local.size(s.dim);
+      s.local.copy_(s.full.narrow(s.dim, tp_->rank * n, n));
+    }
+    swap_to(false);
+  }
+
+  std::optional<tp::VocabShard> vocab_shard() const override {
+    if (!tp_ || !tp_->loss_parallel || !impl_->lm_head()) return std::nullopt;
+    return tp::VocabShard{tp_->group, tp_->rank * (config_.vocab_size / tp_->size), config_.vocab_size};
   }
 
   std::shared_ptr<Module> clone() const override {
     // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
     auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta));
+    if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
     std::unordered_map<std::string, at::Tensor> mine;
     for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
     for (const auto& item : impl_->named_buffers(true)) mine.emplace(item.key(), item.value());
@@ -1087,6 +1345,9 @@ class GPT2 final : public Module {
   GPT2Config config_;
   std::shared_ptr<GPT2LLMImpl> impl_;
   Dt param_dtype_;
+  std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
+  std::map<std::string, std::vector<std::int64_t>> local_shapes_;  // of every parameter, once split
+  bool whole_ = false;                // inside apply_to_full_parameters: the tensors are whole
 };
 
 // ===================================================================================
@@ -1105,6 +1366,47 @@ struct MixedPrecisionConfig {
   }
 };
 
+struct Gpt2TpConfig {
+  Ref<Module> model;
+  Ref<DeviceMesh> device_mesh;
+  bool sequence_parallel = true;
+  static void describe(Schema<Gpt2TpConfig>& s) {
+    s.field("model", &Gpt2TpConfig::model,
+            "The model/gpt2 to split (returned, modified): apply gpt2_tp to model_raw, before fsdp2_wrapped and "
+            "model_initialized.")
+        .required();
+    s.field("device_mesh", &Gpt2TpConfig::device_mesh,
+            "Mesh with a tp dim (tensor_parallel_degree > 1) and no dp_replicate; enable_loss_parallel keeps the "
+            "logits split on the vocabulary for the loss.")
+        .required();
+    s.field("sequence_parallel", &Gpt2TpConfig::sequence_parallel,
+            "Ours (Modalities always does it): norms, dropout and residuals on each rank's chunk of the sequence "
+            "between the parallel regions (all-gather / reduce-scatter at their edges); false: replicated "
+            "activations (all-reduce after each row-parallel layer).");
+  }
+};
+
+std::shared_ptr<Module> split_gpt2(const Gpt2TpConfig& c) {
+  auto* gpt2 = dynamic_cast<GPT2*>(c.model.get());
+  if (gpt2 == nullptr)
+    throw ConfigError("model", "gpt2_tp splits a model/gpt2 itself; this model is another variant or already "
+                               "wrapped: apply gpt2_tp to model_raw, then fsdp2_wrapped, then model_initialized");
+  const DeviceMesh& mesh = *c.device_mesh;
+  if (!mesh.has_dim("tp"))
+    throw ConfigError("device_mesh", fmt::format("has no tp dim (dims: {}); set tensor_parallel_degree > 1",
+                                                 fmt::join(mesh.dim_names(), ", ")));
+  if (mesh.has_dim("dp_replicate"))
+    throw ConfigError("device_mesh", "has a dp_replicate dim; gpt2_tp composes with dp_shard only (as in Modalities)");
+  TpPlan plan;
+  plan.group = mesh.process_group("tp");
+  plan.rank = mesh.coordinate("tp");
+  plan.size = mesh.size("tp");
+  plan.sequence_parallel = c.sequence_parallel;
+  plan.loss_parallel = mesh.loss_parallel();
+  gpt2->parallelize(plan);
+  return c.model.shared();
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -1117,6 +1419,12 @@ void register_components(Registrar& r) {
         // optimizer state and checkpoints loaded at build time land on that device too.
         return std::make_shared<GPT2>(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device());
       });
+  r.add<Module, Gpt2TpConfig>(
+      "gpt2_tp",
+      "Tensor parallelism for model/gpt2 over the mesh's tp dim: column-parallel q/k/v and MLP input, row-parallel "
+      "attention and MLP outputs (local heads, GQA included), vocabulary-parallel embedding and head, sequence "
+      "parallel norms; loss parallel with enable_loss_parallel. Returns the same model, split.",
+      split_gpt2);
   r.add<Module, MixedPrecisionConfig>(
       "mixed_precision",
       "FSDP2-style mixed precision on one process: fp32 master parameters, each use cast to param_dtype. "

@@ -165,8 +165,49 @@ at::Tensor sharded_total_norm(const std::vector<at::Tensor>& grads, double order
   return local.reshape({}).to(device, at::kFloat);
 }
 
+// The norm of the whole gradient when the parts' parameters are blocks of the full tensors that
+// some ranks hold alike (a tensor-parallel model: its replicated norm weights sit on every tp rank,
+// under FSDP sharded over dp_shard): every rank adds the p-th power of each gradient's norm divided
+// by the number of ranks holding that block (ShardPlacement::replicas; a parameter without a
+// placement is whole on every rank), and the sum over the world counts each element once. In
+// float64, like sharded_total_norm.
+at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, double order) {
+  const bool max = std::isinf(order);
+  std::vector<at::Tensor> grads;
+  std::vector<double> replicas;
+  for (const auto& part : parts) {
+    const auto placements = part->shard_placements();
+    for (const auto& [name, p] : part->named_parameters()) {
+      if (!p.grad().defined()) continue;
+      grads.push_back(p.grad());
+      const auto it = placements.find(name);
+      replicas.push_back(it != placements.end() ? static_cast<double>(it->second.replicas)
+                                                : static_cast<double>(dist::world_size()));
+    }
+  }
+  at::Tensor local = at::zeros({1}, at::kDouble);
+  if (!grads.empty()) {
+    std::vector<at::Tensor> norms;
+    for (const at::Tensor& n : at::_foreach_norm(grads, order, at::kDouble)) norms.push_back(n.cpu().reshape({1}));
+    const at::Tensor all = at::cat(norms);
+    if (max) local = all.max().reshape({1});
+    else local = (all.pow(order) / at::tensor(replicas, at::kDouble)).sum().reshape({1});
+  }
+  if (dist::world_size() > 1) {
+    std::vector<at::Tensor> t = {local};
+    c10d::AllreduceOptions o;
+    o.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    dist::world()->allreduce(t, o)->wait();
+  }
+  if (!max) local.pow_(1.0 / order);
+  const c10::Device device = grads.empty() ? c10::Device(c10::kCPU) : grads.front().device();
+  return local.reshape({}).to(device, at::kFloat);
+}
+
 // How the total norm is computed and what happens to the gradients.
-enum class Mode { kFsdp1, kFsdp1Sharded, kTorch, kTorchLoggingOnly, kValue, kSharded, kShardedLoggingOnly };
+enum class Mode {
+  kFsdp1, kFsdp1Sharded, kTorch, kTorchLoggingOnly, kValue, kSharded, kShardedLoggingOnly, kWorld, kWorldLoggingOnly
+};
 
 // How many ranks of the world hold each row of the parts' sharded parameters: the rows all ranks
 // hold of one sharded parameter, over its rows (1 for FULL_SHARD, the node count for HYBRID_SHARD).
@@ -238,6 +279,13 @@ class Clipper final : public GradientClipper {
       }
       case Mode::kShardedLoggingOnly:
         return sharded_total_norm(grads, order_, group_);
+      case Mode::kWorld: {
+        const at::Tensor total = world_total_norm(parts_, order_);
+        scale(grads, limit_, total, /*cast_coef=*/false);
+        return total;
+      }
+      case Mode::kWorldLoggingOnly:
+        return world_total_norm(parts_, order_);
       case Mode::kValue: {
         const at::Tensor total = total_norm(grads, 2.0);
         for (const auto& bucket : by_device_and_dtype(grads)) {
@@ -370,12 +418,18 @@ void register_components(Registrar& r) {
   r.add<GradientClipper, Fsdp2Config>(
       "fsdp2", "Clips a sharded model's gradients to max_norm of the whole gradient (norm combined over dp_shard).",
       [](const Fsdp2Config& c) {
+        // Tensor parallel: blocks held alike by several ranks, combined over the world.
+        if (c.device_mesh->has_dim("tp"))
+          return std::make_shared<Clipper>(Mode::kWorld, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm);
         return std::make_shared<Clipper>(Mode::kSharded, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm,
                                          shard_group(*c.device_mesh));
       });
   r.add<GradientClipper, Fsdp2LoggingConfig>(
       "fsdp2_logging_only", "The whole gradient's norm of a sharded model (combined over dp_shard); no clipping.",
       [](const Fsdp2LoggingConfig& c) {
+        if (c.device_mesh->has_dim("tp"))
+          return std::make_shared<Clipper>(Mode::kWorldLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
+                                           0.0);
         return std::make_shared<Clipper>(Mode::kShardedLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
                                          0.0, shard_group(*c.device_mesh));
       });

@@ -5,6 +5,7 @@
 #include <modalities/sdk/interfaces/batch.h>
 #include <modalities/sdk/interfaces/loss.h>
 #include <modalities/sdk/plugin.h>
+#include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
@@ -47,8 +48,10 @@ class ClmCrossEntropyLoss final : public Loss {
   explicit ClmCrossEntropyLoss(ClmCrossEntropyLossConfig c) : c_(std::move(c)) {}
 
   at::Tensor compute(const InferenceResultBatch& batch) const override {
+    if (batch.vocab_shard) return compute_vocab_parallel(batch);
     return compute(batch.get_predictions(c_.prediction_key), batch.get_targets(c_.target_key));
   }
+  bool accepts_vocab_shards() const override { return true; }
 
   // logits: [..., V], labels: [...] with the same leading shape -> 0-dim loss in
   // the logits' dtype. All labels ignored -> NaN (0/0), as in PyTorch.
@@ -66,6 +69,27 @@ class ClmCrossEntropyLoss final : public Loss {
     const at::Tensor labels = targets.to(logits.device(), at::kLong);
     return at::cross_entropy_loss(logits.reshape({-1, vocab}), labels.reshape({-1}), /*weight=*/{},
                                   at::Reduction::Mean, kIgnoreIndex, /*label_smoothing=*/0.0);
+  }
+
+  // Loss parallel: logits [..., V / tp] hold classes [start, start + V / tp) on this rank; the
+  // per-token losses come from tp::vocab_parallel_cross_entropy (three all-reduces of one value
+  // per token, no logits gathered), then the same mean over the tokens that are not ignored.
+  at::Tensor compute_vocab_parallel(const InferenceResultBatch& batch) const {
+    const at::Tensor& logits = batch.get_predictions(c_.prediction_key);
+    const at::Tensor& targets = batch.get_targets(c_.target_key);
+    const tp::VocabShard& shard = *batch.vocab_shard;
+    MODALITIES_CHECK(logits.dim() >= 2 && c10::isFloatingType(logits.scalar_type()),
+                     "{}: predictions '{}' must be floating-point logits [B, T, V / tp], got {} {}", c_.tag,
+                     c_.prediction_key, c10::toString(logits.scalar_type()), shape_of(logits));
+    const std::int64_t local_vocab = logits.size(-1);
+    MODALITIES_CHECK(targets.numel() * local_vocab == logits.numel(),
+                     "{}: targets '{}' {} do not fit the vocabulary-split logits '{}' {}", c_.tag, c_.target_key,
+                     shape_of(targets), c_.prediction_key, shape_of(logits));
+    const at::Tensor labels = targets.to(logits.device(), at::kLong).reshape({-1});
+    const at::Tensor per_token = tp::vocab_parallel_cross_entropy(logits.reshape({-1, local_vocab}), labels,
+                                                                  shard.start, shard.group, kIgnoreIndex);
+    const at::Tensor counted = labels.ne(kIgnoreIndex).sum().to(per_token.scalar_type());
+    return per_token.sum() / counted;
   }
 
   std::string tag() const override { return c_.tag; }

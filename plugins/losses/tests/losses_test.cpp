@@ -91,7 +91,9 @@ TEST_F(ClmLossTest, MatchesPyTorchReference) {
     const at::Tensor logits = at::tensor(c.logits).reshape({c.B, c.T, c.V}).to(c.dtype);
     // int32 labels on purpose: the loss casts them to int64 like Modalities' .long().
     const at::Tensor labels = at::tensor(c.labels).reshape({c.B, c.T}).to(at::kInt);
-    InferenceResultBatch batch{{{"target_ids", labels}}, {{"logits", logits}}};
+    InferenceResultBatch batch;
+    batch.targets = {{"target_ids", labels}};
+    batch.predictions = {{"logits", logits}};
     const at::Tensor from_batch = l->compute(batch);
     const at::Tensor from_tensors = l->compute(logits, labels);
     EXPECT_EQ(from_batch.dim(), 0);
@@ -140,7 +142,9 @@ TEST_F(ClmLossTest, GradientFlowsToTheLogits) {
 TEST_F(ClmLossTest, ReportsMissingKeysAndShapeMismatches) {
   auto l = loss();
   ASSERT_NE(l, nullptr);
-  InferenceResultBatch wrong_key{{{"labels", at::zeros({1, 2}, at::kLong)}}, {{"logits", at::zeros({1, 2, 3})}}};
+  InferenceResultBatch wrong_key;
+  wrong_key.targets = {{"labels", at::zeros({1, 2}, at::kLong)}};
+  wrong_key.predictions = {{"logits", at::zeros({1, 2, 3})}};
   EXPECT_THROW(l->compute(wrong_key), Error);
   try {
     l->compute(at::zeros({2, 3, 5}), at::zeros({2, 4}, at::kLong));

@@ -33,6 +33,7 @@ class FixedMesh final : public DeviceMesh {
   std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<std::string>&) const override { return nullptr; }
   c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view) const override { return {}; }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return {}; }
+  bool loss_parallel() const override { return false; }
 };
 
 struct EmptyConfig {

@@ -68,6 +68,7 @@ class FixedMesh final : public DeviceMesh {
   }
   c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view) const override { return {}; }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return {}; }
+  bool loss_parallel() const override { return false; }
 
  private:
   std::int64_t find(std::string_view dim) const {

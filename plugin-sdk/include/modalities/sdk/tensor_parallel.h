@@ -26,6 +26,25 @@ namespace modalities::tp {
 
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
+/// Logits split on the vocabulary over `group` ("loss parallel"): this rank holds classes
+/// [start, start + its last dim). Set by a tensor-parallel model (Module::vocab_shard) and passed
+/// to the loss with the predictions (InferenceResultBatch::vocab_shard).
+///
+/// Special members are defined in the SDK library, so that headers holding one (batch.h) need
+/// no complete c10d::ProcessGroup.
+struct MODALITIES_SDK_API VocabShard {
+  VocabShard(Group group, std::int64_t start, std::int64_t vocab_size);
+  VocabShard(const VocabShard&);
+  VocabShard(VocabShard&&) noexcept;
+  VocabShard& operator=(const VocabShard&);
+  VocabShard& operator=(VocabShard&&) noexcept;
+  ~VocabShard();
+
+  Group group;
+  std::int64_t start = 0;
+  std::int64_t vocab_size = 0;  // of the whole vocabulary
+};
+
 /// Forward: x. Backward: the sum of the gradients over the group (all-reduce). Before a
 /// column-parallel layer, whose ranks each produce a partial gradient of the shared input.
 MODALITIES_SDK_API at::Tensor copy_to_tensor_parallel(const at::Tensor& x, const Group& group);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <modalities/sdk/export.h>
+#include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -74,6 +75,9 @@ struct MODALITIES_SDK_API InferenceResultBatch {
   TensorMap targets;
   TensorMap predictions;
   std::int64_t batch_dim = 0;
+  /// Set when the predictions are logits split on the vocabulary over a tensor-parallel group
+  /// (the model's Module::vocab_shard); only a loss that accepts_vocab_shards() may take them.
+  std::optional<tp::VocabShard> vocab_shard;
 
   /// The target / prediction under `key`. Throws modalities::Error naming the
   /// keys that exist when `key` is missing.

@@ -87,6 +87,10 @@ class MODALITIES_SDK_API DeviceMesh {
   /// Communicator over all ranks of this (sub-)mesh, its dims flattened
   /// (e.g. dp_replicate x dp_shard for data-parallel reductions).
   virtual c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const = 0;
+
+  /// Whether the run asked for loss parallelism (`enable_loss_parallel`): a tensor-parallel model
+  /// then returns logits split on the vocabulary and the loss reduces over the `tp` dim.
+  virtual bool loss_parallel() const = 0;
 };
 
 }  // namespace modalities

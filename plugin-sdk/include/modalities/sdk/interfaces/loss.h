@@ -56,6 +56,11 @@ class MODALITIES_SDK_API Loss {
   /// Keys it reads; the pipeline path uses target_key() to pick the target tensor.
   virtual std::string target_key() const = 0;
   virtual std::string prediction_key() const = 0;
+
+  /// Whether compute(batch) handles batch.vocab_shard: logits split on the vocabulary over a
+  /// tensor-parallel group, reduced across it without gathering them. The gym refuses a model
+  /// with a vocab shard and a loss without. Default: false.
+  virtual bool accepts_vocab_shards() const;
 };
 
 }  // namespace modalities

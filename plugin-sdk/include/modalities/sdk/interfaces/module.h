@@ -72,6 +72,9 @@ using BlockRunner = std::function<at::Tensor(const at::Tensor& input, const Bloc
 struct ShardPlacement {
   std::vector<std::int64_t> global_shape;
   std::vector<std::int64_t> offsets;
+  /// How many ranks of the world hold this same block (a tensor-parallel model's replicated norm
+  /// weights: the tp degree; HSDP: times dp_replicate). Norms over the world divide it out.
+  std::int64_t replicas = 1;
 };
 
 /// A trainable network seen through named tensors, e.g. the GPT-2 decoder.
@@ -245,6 +248,11 @@ class MODALITIES_SDK_API Module {
   /// `model_initialized` after `fsdp2_wrapped`, Modalities' order, initializes the full tensors
   /// the same way at every world size). Default: fn(*this).
   virtual void apply_to_full_parameters(const std::function<void(Module&)>& fn);
+
+  /// Loss parallel: where this rank's slice of the vocabulary lies when forward() returns logits
+  /// split on the vocabulary over a tensor-parallel group (`model/gpt2_tp` with the mesh's
+  /// enable_loss_parallel). Wrappers forward it. Default: none (whole logits).
+  virtual std::optional<tp::VocabShard> vocab_shard() const;
 };
 
 }  // namespace modalities
