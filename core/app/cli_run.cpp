@@ -430,7 +430,7 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
           "settings.cuda_env says global_rank {} of world_size {}, but this process is rank {} of {} (from {}): set "
           "them to \"${{cuda_env:RANK}}\" and \"${{cuda_env:WORLD_SIZE}}\"",
           cuda_env.global_rank, cuda_env.world_size, launch.rank, launch.world_size, launch.source));
-    const core::i64 num_parameters = core::count_trainable_parameters(*components.app_state);
+    const core::i64 num_parameters = core::count_trainable_parameters(components);
     components.evaluation_subscriber->consume_dict({{"No. parameters", DictValue(num_parameters)}});
     if (components.settings.cuda_env.global_rank == 0)
       std::cout << core::training_report(components, num_parameters) << std::flush;

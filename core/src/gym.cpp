@@ -28,6 +28,7 @@
 #include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/interfaces/pipeline.h>
 #include <modalities/sdk/interfaces/steppable_profiler.h>
 
 #include <ATen/ATen.h>
@@ -245,6 +246,10 @@ class Gym {
     dp_ = sp.dp_degree;
     tokens_per_step_ = sp.local_train_micro_batch_size * sp.sequence_length * G_ * sp.dp_degree;
     parts_ = c_.app_state->model_parts();
+    pipeline_ = c_.scheduled_pipeline;
+    if (pipeline_ && !pipeline_->schedule())
+      throw Error("scheduled_pipeline has no schedule: build it with pipeline/scheduled (or give pipeline/builder a "
+                  "pp_schedule)");
     // The data-parallel size is what the samplers split the data by and what the token counts
     // assume: a dp_degree that is not the real one trains on more (or fewer) tokens per step
     // than the config says, silently.
@@ -351,17 +356,22 @@ class Gym {
       const i64 step_number = S0_ + i / G_ + 1;  // 1-based step this micro-batch belongs to
 
       // 1. forward / backward.
-      InferenceResultBatch result;
-      result.targets = std::move(batch->targets);
-      result.predictions = forward(batch->samples);
-      result.vocab_shard = vocab_shard_;
-      at::Tensor loss = c_.loss_fn->compute(result);
-      // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
-      // node per step) is skipped.
       // With accumulation, gradients are synchronised across ranks in the step's last backward only.
       if (G_ > 1)
         for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % G_ == 0);
-      (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
+      at::Tensor loss;
+      if (pipeline_) {
+        loss = pipeline_step(*batch);
+      } else {
+        InferenceResultBatch result;
+        result.targets = std::move(batch->targets);
+        result.predictions = forward(batch->samples);
+        result.vocab_shard = vocab_shard_;
+        loss = c_.loss_fn->compute(result);
+        // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
+        // node per step) is skipped.
+        (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
+      }
       fault_point("train_step");  // tests: a rank killed mid-step (modalities/sdk/fault.h)
       at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
       if (fault_point("train_loss_nan")) loss_f = at::full_like(loss_f, std::nan(""));  // tests only
@@ -423,6 +433,33 @@ class Gym {
   }
 
  private:
+  // Pipeline parallelism: the schedule runs forward and backward of every pipeline micro-batch
+  // (first stage: the samples, last stage: the targets and the loss). Unlike Modalities, the
+  // gradients are scaled by 1 / G, so accumulation gives the gradient of the mean loss as without
+  // a pipeline. Returns the mean loss on ranks with the last stage, 0 elsewhere (the log averages
+  // over the ranks that have one).
+  at::Tensor pipeline_step(DatasetBatch& batch) {
+    PipelineSchedule& schedule = *pipeline_->schedule();
+    std::optional<at::Tensor> input, target;
+    if (pipeline_->has_first_stage()) input = batch.samples.at(parts_.front()->sample_key()).contiguous();
+    if (pipeline_->has_last_stage()) target = batch.targets.at(c_.loss_fn->target_key());
+    schedule.set_loss_scale(1.0 / static_cast<double>(G_));
+    const std::vector<at::Tensor> losses = schedule.step(input, target);
+    if (losses.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o_.device));
+    return at::stack(losses).mean();
+  }
+
+  // The mean over the ranks that computed a loss (with a pipeline: those holding the last stage).
+  void mean_over_loss_ranks(at::Tensor& values) {
+    if (!pipeline_) return mean_over_ranks(values);
+    if (!dist::initialized()) return;
+    const float mine = pipeline_->has_last_stage() ? 1.0f : 0.0f;
+    std::vector<at::Tensor> t = {at::cat({values.reshape({-1}) * mine, at::full({1}, mine, at::kFloat)})};
+    dist::world()->allreduce(t)->wait();
+    const at::Tensor& sum = t.front();
+    values.copy_((sum.narrow(0, 0, values.numel()) / sum[-1]).reshape(values.sizes()));
+  }
+
   TensorMap forward(const TensorMap& samples) {
     if (parts_.size() != 1)
       throw Error(fmt::format("app_state has {} model parts; several parts need a pipeline schedule "
@@ -512,7 +549,7 @@ class Gym {
     at::Tensor losses = at::stack({loss_sum_ / static_cast<float>(std::max<i64>(loss_count_, 1)), last_loss_})
                             .to(at::kFloat)
                             .cpu();
-    mean_over_ranks(losses);
+    mean_over_loss_ranks(losses);
     const at::Tensor loss_avg = losses[0].clone();
     last_logged_loss_ = loss_avg.item<double>();
     r.losses.push_back({"train loss avg", {loss_avg, 2}});
@@ -562,11 +599,19 @@ class Gym {
         while (std::optional<DatasetBatch> batch = loader->next()) {
           samples += batch->size();
           batch->to(o_.device, o_.device.is_cuda());
-          InferenceResultBatch result;
-          result.targets = std::move(batch->targets);
-          result.predictions = forward(batch->samples);
-          result.vocab_shard = vocab_shard_;
-          sum.add_(c_.loss_fn->compute(result).to(at::kFloat));
+          if (pipeline_) {
+            std::optional<at::Tensor> input, target;
+            if (pipeline_->has_first_stage()) input = batch->samples.at(parts_.front()->sample_key()).contiguous();
+            if (pipeline_->has_last_stage()) target = batch->targets.at(c_.loss_fn->target_key());
+            const std::vector<at::Tensor> losses = pipeline_->schedule()->eval(input, target);
+            if (!losses.empty()) sum.add_(at::stack(losses).mean().to(at::kFloat));
+          } else {
+            InferenceResultBatch result;
+            result.targets = std::move(batch->targets);
+            result.predictions = forward(batch->samples);
+            result.vocab_shard = vocab_shard_;
+            sum.add_(c_.loss_fn->compute(result).to(at::kFloat));
+          }
           ++count;
           publish_progress(++batch_id, ExperimentStatus::kEvaluation, tag);
         }
@@ -576,7 +621,7 @@ class Gym {
       r.dataloader_tag = tag;
       r.num_train_steps_done = step;
       at::Tensor loss = count > 0 ? (sum / static_cast<float>(count)).cpu().reshape({1}) : at::full({1}, std::nan(""));
-      mean_over_ranks(loss);
+      mean_over_loss_ranks(loss);
       loss = loss.reshape({});
       r.losses.push_back({c_.loss_fn->tag(), {loss, 2}});
       r.throughput_metrics.push_back(
@@ -601,6 +646,7 @@ class Gym {
   std::ostream& out_;
   DataLedger ledger_{o_.data_ledger_path};
   i64 G_ = 1, S0_ = 0, K0_ = 0, dp_ = 1, tokens_per_step_ = 0;
+  std::shared_ptr<Pipeline> pipeline_;          // pipeline parallelism: the scheduled pipeline, else null
   std::optional<tp::VocabShard> vocab_shard_;  // loss parallel: the model's logits are split on the vocabulary
   std::vector<std::shared_ptr<Module>> parts_;
   std::shared_ptr<Optimizer> optimizer_;
@@ -639,6 +685,7 @@ GymComponents GymComponents::from(const BuiltGraph& built) {
   c.checkpoint_saving = object_of<CheckpointSaving>(built, "checkpoint_saving", true);
   c.gradient_clipper = object_of<GradientClipper>(built, "gradient_clipper", true);
   c.mfu_calculator = object_of<MFUCalculator>(built, "mfu_calculator", false);
+  c.scheduled_pipeline = object_of<Pipeline>(built, "scheduled_pipeline", false);
   c.profiler = object_of<SteppableProfiler>(built, "profiler", false);
   c.device_mesh = object_of<DeviceMesh>(built, "device_mesh", false);
   return c;
@@ -648,10 +695,17 @@ GymSummary run_gym(GymComponents& components, const GymOptions& options) {
   return Gym(components, options).run();
 }
 
-i64 count_trainable_parameters(const AppState& app_state) {
+i64 count_trainable_parameters(const GymComponents& c) {
   std::vector<const Module*> parts;
-  for (const auto& part : app_state.model_parts()) parts.push_back(part.get());
-  return modalities::count_trainable_parameters(parts);
+  for (const auto& part : c.app_state->model_parts()) parts.push_back(part.get());
+  const i64 local = modalities::count_trainable_parameters(parts);
+  // A pipeline rank holds its stages only: the model's count is the sum over the world divided by
+  // the ranks that hold each stage alike (world / pp; their counts are whole stages already).
+  if (!c.scheduled_pipeline || !dist::initialized() || !c.device_mesh || !c.device_mesh->has_dim("pp")) return local;
+  std::vector<at::Tensor> t = {at::full({1}, static_cast<double>(local), at::kDouble)};
+  dist::world()->allreduce(t)->wait();
+  const double holders = static_cast<double>(dist::world_size()) / static_cast<double>(c.device_mesh->size("pp"));
+  return static_cast<i64>(std::llround(t.front().item<double>() / holders));
 }
 
 std::string training_report(const GymComponents& c, i64 num_parameters) {

@@ -330,6 +330,9 @@ void Module::set_requires_gradient_sync(bool /*sync*/) {}
 
 void Module::apply_to_full_parameters(const std::function<void(Module&)>& fn) { fn(*this); }
 std::optional<tp::VocabShard> Module::vocab_shard() const { return std::nullopt; }
+void Module::retain_modules(const std::vector<std::string>&) {
+  throw Error(fmt::format("this model ({}) cannot be cut into pipeline stages", module().name()));
+}
 
 // --- other defaults ---------------------------------------------------------------
 

@@ -491,7 +491,8 @@ struct Layout {
 // "no_shard" is compared with one process using gradient_clipper/fsdp1 (FSDP1's float32 norm, bit
 // for bit PyTorch's, which differs from the float64 norm of the sharded clippers by up to ~1e-4
 // relative). Every curve is printed.
-void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>& layouts) {
+void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>& layouts,
+                                           const std::function<std::string(std::string)>& reference_edit = {}) {
   const modalities::testing::ScratchDir dir;
   const auto root = dir.path() / "experiments";
   const auto run_on = [&](int ranks, const std::string& id, const std::string& config) {
@@ -502,8 +503,9 @@ void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>&
                                       "sharding_strategy = \"FULL_SHARD\"", "sharding_strategy = \"NO_SHARD\"");
   const bool any_no_shard = std::any_of(layouts.begin(), layouts.end(),
                                         [](const Layout& l) { return l.id.starts_with("no_shard"); });
-  run_on(1, "one_8x1", fsdp2_config(steps));
-  run_on(1, "one_2x4", fsdp2_config(steps, 4));
+  const auto reference = [&](std::string config) { return reference_edit ? reference_edit(std::move(config)) : config; };
+  run_on(1, "one_8x1", reference(fsdp2_config(steps)));
+  run_on(1, "one_2x4", reference(fsdp2_config(steps, 4)));
   if (any_no_shard) run_on(1, "one_fsdp1", no_shard);
   for (const Layout& l : layouts) run_on(l.ranks, l.id, l.config);
 
@@ -606,10 +608,67 @@ TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
     EXPECT_THAT(r.err, HasSubstr(message)) << r;
     EXPECT_THAT(r.err, HasSubstr("[rank 1]")) << r;
   };
-  refused("kv_heads", edited(tp_config(4), "n_head_kv = 4", "n_head_kv = 1"),
+  refused("kv_heads", edited(tp_config(6), "n_head_kv = 4", "n_head_kv = 1"),
           "model/gpt2's n_head_kv = 1 is not divisible by the tensor-parallel degree 2");
-  refused("heads", edited(edited(tp_config(4), "n_head_kv = 4", "n_head_kv = 1"), "n_head_q = 8", "n_head_q = 1"),
+  refused("heads", edited(edited(tp_config(6), "n_head_kv = 4", "n_head_kv = 1"), "n_head_q = 8", "n_head_q = 1"),
           "model/gpt2's n_head_q = 1 is not divisible by the tensor-parallel degree 2");
+}
+
+// --- pipeline parallel -----------------------------------------------------------------------
+
+// configs/distributed/pp_cpu.toml for a short run with `schedule` (in both pipeline components)
+// and `layers_per_stage` (2: two stages, one per rank; 1: four stages, two per rank).
+std::string pp_config(int steps, const std::string& schedule = "gpipe", int layers_per_stage = 2) {
+  std::string text = distributed_config("pp_cpu.toml", steps);
+  for (int k = 0; k < 2; ++k)
+    text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"" + schedule + "\"");
+  return edited(text, "num_layers_per_stage = 2", fmt::format("num_layers_per_stage = {}", layers_per_stage));
+}
+
+// The one-process reference of a pipeline: the same model without weight tying.
+std::string untied(std::string config) {
+  return edited(std::move(config), "use_weight_tying = true", "use_weight_tying = false");
+}
+
+// In the default suite: PP2 with 1F1B (4 pipeline micro-batches of 2 samples per step), 10 steps,
+// against one process on the same global batch.
+TEST(DistributedPpTest, PipelineOnTwoRanksTrainsLikeOneProcess) {
+  constexpr int kSteps = 10;
+  expect_layouts_train_like_one_process(kSteps, {{"pp2_1f1b", 2, pp_config(kSteps, "1F1B")}}, untied);
+}
+
+// The acceptance (label `full`): PP2 with GPipe, 1F1B, interleaved 1F1B with 2 stages per
+// rank and looped BFS, 20 steps each.
+TEST(DistributedPpFullTest, EveryScheduleTrainsLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_one_process(kSteps,
+                                        {{"pp2_gpipe", 2, pp_config(kSteps, "gpipe")},
+                                         {"pp2_1f1b", 2, pp_config(kSteps, "1F1B")},
+                                         {"pp2_interleaved_v2", 2, pp_config(kSteps, "Interleaved1F1B", 1)},
+                                         {"pp2_looped_bfs_v2", 2, pp_config(kSteps, "LoopedBFS", 1)}},
+                                        untied);
+}
+
+// What the pipeline cannot run is a config error on every rank: more stages than one per rank for
+// GPipe, a micro-batch count that interleaving cannot use, weight tying across stages.
+TEST(DistributedPpTest, WhatThePipelineCannotRunIsAConfigError) {
+  const modalities::testing::ScratchDir dir;
+  const auto refused = [&](const std::string& id, const std::string& config, const std::string& message) {
+    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                    dir.write(id + ".toml", config).string(), "--experiments_root_path",
+                                    (dir.path() / "experiments").string()},
+                                   120);
+    EXPECT_NE(r.exit_code, 0) << r;
+    EXPECT_THAT(r.err, HasSubstr(message)) << r;
+    EXPECT_THAT(r.err, HasSubstr("[rank 1]")) << r;
+  };
+  refused("gpipe_4_stages", pp_config(6, "gpipe", 1),
+          "gives 4 stages for 2 pipeline ranks, but schedule 'gpipe' runs exactly one stage per rank");
+  refused("interleaved_3", edited(pp_config(6, "Interleaved1F1B", 1), "microbatch_size = 2", "microbatch_size = 8"),
+          "gives 1 pipeline micro-batches (batch_size 8 / microbatch_size 8); Interleaved1F1B needs a multiple of the "
+          "2 pipeline ranks");
+  refused("tied", edited(pp_config(6), "use_weight_tying = false", "use_weight_tying = true"),
+          "transformer.wte and transformer.lm_head (one shared weight) into different stages");
 }
 
 // A dp_degree that is not the data-parallel size (here a literal 1 on 2 ranks) would make every
@@ -973,31 +1032,40 @@ std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std
 // Training runs of fsdp2_cpu.toml for `steps` steps with a checkpoint every `every` steps, and
 // their continuations (warmstart) from a checkpoint on any number of ranks. Every run has the
 // global batch 8 (the config derives the micro-batch size from the world size).
+// Which configs a run uses: fsdp2_cpu.toml (any world size), tp_cpu.toml (TP2), pp_cpu.toml (PP2),
+// and their _warmstart.toml to continue.
+enum class Parallelism { kFsdp2, kTp, kPp };
+
 class CheckpointRuns {
  public:
-  // With `tensor_parallel`, runs use tp_cpu.toml and tp_cpu_warmstart.toml (TP2) instead.
-  CheckpointRuns(int steps, int every)
-      : steps_(steps),
-        root_(dir_.path() / "experiments"),
-        train_(dir_.write("train.toml", distributed_config("fsdp2_cpu.toml", steps, 1, every))),
-        resume_(dir_.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", steps, 1, every))),
-        train_tp_(dir_.write("train_tp.toml", distributed_config("tp_cpu.toml", steps, 1, every))),
-        resume_tp_(dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))) {}
+  // `untied`: fsdp2_cpu.toml without weight tying (the one-process peer of pp_cpu.toml).
+  CheckpointRuns(int steps, int every, bool untied = false) : steps_(steps), root_(dir_.path() / "experiments") {
+    const auto fsdp2 = [&](const std::string& file) {
+      std::string text = distributed_config(file, steps, 1, every);
+      return untied ? edited(text, "use_weight_tying = true", "use_weight_tying = false") : text;
+    };
+    configs_[Parallelism::kFsdp2] = {dir_.write("train.toml", fsdp2("fsdp2_cpu.toml")),
+                                dir_.write("resume.toml", fsdp2("fsdp2_cpu_warmstart.toml"))};
+    configs_[Parallelism::kTp] = {dir_.write("train_tp.toml", distributed_config("tp_cpu.toml", steps, 1, every)),
+                             dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))};
+    configs_[Parallelism::kPp] = {dir_.write("train_pp.toml", distributed_config("pp_cpu.toml", steps, 1, every)),
+                             dir_.write("resume_pp.toml", distributed_config("pp_cpu_warmstart.toml", steps, 1, every))};
+  }
 
   // Trains experiment `id` from scratch on `ranks` ranks.
-  void train_on(int ranks, const std::string& id, bool tensor_parallel = false) {
-    const CommandResult r = run_on(ranks, {"run", "--config_file_path", (tensor_parallel ? train_tp_ : train_).string(),
+  void train_on(int ranks, const std::string& id, Parallelism layout = Parallelism::kFsdp2) {
+    const CommandResult r = run_on(ranks, {"run", "--config_file_path", configs_.at(layout).first.string(),
                                            "--experiments_root_path", root_.string(), "--experiment_id", id});
     ASSERT_EQ(r.exit_code, 0) << r;
     ASSERT_EQ(logged_steps(root_ / id / "evaluation_results.jsonl").size(), static_cast<std::size_t>(steps_)) << r;
   }
 
   // Continues experiment `from`'s checkpoint of `step` on `ranks` ranks as experiment `id`.
-  void continue_on(int ranks, const std::string& from, int step, const std::string& id, bool tensor_parallel = false) {
+  void continue_on(int ranks, const std::string& from, int step, const std::string& id,
+                   Parallelism layout = Parallelism::kFsdp2) {
     const auto info = dir_.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
                                                                 checkpoint_of(root_, from, step).string()));
-    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path",
-                                           (tensor_parallel ? resume_tp_ : resume_).string(),
+    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path", configs_.at(layout).second.string(),
                                            "--experiments_root_path", root_.string(), "--experiment_id", id,
                                            "--last_checkpoint_info_file_path", info.string()});
     EXPECT_EQ(r.exit_code, 0) << r;
@@ -1032,7 +1100,8 @@ class CheckpointRuns {
 
   modalities::testing::ScratchDir dir_;
   int steps_;
-  std::filesystem::path root_, train_, resume_, train_tp_, resume_tp_;
+  std::filesystem::path root_;
+  std::map<Parallelism, std::pair<std::filesystem::path, std::filesystem::path>> configs_;  // train, resume
 };
 
 // In the default suite: a checkpoint at step 5 of 10 on 2 ranks, continued on 2 ranks bit for bit
@@ -1053,13 +1122,27 @@ TEST(DistributedCheckpointTest, SavedOnTwoRanksContinuesOnTwoAndOne) {
 // that one process's step-6 checkpoint continues on TP2 within 1e-5 of the uninterrupted run.
 TEST(DistributedCheckpointTest, TensorParallelCheckpointsContinueAtAnotherDegreeAndBack) {
   CheckpointRuns runs(9, 3);
-  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "tp2", /*tensor_parallel=*/true));
-  runs.continue_on(2, "tp2", 3, "tp2_on_tp2", true);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "tp2", Parallelism::kTp));
+  runs.continue_on(2, "tp2", 3, "tp2_on_tp2", Parallelism::kTp);
   runs.continue_on(1, "tp2", 3, "tp2_on_tp1");
-  runs.continue_on(2, "tp2_on_tp1", 6, "tp1_on_tp2", true);
+  runs.continue_on(2, "tp2_on_tp1", 6, "tp1_on_tp2", Parallelism::kTp);
   runs.compare("tp2", "tp2_on_tp2", 4, 0.0);  // bit for bit
   runs.compare("tp2", "tp2_on_tp1", 4, 1e-5);
   runs.compare("tp2", "tp1_on_tp2", 7, 1e-5);
+}
+
+// Across pipeline degrees (default suite): a checkpoint of step 3 (of 9) written by PP2 (each rank
+// its stage's tensors) is continued on PP2 bit for bit and on one process within 1e-5; that
+// process's step-6 checkpoint continues on PP2 within 1e-5 of the uninterrupted run.
+TEST(DistributedCheckpointTest, PipelineCheckpointsContinueAtAnotherDegreeAndBack) {
+  CheckpointRuns runs(9, 3, /*untied=*/true);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "pp2", Parallelism::kPp));
+  runs.continue_on(2, "pp2", 3, "pp2_on_pp2", Parallelism::kPp);
+  runs.continue_on(1, "pp2", 3, "pp2_on_pp1");
+  runs.continue_on(2, "pp2_on_pp1", 6, "pp1_on_pp2", Parallelism::kPp);
+  runs.compare("pp2", "pp2_on_pp2", 4, 0.0);  // bit for bit
+  runs.compare("pp2", "pp2_on_pp1", 4, 1e-5);
+  runs.compare("pp2", "pp1_on_pp2", 7, 1e-5);
 }
 
 // The acceptance (label `full`): checkpoint at step 10 on 4 ranks; continued on 4 ranks the

@@ -423,11 +423,39 @@ void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
     global.emplace(k, it == sharded.end() ? v.sizes().vec() : it->second.global_shape);
   }
   reader.check_shapes(global);
+  // Pipeline stages: a rank holds part of the model, and the checkpoint's entries of the other
+  // parts belong to other ranks. An entry no rank holds is a different model.
+  std::set<std::string> held;
+  for (const auto& [k, v] : live)
+    if (k.starts_with("model.")) held.insert(k);
+  const std::set<std::string> local = held;
+  if (dist::world_size() > 1) {
+    static int loads = 0;  // the same on every rank: every rank loads the same checkpoints in the same order
+    std::string mine;
+    for (const auto& k : local) mine += k + "\n";
+    for (const std::string& theirs : dist::all_gather_strings(fmt::format("checkpoint_load/{}/keys", loads++), mine))
+      for (std::size_t at = 0, end; (end = theirs.find('\n', at)) != std::string::npos; at = end + 1)
+        held.insert(theirs.substr(at, end - at));
+  }
+  // Whether checkpoint entry `k` is this rank's to load: its model entries, the optimizer state and
+  // settings of its parameters, and everything that is not per parameter.
+  const auto is_local = [&](const std::string& k) {
+    if (k.starts_with("model.")) return local.contains(k);
+    for (const std::string_view prefix : {"optimizer.state.", "optimizer.param_groups."}) {
+      if (!k.starts_with(prefix)) continue;
+      const std::string_view rest = std::string_view(k).substr(prefix.size());
+      return std::any_of(local.begin(), local.end(), [&](const std::string& m) {
+        const std::string_view fqn = std::string_view(m).substr(6);
+        return rest.size() > fqn.size() && rest.starts_with(fqn) && rest[fqn.size()] == '.';
+      });
+    }
+    return true;
+  };
   std::vector<std::string> missing, unknown;
   for (const auto& [k, v] : live)
     if (k.starts_with("model.") && reader.shapes().count(k) == 0) missing.push_back(k.substr(6));
   for (const auto& [k, shape] : reader.shapes())
-    if (k.starts_with("model.") && live.count(k) == 0) unknown.push_back(k.substr(6));
+    if (k.starts_with("model.") && held.count(k) == 0) unknown.push_back(k.substr(6));
   if (!missing.empty() || !unknown.empty())
     throw Error(fmt::format("checkpoint '{}' was written by a different model: {}{}{}", reader.folder().string(),
                             missing.empty() ? "" : fmt::format("this model's {} are not in the checkpoint", some_names(missing)),
@@ -435,7 +463,7 @@ void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
                             unknown.empty() ? "" : fmt::format("the checkpoint's {} are not in this model", some_names(unknown))));
   std::map<std::string, std::optional<Box>> regions;
   for (const auto& [k, shape] : reader.shapes()) {
-    if (k.starts_with(kRngPrefix)) continue;
+    if (k.starts_with(kRngPrefix) || !is_local(k)) continue;
     if (k.starts_with("lr_scheduler.") && !app_state.lr_scheduler()) continue;
     const Placement* p = nullptr;
     if (auto it = sharded.find(k); it != sharded.end()) p = &it->second;

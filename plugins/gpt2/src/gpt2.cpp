@@ -984,6 +984,32 @@ class GPT2LLMImpl final : public torch::nn::Module {
     return h.view({B, T, -1});
   }
 
+  // Pipeline stage: drops every module of `transformer` (and every block) that is neither named
+  // nor an ancestor of a named one. The forward skips what is missing.
+  void retain(const std::vector<std::string>& fqns) {
+    const auto kept = [&](const std::string& fqn) {
+      return std::any_of(fqns.begin(), fqns.end(),
+                         [&](const std::string& f) { return f == fqn || f.starts_with(fqn + "."); });
+    };
+    if (tied() && kept("transformer.wte") != kept("transformer.lm_head"))
+      throw ConfigError("whole_model",
+                        "model/gpt2 has use_weight_tying = true, and the pipeline puts transformer.wte and "
+                        "transformer.lm_head (one shared weight) into different stages; set use_weight_tying = false "
+                        "for pipeline parallelism");
+    const auto drop = [](torch::nn::ModuleDict& dict, const std::string& key) {
+      dict->pop(key);
+      dict->unregister_module(key);
+    };
+    if (transformer_->contains("h"))
+      for (const std::string& key : block_keys())
+        if (!kept("transformer.h." + key)) drop(h_, key);
+    for (const std::string key : {"wte", "wpe", "drop", "h", "lm_head_norm", "lm_head"}) {
+      if (!transformer_->contains(key)) continue;
+      const bool keep = key == "h" ? !block_keys().empty() : kept("transformer." + key);
+      if (!keep) drop(transformer_, key);
+    }
+  }
+
   // Tensor parallel: every module learns the plan; the weights were split by GPT2::parallelize.
   void parallelize(std::shared_ptr<const TpPlan> plan) {
     tp_ = std::move(plan);
@@ -1207,6 +1233,11 @@ class GPT2 final : public Module {
     GPT2LLMImpl::reset_leaves(*impl_);
   }
 
+  void retain_modules(const std::vector<std::string>& module_fqns) override {
+    impl_->retain(module_fqns);
+    retained_ = module_fqns;
+  }
+
   // --- tensor parallel (model/gpt2_tp) ---------------------------------------------------
 
   // Splits the model over plan.size ranks: every split parameter (tp_split_dim) is replaced by
@@ -1320,6 +1351,7 @@ class GPT2 final : public Module {
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
     auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta));
     if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
+    if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
     for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
     for (const auto& item : impl_->named_buffers(true)) mine.emplace(item.key(), item.value());
@@ -1348,6 +1380,7 @@ class GPT2 final : public Module {
   std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
   std::map<std::string, std::vector<std::int64_t>> local_shapes_;  // of every parameter, once split
   bool whole_ = false;                // inside apply_to_full_parameters: the tensors are whole
+  std::optional<std::vector<std::string>> retained_;  // a pipeline stage's modules
 };
 
 // ===================================================================================

@@ -169,9 +169,11 @@ at::Tensor sharded_total_norm(const std::vector<at::Tensor>& grads, double order
 // some ranks hold alike (a tensor-parallel model: its replicated norm weights sit on every tp rank,
 // under FSDP sharded over dp_shard): every rank adds the p-th power of each gradient's norm divided
 // by the number of ranks holding that block (ShardPlacement::replicas; a parameter without a
-// placement is whole on every rank), and the sum over the world counts each element once. In
-// float64, like sharded_total_norm.
-at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, double order) {
+// placement is whole on every rank of its pipeline stage: `unplaced_replicas` = world / pp), and
+// the sum over the world counts each element once. Pipeline stages hold different parameters, so
+// the same sum covers the whole model. In float64, like sharded_total_norm.
+at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, double order,
+                            double unplaced_replicas) {
   const bool max = std::isinf(order);
   std::vector<at::Tensor> grads;
   std::vector<double> replicas;
@@ -181,8 +183,7 @@ at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, d
       if (!p.grad().defined()) continue;
       grads.push_back(p.grad());
       const auto it = placements.find(name);
-      replicas.push_back(it != placements.end() ? static_cast<double>(it->second.replicas)
-                                                : static_cast<double>(dist::world_size()));
+      replicas.push_back(it != placements.end() ? static_cast<double>(it->second.replicas) : unplaced_replicas);
     }
   }
   at::Tensor local = at::zeros({1}, at::kDouble);
@@ -280,12 +281,12 @@ class Clipper final : public GradientClipper {
       case Mode::kShardedLoggingOnly:
         return sharded_total_norm(grads, order_, group_);
       case Mode::kWorld: {
-        const at::Tensor total = world_total_norm(parts_, order_);
+        const at::Tensor total = world_total_norm(parts_, order_, unplaced_replicas_);
         scale(grads, limit_, total, /*cast_coef=*/false);
         return total;
       }
       case Mode::kWorldLoggingOnly:
-        return world_total_norm(parts_, order_);
+        return world_total_norm(parts_, order_, unplaced_replicas_);
       case Mode::kValue: {
         const at::Tensor total = total_norm(grads, 2.0);
         for (const auto& bucket : by_device_and_dtype(grads)) {
@@ -305,7 +306,17 @@ class Clipper final : public GradientClipper {
   double limit_;  // max_norm, or clip_value
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // sharded variants: the dp_shard group (null: one rank)
   double replicas_ = 0;                            // kFsdp1Sharded: found at the first call
+
+ public:
+  double unplaced_replicas_ = 1;  // kWorld: ranks holding a parameter without a placement (world / pp)
 };
+
+// Tensor or pipeline parallelism: the norm over the world (world_total_norm).
+bool needs_world_norm(const DeviceMesh& mesh) { return mesh.has_dim("tp") || mesh.has_dim("pp"); }
+
+double unplaced_replicas(const DeviceMesh& mesh) {
+  return static_cast<double>(dist::world_size()) / static_cast<double>(mesh.has_dim("pp") ? mesh.size("pp") : 1);
+}
 
 // --- configs --------------------------------------------------------------------------------------
 
@@ -419,17 +430,24 @@ void register_components(Registrar& r) {
       "fsdp2", "Clips a sharded model's gradients to max_norm of the whole gradient (norm combined over dp_shard).",
       [](const Fsdp2Config& c) {
         // Tensor parallel: blocks held alike by several ranks, combined over the world.
-        if (c.device_mesh->has_dim("tp"))
-          return std::make_shared<Clipper>(Mode::kWorld, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm);
+        if (needs_world_norm(*c.device_mesh)) {
+          auto clipper =
+              std::make_shared<Clipper>(Mode::kWorld, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm);
+          clipper->unplaced_replicas_ = unplaced_replicas(*c.device_mesh);
+          return clipper;
+        }
         return std::make_shared<Clipper>(Mode::kSharded, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm,
                                          shard_group(*c.device_mesh));
       });
   r.add<GradientClipper, Fsdp2LoggingConfig>(
       "fsdp2_logging_only", "The whole gradient's norm of a sharded model (combined over dp_shard); no clipping.",
       [](const Fsdp2LoggingConfig& c) {
-        if (c.device_mesh->has_dim("tp"))
-          return std::make_shared<Clipper>(Mode::kWorldLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
-                                           0.0);
+        if (needs_world_norm(*c.device_mesh)) {
+          auto clipper = std::make_shared<Clipper>(Mode::kWorldLoggingOnly, c.model_parts.shared(),
+                                                   norm_order(c.norm_type), 0.0);
+          clipper->unplaced_replicas_ = unplaced_replicas(*c.device_mesh);
+          return clipper;
+        }
         return std::make_shared<Clipper>(Mode::kShardedLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
                                          0.0, shard_group(*c.device_mesh));
       });

@@ -5,6 +5,8 @@
 // num_stages = ceil(total weight / num_layers_per_stage) must be a multiple of the pipeline
 // degree; the split points are cut into exactly num_stages contiguous stages whose heaviest is as
 // light as possible (Note [Packing stages]).
+#include "pipeline.h"
+
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/stages_generator.h>
 #include <modalities/sdk/plugin.h>
@@ -139,12 +141,17 @@ class Gpt2StagesGenerator final : public StagesGenerator {
 
 }  // namespace
 
-void register_components(Registrar& r) {
+void register_stages_generator(Registrar& r) {
   r.add<StagesGenerator, Gpt2StagesConfig>(
       "gpt2_stages_generator",
       "Module FQNs of each pipeline stage of a GPT-2, balanced by compute weight (embeddings and head count as "
       "input/output_layer_equivalence blocks).",
       [](const Gpt2StagesConfig& c) { return std::make_shared<Gpt2StagesGenerator>(c); });
+}
+
+void register_components(Registrar& r) {
+  register_stages_generator(r);
+  register_pipeline(r);
 }
 
 }  // namespace modalities::plugins::pipeline

@@ -1,6 +1,8 @@
 // stages_generator/gpt2_stages_generator: Modalities' documented example, uneven weights that
 // Modalities 0.5's packing could not place, the errors, and over many shapes the property that
 // matters: exactly num_stages contiguous stages holding every module once, in model order.
+#include "../src/pipeline.h"
+
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/stages_generator.h>
 #include <modalities/testing/harness.h>
@@ -9,7 +11,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace modalities::plugins::pipeline {
@@ -108,6 +112,86 @@ TEST(Gpt2StagesGeneratorTest, EveryModuleLandsInExactlyOneStageInOrder) {
         }
       }
   EXPECT_GT(checked, 300);
+}
+
+// --- schedules -----------------------------------------------------------------------------
+
+struct Shape {
+  ScheduleKind kind;
+  std::int64_t pp, v, m;
+};
+
+std::vector<Shape> shapes() {
+  std::vector<Shape> out;
+  for (std::int64_t pp : {2, 3, 4})
+    for (std::int64_t m : {1, 2, 4, 8}) {
+      out.push_back({ScheduleKind::kGPipe, pp, 1, m});
+      out.push_back({ScheduleKind::k1F1B, pp, 1, m});
+      for (std::int64_t v : {1, 2, 3}) {
+        out.push_back({ScheduleKind::kLoopedBFS, pp, v, m});
+        if (m % pp == 0) out.push_back({ScheduleKind::kInterleaved1F1B, pp, v, m});
+      }
+    }
+  return out;
+}
+
+std::string name(const Shape& s) {
+  static const char* names[] = {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"};
+  return fmt::format("{} pp {} v {} m {}", names[static_cast<int>(s.kind)], s.pp, s.v, s.m);
+}
+
+// Every rank runs the forward and the backward of every micro-batch on each of its stages exactly
+// once, each backward after its forward.
+TEST(ScheduleTest, EveryRankRunsEachForwardAndBackwardOnceBackwardAfterForward) {
+  for (const Shape& s : shapes())
+    for (std::int64_t r = 0; r < s.pp; ++r) {
+      const auto actions = schedule_actions(s.kind, r, s.pp, s.v, s.m);
+      ASSERT_EQ(actions.size(), static_cast<std::size_t>(2 * s.v * s.m)) << name(s);
+      std::set<std::tuple<bool, std::int64_t, std::int64_t>> seen;
+      for (const Action& a : actions) {
+        ASSERT_TRUE(a.local_stage >= 0 && a.local_stage < s.v && a.micro_batch >= 0 && a.micro_batch < s.m) << name(s);
+        ASSERT_TRUE(seen.insert({a.forward, a.local_stage, a.micro_batch}).second) << name(s);
+        if (!a.forward) {
+          EXPECT_TRUE(seen.contains({true, a.local_stage, a.micro_batch})) << name(s);
+        }
+      }
+    }
+}
+
+// Run together, no schedule deadlocks, and with equal stage times each has the textbook bubble:
+// (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B.
+TEST(ScheduleTest, NoScheduleDeadlocksAndTheBubbleIsTheTheoreticalOne) {
+  for (const Shape& s : shapes()) {
+    const auto t = simulate(s.kind, s.pp, s.v, s.m);
+    ASSERT_TRUE(t.has_value()) << name(s) << " deadlocks";
+    if (s.kind == ScheduleKind::kLoopedBFS) continue;  // its bubble has no closed form here
+    EXPECT_NEAR(t->bubble, theoretical_bubble(s.kind, s.pp, s.v, s.m), 1e-12) << name(s);
+  }
+  // Interleaving shrinks the bubble: 4 ranks, 8 micro-batches: 3/11 with one stage per rank,
+  // 3/19 with two.
+  EXPECT_NEAR(simulate(ScheduleKind::k1F1B, 4, 1, 8)->bubble, 3.0 / 11.0, 1e-12);
+  EXPECT_NEAR(simulate(ScheduleKind::kInterleaved1F1B, 4, 2, 8)->bubble, 3.0 / 19.0, 1e-12);
+}
+
+// 1F1B keeps at most p - r micro-batches in flight on rank r (GPipe: all m), the point of it.
+TEST(ScheduleTest, OneFOneBBoundsTheActivationsInFlight) {
+  for (std::int64_t r = 0; r < 4; ++r) {
+    std::int64_t in_flight = 0, most = 0;
+    for (const Action& a : schedule_actions(ScheduleKind::k1F1B, r, 4, 1, 8)) {
+      in_flight += a.forward ? 1 : -1;
+      most = std::max(most, in_flight);
+    }
+    EXPECT_EQ(most, 4 - r) << "rank " << r;
+  }
+}
+
+TEST(ScheduleTest, NamesAreCaseInsensitive) {
+  EXPECT_EQ(schedule_kind("gpipe"), ScheduleKind::kGPipe);
+  EXPECT_EQ(schedule_kind("GPipe"), ScheduleKind::kGPipe);
+  EXPECT_EQ(schedule_kind("1f1b"), ScheduleKind::k1F1B);
+  EXPECT_EQ(schedule_kind("Interleaved1F1B"), ScheduleKind::kInterleaved1F1B);
+  EXPECT_EQ(schedule_kind("loopedbfs"), ScheduleKind::kLoopedBFS);
+  EXPECT_FALSE(schedule_kind("ZBVZeroBubble").has_value());
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ class MessageSubscriber;
 class MFUCalculator;
 class SteppableProfiler;
 class DeviceMesh;
+class Pipeline;
 }  // namespace modalities
 
 namespace modalities::core {
@@ -54,6 +55,7 @@ struct GymComponents {
   std::shared_ptr<MFUCalculator> mfu_calculator;  // optional
   std::shared_ptr<SteppableProfiler> profiler;    // optional
   std::shared_ptr<DeviceMesh> device_mesh;        // optional: the top-level `device_mesh`
+  std::shared_ptr<Pipeline> scheduled_pipeline;   // optional: pipeline parallelism
 
   /// Takes the components out of a built graph. Throws modalities::Error
   /// naming the key when one is missing or of the wrong interface.
@@ -102,7 +104,8 @@ GymSummary run_gym(GymComponents& components, const GymOptions& options);
 /// The "Training Report" printed at start, as Modalities prints it.
 std::string training_report(const GymComponents& components, i64 num_parameters);
 
-/// Trainable parameters over all model parts, tied tensors counted once.
-i64 count_trainable_parameters(const AppState& app_state);
+/// Trainable parameters of the whole model, tied tensors counted once (with a pipeline: summed
+/// over the stages of every rank; a collective then).
+i64 count_trainable_parameters(const GymComponents& components);
 
 }  // namespace modalities::core

@@ -253,6 +253,12 @@ class MODALITIES_SDK_API Module {
   /// split on the vocabulary over a tensor-parallel group (`model/gpt2_tp` with the mesh's
   /// enable_loss_parallel). Wrappers forward it. Default: none (whole logits).
   virtual std::optional<tp::VocabShard> vocab_shard() const;
+
+  /// Pipeline stages: removes every submodule that is neither named in `module_fqns` nor an
+  /// ancestor of a named one (FQNs of the kept ones do not change), so the forward runs only the
+  /// stage's part (`pipeline/staged` calls it on a clone of the whole model). Default: throws
+  /// (the model cannot be cut into stages).
+  virtual void retain_modules(const std::vector<std::string>& module_fqns);
 };
 
 }  // namespace modalities

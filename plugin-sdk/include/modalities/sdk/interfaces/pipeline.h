@@ -59,6 +59,10 @@ class MODALITIES_SDK_API PipelineSchedule {
   /// Same without backward (call under no-grad), for evaluation.
   virtual std::vector<at::Tensor> eval(const std::optional<at::Tensor>& input,
                                        const std::optional<at::Tensor>& target) = 0;
+
+  /// Scales the gradients of following step()s (the gym's 1 / gradient accumulation steps, so a
+  /// step's gradient is that of the mean loss over all its micro-batches). Default 1.
+  virtual void set_loss_scale(double scale) = 0;
 };
 
 /// A pipeline-parallel model: this rank's stages and parts, and its schedule.
