@@ -52,20 +52,22 @@ struct Fsdp2Config {
 
 std::shared_ptr<Module> wrap(const Fsdp2Config& c) {
   if (c.model.parts.size() != 1)
-    throw ConfigError("model", fmt::format("fsdp2_wrapped shards one model here; got {} model parts (pipeline "
-                                           "stages are not supported yet)",
+    throw ConfigError("model", fmt::format("fsdp2_wrapped shards one model here; got {} model parts (several "
+                                           "pipeline stages per rank are not supported yet: use one stage per rank)",
                                            c.model.parts.size()));
   std::shared_ptr<Module> inner = c.model.parts.front().shared();
   const DeviceMesh& mesh = *c.device_mesh;
   if (!mesh.has_dim("dp_shard"))
     throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", mesh.dim_names()));
-  // A tp dim is fine: the model was split by model/gpt2_tp first, and each rank shards its own
-  // part over dp_shard.
-  for (const char* dim : {"pp", "cp"})
-    if (mesh.has_dim(dim))
-      throw ConfigError("device_mesh", fmt::format("has a '{}' dim; fsdp2_wrapped shards over dp_shard and "
-                                                   "dp_replicate (with tp) only in this version",
-                                                   dim));
+  // A tp dim is fine: the model was split by model/gpt2_tp first, and each rank shards its own part
+  // over dp_shard. Pipeline stages are not: a schedule runs several forwards before their
+  // backwards, and this engine keeps one gathered copy of a unit per forward-backward pair.
+  if (mesh.has_dim("pp"))
+    throw ConfigError("device_mesh", "has a 'pp' dim; sharding pipeline stages (pp x dp_shard) is not implemented yet: "
+                                     "the sharding engine needs each forward followed by its backward, and pipeline "
+                                     "schedules run several forwards first");
+  if (mesh.has_dim("cp"))
+    throw ConfigError("device_mesh", "has a 'cp' dim; context parallelism is not implemented");
   ShardingOptions o;
   if (mesh.size() > 1) {
     o.shard_group = mesh.process_group("dp_shard");

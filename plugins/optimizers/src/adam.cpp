@@ -124,8 +124,13 @@ struct PartGroup {
   NamedTensors params;
 };
 
+// `several_parts`: pipeline stages of one model: a stage may lack a group (the embeddings alone have
+// no decayed parameter). The group is kept, empty (Modalities drops it): every pipeline rank then has
+// the same number of groups, so the per-group scheduler state has one shape on every rank and a
+// checkpoint holds it once.
 std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::string& origin, double weight_decay,
-                                             const std::vector<std::string>& excluded, BuildContext& ctx) {
+                                             const std::vector<std::string>& excluded, BuildContext& ctx,
+                                             bool several_parts = false) {
   NamedTensors trainable;
   std::int64_t trainable_numel = 0;
   for (auto& [name, p] : model.named_parameters()) {
@@ -172,7 +177,7 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
     }
   }
   for (const PartGroup* g : {&decayed, &not_decayed})
-    if (g->params.empty())
+    if (g->params.empty() && !several_parts)
       throw ConfigError(
           "weight_decay_groups_excluded",
           fmt::format("optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
@@ -223,10 +228,11 @@ class Adam final : public Optimizer {
     impl_ = c.fused.value_or(false) ? Impl::kFused : c.foreach.value_or(true) ? Impl::kForeach : Impl::kSingleTensor;
     std::unordered_map<std::string, std::string> owner;  // fqn -> part origin, for duplicate FQNs
     std::set<const c10::TensorImpl*> seen;
+    const bool several_parts = c.wrapped_model.parts.size() > 1;
     for (const auto& part : c.wrapped_model.parts) {
       parts_.push_back(part.shared());
-      for (auto& pg :
-           split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
+      for (auto& pg : split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx,
+                                            several_parts)) {
         Group g;
         g.name = pg.name;
         g.lr = c.lr;

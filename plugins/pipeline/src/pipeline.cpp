@@ -404,7 +404,7 @@ PipelineImpl& concrete(Pipeline& p, const char* field) {
 std::shared_ptr<Pipeline> build_scheduled(const ScheduledConfig& c) {
   PipelineImpl& p = concrete(*c.pipeline, "pipeline");
   const ScheduleKind kind = parse_schedule(c.pp_schedule_name, "pp_schedule_name");
-  if (schedule_kind(p.schedule_name()) != kind)
+  if (!p.schedule_name().empty() && schedule_kind(p.schedule_name()) != kind)  // pipeline/builder's: no name
     throw ConfigError("pp_schedule_name", fmt::format("is '{}', but the pipeline was staged for '{}'",
                                                       c.pp_schedule_name, p.schedule_name()));
   const auto& stages = p.local_stages();
@@ -425,8 +425,35 @@ std::shared_ptr<Pipeline> build_scheduled(const ScheduledConfig& c) {
   return c.pipeline.shared();
 }
 
+// A list of stages, as pipeline/selector with PP_STAGE gives it. Before the selector is built (the
+// dry validation), its result is a placeholder whose kind depends on selection_type.
+struct StageList {
+  std::vector<Ref<PipelineStage>> stages;
+};
+
+}  // namespace
+}  // namespace modalities::plugins::pipeline
+
+namespace modalities {
+template <>
+struct Codec<plugins::pipeline::StageList> {
+  static std::string type_name() { return "list[Ref<PipelineStage>]"; }
+  static Parsed parse(const Value& v, plugins::pipeline::StageList& out, const std::string& path, ParseContext& ctx) {
+    if (v.is_pending() && v.as_pending().produces.empty()) return Parsed::kPending;
+    return Codec<std::vector<Ref<PipelineStage>>>::parse(v, out.stages, path, ctx);
+  }
+  static std::string repr(const plugins::pipeline::StageList& l) {
+    return fmt::format("<{} stage(s)>", l.stages.size());
+  }
+  static void annotate(FieldInfo& info) { info.interface = std::string(PipelineStage::kInterface); }
+};
+}  // namespace modalities
+
+namespace modalities::plugins::pipeline {
+namespace {
+
 struct BuilderConfig {
-  std::vector<Ref<PipelineStage>> pp_stages;
+  StageList pp_stages;
   ModelParts model_parts;
   std::optional<Ref<PipelineSchedule>> pp_schedule;
   static void describe(Schema<BuilderConfig>& s) {
@@ -443,13 +470,14 @@ struct BuilderConfig {
 
 std::shared_ptr<Pipeline> build_builder(const BuilderConfig& c) {
   const auto parts = c.model_parts.shared();
-  if (parts.size() != c.pp_stages.size())
+  const auto& in = c.pp_stages.stages;
+  if (parts.size() != in.size())
     throw ConfigError("model_parts", fmt::format("has {} part(s) for {} stage(s); give one per stage, in order",
-                                                 parts.size(), c.pp_stages.size()));
+                                                 parts.size(), in.size()));
   std::vector<std::shared_ptr<Stage>> stages;
   std::string name;
   for (std::size_t i = 0; i < parts.size(); ++i) {
-    auto* st = dynamic_cast<Stage*>(c.pp_stages[i].get());
+    auto* st = dynamic_cast<Stage*>(in[i].get());
     if (st == nullptr) throw ConfigError("pp_stages", "holds a stage that pipeline/staged did not make");
     stages.push_back(st->with_part(parts[i]));
   }
