@@ -539,13 +539,6 @@ void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>&
   }
 }
 
-// In the default suite: FSDP2 and FSDP1 with gradient accumulation 2 (gradients synchronised once
-// per step) on 2 ranks, 10 steps.
-TEST(DistributedRunTest, TwoRankLayoutsTrainLikeOneProcessOnTheSameGlobalBatch) {
-  constexpr int kSteps = 10;
-  expect_layouts_train_like_one_process(
-      kSteps, {{"fsdp2_2", 2, fsdp2_config(kSteps)}, {"fsdp1_2_accum2", 2, distributed_config("fsdp1_cpu.toml", kSteps, 2)}});
-}
 
 // The acceptance (label `full`): one process vs FSDP2 on 2 and 4 ranks vs HSDP 2x2 vs FSDP1
 // NO_SHARD on 2 ranks vs FSDP1 FULL_SHARD on 2 ranks with gradient accumulation 2, 20 steps.
@@ -575,13 +568,6 @@ std::string tp_config(int steps, bool sequence_parallel = true, bool loss_parall
   return text;
 }
 
-// In the default suite: TP2 with sequence parallelism, and TP2 without it but with loss parallel
-// (vocabulary-split logits into the loss), 10 steps, against one process on the same global batch.
-TEST(DistributedTpTest, TensorParallelOnTwoRanksTrainsLikeOneProcess) {
-  constexpr int kSteps = 10;
-  expect_layouts_train_like_one_process(
-      kSteps, {{"tp2_sp", 2, tp_config(kSteps)}, {"tp2_loss_parallel", 2, tp_config(kSteps, false, true)}});
-}
 
 // The acceptance (label `full`): TP2, SP on TP2, SP and loss parallel on TP2, FSDP2 x TP2
 // on 4 ranks (dp_shard 2 x tp 2) with and without loss parallel, 20 steps each.
@@ -630,11 +616,20 @@ std::string untied(std::string config) {
   return edited(std::move(config), "use_weight_tying = true", "use_weight_tying = false");
 }
 
-// In the default suite: PP2 with 1F1B (4 pipeline micro-batches of 2 samples per step), 10 steps,
-// against one process on the same global batch.
-TEST(DistributedPpTest, PipelineOnTwoRanksTrainsLikeOneProcess) {
-  constexpr int kSteps = 10;
-  expect_layouts_train_like_one_process(kSteps, {{"pp2_1f1b", 2, pp_config(kSteps, "1F1B")}}, untied);
+// In the default suite, every kind of parallelism on 2 ranks against one process on the same
+// global batch, 8 steps, all without weight tying (the pipeline cannot tie across stages; one
+// reference serves all): FSDP2; FSDP1 with gradient accumulation 2 (gradients synchronised once
+// per step); TP2 with sequence parallelism; TP2 with loss parallel (vocabulary-split logits into
+// the loss); PP2 with 1F1B (4 pipeline micro-batches of 2 samples per step).
+TEST(DistributedRunTest, EveryParallelismOnTwoRanksTrainsLikeOneProcess) {
+  constexpr int kSteps = 8;
+  expect_layouts_train_like_one_process(kSteps,
+                                        {{"fsdp2_2", 2, untied(fsdp2_config(kSteps))},
+                                         {"fsdp1_2_accum2", 2, untied(distributed_config("fsdp1_cpu.toml", kSteps, 2))},
+                                         {"tp2_sp", 2, untied(tp_config(kSteps))},
+                                         {"tp2_loss_parallel", 2, untied(tp_config(kSteps, false, true))},
+                                         {"pp2_1f1b", 2, pp_config(kSteps, "1F1B")}},
+                                        untied);
 }
 
 // The acceptance (label `full`): PP2 with GPipe, 1F1B, interleaved 1F1B with 2 stages per

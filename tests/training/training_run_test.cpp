@@ -372,7 +372,9 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
   const std::vector<std::pair<const char*, const char*>> configs = {
       {"configs/gpu/gpt2_124m.toml", "1"},           {"configs/gpu/llama_1b.toml", "1"},
       {"configs/distributed/fsdp2_gpu_8.toml", "8"}, {"configs/distributed/hsdp_gpu_8.toml", "8"},
-      {"configs/distributed/fsdp2_cpu.toml", "4"},   {"configs/distributed/fsdp1_cpu.toml", "2"}};
+      {"configs/distributed/fsdp2_cpu.toml", "4"},   {"configs/distributed/fsdp1_cpu.toml", "2"},
+      {"configs/distributed/tp_gpu_8.toml", "8"},    {"configs/distributed/tp_cpu.toml", "4"},
+      {"configs/distributed/pp_cpu.toml", "2"}};
   for (const auto& [name, world] : configs) {
     const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline",
                                          "training", "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},
