@@ -644,6 +644,20 @@ TEST(DistributedPpFullTest, EveryScheduleTrainsLikeOneProcess) {
                                         untied);
 }
 
+// The acceptance (label `full`): PP2 x FSDP2 on 4 ranks (pp 2 x dp_shard 2,
+// configs/distributed/pp_fsdp2_cpu.toml), GPipe and 1F1B, 20 steps.
+TEST(DistributedPpFullTest, PipelineStagesShardedWithFsdp2TrainLikeOneProcess) {
+  constexpr int kSteps = 20;
+  const auto config = [&](const std::string& schedule) {
+    std::string text = distributed_config("pp_fsdp2_cpu.toml", kSteps);
+    for (int k = 0; k < 2; ++k)
+      text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"" + schedule + "\"");
+    return text;
+  };
+  expect_layouts_train_like_one_process(
+      kSteps, {{"pp2_fsdp2x2_gpipe", 4, config("gpipe")}, {"pp2_fsdp2x2_1f1b", 4, config("1F1B")}}, untied);
+}
+
 // What the pipeline cannot run is a config error on every rank: more stages than one per rank for
 // GPipe, a micro-batch count that interleaving cannot use, weight tying across stages.
 TEST(DistributedPpTest, WhatThePipelineCannotRunIsAConfigError) {

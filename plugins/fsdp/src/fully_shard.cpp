@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -156,21 +157,44 @@ class Engine {
 
   void on_grad_accumulated(std::size_t u) {
     std::lock_guard lock(mutex_);
+    on_gradient_in_backward();
     Unit& unit = units_[u];
     if (!unit.awaiting_grads) return;
     if (--unit.pending_grads > 0) return;
     unit.awaiting_grads = false;
     if (sync_) reduce_scatter(u);
     release(u);
-    // The root's last gradient (the embedding's) is the last of the backward pass: units whose
-    // parameters did not all receive a gradient are reduced now, with zeros for the missing ones.
-    if (unit.root)
-      for (std::size_t k = 0; k < units_.size(); ++k)
-        if (units_[k].awaiting_grads) {
-          units_[k].awaiting_grads = false;
-          if (sync_) reduce_scatter(k);
-          release(k);
-        }
+  }
+
+  // Note [End of backward]
+  // Units whose parameters did not all receive a gradient (an unused parameter) are reduced, with
+  // zeros for the missing ones, when the last backward in flight ends: the autograd engine runs a
+  // callback queued by the first gradient of each backward pass. The last backward is known by
+  // counting forwards with autograd (a pipeline schedule runs several before their backwards) and
+  // ended backwards; which unit's gradient comes last depends on the model part (a pipeline
+  // stage without the embedding ends with its first block, not the root).
+  void on_gradient_in_backward() {
+    if (callback_queued_) return;
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+  }
+
+  void forward_with_grad() {
+    std::lock_guard lock(mutex_);
+    ++in_flight_;
+  }
+
+  void end_of_backward() {
+    std::lock_guard lock(mutex_);
+    callback_queued_ = false;
+    if (in_flight_ > 0) --in_flight_;
+    if (in_flight_ > 0) return;
+    for (std::size_t k = 0; k < units_.size(); ++k)
+      if (units_[k].awaiting_grads) {
+        units_[k].awaiting_grads = false;
+        if (sync_) reduce_scatter(k);
+        release(k);
+      }
   }
 
  private:
@@ -273,7 +297,10 @@ class Engine {
     hooks_.push_back(inner_->add_hook(
         [this, root](const ModuleHookCall& c) {
           if (c.fqn.empty()) {
-            if (c.point == HookPoint::kPreForward) begin_forward(root);
+            if (c.point == HookPoint::kPreForward) {
+              if (at::GradMode::is_enabled()) forward_with_grad();
+              begin_forward(root);
+            }
             return;
           }
           const std::size_t u = unit_of_point_.at(std::string(c.fqn));
@@ -323,15 +350,20 @@ class Engine {
   void begin_forward(std::size_t u) {
     std::lock_guard lock(mutex_);
     Unit& unit = units_[u];
-    // Always from the current shards: the optimizer may have changed them since the last gather
-    // (a prefetch in flight was started in this forward, after the last step).
-    if (!unit.pending_buffer.defined()) release(u);
+    // Pipeline schedules run several forwards before their backwards: while an earlier forward's
+    // gradients are still to come, the unit's gathered parameters are in that forward's graph and
+    // no optimizer step has run, so they stay as they are.
+    const bool in_flight = at::GradMode::is_enabled() && unit.awaiting_grads;
+    // Otherwise always from the current shards: the optimizer may have changed them since the last
+    // gather (a prefetch in flight was started in this forward, after the last step).
+    if (!in_flight && !unit.pending_buffer.defined()) release(u);
     gather(u);
     // Forward order: the root first, then the block units in order.
     if (unit.root) prefetch(0);
     else if (u + 1 < units_.size() - 1) prefetch(u + 1);
     if (at::GradMode::is_enabled()) {
-      unit.pending_grads = 0;
+      // Every forward in flight adds its gradients: the unit is reduced once, after the last.
+      if (!in_flight) unit.pending_grads = 0;
       for (std::size_t i : unit.params)
         if (params_[i].module_param.requires_grad()) ++unit.pending_grads;
       unit.awaiting_grads = unit.pending_grads > 0;
@@ -450,6 +482,8 @@ class Engine {
   std::vector<std::shared_ptr<RemovableHandle>> hooks_;
   std::recursive_mutex mutex_;  // backward hooks run on autograd's threads
   bool sync_ = true;
+  int in_flight_ = 0;             // forwards with autograd whose backward has not ended (Note [End of backward])
+  bool callback_queued_ = false;  // the end-of-backward callback of the running backward is queued
   bool exact_ = false;  // gather in the master dtype (with_all_gathered; Note [Mixed precision])
   double bytes_gathered_ = 0, bytes_reduced_ = 0;  // since construction; see traffic()
 

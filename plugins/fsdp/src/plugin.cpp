@@ -59,13 +59,8 @@ std::shared_ptr<Module> wrap(const Fsdp2Config& c) {
   const DeviceMesh& mesh = *c.device_mesh;
   if (!mesh.has_dim("dp_shard"))
     throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", mesh.dim_names()));
-  // A tp dim is fine: the model was split by model/gpt2_tp first, and each rank shards its own part
-  // over dp_shard. Pipeline stages are not: a schedule runs several forwards before their
-  // backwards, and this engine keeps one gathered copy of a unit per forward-backward pair.
-  if (mesh.has_dim("pp"))
-    throw ConfigError("device_mesh", "has a 'pp' dim; sharding pipeline stages (pp x dp_shard) is not implemented yet: "
-                                     "the sharding engine needs each forward followed by its backward, and pipeline "
-                                     "schedules run several forwards first");
+  // tp and pp dims are fine: the model was split by model/gpt2_tp, or is this rank's pipeline stage
+  // (pipeline/selector MODEL_PART), and each rank shards its own part over dp_shard.
   if (mesh.has_dim("cp"))
     throw ConfigError("device_mesh", "has a 'cp' dim; context parallelism is not implemented");
   ShardingOptions o;
