@@ -361,7 +361,8 @@ class Gym {
         for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % G_ == 0);
       at::Tensor loss;
       if (pipeline_) {
-        loss = pipeline_step(*batch);
+        loss = pipeline_step(*batch, /*train=*/true)
+                   .value_or(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o_.device)));
       } else {
         InferenceResultBatch result;
         result.targets = std::move(batch->targets);
@@ -436,16 +437,17 @@ class Gym {
   // Pipeline parallelism: the schedule runs forward and backward of every pipeline micro-batch
   // (first stage: the samples, last stage: the targets and the loss). Unlike Modalities, the
   // gradients are scaled by 1 / G, so accumulation gives the gradient of the mean loss as without
-  // a pipeline. Returns the mean loss on ranks with the last stage, 0 elsewhere (the log averages
-  // over the ranks that have one).
-  at::Tensor pipeline_step(DatasetBatch& batch) {
+  // a pipeline. `train` false: forwards only (evaluation). Returns the mean loss of the pipeline
+  // micro-batches on ranks with the last stage, nothing elsewhere (the log averages over the ranks
+  // that have one).
+  std::optional<at::Tensor> pipeline_step(DatasetBatch& batch, bool train) {
     PipelineSchedule& schedule = *pipeline_->schedule();
     std::optional<at::Tensor> input, target;
     if (pipeline_->has_first_stage()) input = batch.samples.at(parts_.front()->sample_key()).contiguous();
     if (pipeline_->has_last_stage()) target = batch.targets.at(c_.loss_fn->target_key());
-    schedule.set_loss_scale(1.0 / static_cast<double>(G_));
-    const std::vector<at::Tensor> losses = schedule.step(input, target);
-    if (losses.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o_.device));
+    if (train) schedule.set_loss_scale(1.0 / static_cast<double>(G_));
+    const std::vector<at::Tensor> losses = train ? schedule.step(input, target) : schedule.eval(input, target);
+    if (losses.empty()) return std::nullopt;
     return at::stack(losses).mean();
   }
 
@@ -600,11 +602,7 @@ class Gym {
           samples += batch->size();
           batch->to(o_.device, o_.device.is_cuda());
           if (pipeline_) {
-            std::optional<at::Tensor> input, target;
-            if (pipeline_->has_first_stage()) input = batch->samples.at(parts_.front()->sample_key()).contiguous();
-            if (pipeline_->has_last_stage()) target = batch->targets.at(c_.loss_fn->target_key());
-            const std::vector<at::Tensor> losses = pipeline_->schedule()->eval(input, target);
-            if (!losses.empty()) sum.add_(at::stack(losses).mean().to(at::kFloat));
+            if (const auto loss = pipeline_step(*batch, /*train=*/false)) sum.add_(loss->to(at::kFloat));
           } else {
             InferenceResultBatch result;
             result.targets = std::move(batch->targets);

@@ -557,6 +557,18 @@ TEST(DistributedRunFullTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSam
                {"fsdp1_2_accum2", 2, distributed_config("fsdp1_cpu.toml", kSteps, 2)}});
 }
 
+// `config` run on 2 ranks fails, every rank's error output containing `message`.
+void expect_refused_on_two_ranks(const modalities::testing::ScratchDir& dir, const std::string& id,
+                                 const std::string& config, const std::string& message) {
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+                                  dir.write(id + ".toml", config).string(), "--experiments_root_path",
+                                  (dir.path() / "experiments").string()},
+                                 120);
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_THAT(r.err, HasSubstr(message)) << r;
+  EXPECT_THAT(r.err, HasSubstr("[rank 1]")) << r;
+}
+
 // --- tensor parallel -------------------------------------------------------------------------
 
 // configs/distributed/tp_cpu.toml for a short run (see distributed_config), with or without
@@ -586,13 +598,7 @@ TEST(DistributedTpFullTest, EveryTensorParallelLayoutTrainsLikeOneProcess) {
 TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
   const modalities::testing::ScratchDir dir;
   const auto refused = [&](const std::string& id, const std::string& config, const std::string& message) {
-    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
-                                    dir.write(id + ".toml", config).string(), "--experiments_root_path",
-                                    (dir.path() / "experiments").string()},
-                                   120);
-    EXPECT_NE(r.exit_code, 0) << r;
-    EXPECT_THAT(r.err, HasSubstr(message)) << r;
-    EXPECT_THAT(r.err, HasSubstr("[rank 1]")) << r;
+    expect_refused_on_two_ranks(dir, id, config, message);
   };
   refused("kv_heads", edited(tp_config(6), "n_head_kv = 4", "n_head_kv = 1"),
           "model/gpt2's n_head_kv = 1 is not divisible by the tensor-parallel degree 2");
@@ -663,13 +669,7 @@ TEST(DistributedPpFullTest, PipelineStagesShardedWithFsdp2TrainLikeOneProcess) {
 TEST(DistributedPpTest, WhatThePipelineCannotRunIsAConfigError) {
   const modalities::testing::ScratchDir dir;
   const auto refused = [&](const std::string& id, const std::string& config, const std::string& message) {
-    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
-                                    dir.write(id + ".toml", config).string(), "--experiments_root_path",
-                                    (dir.path() / "experiments").string()},
-                                   120);
-    EXPECT_NE(r.exit_code, 0) << r;
-    EXPECT_THAT(r.err, HasSubstr(message)) << r;
-    EXPECT_THAT(r.err, HasSubstr("[rank 1]")) << r;
+    expect_refused_on_two_ranks(dir, id, config, message);
   };
   refused("gpipe_4_stages", pp_config(6, "gpipe", 1),
           "gives 4 stages for 2 pipeline ranks, but schedule 'gpipe' runs exactly one stage per rank");

@@ -245,8 +245,9 @@ void refuse_shards(const std::vector<std::shared_ptr<Module>>& parts, const char
 class Clipper final : public GradientClipper {
  public:
   Clipper(Mode mode, std::vector<std::shared_ptr<Module>> parts, double order, double limit,
-          c10::intrusive_ptr<c10d::ProcessGroup> group = {})
-      : mode_(mode), parts_(std::move(parts)), order_(order), limit_(limit), group_(std::move(group)) {}
+          c10::intrusive_ptr<c10d::ProcessGroup> group = {}, double unplaced_replicas = 1)
+      : mode_(mode), parts_(std::move(parts)), order_(order), limit_(limit), group_(std::move(group)),
+        unplaced_replicas_(unplaced_replicas) {}
 
   at::Tensor clip_gradients() override {
     at::NoGradGuard no_grad;
@@ -306,17 +307,8 @@ class Clipper final : public GradientClipper {
   double limit_;  // max_norm, or clip_value
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // sharded variants: the dp_shard group (null: one rank)
   double replicas_ = 0;                            // kFsdp1Sharded: found at the first call
-
- public:
-  double unplaced_replicas_ = 1;  // kWorld: ranks holding a parameter without a placement (world / pp)
+  double unplaced_replicas_;  // kWorld: ranks holding a parameter without a placement (world / pp)
 };
-
-// Tensor or pipeline parallelism: the norm over the world (world_total_norm).
-bool needs_world_norm(const DeviceMesh& mesh) { return mesh.has_dim("tp") || mesh.has_dim("pp"); }
-
-double unplaced_replicas(const DeviceMesh& mesh) {
-  return static_cast<double>(dist::world_size()) / static_cast<double>(mesh.has_dim("pp") ? mesh.size("pp") : 1);
-}
 
 // --- configs --------------------------------------------------------------------------------------
 
@@ -423,34 +415,30 @@ c10::intrusive_ptr<c10d::ProcessGroup> shard_group(const DeviceMesh& mesh) {
   return mesh.size() > 1 && mesh.size("dp_shard") > 1 ? mesh.process_group("dp_shard") : nullptr;
 }
 
+// gradient_clipper/fsdp2 and fsdp2_logging_only (`clip` false): the norm combined over dp_shard, or
+// over the world (world_total_norm) when tensor or pipeline parallelism puts blocks on other ranks
+// (a parameter without a placement is then held by the world / pp ranks of its stage).
+std::shared_ptr<Clipper> mesh_clipper(bool clip, const ModelParts& parts, const std::string& norm_type, double limit,
+                                      const DeviceMesh& mesh) {
+  if (mesh.has_dim("tp") || mesh.has_dim("pp")) {
+    const double unplaced =
+        static_cast<double>(dist::world_size()) / static_cast<double>(mesh.has_dim("pp") ? mesh.size("pp") : 1);
+    return std::make_shared<Clipper>(clip ? Mode::kWorld : Mode::kWorldLoggingOnly, parts.shared(),
+                                     norm_order(norm_type), limit, nullptr, unplaced);
+  }
+  return std::make_shared<Clipper>(clip ? Mode::kSharded : Mode::kShardedLoggingOnly, parts.shared(),
+                                   norm_order(norm_type), limit, shard_group(mesh));
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
   r.add<GradientClipper, Fsdp2Config>(
       "fsdp2", "Clips a sharded model's gradients to max_norm of the whole gradient (norm combined over dp_shard).",
-      [](const Fsdp2Config& c) {
-        // Tensor parallel: blocks held alike by several ranks, combined over the world.
-        if (needs_world_norm(*c.device_mesh)) {
-          auto clipper =
-              std::make_shared<Clipper>(Mode::kWorld, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm);
-          clipper->unplaced_replicas_ = unplaced_replicas(*c.device_mesh);
-          return clipper;
-        }
-        return std::make_shared<Clipper>(Mode::kSharded, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm,
-                                         shard_group(*c.device_mesh));
-      });
+      [](const Fsdp2Config& c) { return mesh_clipper(true, c.model_parts, c.norm_type, c.max_norm, *c.device_mesh); });
   r.add<GradientClipper, Fsdp2LoggingConfig>(
       "fsdp2_logging_only", "The whole gradient's norm of a sharded model (combined over dp_shard); no clipping.",
-      [](const Fsdp2LoggingConfig& c) {
-        if (needs_world_norm(*c.device_mesh)) {
-          auto clipper = std::make_shared<Clipper>(Mode::kWorldLoggingOnly, c.model_parts.shared(),
-                                                   norm_order(c.norm_type), 0.0);
-          clipper->unplaced_replicas_ = unplaced_replicas(*c.device_mesh);
-          return clipper;
-        }
-        return std::make_shared<Clipper>(Mode::kShardedLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
-                                         0.0, shard_group(*c.device_mesh));
-      });
+      [](const Fsdp2LoggingConfig& c) { return mesh_clipper(false, c.model_parts, c.norm_type, 0.0, *c.device_mesh); });
   r.add<GradientClipper, Fsdp1Config>(
       "fsdp1", "FSDP1 clip_grad_norm_: clips to max_norm, returns the total norm (over all ranks for a sharded model).",
       [](const Fsdp1Config& c) {

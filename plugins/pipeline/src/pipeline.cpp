@@ -71,6 +71,14 @@ class Stage final : public PipelineStage {
   i64 pp_rank_, pp_size_;
 };
 
+// Whether this rank holds the first (or last) stage.
+bool holds_first(const std::vector<std::shared_ptr<Stage>>& stages) {
+  return std::any_of(stages.begin(), stages.end(), [](const auto& s) { return s->is_first(); });
+}
+bool holds_last(const std::vector<std::shared_ptr<Stage>>& stages) {
+  return std::any_of(stages.begin(), stages.end(), [](const auto& s) { return s->is_last(); });
+}
+
 class PipelineImpl final : public Pipeline {
  public:
   PipelineImpl(std::vector<std::shared_ptr<Stage>> stages, std::string schedule_name)
@@ -85,12 +93,8 @@ class PipelineImpl final : public Pipeline {
   }
   std::shared_ptr<PipelineSchedule> schedule() const override { return schedule_; }
   void set_schedule(std::shared_ptr<PipelineSchedule> schedule) override { schedule_ = std::move(schedule); }
-  bool has_first_stage() const override {
-    return std::any_of(stages_.begin(), stages_.end(), [](const auto& s) { return s->is_first(); });
-  }
-  bool has_last_stage() const override {
-    return std::any_of(stages_.begin(), stages_.end(), [](const auto& s) { return s->is_last(); });
-  }
+  bool has_first_stage() const override { return holds_first(stages_); }
+  bool has_last_stage() const override { return holds_last(stages_); }
   const std::vector<std::shared_ptr<Stage>>& local_stages() const { return stages_; }
   const std::string& schedule_name() const { return schedule_name_; }
 
@@ -207,12 +211,8 @@ class Executor {
   static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
   const bool timing_ = std::getenv("MODALITIES_PIPELINE_TIMING") != nullptr;
 
-  bool has_first() const {
-    return std::any_of(stages_.begin(), stages_.end(), [](const auto& s) { return s->is_first(); });
-  }
-  bool has_last() const {
-    return std::any_of(stages_.begin(), stages_.end(), [](const auto& s) { return s->is_last(); });
-  }
+  bool has_first() const { return holds_first(stages_); }
+  bool has_last() const { return holds_last(stages_); }
 
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const {
     if (t.size(0) % m_ != 0)
