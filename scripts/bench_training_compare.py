@@ -32,7 +32,10 @@ def main():
 
     with open(args.config, "rb") as f:
         sp = tomllib.load(f)["settings"]["step_profile"]
-    samples_per_step = sp["local_train_micro_batch_size"] * sp["gradient_accumulation_steps"]
+    mbs = sp["local_train_micro_batch_size"]
+    if isinstance(mbs, dict):  # number_conversion/local_micro_batch_size_from_global_batch_size, one process
+        mbs = mbs["config"]["global_batch_size"] // mbs["config"]["gradient_accumulation_steps"]
+    samples_per_step = mbs * sp["gradient_accumulation_steps"]
     tokens_per_step = samples_per_step * sp["sequence_length"]
     ref = json.load(open(args.reference))
     ours = {}

@@ -66,7 +66,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="configs/quickstart/train.toml")
     ap.add_argument("--out", required=True, help="derived config to write")
-    ap.add_argument("--init", required=True, help="safetensors file the model is loaded from")
+    ap.add_argument("--init", help="safetensors file the model is loaded from (default: keep the config's "
+                    "own [initialized_model])")
     ap.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="replace a key's value")
     args = ap.parse_args()
 
@@ -84,13 +85,13 @@ def main():
     text = ""
     replaced = False
     for name, lines in tables:
-        if name == "initialized_model" or (name or "").startswith("initialized_model."):
+        if args.init and (name == "initialized_model" or (name or "").startswith("initialized_model.")):
             if not replaced:
                 text += CHECKPOINTED_MODEL.format(init=Path(args.init).resolve())
                 replaced = True
             continue
         text += "".join(lines)
-    if not replaced:
+    if args.init and not replaced:
         sys.exit(f"bench_training_config.py: {base} has no [initialized_model] table")
     tomllib.loads(text)  # still valid TOML
     Path(args.out).write_text(text)

@@ -5,16 +5,28 @@
 #include <unistd.h>
 
 #include <iostream>
+#include <cstdlib>
 #include <sstream>
+#include <string_view>
 
 namespace modalities::cli {
 
 namespace {
 bool color(int fd) { return isatty(fd) != 0 && std::getenv("NO_COLOR") == nullptr; }
+
+// LibTorch's c10::Error messages end in a C++ backtrace ("Exception raised from f at file:line
+// (most recent call first):" and a line per frame), which buries the message a user needs; it is
+// kept only with TORCH_SHOW_CPP_STACKTRACES=1, PyTorch's switch for the same thing.
+std::string without_backtrace(const std::string& message) {
+  const char* show = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+  if (show != nullptr && std::string_view(show) == "1") return message;
+  const std::size_t at = message.find("\nException raised from ");
+  return at == std::string::npos ? message : message.substr(0, at);
+}
 }  // namespace
 
 void print_error(const std::string& message) {
-  std::cerr << (color(2) ? "\033[1;31merror:\033[0m " : "error: ") << message << "\n";
+  std::cerr << (color(2) ? "\033[1;31merror:\033[0m " : "error: ") << without_backtrace(message) << "\n";
 }
 
 void print_warning(const std::string& message) {

@@ -138,6 +138,12 @@ int check(const CheckOptions& o) {
     return kUsage;
   }
   set_run_device(parse_run_device(o.device, "--device"));
+  if (o.backend == "gloo" && run_device().is_cuda()) {
+    print_error(fmt::format("dist check: --backend gloo moves CPU tensors only, but the device is {}: use "
+                            "--device cpu with gloo, or --backend nccl (or auto) on GPUs",
+                            run_device().str()));
+    return kUsage;
+  }
   dist::RuntimeOptions ro;
   ro.backend = o.backend;
   ro.timeout = std::chrono::milliseconds(static_cast<long>(o.timeout_s * 1000));

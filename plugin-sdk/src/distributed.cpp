@@ -142,9 +142,18 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
   }
   const auto type = backend == "nccl" ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
   group->setDefaultBackend(type);
-  // Gloo serves CPU tensors (and CUDA ones, slowly); NCCL serves CUDA tensors only.
-  group->setBackend(c10::DeviceType::CPU, type, impl);
-  if (backend == "nccl" || MODALITIES_SDK_WITH_CUDA) group->setBackend(c10::DeviceType::CUDA, type, impl);
+  // Gloo serves CPU tensors, NCCL CUDA tensors: an NCCL group gets a Gloo backend for the CPU
+  // tensors of a GPU run (small control values), as torch.distributed's "cpu:gloo,cuda:nccl".
+  // Gloo is not registered for CUDA tensors: with the wheel's Gloo most collectives on them abort
+  // the process (seen on an H200: a socket write of a device pointer), so a CUDA tensor on a Gloo
+  // group is c10d's "no backend for cuda" error instead.
+  if (backend == "nccl") {
+    group->setBackend(c10::DeviceType::CUDA, type, impl);
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                      make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>("cpu/", store), rank, size, timeout));
+  } else {
+    group->setBackend(c10::DeviceType::CPU, type, impl);
+  }
   group->setGroupName(name);
   return group;
 }

@@ -109,6 +109,7 @@ class Engine {
     // Mixed precision (Note [Mixed precision]): the inner model computes in param_dtype.
     if (o_.param_dtype) inner_->set_param_dtype(o_.param_dtype);
     materialize_meta();
+    move_to_run_device();
     build_units();
     install_hooks();
   }
@@ -211,6 +212,18 @@ class Engine {
       const at::Tensor storage = at::empty(t.sizes(), t.options().device(run_device()));
       t.unsafeGetTensorImpl()->shallow_copy_from(storage.getIntrusivePtr());
     }
+  }
+
+  // A model on the CPU (loaded from a checkpoint onto the CPU, say) moves to the run device before
+  // it is sharded, as FSDP2's fully_shard moves CPU parameters to its mesh's device; afterwards a
+  // sharded model cannot move (Module::to below).
+  void move_to_run_device() {
+    const c10::Device device = run_device();
+    if (device.is_cpu()) return;
+    bool on_cpu = false;
+    for (const auto& item : inner_->module().named_parameters(/*recurse=*/true))
+      on_cpu = on_cpu || (item.value().defined() && item.value().is_cpu());
+    if (on_cpu) inner_->to(device, std::nullopt);
   }
 
   void build_units() {
