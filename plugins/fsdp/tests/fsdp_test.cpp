@@ -14,6 +14,7 @@
 
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
 #include <modalities/sdk/module_hooks.h>
@@ -35,10 +36,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace modalities::plugins::fsdp {
@@ -165,7 +168,21 @@ struct Layout {
   int layers_per_unit = 1;
   bool toy = false;  // the second model (test_toy_stack) instead of GPT-2
   bool prefetch = true;
+  std::string fsdp1;  // an FSDP1 sharding_strategy: model/fsdp1_wrapped instead of fsdp2_wrapped
 };
+
+// model/fsdp1_wrapped with `strategy` in place of the example's fsdp2_wrapped [model] table.
+constexpr const char* kFsdp1Model = R"([model]
+component_key = "model"
+variant_key = "fsdp1_wrapped"
+
+[model.config]
+model = {{ instance_key = "model_raw", pass_type = "BY_REFERENCE" }}
+sync_module_states = true
+mixed_precision_settings = "FP_32"
+sharding_strategy = "{}"
+block_names = ["GPT2Block"]
+)";
 
 // The example config for `l`, plus an unwrapped `reference` GPT-2 with the same seed.
 std::string config_for(const Layout& l) {
@@ -191,6 +208,7 @@ std::string config_for(const Layout& l) {
   const auto end = text.find("[model]\n");
   std::string reference = text.substr(begin, end - begin);
   for (std::size_t at; (at = reference.find("model_raw")) != std::string::npos;) reference.replace(at, 9, "reference");
+  if (!l.fsdp1.empty()) text = text.substr(0, end) + fmt::format(kFsdp1Model, l.fsdp1);
   return text + "\n" + reference;
 }
 
@@ -337,20 +355,30 @@ struct WorkerRuntime {
   ~WorkerRuntime() { dist::shutdown(); }
 };
 
-void launch(int ranks, int replicate, int layers_per_unit, bool toy = false, bool prefetch = true) {
+void launch(int ranks, int replicate, int layers_per_unit, bool toy = false, bool prefetch = true,
+            const std::string& fsdp1 = "", const std::string& worker_case = "FsdpWorker.MatchesOneProcess") {
   testing::expect_workers_pass(
-      testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "FsdpWorker.MatchesOneProcess",
-                           {{"MODALITIES_TEST_LAYOUT",
-                             fmt::format("{} {} {} {}", replicate, layers_per_unit, toy ? 1 : 0, prefetch ? 1 : 0)}}),
+      testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, worker_case,
+                           {{"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {} {} {}", replicate, layers_per_unit,
+                                                                   toy ? 1 : 0, prefetch ? 1 : 0,
+                                                                   fsdp1.empty() ? "-" : fsdp1)}}),
       ranks);
+}
+
+// The layout a launched worker runs (MODALITIES_TEST_LAYOUT, written by launch).
+Layout layout_of_this_launch() {
+  Layout l;
+  l.world = dist::world_size();
+  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy >> l.prefetch >>
+      l.fsdp1;
+  if (l.fsdp1 == "-") l.fsdp1.clear();
+  if (l.fsdp1 == "SHARD_GRAD_OP" || l.fsdp1 == "_HYBRID_SHARD_ZERO2") l.reshard_after_forward = false;
+  return l;
 }
 
 MODALITIES_WORKER_CASE(FsdpWorker, MatchesOneProcess) {
   const WorkerRuntime runtime;
-  Layout l;
-  l.world = dist::world_size();
-  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy >> l.prefetch;
-  run_layout(l);
+  run_layout(layout_of_this_launch());
 }
 
 // Memory per rank (the issue's bound): parameters + gradients + AdamW state of one rank, counted
@@ -359,7 +387,9 @@ MODALITIES_WORKER_CASE(FsdpWorker, MatchesOneProcess) {
 // one process. The model is dominated by its blocks (vocabulary 128, 8 layers), as large models
 // are. Printed per rank.
 std::string memory_config(int world) {
-  std::string text = config_for(Layout{world, 1, true, 1});
+  Layout l;
+  l.world = world;
+  std::string text = config_for(l);
   const auto replace = [&](const std::string& from, const std::string& to) {
     const auto at = text.find(from);
     if (at == std::string::npos) throw std::runtime_error("no '" + from + "'");
@@ -455,6 +485,95 @@ TEST(FsdpTest, ASecondModelOnTwoRanksMatchesOneProcess) { launch(2, 1, 1, /*toy=
 // Prefetching off here (on everywhere else): both must give the same results.
 TEST(FsdpTest, ThreeRanksWithPaddedShardsMatchOneProcess) { launch(3, 1, 2, false, /*prefetch=*/false); }
 TEST(FsdpTest, FourRanksAsHsdpTwoByTwoMatchOneProcess) { launch(4, 2, 1); }
+// FSDP1's ZeRO-2 strategies (parameters stay gathered from forward to backward) on the same engine;
+// FULL_SHARD, NO_SHARD and HYBRID_SHARD over two nodes train in tests/distributed.
+TEST(FsdpTest, Fsdp1ShardGradOpOnTwoRanksMatchesOneProcess) { launch(2, 1, 1, false, true, "SHARD_GRAD_OP"); }
+TEST(FsdpTest, Fsdp1HybridShardZero2OnTwoRanksMatchesOneProcess) { launch(2, 1, 1, false, true, "_HYBRID_SHARD_ZERO2"); }
+
+// --- gradient clippers over shards ----------------------------------------------------------------
+
+// gradient_clipper/fsdp2 (max_norm 1e-3, so every norm type clips) and fsdp2_logging_only for each
+// norm type, over the example's mesh and sharded model.
+std::string clipper_tables() {
+  std::string t;
+  for (const char* norm : {"P1_NORM", "P2_NORM", "MAX_NORM"})
+    t += fmt::format(R"(
+[clip_{0}]
+component_key = "gradient_clipper"
+variant_key = "fsdp2"
+config = {{ model_parts = {{ instance_key = "model", pass_type = "BY_REFERENCE" }}, norm_type = "{0}", max_norm = 1e-3, device_mesh = {{ instance_key = "device_mesh", pass_type = "BY_REFERENCE" }} }}
+
+[log_{0}]
+component_key = "gradient_clipper"
+variant_key = "fsdp2_logging_only"
+config = {{ model_parts = {{ instance_key = "model", pass_type = "BY_REFERENCE" }}, norm_type = "{0}", device_mesh = {{ instance_key = "device_mesh", pass_type = "BY_REFERENCE" }} }}
+)",
+                     norm);
+  return t;
+}
+
+// Every rank: the sharded model's gradient of its rows and the unwrapped reference's gradient of
+// the whole batch; each clipper's norm must be the norm (1, 2, inf) of the reference's whole
+// gradient (within 1e-6 relative), the logging-only ones must leave the shards untouched, and the
+// clipping ones must scale every shard by max_norm / (norm + 1e-6) as clip_grad_norm_ does.
+MODALITIES_WORKER_CASE(FsdpWorker, ClippersMatchTheWholeGradient) {
+  const WorkerRuntime runtime;
+  const Layout l = layout_of_this_launch();
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_GPT2_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_MESH_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_CLIPPERS_PLUGIN);
+  h.set_config_text(config_for(l) + clipper_tables());
+  const auto sharded = h.get<Module>("model");
+  ASSERT_NE(sharded, nullptr) << h.build_error();
+  const auto reference = h.get<Module>("reference");
+  ASSERT_NE(reference, nullptr) << h.build_error();
+  const int dp = dist::world_size();
+  at::manual_seed(7);
+  const at::Tensor ids = at::randint(0, 128, {2 * dp, 16}, at::kLong);
+  loss_of(*sharded, ids.narrow(0, 2 * dist::rank(), 2)).backward();
+  loss_of(*reference, ids).backward();
+
+  std::vector<at::Tensor> whole;
+  std::map<std::string, at::Tensor> ref_grads;
+  for (const auto& [name, p] : reference->named_parameters()) {
+    whole.push_back(p.grad().flatten().to(at::kDouble));
+    ref_grads[name] = p.grad();
+  }
+  const at::Tensor all = at::cat(whole);
+  const auto placements = sharded->shard_placements();
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& [name, shard] : sharded->named_parameters()) saved[name] = shard.grad().clone();
+
+  for (const auto& [norm, order] : std::vector<std::pair<std::string, double>>{
+           {"P1_NORM", 1.0}, {"P2_NORM", 2.0}, {"MAX_NORM", std::numeric_limits<double>::infinity()}}) {
+    const double want = at::linalg_vector_norm(all, order).item<double>();
+    const auto logging = h.get<GradientClipper>("log_" + norm);
+    ASSERT_NE(logging, nullptr) << h.build_error();
+    EXPECT_NEAR(logging->clip_gradients().item<double>(), want, 1e-6 * want) << "fsdp2_logging_only " << norm;
+    for (const auto& [name, shard] : sharded->named_parameters())
+      EXPECT_TRUE(at::equal(shard.grad(), saved[name])) << "fsdp2_logging_only " << norm << " changed " << name;
+
+    const auto clipping = h.get<GradientClipper>("clip_" + norm);
+    ASSERT_NE(clipping, nullptr) << h.build_error();
+    EXPECT_NEAR(clipping->clip_gradients().item<double>(), want, 1e-6 * want) << "fsdp2 " << norm;
+    const double coefficient = 1e-3 / (want + 1e-6);
+    ASSERT_LT(coefficient, 1.0) << norm << ": the test needs a norm above max_norm";
+    for (const auto& [name, shard] : sharded->named_parameters()) {
+      const std::int64_t offset = placements.empty() ? 0 : placements.at(name).offsets[0];
+      expect_close(shard.grad(), ref_grads[name].narrow(0, offset, shard.size(0)) * coefficient,
+                   fmt::format("fsdp2 {}: clipped gradient of {}", norm, name));
+      at::NoGradGuard no_grad;
+      shard.mutable_grad().copy_(saved[name]);
+    }
+  }
+}
+
+// On HSDP 2 x 2 (replicas hold the same shards: counted once) and on 3 ranks with padded shards.
+TEST(FsdpTest, ClippersOverShardsGiveTheWholeGradientsNormOfEveryType) {
+  launch(4, 2, 1, false, true, "", "FsdpWorker.ClippersMatchTheWholeGradient");
+  launch(3, 1, 1, false, true, "", "FsdpWorker.ClippersMatchTheWholeGradient");
+}
 
 }  // namespace
 }  // namespace modalities::plugins::fsdp
