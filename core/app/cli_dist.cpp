@@ -154,8 +154,8 @@ int check(const CheckOptions& o) {
   const at::Device device = run_device();
   const auto opt = at::TensorOptions().dtype(at::kFloat).device(device);
   if (dist::is_rank0())
-    fmt::print("dist check: {} ranks ({} per node), backend {}, device {}, rendezvous {}:{} ({}) in {:.2f} s\n",
-               env.world_size, env.local_world_size, dist::backend_name(), device.str(), env.master_addr,
+    fmt::print("dist check: {} ranks ({} per node, from {}), backend {}, device {}, rendezvous {}:{} ({}) in {:.2f} s\n",
+               env.world_size, env.local_world_size, env.source, dist::backend_name(), device.str(), env.master_addr,
                env.master_port, env.agent_store ? "torchrun agent store" : "TCPStore on rank 0", rendezvous_s);
   check_values(*pg, opt);
   if (dist::is_rank0()) fmt::print("values: allreduce(SUM, MAX), _allgather_base, allgather, _reduce_scatter_base, "

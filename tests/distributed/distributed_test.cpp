@@ -315,6 +315,23 @@ void expect_dist_check_passes(int ranks) {
 TEST(CollectivesTest, TwoGlooProcessesGetExactResults) { expect_dist_check_passes(2); }
 TEST(CollectivesTest, ThreeGlooProcessesGetExactResults) { expect_dist_check_passes(3); }
 
+// srun's contract alone: each rank gets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID /
+// SLURM_NTASKS_PER_NODE / SLURM_STEP_NODELIST (rank 0's host) and MASTER_PORT, and no RANK,
+// WORLD_SIZE, LOCAL_RANK or MASTER_ADDR (the launcher's are removed before the host starts).
+TEST(CollectivesTest, RanksStartedWithOnlySlurmVariablesFindEachOther) {
+  const std::string script = fmt::format(
+      "exec env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR SLURM_PROCID=$RANK "
+      "SLURM_NTASKS=$WORLD_SIZE SLURM_LOCALID=$LOCAL_RANK SLURM_NTASKS_PER_NODE=$LOCAL_WORLD_SIZE "
+      "SLURM_STEP_NODELIST=localhost SLURM_JOB_ID=1 MASTER_PORT=$MASTER_PORT {} dist check --device cpu "
+      "--timeout-s 30 --size-mb 1 --iters 2",
+      kHost);
+  const CommandResult r = launch({"--nproc-per-node", "2", "--exec", "--", "/bin/sh", "-c", script}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("[rank 0] dist check: 2 ranks (2 per node, from SLURM)")) << r;
+  EXPECT_THAT(r.out, HasSubstr("rendezvous localhost:")) << r;
+  EXPECT_THAT(r.out, HasSubstr("all exact on every rank")) << r;
+}
+
 TEST(CollectivesTest, OneProcessIsToldToUseALauncher) {
   const CommandResult r = run_command({"env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "SLURM_PROCID", "timeout", "30",
                                        kHost, "dist", "check"});
