@@ -530,6 +530,7 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
 )",
                                                               manifest_head(info, kShardedFormatVersion), world, files,
                                                               ranks, tensors_json));
+      fault_point("checkpoint_manifest_written");  // tests: rank 0 killed between its manifest and the commit
       commit_folder(temp, folder);
       if (after_commit) after_commit();
     } catch (const std::exception& e) {
