@@ -136,12 +136,17 @@ class RngStates {
 // resumed, restarted or resharded run can be compared step by step with the uninterrupted one.
 // Each id contributes splitmix64(id) >> 16 (48 bits) to a sum: the sum of a global batch is the
 // sum of its ranks' sums (one all-reduce per log interval on the control group; < 2^15 samples per
-// step cannot overflow). Rank 0 appends {"step", "global_samples", "sample_ids_hash"} lines to
+// step cannot overflow). Ranks that hold the same batch as another (tensor- and pipeline-parallel
+// ranks of one data-parallel rank) count once: only the one at coordinate 0 of every other mesh
+// dim contributes. Rank 0 appends {"step", "global_samples", "sample_ids_hash"} lines to
 // data_ledger.jsonl in the experiment folder; "sample_ids_hash" is null when the data loader does
 // not report sample ids.
 class DataLedger {
  public:
   explicit DataLedger(std::filesystem::path path) : path_(std::move(path)) {}
+
+  // False on a rank whose batch another rank of its data-parallel rank already counts.
+  void set_counted(bool counted) { counted_ = counted; }
 
   void add(const std::vector<std::int64_t>& ids, i64 batch_size) {
     if (static_cast<i64>(ids.size()) != batch_size) unknown_ = 1;
@@ -160,7 +165,7 @@ class DataLedger {
     const auto n = static_cast<std::int64_t>(pending_.size());
     at::Tensor t = at::empty({3, std::max<std::int64_t>(n, 1)}, at::kLong).zero_();
     auto a = t.accessor<std::int64_t, 2>();
-    for (std::int64_t k = 0; k < n; ++k) {
+    for (std::int64_t k = 0; k < n && counted_; ++k) {
       a[0][k] = pending_[static_cast<std::size_t>(k)].hash;
       a[1][k] = pending_[static_cast<std::size_t>(k)].samples;
       a[2][k] = pending_[static_cast<std::size_t>(k)].unknown;
@@ -196,6 +201,7 @@ class DataLedger {
   };
   std::filesystem::path path_;
   std::int64_t hash_ = 0, samples_ = 0, unknown_ = 0;
+  bool counted_ = true;
   std::vector<Step> pending_;
 };
 
@@ -257,8 +263,12 @@ class Gym {
     std::string source = fmt::format("the world size {} (no device_mesh: every rank is data parallel)", dp_ranks);
     if (c_.device_mesh) {
       dp_ranks = 1;
-      for (const char* dim : {"dp_replicate", "dp_shard"})
-        if (c_.device_mesh->has_dim(dim)) dp_ranks *= c_.device_mesh->size(dim);
+      bool counted = true;  // Note [Data ledger]: one rank per data-parallel rank counts its batch
+      for (const std::string& dim : c_.device_mesh->dim_names()) {
+        if (dim == "dp_replicate" || dim == "dp_shard") dp_ranks *= c_.device_mesh->size(dim);
+        else counted = counted && c_.device_mesh->coordinate(dim) == 0;
+      }
+      ledger_.set_counted(counted);
       source = fmt::format("the device_mesh's dp_replicate x dp_shard = {}", dp_ranks);
     }
     if (sp.dp_degree != dp_ranks)

@@ -1062,6 +1062,23 @@ std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std
 // and their _warmstart.toml to continue.
 enum class Parallelism { kFsdp2, kTp, kPp };
 
+// step -> sample_ids_hash of data_ledger.jsonl (a later line for the same step wins: the attempt
+// that counted), and every step in the order of appearance.
+std::pair<std::map<int, std::string>, std::vector<int>> ledger_of(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::map<int, std::string> hashes;
+  std::vector<int> order;
+  for (std::string line; std::getline(in, line);) {
+    const auto step_at = line.find("\"step\": ");
+    const auto hash_at = line.find("\"sample_ids_hash\": ");
+    if (step_at == std::string::npos || hash_at == std::string::npos) continue;
+    const int step = std::stoi(line.substr(step_at + 8));
+    hashes[step] = line.substr(hash_at + 19, line.find('}', hash_at) - hash_at - 19);
+    order.push_back(step);
+  }
+  return {hashes, order};
+}
+
 class CheckpointRuns {
  public:
   // `untied`: fsdp2_cpu.toml without weight tying (the one-process peer of pp_cpu.toml).
@@ -1112,6 +1129,14 @@ class CheckpointRuns {
     }
     std::printf("%-10s worst relative difference %.2e (allowed %.0e)\n", id.c_str(), worst, tolerance);
     EXPECT_LE(worst, tolerance) << id;
+    // The data ledger: the continued run (any world size or parallelism) saw the same global
+    // batches as the uninterrupted one, step for step.
+    const auto base_ledger = ledger_of(root_ / base_id / "data_ledger.jsonl").first;
+    const auto ledger = ledger_of(root_ / id / "data_ledger.jsonl").first;
+    for (int k = first; k <= steps_; ++k) {
+      ASSERT_TRUE(ledger.contains(k) && base_ledger.contains(k)) << id << ": no ledger line for step " << k;
+      EXPECT_EQ(ledger.at(k), base_ledger.at(k)) << id << ": step " << k << " saw other samples";
+    }
   }
 
   const std::filesystem::path& root() const { return root_; }
@@ -1318,23 +1343,6 @@ TEST(DistributedFailureFullTest, ARankKilledDuringACheckpointWriteLeavesThePrevi
 }
 
 // --- restarts and the data ledger ---------------------------------------------------------
-
-// step -> sample_ids_hash of data_ledger.jsonl (a later line for the same step wins: the attempt
-// that counted), and every step in the order of appearance.
-std::pair<std::map<int, std::string>, std::vector<int>> ledger_of(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  std::map<int, std::string> hashes;
-  std::vector<int> order;
-  for (std::string line; std::getline(in, line);) {
-    const auto step_at = line.find("\"step\": ");
-    const auto hash_at = line.find("\"sample_ids_hash\": ");
-    if (step_at == std::string::npos || hash_at == std::string::npos) continue;
-    const int step = std::stoi(line.substr(step_at + 8));
-    hashes[step] = line.substr(hash_at + 19, line.find('}', hash_at) - hash_at - 19);
-    order.push_back(step);
-  }
-  return {hashes, order};
-}
 
 // `modalities launch --max-restarts 1`: rank 1 is killed at step 8 (after the step-6 checkpoint);
 // every rank starts again, `run --resume_from_checkpoint_info` continues from step 6, and the run
