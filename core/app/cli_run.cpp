@@ -262,7 +262,7 @@ struct RunArgs {
   std::string last_checkpoint_info_file_path;
   std::string resume_from;
   bool test_comm = false;
-  double process_group_timeout_s = 600;
+  std::optional<double> process_group_timeout_s;  // the flag; else settings.process_group_timeout_s, else 600
   bool checkpoint_on_interrupt = false;
   bool verbose = false;
 };
@@ -292,8 +292,9 @@ po::options_description run_options(RunArgs& a, bool warmstart) {
        "on SIGINT/SIGTERM, finish the step and write a checkpoint before stopping")
       ("test_comm", po::bool_switch(&a.test_comm),
        "before training, check every collective on known values (as `modalities dist check`); a no-op in one process")
-      ("process_group_timeout_s", po::value(&a.process_group_timeout_s)->default_value(600),
-       "several processes: rendezvous and collective timeout; a rank that waits longer fails with an error")
+      ("process_group_timeout_s", po::value<double>()->notifier([&a](double v) { a.process_group_timeout_s = v; }),
+       "several processes: rendezvous and collective timeout in seconds; a rank that waits longer fails with an "
+       "error (default: the config's settings.process_group_timeout_s, else 600)")
       ("verbose,v", po::bool_switch(&a.verbose), "print every component as it is built");
   return d;
 }
@@ -359,6 +360,29 @@ std::string human_seconds(double s) {
   return fmt::format("{:.2f} h", s / 3600);
 }
 
+// The process group's timeout: --process_group_timeout_s, else settings.process_group_timeout_s of
+// the config (a literal number: the group exists before interpolation runs), else 600 s.
+double process_group_timeout(const RunArgs& a) {
+  double seconds = 600;
+  std::string what = "--process_group_timeout_s";
+  if (a.process_group_timeout_s) {
+    seconds = *a.process_group_timeout_s;
+  } else {
+    const core::ConfigNode root = core::load_toml_file(a.config_file_path);
+    const core::ConfigNode* settings = root.find("settings");
+    const core::ConfigNode* node = settings && settings->is_table() ? settings->find("process_group_timeout_s") : nullptr;
+    if (node == nullptr) return seconds;
+    what = fmt::format("{}: settings.process_group_timeout_s", node->where().str());
+    if (const auto* v = std::get_if<double>(&node->data())) seconds = *v;
+    else if (const auto* i = std::get_if<std::int64_t>(&node->data())) seconds = static_cast<double>(*i);
+    else
+      throw Error(fmt::format("{}: expected a number of seconds (a literal: it is read before interpolation), got {}",
+                              what, node->type_name()));
+  }
+  if (!(seconds > 0)) throw Error(fmt::format("{} must be a positive number of seconds, got {}", what, seconds));
+  return seconds;
+}
+
 int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
   dist::LaunchEnv launch;
   try {
@@ -374,10 +398,9 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
   record_plugin_versions(registry);
   try {
     if (launch.distributed()) {
-      if (a.process_group_timeout_s <= 0)
-        throw Error(fmt::format("--process_group_timeout_s must be positive, got {}", a.process_group_timeout_s));
+      const double timeout_s = process_group_timeout(a);
       dist::RuntimeOptions ro;
-      ro.timeout = std::chrono::milliseconds(static_cast<long>(a.process_group_timeout_s * 1000));
+      ro.timeout = std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
       dist::init(launch, ro);
       // Every rank must use rank 0's id: the default one comes from each rank's clock.
       a.experiment_id = dist::broadcast_from_rank0("experiment_id", a.experiment_id);

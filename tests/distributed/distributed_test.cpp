@@ -1228,13 +1228,17 @@ struct TimedResult {
 // grace period of `grace_s`.
 TimedResult run_with_fault(const modalities::testing::ScratchDir& dir, const std::string& id, const std::string& fault,
                            int steps, int checkpoint_every, int grace_s, int timeout_s = 5) {
-  const auto config = dir.write(id + ".toml", distributed_config("fsdp2_cpu.toml", steps, 1, checkpoint_every));
+  // The timeout comes from the config (settings.process_group_timeout_s), as users set it.
+  std::string text = distributed_config("fsdp2_cpu.toml", steps, 1, checkpoint_every);
+  const auto settings = text.find("[settings]\n");
+  if (settings == std::string::npos) throw std::runtime_error("fsdp2_cpu.toml has no [settings] table");
+  text.insert(settings + 11, fmt::format("process_group_timeout_s = {}\n", timeout_s));
+  const auto config = dir.write(id + ".toml", text);
   const auto start = std::chrono::steady_clock::now();
   TimedResult t;
   t.result = run_command({"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s",
                           std::to_string(grace_s), "--", "run", "--config_file_path", config.string(),
-                          "--experiments_root_path", (dir.path() / "experiments").string(), "--experiment_id", id,
-                          "--process_group_timeout_s", std::to_string(timeout_s)},
+                          "--experiments_root_path", (dir.path() / "experiments").string(), "--experiment_id", id},
                          {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FAULT", fault}});
   t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return t;

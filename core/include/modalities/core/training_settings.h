@@ -104,6 +104,7 @@ struct TrainingSettings {
   TrainingProgressSettings training_progress;
   std::optional<std::map<std::string, std::filesystem::path>> warmstart_checkpoint_paths;
   std::string device = "auto";
+  std::optional<double> process_group_timeout_s;
 
   static void describe(Schema<TrainingSettings>& s) {
     using C = TrainingSettings;
@@ -125,6 +126,11 @@ struct TrainingSettings {
     s.field("device", &C::device,
             "Where the run computes: \"auto\" (cuda:<LOCAL_RANK> when CUDA is available, else cpu), \"cpu\", "
             "\"cuda\" or \"cuda:N\". MODALITIES_DEVICE overrides it. Not a Modalities field.");
+    s.field("process_group_timeout_s", &C::process_group_timeout_s,
+            "Several processes: rendezvous and collective timeout in seconds (default 600); a rank that waits "
+            "longer fails with an error naming the collective. A literal number (read before the process group "
+            "exists); --process_group_timeout_s overrides it. Not a Modalities field.")
+        .positive();
     s.rule([](const C& c, ParseContext& ctx) {
       if (!c.paths.contains("experiments_root_path"))
         ctx.fail("paths", "missing required key 'experiments_root_path'",
