@@ -737,6 +737,40 @@ TEST(DistributedRunTest, AWorldSizeTheDataCannotFeedIsRefusedBeforeTraining) {
   for (const CommandResult* r : {&three, &many}) EXPECT_THAT(r->out, Not(HasSubstr("step: 1 |"))) << *r;
 }
 
+// Gradients are reduce-scattered once per optimizer step, at the accumulation boundary, and the
+// collective traffic is the theory of docs/distributed.md: with the engine's counters
+// (MODALITIES_FSDP_TRAFFIC=1, rank 0 of the shard group), 5 steps on 2 ranks reduce-scatter exactly
+// 5 x the model's (padded) bytes with 1 and with 2 micro-batches per step, and all-gather 2 x model
+// - root per micro-batch (every unit before its forward, every unit but the root again before its
+// backward: the root stays gathered in between).
+TEST(DistributedRunTest, GradientsAreReducedOncePerStepAndTheTrafficIsTheTheory) {
+  const modalities::testing::ScratchDir dir;
+  constexpr int kSteps = 5;  // > the warm-up (4)
+  for (const int accumulation : {1, 2}) {
+    const std::string id = fmt::format("traffic_g{}", accumulation);
+    const auto config = dir.write(id + ".toml", distributed_config("fsdp2_cpu.toml", kSteps, accumulation));
+    const CommandResult r = run_command(
+        {"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s", "5", "--", "run",
+         "--config_file_path", config.string(), "--experiments_root_path", (dir.path() / "experiments").string(),
+         "--experiment_id", id},
+        {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FSDP_TRAFFIC", "1"}});
+    ASSERT_EQ(r.exit_code, 0) << r;
+    const auto at = r.err.find("fsdp traffic: ");
+    ASSERT_NE(at, std::string::npos) << r;
+    double gathered = 0, reduced = 0, model = 0, root = 0;
+    ASSERT_EQ(std::sscanf(r.err.c_str() + at,
+                          "fsdp traffic: all-gathered %lf bytes, reduce-scattered %lf bytes; model %lf bytes (root "
+                          "unit %lf)",
+                          &gathered, &reduced, &model, &root),
+              4)
+        << r;
+    std::printf("accumulation %d: all-gathered %.0f B (theory %.0f), reduce-scattered %.0f B (theory %.0f)\n",
+                accumulation, gathered, kSteps * accumulation * (2 * model - root), reduced, kSteps * model);
+    EXPECT_EQ(reduced, kSteps * model) << "accumulation " << accumulation;
+    EXPECT_EQ(gathered, kSteps * accumulation * (2 * model - root)) << "accumulation " << accumulation;
+  }
+}
+
 // MFU and the parameter count are global: the training report counts every sharded parameter at
 // its whole size (the same number on 1 and 2 ranks), and mfu_calculator/gpt2 logs, from the global
 // samples/s, samples/s x T x (6N + 12 L T d) / (peak x world size) with that N. A made-up peak of
