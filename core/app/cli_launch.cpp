@@ -279,6 +279,7 @@ int supervise(std::vector<Rank>& ranks, const LaunchOptions& o) {
   std::optional<int> result;
   std::optional<Clock::time_point> kill_at;
   std::optional<Clock::time_point> first_failure;
+  std::optional<Clock::time_point> all_exited;
   bool killed = false;
   const auto stop_others = [&](int sig) {
     signal_all(ranks, sig);
@@ -298,6 +299,27 @@ int supervise(std::vector<Rank>& ranks, const LaunchOptions& o) {
     fds.push_back({g_signal_pipe[0], POLLIN, 0});
     const bool any_running = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.running; });
     if (!any_running && owners.empty()) break;
+    // Every rank has exited but something still holds an output pipe open: a child a rank left
+    // behind (e.g. a shell's background job, which ignores SIGINT). After 2 s of draining, kill
+    // what is left in the ranks' process groups and stop reading, instead of waiting for it.
+    if (!any_running) {
+      if (!all_exited) all_exited = Clock::now();
+      if (Clock::now() - *all_exited > std::chrono::seconds(2)) {
+        note("every rank has exited; killing the processes they left behind, which still held their output open");
+        for (const Rank& r : ranks) kill(-r.pid, SIGKILL);
+        for (Rank& r : ranks)
+          for (Stream* st : {&r.out, &r.err})
+            if (st->fd >= 0) {
+              drain(*st, fmt::format("[rank {}] ", r.rank));
+              if (st->fd >= 0) {
+                close(st->fd);
+                st->fd = -1;
+                emit(*st, fmt::format("[rank {}] ", r.rank), true);
+              }
+            }
+        break;
+      }
+    }
     poll(fds.data(), fds.size(), 100);
     for (std::size_t k = 0; k < owners.size(); ++k)
       if (fds[k].revents != 0) drain(*owners[k].first, fmt::format("[rank {}] ", owners[k].second->rank));

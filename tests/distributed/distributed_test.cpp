@@ -282,6 +282,19 @@ TEST(LauncherTest, ForwardsSigtermToEveryRank) {
   EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] got TERM"), HasSubstr("[rank 1] got TERM"))) << r;
 }
 
+// Ctrl-C: SIGINT to the launcher reaches every rank once. Each rank's shell leaves its background
+// `sleep` behind (background jobs of a non-interactive shell ignore SIGINT), holding the rank's
+// output open: the launcher kills it 2 s after the last rank exited instead of waiting 30 s.
+TEST(LauncherTest, ForwardsSigintToEveryRank) {
+  const CommandResult r = run_command({"timeout", "--preserve-status", "-s", "INT", "-k", "20", "2", kHost, "launch",
+                                       "--nproc-per-node", "2", "--exec", "--", "sh", "-c",
+                                       "trap 'echo got INT; exit 6' INT; sleep 30 & wait"});
+  EXPECT_EQ(r.exit_code, 128 + 2) << r;
+  EXPECT_THAT(r.err, HasSubstr("received SIGINT, forwarding it to every rank")) << r;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] got INT"), HasSubstr("[rank 1] got INT"))) << r;
+  EXPECT_THAT(r.err, HasSubstr("killing the processes they left behind")) << r;
+}
+
 TEST(LauncherTest, BadUsageIsRefusedWithAHint) {
   CommandResult r = launch({"--nproc-per-node", "2"});
   EXPECT_EQ(r.exit_code, 2) << r;
