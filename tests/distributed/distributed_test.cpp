@@ -1215,6 +1215,29 @@ TEST(DistributedCheckpointTest, SavedOnTwoRanksContinuesOnTwoAndOne) {
   runs.compare("base", "on1", 6, 1e-5);
 }
 
+// A sharded (format v2) checkpoint continued by a model of another shape (MLP width 512 -> 256) is
+// refused on every rank, naming the first tensor and both shapes, before any step.
+TEST(DistributedCheckpointTest, ACheckpointOfAnotherShapeIsRefusedOnEveryRank) {
+  CheckpointRuns runs(6, 3);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "base"));
+  const modalities::testing::ScratchDir dir;
+  const auto config = dir.write("resume.toml", edited(distributed_config("fsdp2_cpu_warmstart.toml", 6, 1, 3),
+                                                      "ffn_hidden = 512", "ffn_hidden = 256"));
+  const auto info = dir.write("info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
+                                                       checkpoint_of(runs.root(), "base", 3).string()));
+  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "warmstart", "--config_file_path",
+                                  config.string(), "--experiments_root_path", (dir.path() / "experiments").string(),
+                                  "--experiment_id", "other_shape", "--last_checkpoint_info_file_path", info.string()},
+                                 120);
+  EXPECT_NE(r.exit_code, 0) << r;
+  for (const int rank : {0, 1})
+    EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}", rank, rank))) << r;
+  EXPECT_THAT(r.err, HasSubstr("was written by a model of a different shape: transformer.h.0.mlp.V.weight is "
+                               "[512,128] in the checkpoint, [256,128] in this model"))
+      << r;
+  EXPECT_THAT(r.out, Not(HasSubstr("step: 4 |"))) << r;
+}
+
 // Across tensor-parallel degrees (default suite): a checkpoint of step 3 (of 9) written by TP2 is
 // continued on TP2 bit for bit and on one process (no TP: fsdp2_cpu_warmstart.toml) within 1e-5;
 // that one process's step-6 checkpoint continues on TP2 within 1e-5 of the uninterrupted run.
