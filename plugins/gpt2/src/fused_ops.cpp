@@ -3,6 +3,8 @@
 // gradients op for op against what the composite would have recorded.
 #include "fused_ops.h"
 
+#include <modalities/sdk/selective_checkpoint.h>
+
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/OpMathType.h>
@@ -22,6 +24,18 @@
 #include <vector>
 
 namespace modalities::plugins::gpt2 {
+
+namespace sac = selective_checkpoint;
+
+// Note [Selective checkpointing of the fused ops]
+// Under model/activation_checkpointed with selective_op_activation_checkpointing and the key
+// "ops.aten.mm.default", the projection ops (fused_linear: 1 matmul, fused_qkv: 3, fused_swiglu:
+// 2) are Modalities' aten.mm calls: each asks an OpSlot (modalities/sdk/selective_checkpoint.h),
+// which keeps its outputs from the block's first forward when Modalities' policy would keep one
+// of its matmuls (the odd-numbered ones), and hands them back in the recomputation, which then
+// skips these projections; the backward node is recorded on the kept tensors as usual (it saves
+// the inputs and weights, not the outputs, plus SwiGLU's intermediates, which are kept with it).
+// Nothing here draws random numbers, so skipping them leaves the dropout masks unchanged.
 namespace {
 
 using torch::autograd::Node;
@@ -560,11 +574,15 @@ class MergeHeadsBackward final : public Node {
 }  // namespace
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  sac::OpSlot slot(sac::Op::kMatmul);  // Note [Selective checkpointing of the fused ops]
   if (!row_major(x) || !row_major(w)) return at::linear(x, w, b);
   at::Tensor y;
-  {
+  if (slot.reuse()) {
+    y = slot.take()[0];
+  } else {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     y = linear_forward(x, w, b);
+    slot.keep({y});
   }
   if (torch::autograd::compute_requires_grad(x, w, b)) {
     auto node = make_node<LinearBackward>();
@@ -624,6 +642,7 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
 Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, const at::Tensor& wk,
               const at::Tensor& bk, const at::Tensor& wv, const at::Tensor& bv, std::int64_t B, std::int64_t T,
               std::int64_t hd, const HeadsSpec& q, const HeadsSpec& k, const HeadsSpec& v) {
+  sac::OpSlot slot(sac::Op::kMatmul, /*matmuls=*/3);  // Note [Selective checkpointing of the fused ops]
   const HeadsSpec* specs[3] = {&q, &k, &v};
   const at::Tensor* ws[3] = {&wq, &wk, &wv};
   const at::Tensor* bs[3] = {&bq, &bk, &bv};
@@ -639,7 +658,10 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
     return out;
   }
   at::Tensor out[3];
-  {
+  if (slot.reuse()) {
+    std::vector<at::Tensor> kept = slot.take();
+    for (int p = 0; p < 3; ++p) out[p] = std::move(kept[static_cast<std::size_t>(p)]);
+  } else {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (int p = 0; p < 3; ++p) {
       const HeadsSpec& sp = *specs[p];
@@ -647,6 +669,7 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
                   " weight ", ws[p]->sizes(), " does not give ", sp.heads, " heads of ", hd);
       out[p] = heads_forward(linear_forward(x, *ws[p], *bs[p]), B, T, sp.heads, hd, sp.cos, sp.sin, sp.repeat);
     }
+    slot.keep({out[0], out[1], out[2]});
   }
   if (torch::autograd::compute_requires_grad(x, wq, bq, wk, bk, wv, bv)) {
     auto node = make_node<QkvBackward>();
@@ -673,14 +696,19 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
 
 at::Tensor fused_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bw, const at::Tensor& v,
                         const at::Tensor& bv) {
+  sac::OpSlot slot(sac::Op::kMatmul, /*matmuls=*/2);  // Note [Selective checkpointing of the fused ops]
   if (!row_major(x) || !row_major(w) || !row_major(v)) return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
   at::Tensor a, b, s, h;
-  {
+  if (slot.reuse()) {
+    std::vector<at::Tensor> kept = slot.take();
+    a = std::move(kept[0]), s = std::move(kept[1]), b = std::move(kept[2]), h = std::move(kept[3]);
+  } else {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     a = linear_forward(x, w, bw);
     s = at::silu(a);
     b = linear_forward(x, v, bv);
     h = s * b;
+    slot.keep({a, s, b, h});
   }
   if (torch::autograd::compute_requires_grad(x, w, bw, v, bv)) {
     auto node = make_node<SwigluBackward>();

@@ -93,11 +93,19 @@ class RandomStateScope {
   RandomState outside_;
 };
 
+// The outputs a selective block kept in its first run and the policy that chose them (null for a
+// fully checkpointed block).
+struct Selective {
+  std::set<selective_checkpoint::Op> save;
+  std::shared_ptr<selective_checkpoint::Kept> kept = std::make_shared<selective_checkpoint::Kept>();
+};
+
 class RecomputeBlock final : public torch::autograd::Node {
  public:
-  RecomputeBlock(BlockFunction run, at::Tensor input, bool input_requires_grad, RandomState random)
+  RecomputeBlock(BlockFunction run, at::Tensor input, bool input_requires_grad, RandomState random,
+                 std::shared_ptr<Selective> selective)
       : run_(std::move(run)), input_(std::move(input)), input_version_(input_._version()),
-        input_requires_grad_(input_requires_grad), random_(std::move(random)) {}
+        input_requires_grad_(input_requires_grad), random_(std::move(random)), selective_(std::move(selective)) {}
 
   std::string name() const override { return "ActivationCheckpointBackward"; }
 
@@ -113,7 +121,12 @@ class RecomputeBlock final : public torch::autograd::Node {
     {
       RandomStateScope random(random_);
       at::AutoGradMode grad_mode(true);
+      std::optional<selective_checkpoint::Pass> pass;
+      if (selective_) pass.emplace(selective_->save, selective_->kept, /*recompute=*/true);
       y = run_(x);
+      TORCH_CHECK(!selective_ || selective_->kept->empty(),
+                  "selective activation checkpointing: the recomputation of a block did not use every op output its "
+                  "first forward kept (the block ran different ops the second time)");
     }
     if (y.requires_grad()) torch::autograd::backward({y}, {grads[0]});
     at::Tensor input_grad = input_requires_grad_ ? x.grad() : at::Tensor();
@@ -123,6 +136,7 @@ class RecomputeBlock final : public torch::autograd::Node {
   void release_variables() override {
     input_ = at::Tensor();
     run_ = nullptr;
+    selective_.reset();
   }
 
  private:
@@ -131,24 +145,38 @@ class RecomputeBlock final : public torch::autograd::Node {
   std::uint32_t input_version_;
   bool input_requires_grad_;
   RandomState random_;
+  std::shared_ptr<Selective> selective_;
 };
 
-}  // namespace
-
-at::Tensor checkpointed(const at::Tensor& input, const BlockFunction& run) {
+at::Tensor run_checkpointed(const at::Tensor& input, const BlockFunction& run, std::shared_ptr<Selective> selective) {
   if (!at::GradMode::is_enabled()) return run(input);
   RandomState random = RandomState::capture(input);
   at::Tensor output;
   {
     at::NoGradGuard no_grad;
+    std::optional<selective_checkpoint::Pass> pass;
+    if (selective) pass.emplace(selective->save, selective->kept, /*recompute=*/false);
     output = run(input);
   }
-  auto node = std::shared_ptr<RecomputeBlock>(new RecomputeBlock(run, input.detach(), input.requires_grad(),
-                                                                 std::move(random)),
-                                              torch::autograd::deleteNode);
+  auto node = std::shared_ptr<RecomputeBlock>(
+      new RecomputeBlock(run, input.detach(), input.requires_grad(), std::move(random), std::move(selective)),
+      torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input));
   torch::autograd::create_gradient_edge(output, node);
   return output;
+}
+
+}  // namespace
+
+at::Tensor checkpointed(const at::Tensor& input, const BlockFunction& run) {
+  return run_checkpointed(input, run, nullptr);
+}
+
+at::Tensor selectively_checkpointed(const at::Tensor& input, const BlockFunction& run,
+                                    const std::set<selective_checkpoint::Op>& save) {
+  auto selective = std::make_shared<Selective>();
+  selective->save = save;
+  return run_checkpointed(input, run, std::move(selective));
 }
 
 }  // namespace modalities::plugins::model_wrappers

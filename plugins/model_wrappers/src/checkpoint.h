@@ -4,7 +4,11 @@
 
 #include <modalities/sdk/interfaces/module.h>
 
+#include <modalities/sdk/selective_checkpoint.h>
+
 #include <ATen/core/Tensor.h>
+
+#include <set>
 
 namespace modalities::plugins::model_wrappers {
 
@@ -13,5 +17,11 @@ namespace modalities::plugins::model_wrappers {
 /// the first run, so dropout draws the same masks) and back-propagates through it. Without grad
 /// mode just run(input). Usable as a BlockRunner.
 at::Tensor checkpointed(const at::Tensor& input, const BlockFunction& run);
+
+/// checkpointed() that keeps the outputs of the ops `save` names from the first run and reuses
+/// them in the recomputation (Modalities' selective_op_activation_checkpointing;
+/// modalities/sdk/selective_checkpoint.h). Gradients are those of the unchecked block, bit for bit.
+at::Tensor selectively_checkpointed(const at::Tensor& input, const BlockFunction& run,
+                                    const std::set<selective_checkpoint::Op>& save);
 
 }  // namespace modalities::plugins::model_wrappers

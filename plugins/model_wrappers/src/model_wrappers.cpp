@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,7 +36,9 @@ struct AcFunParams {
     s.field("ac_freq", &AcFunParams::ac_freq,
             "selective_layer: checkpoint every ac_freq-th block (blocks ac_freq-1, 2*ac_freq-1, ...).")
         .at_least(1);
-    s.field("save_ops_keys", &AcFunParams::save_ops_keys, "selective_op: ops whose outputs are saved (not supported).");
+    s.field("save_ops_keys", &AcFunParams::save_ops_keys,
+            "selective_op: Modalities' keys of the ops whose outputs are kept (README.md: \"ops.aten.mm.default\" "
+            "and \"ops.aten.max.default\" are taken; the attention and reduce-scatter keys are refused).");
   }
 };
 
@@ -67,6 +70,53 @@ struct ActivationCheckpointedFsdp1Config {
             "Class names whose submodules are checkpointed, e.g. [\"GPT2Block\"]; empty: nothing.");
   }
 };
+
+// Note [save_ops_keys]
+// Modalities' keys name the PyTorch kernels whose outputs its selective checkpointing keeps. Here:
+//   ops.aten.mm.default       -> the model's projection ops (gpt2: fused_linear, fused_qkv,
+//                                fused_swiglu), under Modalities' every-second-mm policy
+//                                (modalities/sdk/selective_checkpoint.h);
+//   ops.aten.max.default      -> nothing: no op of a block computes a max (Modalities keeps it
+//                                for float8 scaling, which neither side uses);
+//   the two attention keys    -> refused: the attention is ATen's scaled_dot_product_attention,
+//                                whose backward node needs its own saved statistics, so keeping
+//                                its output would not spare its recomputation;
+//   ops._c10d_functional.reduce_scatter_tensor.default -> refused: the tensor-parallel
+//                                collectives are recomputed.
+std::set<selective_checkpoint::Op> save_ops(const std::optional<std::vector<std::string>>& keys) {
+  if (!keys || keys->empty())
+    throw ConfigError("ac_fun_params.save_ops_keys",
+                      "selective_op_activation_checkpointing needs save_ops_keys, e.g. [\"ops.aten.mm.default\"] "
+                      "(Modalities refuses an empty list too)");
+  std::set<selective_checkpoint::Op> save;
+  for (std::size_t i = 0; i < keys->size(); ++i) {
+    const std::string& key = (*keys)[i];
+    const std::string where = fmt::format("ac_fun_params.save_ops_keys[{}]", i);
+    if (key == "ops.aten.mm.default") {
+      save.insert(selective_checkpoint::Op::kMatmul);
+    } else if (key == "ops.aten.max.default") {
+      // nothing computes it (Note [save_ops_keys])
+    } else if (key == "ops.aten._scaled_dot_product_efficient_attention.default" ||
+               key == "ops.aten._scaled_dot_product_flash_attention.default") {
+      throw ConfigError(where, fmt::format("'{}' is not supported: the attention runs ATen's "
+                                           "scaled_dot_product_attention, whose backward needs statistics of its own "
+                                           "forward, so keeping its output would not spare its recomputation; remove "
+                                           "the key (the attention is recomputed)",
+                                           key));
+    } else if (key == "ops._c10d_functional.reduce_scatter_tensor.default") {
+      throw ConfigError(where, "'ops._c10d_functional.reduce_scatter_tensor.default' is not supported: the "
+                               "tensor-parallel collectives are recomputed; remove the key");
+    } else {
+      throw ConfigError(where, fmt::format("unknown key '{}': Modalities' keys are ops.aten.mm.default, "
+                                           "ops.aten._scaled_dot_product_efficient_attention.default, "
+                                           "ops.aten._scaled_dot_product_flash_attention.default, "
+                                           "ops._c10d_functional.reduce_scatter_tensor.default and "
+                                           "ops.aten.max.default",
+                                           key));
+    }
+  }
+  return save;
+}
 
 // The blocks of `model` under `container` ("transformer.h" -> "transformer.h.0", ...), in order.
 std::vector<std::string> blocks_under(const Module& model, const std::string& container) {
@@ -106,10 +156,14 @@ std::shared_ptr<Module> activation_checkpointed(const ActivationCheckpointedConf
       ctx.warn(fmt::format("ac_freq {} is larger than the {} blocks under '{}': no block is checkpointed", *p.ac_freq,
                            blocks.size(), c.layers_fqn));
   } else {
-    throw ConfigError("ac_variant",
-                      "selective_op_activation_checkpointing is not supported yet: its save_ops_keys name PyTorch "
-                      "kernels (aten.mm, SDPA, ...) that the fused ops of this implementation do not call one by one; "
-                      "use full_activation_checkpointing or selective_layer_activation_checkpointing");
+    if (p.ac_freq)
+      throw ConfigError("ac_fun_params.ac_freq", "not a parameter of selective_op_activation_checkpointing");
+    const std::set<selective_checkpoint::Op> save = save_ops(p.save_ops_keys);
+    // Every block, keeping the chosen ops' outputs (Modalities applies it to all layers).
+    model->add_block_runner(
+        [save](const at::Tensor& input, const BlockFunction& run) { return selectively_checkpointed(input, run, save); },
+        blocks);
+    return model;
   }
   if (!chosen.empty()) model->add_block_runner(checkpointed, chosen);
   return model;

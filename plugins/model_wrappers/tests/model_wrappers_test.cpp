@@ -61,6 +61,15 @@ variant_key = "activation_checkpointed"
 config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "every_second_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { ac_freq = 2 } }
 )";
 
+// Selective op checkpointing of a copy ("selective_op_raw"): every block, the projections' outputs
+// kept under Modalities' every-second-matmul policy (aten.max: nothing computes it).
+constexpr const char* kSelectiveOp = R"(
+[selective_op]
+component_key = "model"
+variant_key = "activation_checkpointed"
+config = { ac_variant = "selective_op_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "selective_op_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { save_ops_keys = ["ops.aten.mm.default", "ops.aten.max.default"] } }
+)";
+
 // The next-token loss of `m` on `ids`, dropout drawn after seeding.
 at::Tensor clm_loss(Module& m, const at::Tensor& ids) {
   at::manual_seed(11);
@@ -88,15 +97,16 @@ void expect_same_gradients(Module& got, Module& want, const std::string& what) {
   }
 }
 
-TEST(ActivationCheckpointingTest, FullAndEverySecondBlockGiveTheGradientsOfNoCheckpointingBitForBit) {
+TEST(ActivationCheckpointingTest, FullEverySecondBlockAndSelectiveOpGiveTheGradientsOfNoCheckpointingBitForBit) {
   std::string text = example();
-  text += copy_of_raw(text, "plain") + copy_of_raw(text, "every_second_raw") + kEverySecond;
+  text += copy_of_raw(text, "plain") + copy_of_raw(text, "every_second_raw") + kEverySecond +
+          copy_of_raw(text, "selective_op_raw") + kSelectiveOp;
   Harness h = harness(text);
   const auto plain = h.get<Module>("plain");
   ASSERT_NE(plain, nullptr) << h.build_error();
   const auto ids = at::randint(0, 128, {4, 32}, at::kLong);
   const at::Tensor want = train_step(*plain, ids);
-  for (const char* key : {"model", "every_second", "model_fsdp1_style"}) {
+  for (const char* key : {"model", "every_second", "model_fsdp1_style", "selective_op"}) {
     const auto m = h.get<Module>(key);
     ASSERT_NE(m, nullptr) << h.build_error();
     const at::Tensor got = train_step(*m, ids);
@@ -185,9 +195,25 @@ TEST(ActivationCheckpointingTest, BadConfigsAreRefusedWithTheirPath) {
               HasSubstr("model.config.ac_fun_params.ac_freq: must be >= 1"));
   EXPECT_THAT(error_of("full_activation_checkpointing", "transformer.h", "{ ac_freq = 2 }"),
               HasSubstr("model.config.ac_fun_params: full_activation_checkpointing takes no parameters"));
+  EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h", "{}"),
+              HasSubstr("model.config.ac_fun_params.save_ops_keys: selective_op_activation_checkpointing needs "
+                        "save_ops_keys"));
+  EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h", "{ save_ops_keys = [] }"),
+              HasSubstr("model.config.ac_fun_params.save_ops_keys: selective_op_activation_checkpointing needs"));
   EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h",
-                       "{ save_ops_keys = [\"ops.aten.mm.default\"] }"),
-              HasSubstr("model.config.ac_variant: selective_op_activation_checkpointing is not supported yet"));
+                       "{ save_ops_keys = [\"ops.aten.mm.default\", "
+                       "\"ops.aten._scaled_dot_product_flash_attention.default\"] }"),
+              HasSubstr("model.config.ac_fun_params.save_ops_keys[1]: "
+                        "'ops.aten._scaled_dot_product_flash_attention.default' is not supported"));
+  EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h",
+                       "{ save_ops_keys = [\"ops._c10d_functional.reduce_scatter_tensor.default\"] }"),
+              HasSubstr("model.config.ac_fun_params.save_ops_keys[0]: "
+                        "'ops._c10d_functional.reduce_scatter_tensor.default' is not supported"));
+  EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h", "{ save_ops_keys = [\"aten.mm\"] }"),
+              HasSubstr("model.config.ac_fun_params.save_ops_keys[0]: unknown key 'aten.mm'"));
+  EXPECT_THAT(error_of("selective_op_activation_checkpointing", "transformer.h",
+                       "{ ac_freq = 2, save_ops_keys = [\"ops.aten.mm.default\"] }"),
+              HasSubstr("model.config.ac_fun_params.ac_freq: not a parameter of selective_op"));
   EXPECT_THAT(error_of("half_activation_checkpointing", "transformer.h", "{}"), HasSubstr("model.config.ac_variant"));
 }
 
@@ -235,14 +261,15 @@ TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
   for (const auto& [from, to] : std::map<std::string, std::string>{
            {"n_layer = 4", "n_layer = 8"}, {"sequence_length = 32", "sequence_length = 256"}})
     for (std::size_t at; (at = base.find(from)) != std::string::npos;) base.replace(at, from.size(), to);
-  const std::string text = base + copy_of_raw(base, "plain") + copy_of_raw(base, "every_second_raw") + kEverySecond;
+  const std::string text = base + copy_of_raw(base, "plain") + copy_of_raw(base, "every_second_raw") + kEverySecond +
+                           copy_of_raw(base, "selective_op_raw") + kSelectiveOp;
   Harness h = harness(text);
   ASSERT_NE(h.get<Module>("plain"), nullptr) << h.build_error();
   static CountingAllocator counting(c10::GetDefaultCPUAllocator());
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   const auto ids = at::randint(0, 128, {8, 256}, at::kLong);
   std::map<std::string, std::int64_t> kept;
-  for (const char* key : {"plain", "every_second", "model"}) {
+  for (const char* key : {"plain", "every_second", "selective_op", "model"}) {
     const auto m = h.get<Module>(key);
     m->train(true);
     for (int warm = 0; warm < 2; ++warm) {  // the second round is measured (first-touch effects gone)
@@ -266,6 +293,9 @@ TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
   EXPECT_LT(kept["every_second"], kept["plain"]);
   EXPECT_LT(kept["model"], kept["every_second"]);
   EXPECT_LT(kept["model"] * 2, kept["plain"]);
+  // Selective op keeps some projections' outputs of every block: between full and nothing.
+  EXPECT_LT(kept["model"], kept["selective_op"]);
+  EXPECT_LT(kept["selective_op"], kept["plain"]);
 }
 
 }  // namespace
