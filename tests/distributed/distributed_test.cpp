@@ -38,6 +38,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace modalities::dist {
@@ -790,7 +791,7 @@ TEST(DistributedRunTest, GradientsAreReducedOncePerStepAndTheTrafficIsTheTheory)
 // 1 GFLOP/s per device keeps the CPU's MFU readable after rounding.
 TEST(DistributedRunTest, MfuAndTheParameterCountAreGlobal) {
   const modalities::testing::ScratchDir dir;
-  const std::string text = fsdp2_config(6) + R"(
+  const std::string mfu = R"(
 [mfu_calculator]
 component_key = "mfu_calculator"
 variant_key = "gpt2"
@@ -801,12 +802,15 @@ sequence_length = "${settings.step_profile.sequence_length}"
 n_embd = "${model_raw.config.n_embd}"
 world_size = "${settings.cuda_env.world_size}"
 model_parts = { instance_key = "model", pass_type = "BY_REFERENCE" }
+device_mesh = { instance_key = "device_mesh", pass_type = "BY_REFERENCE" }
 peak_flops_per_device = 1e9
 )";
-  const auto file = dir.write("mfu.toml", text);
+  const auto sharded = dir.write("mfu.toml", fsdp2_config(6) + mfu);
+  // PP2: each rank holds one stage; the count is summed over the pipeline stages.
+  const auto pipelined = dir.write("mfu_pp.toml", distributed_config("pp_cpu.toml", 6) + mfu);
   std::vector<std::int64_t> counts;
-  for (const int ranks : {1, 2}) {
-    const std::string id = fmt::format("on{}", ranks);
+  for (const auto& [ranks, file, id] : std::vector<std::tuple<int, std::filesystem::path, std::string>>{
+           {1, sharded, "on1"}, {2, sharded, "on2"}, {2, pipelined, "pp2"}}) {
     const CommandResult r = train(ranks, file, dir.path() / "experiments", id);
     ASSERT_EQ(r.exit_code, 0) << r;
     const auto at = r.out.find("trainable parameters: ");
@@ -819,18 +823,20 @@ peak_flops_per_device = 1e9
     for (std::string line; std::getline(in, line);) {
       if (line.find("\"train mfu (16-bit)\"") == std::string::npos) continue;
       const double samples_per_s = number_after(line, "train samples/s");
-      const double mfu = number_after(line, "train mfu (16-bit)");
+      const double mfu_value = number_after(line, "train mfu (16-bit)");
       const double expected = samples_per_s * 128 * flops_per_token / (1e9 * ranks);
-      std::printf("%d rank(s): %.1f samples/s, mfu %.6g, expected %.6g\n", ranks, samples_per_s, mfu, expected);
-      EXPECT_GT(mfu, 0.0);
-      EXPECT_NEAR(mfu, expected, 1e-5 * expected) << line;
+      std::printf("%s: %.1f samples/s, mfu %.6g, expected %.6g\n", id.c_str(), samples_per_s, mfu_value, expected);
+      EXPECT_GT(mfu_value, 0.0);
+      EXPECT_NEAR(mfu_value, expected, 1e-5 * expected) << id << ": " << line;
       ++logged;
     }
-    EXPECT_EQ(logged, 6);
+    EXPECT_EQ(logged, 6) << id;
   }
-  // GPT-2 of fsdp2_cpu.toml: 50304 x 128 tied embedding + 2 blocks + final norm.
+  // GPT-2 of fsdp2_cpu.toml: 50304 x 128 tied embedding + 2 blocks + final norm; pp_cpu.toml's is
+  // untied (pipeline stages cannot share a tensor): one more 50304 x 128 matrix.
   EXPECT_EQ(counts[0], counts[1]);
   EXPECT_GT(counts[0], 50304 * 128);
+  EXPECT_EQ(counts[2], counts[0] + 50304 * 128);
 }
 
 // Activation checkpointing under FSDP2 (Modalities' order: checkpoint the blocks, then shard) on

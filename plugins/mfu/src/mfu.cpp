@@ -9,12 +9,14 @@
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/mfu_calculator.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #if defined(MODALITIES_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -32,7 +34,7 @@ struct Gpt2MfuConfig {
   std::int64_t sequence_length = 0;
   std::int64_t n_embd = 0;
   std::int64_t world_size = 0;
-  Ref<Module> model_parts;
+  ModelParts model_parts;
   std::optional<Ref<DeviceMesh>> device_mesh;
   std::optional<double> peak_flops_per_device;
 
@@ -44,7 +46,8 @@ struct Gpt2MfuConfig {
         .required()
         .positive();
     s.field("model_parts", &Gpt2MfuConfig::model_parts,
-            "The (wrapped) model whose trainable parameters are counted.")
+            "The (wrapped) model, or this rank's pipeline stages, whose trainable parameters are counted (summed "
+            "over the pipeline stages of the device_mesh's pp dim).")
         .required()
         .alias("wrapped_model");
     s.field("device_mesh", &Gpt2MfuConfig::device_mesh,
@@ -71,11 +74,17 @@ std::optional<std::string> cuda_device_name(const c10::Device& device) {
 class Gpt2MfuCalculator final : public MFUCalculator {
  public:
   Gpt2MfuCalculator(const Gpt2MfuConfig& c, BuildContext& ctx) : sequence_length_(c.sequence_length) {
-    if (c.device_mesh && (*c.device_mesh)->has_dim("pp") && (*c.device_mesh)->size("pp") > 1)
-      throw Error(fmt::format("mfu_calculator/gpt2: counting parameters over {} pipeline stages is not supported yet "
-                              "(each stage holds only its own blocks)",
-                              (*c.device_mesh)->size("pp")));
-    const std::int64_t n = count_trainable_parameters({c.model_parts.get()});
+    std::vector<const Module*> parts;
+    for (const auto& part : c.model_parts.parts) parts.push_back(part.get());
+    std::int64_t n = count_trainable_parameters(parts);
+    // A pipeline rank holds its stages only: the model's count is the sum over the pp group (each
+    // rank of it holds other stages; sharded parameters already count at their global size). A
+    // collective: every rank builds this component at the same point of the graph.
+    if (c.device_mesh && (*c.device_mesh)->has_dim("pp") && (*c.device_mesh)->size("pp") > 1) {
+      std::vector<at::Tensor> t = {at::full({1}, n, at::kLong)};
+      (*c.device_mesh)->process_group("pp")->allreduce(t)->wait();
+      n = t.front().item<std::int64_t>();
+    }
     flops_per_token_ = 6.0 * static_cast<double>(n) +
                        12.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.sequence_length) *
                            static_cast<double>(c.n_embd);
