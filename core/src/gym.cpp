@@ -744,10 +744,12 @@ std::string training_report(const GymComponents& c, i64 num_parameters) {
                    ce.enforce_tokens_per_step_consistency, ce.enforce_last_step_logged,
                    ce.enforce_last_step_evaluated, ce.enforce_last_step_checkpointed,
                    ce.enforce_enough_tokens_in_dataset);
-  // Warnings of Modalities' training report (it uses the world size, like Modalities).
+  // Warnings of Modalities' training report. Modalities multiplies by the world size, which
+  // warns of a negative "missing" share under tensor or pipeline parallelism (ranks that share a
+  // batch); the data-parallel degree is what feeds tokens (docs/differences.md).
   std::vector<std::string> warnings;
   const double num_tokens = static_cast<double>(sp.local_train_micro_batch_size * sp.sequence_length *
-                                                sp.gradient_accumulation_steps * s.cuda_env.world_size *
+                                                sp.gradient_accumulation_steps * sp.dp_degree *
                                                 t.num_target_steps);
   if (num_tokens != static_cast<double>(t.num_target_tokens))
     warnings.push_back(fmt::format("Missing {:.2f}% of target tokens",
