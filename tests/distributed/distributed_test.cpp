@@ -682,17 +682,22 @@ TEST(DistributedPpFullTest, EveryScheduleTrainsLikeOneProcess) {
 }
 
 // The acceptance (label `full`): PP2 x FSDP2 on 4 ranks (pp 2 x dp_shard 2,
-// configs/distributed/pp_fsdp2_cpu.toml), GPipe and 1F1B, 20 steps.
+// configs/distributed/pp_fsdp2_cpu.toml), GPipe and 1F1B, 20 steps; and two stages per rank
+// (Interleaved1F1B, LoopedBFS: fsdp2_wrapped shards each of a rank's stages with an engine of its own).
 TEST(DistributedPpFullTest, PipelineStagesShardedWithFsdp2TrainLikeOneProcess) {
   constexpr int kSteps = 20;
-  const auto config = [&](const std::string& schedule) {
+  const auto config = [&](const std::string& schedule, int layers_per_stage) {
     std::string text = distributed_config("pp_fsdp2_cpu.toml", kSteps);
     for (int k = 0; k < 2; ++k)
       text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"" + schedule + "\"");
-    return text;
+    return edited(text, "num_layers_per_stage = 2", fmt::format("num_layers_per_stage = {}", layers_per_stage));
   };
-  expect_layouts_train_like_one_process(
-      kSteps, {{"pp2_fsdp2x2_gpipe", 4, config("gpipe")}, {"pp2_fsdp2x2_1f1b", 4, config("1F1B")}}, untied);
+  expect_layouts_train_like_one_process(kSteps,
+                                        {{"pp2_fsdp2x2_gpipe", 4, config("gpipe", 2)},
+                                         {"pp2_fsdp2x2_1f1b", 4, config("1F1B", 2)},
+                                         {"pp2_v2_fsdp2x2_interleaved", 4, config("Interleaved1F1B", 1)},
+                                         {"pp2_v2_fsdp2x2_looped_bfs", 4, config("LoopedBFS", 1)}},
+                                        untied);
 }
 
 // What the pipeline cannot run is a config error on every rank: more stages than one per rank for

@@ -50,12 +50,8 @@ struct Fsdp2Config {
   }
 };
 
-std::shared_ptr<Module> wrap(const Fsdp2Config& c) {
-  if (c.model.parts.size() != 1)
-    throw ConfigError("model", fmt::format("fsdp2_wrapped shards one model here; got {} model parts (several "
-                                           "pipeline stages per rank are not supported yet: use one stage per rank)",
-                                           c.model.parts.size()));
-  std::shared_ptr<Module> inner = c.model.parts.front().shared();
+// One part (a model, or a pipeline rank's one stage) sharded with its own engine.
+std::shared_ptr<Module> wrap_part(const Fsdp2Config& c, std::shared_ptr<Module> inner) {
   const DeviceMesh& mesh = *c.device_mesh;
   if (!mesh.has_dim("dp_shard"))
     throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", mesh.dim_names()));
@@ -180,17 +176,40 @@ std::shared_ptr<Module> wrap_fsdp1(const Fsdp1Config& c) {
   return fully_shard(std::move(inner), std::move(o));
 }
 
+// Note [Several parts]
+// fsdp2_wrapped takes one model or a list of parts (a pipeline rank's stages under Interleaved1F1B
+// or LoopedBFS, from pipeline/selector MODEL_PART) and returns the same shape: a Module, or a list
+// of Modules, each part sharded by an engine of its own over the same dp_shard group. The ranks of
+// a dp_shard group hold the same stages and run the same schedule, so the engines' collectives are
+// issued in the same order on all of them.
+Value wrap_all(const Fsdp2Config& c, const std::string& origin) {
+  if (c.model.parts.size() == 1)
+    return Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, c.model.parts.front().shared())),
+                  origin};
+  Value::List out;
+  for (const auto& part : c.model.parts)
+    out.emplace_back(
+        Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, part.shared())), origin});
+  return out;
+}
+
 void register_components(Registrar& r) {
   r.add<Module, Fsdp1Config>(
       "fsdp1_wrapped",
       "Modalities' FSDP1 wrapper on the same engine: FULL_SHARD / SHARD_GRAD_OP over all ranks, HYBRID_SHARD "
       "within each node, NO_SHARD as data parallelism; FSDP1 mixed-precision presets.",
       [](const Fsdp1Config& c) { return wrap_fsdp1(c); });
-  r.add<Module, Fsdp2Config>(
-      "fsdp2_wrapped",
+  // A Module, or a list of them for a list of parts (Note [Several parts]): registered by hand.
+  VariantSpec spec = detail::make_spec<Fsdp2Config>(
+      "model", "fsdp2_wrapped",
       "FSDP2-style fully sharded data parallelism: parameters sharded on dim 0 over dp_shard, one all-gather and "
-      "one reduce-scatter per unit of blocks; HSDP with dp_replicate.",
-      [](const Fsdp2Config& c) { return wrap(c); });
+      "one reduce-scatter per unit of blocks; HSDP with dp_replicate. A list of parts (several pipeline stages per "
+      "rank) gives the list of their sharded modules.",
+      std::string(Module::kInterface));
+  spec.build = [](const Value& config, BuildContext&) -> Value {
+    return wrap_all(detail::parse_or_throw<Fsdp2Config>(config), "model/fsdp2_wrapped");
+  };
+  r.add_variant(std::move(spec));
 }
 
 }  // namespace
