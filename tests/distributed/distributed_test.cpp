@@ -1118,7 +1118,9 @@ std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std
 // global batch 8 (the config derives the micro-batch size from the world size).
 // Which configs a run uses: fsdp2_cpu.toml (any world size), tp_cpu.toml (TP2), pp_cpu.toml (PP2),
 // and their _warmstart.toml to continue.
-enum class Parallelism { kFsdp2, kTp, kPp };
+// kPpInterleaved: PP2 with two stages per rank (Interleaved1F1B) sharded with FSDP2 over dp_shard 2
+// (pp_fsdp2_cpu.toml, 4 ranks).
+enum class Parallelism { kFsdp2, kTp, kPp, kPpInterleaved };
 
 // step -> sample_ids_hash of data_ledger.jsonl (a later line for the same step wins: the attempt
 // that counted), and every step in the order of appearance.
@@ -1151,6 +1153,14 @@ class CheckpointRuns {
                              dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))};
     configs_[Parallelism::kPp] = {dir_.write("train_pp.toml", distributed_config("pp_cpu.toml", steps, 1, every)),
                              dir_.write("resume_pp.toml", distributed_config("pp_cpu_warmstart.toml", steps, 1, every))};
+    const auto interleaved = [](std::string text) {
+      for (int k = 0; k < 2; ++k) text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"Interleaved1F1B\"");
+      return edited(text, "num_layers_per_stage = 2", "num_layers_per_stage = 1");
+    };
+    // pp_fsdp2_cpu.toml has no warm-start twin: continue_on resumes it with
+    // `run --resume_from_checkpoint_info`, which derives the warm-start form itself.
+    const auto ppi = dir_.write("train_ppi.toml", interleaved(distributed_config("pp_fsdp2_cpu.toml", steps, 1, every)));
+    configs_[Parallelism::kPpInterleaved] = {ppi, ppi};
   }
 
   // Trains experiment `id` from scratch on `ranks` ranks.
@@ -1166,9 +1176,13 @@ class CheckpointRuns {
                    Parallelism layout = Parallelism::kFsdp2) {
     const auto info = dir_.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
                                                                 checkpoint_of(root_, from, step).string()));
-    const CommandResult r = run_on(ranks, {"warmstart", "--config_file_path", configs_.at(layout).second.string(),
-                                           "--experiments_root_path", root_.string(), "--experiment_id", id,
-                                           "--last_checkpoint_info_file_path", info.string()});
+    const CommandResult r =
+        layout == Parallelism::kPpInterleaved
+            ? run_on(ranks, {"run", "--config_file_path", configs_.at(layout).second.string(), "--experiments_root_path",
+                             root_.string(), "--experiment_id", id, "--resume_from_checkpoint_info", info.string()})
+            : run_on(ranks, {"warmstart", "--config_file_path", configs_.at(layout).second.string(),
+                             "--experiments_root_path", root_.string(), "--experiment_id", id,
+                             "--last_checkpoint_info_file_path", info.string()});
     EXPECT_EQ(r.exit_code, 0) << r;
   }
 
@@ -1275,6 +1289,22 @@ TEST(DistributedCheckpointTest, PipelineCheckpointsContinueAtAnotherDegreeAndBac
   runs.compare("pp2", "pp2_on_pp2", 4, 0.0);  // bit for bit
   runs.compare("pp2", "pp2_on_pp1", 4, 1e-5);
   runs.compare("pp2", "pp1_on_pp2", 7, 1e-5);
+}
+
+// Two pipeline stages per rank, each sharded with FSDP2 (pp 2 x dp_shard 2 on 4 ranks, Interleaved1F1B;
+// label full): a checkpoint of step 3 (of 9) continues at the same layout bit for bit, on one
+// process within 1e-5, and that process's step-6 checkpoint on PP2 with 1F1B (one stage per rank,
+// no FSDP) within 1e-5. (The optimizer's groups are the same in every layout: those of every part
+// are merged.)
+TEST(DistributedCheckpointFullTest, InterleavedShardedPipelineCheckpointsContinueInOtherLayouts) {
+  CheckpointRuns runs(9, 3, /*untied=*/true);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(4, "ppi", Parallelism::kPpInterleaved));
+  runs.continue_on(4, "ppi", 3, "ppi_on_ppi", Parallelism::kPpInterleaved);
+  runs.continue_on(1, "ppi", 3, "ppi_on_one");
+  runs.continue_on(2, "ppi_on_one", 6, "one_on_pp2", Parallelism::kPp);
+  runs.compare("ppi", "ppi_on_ppi", 4, 0.0);  // bit for bit
+  runs.compare("ppi", "ppi_on_one", 4, 1e-5);
+  runs.compare("ppi", "one_on_pp2", 7, 1e-5);
 }
 
 // The acceptance (label `full`): checkpoint at step 10 on 4 ranks; continued on 4 ranks the

@@ -233,13 +233,21 @@ class Adam final : public Optimizer {
       parts_.push_back(part.shared());
       for (auto& pg : split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx,
                                             several_parts)) {
-        Group g;
+        // Several parts (a pipeline rank's stages) share their groups: the same group of every part is
+        // one group, so every layout (one process, PP2, two stages per rank, ...) has the same groups,
+        // and optimizer and scheduler state continue across layouts. The update is per parameter, so
+        // grouping changes no value.
+        const auto same = std::find_if(groups_.begin(), groups_.end(), [&](const Group& g) { return g.name == pg.name; });
+        const bool merged = same != groups_.end();
+        Group fresh;
+        Group& g = merged ? *same : fresh;
         g.name = pg.name;
         g.lr = c.lr;
         g.beta1 = c.betas[0];
         g.beta2 = c.betas[1];
         g.eps = c.eps;
         g.weight_decay = pg.weight_decay;
+        const std::size_t group_index = merged ? static_cast<std::size_t>(same - groups_.begin()) : groups_.size();
         for (auto& [name, tensor] : pg.params) {
           if (!seen.insert(tensor.unsafeGetTensorImpl()).second) {
             ctx.warn(
@@ -261,9 +269,9 @@ class Adam final : public Optimizer {
             throw ConfigError("wrapped_model", fmt::format("parameter '{}' is complex; not supported", name));
           index_.emplace(name, params_.size());
           g.params.push_back(params_.size());
-          params_.push_back(Param{name, tensor, groups_.size(), {}, {}, {}});
+          params_.push_back(Param{name, tensor, group_index, {}, {}, {}});
         }
-        groups_.push_back(std::move(g));
+        if (!merged) groups_.push_back(std::move(fresh));
       }
     }
   }
