@@ -1291,6 +1291,19 @@ TEST(DistributedCheckpointTest, PipelineCheckpointsContinueAtAnotherDegreeAndBac
   runs.compare("pp2", "pp1_on_pp2", 7, 1e-5);
 }
 
+// FSDP2 x TP2 (tp_cpu.toml on 4 ranks: dp_shard 2 x tp 2; label full): a checkpoint of step 3 (of 9)
+// continues at the same layout bit for bit, on TP2 alone (2 ranks) and on one process within 1e-5.
+TEST(DistributedCheckpointFullTest, FsdpTimesTpCheckpointsContinueInOtherLayouts) {
+  CheckpointRuns runs(9, 3);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(4, "fxt", Parallelism::kTp));
+  runs.continue_on(4, "fxt", 3, "fxt_on_fxt", Parallelism::kTp);
+  runs.continue_on(2, "fxt", 3, "fxt_on_tp2", Parallelism::kTp);
+  runs.continue_on(1, "fxt", 3, "fxt_on_one");
+  runs.compare("fxt", "fxt_on_fxt", 4, 0.0);  // bit for bit
+  runs.compare("fxt", "fxt_on_tp2", 4, 1e-5);
+  runs.compare("fxt", "fxt_on_one", 4, 1e-5);
+}
+
 // Two pipeline stages per rank, each sharded with FSDP2 (pp 2 x dp_shard 2 on 4 ranks, Interleaved1F1B;
 // label full): a checkpoint of step 3 (of 9) continues at the same layout bit for bit, on one
 // process within 1e-5, and that process's step-6 checkpoint on PP2 with 1F1B (one stage per rank,
