@@ -17,6 +17,10 @@
 #                one rank: GPT-2 124M, FSDP2 with bf16 parameters and reductions, fused AdamW,
 #                micro-batch 16 x 1024 tokens, 20 steps on the bundled data; PyTorch's fully_shard on
 #                Modalities' GPT2LLM against ours, tokens/s and MFU
+#   ac           fsdp2_gpu_8.toml at one rank (as gpt2) without activation checkpointing (twice),
+#                with selective-op (ops.aten.mm.default) and with full checkpointing: peak memory
+#                and tokens/s; losses and grad norms compared step by step when the run without
+#                checkpointing is reproducible on this GPU (bf16 CUDA kernels may not be)
 #   configs      the single-GPU configs configs/gpu/gpt2_124m.toml and llama_1b.toml (bf16 compute,
 #                fp32 master weights) for 20 / 12 steps without accumulation on the bundled data:
 #                tokens/s, MFU and peak memory of ours (no Python peer: model/mixed_precision is ours)
@@ -26,7 +30,7 @@
 # .deps/bench venv of scripts/setup_bench_env.sh), --out DIR (default out/bench/gpu).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-only="collectives,quickstart,parity,gpt2,configs"
+only="collectives,quickstart,parity,gpt2,ac,configs"
 modalities="${root}/build-cuda/bin/modalities"
 python=""
 out="${root}/out/bench/gpu"
@@ -130,6 +134,69 @@ else:
     print("MFU: the mfu calculator reported none (GPU not in its table?)")
 EOF
   fi
+fi
+
+if want ac; then
+  step "ac: GPT-2 124M, FSDP2 bf16 at one rank: no / selective-op / full activation checkpointing"
+  mkdir -p "${out}/ac"
+  python3 "${root}/scripts/bench_training_config.py" --base "${root}/configs/distributed/fsdp2_gpu_8.toml" \
+    --out "${out}/ac/plain.toml" --set "settings.training_target.num_target_steps=20" \
+    --set "settings.intervals.training_log_interval_in_steps=1" \
+    --set "settings.intervals.checkpointing_interval_in_steps=20" \
+    --set "settings.intervals.evaluation_interval_in_steps=20" \
+    --set "checkpoint_saving.config.checkpoint_saving_strategy.config={ k = 0 }" \
+    --set "settings.step_profile.gradient_accumulation_steps=1" \
+    --set 'settings.step_profile.local_train_micro_batch_size.config={ global_batch_size = 16, dp_degree = "${settings.step_profile.dp_degree}", gradient_accumulation_steps = "${settings.step_profile.gradient_accumulation_steps}" }' \
+    --set "scheduler.config.warmup_steps=4"
+  # The checkpointed variants wrap the initialized model before sharding (Modalities' order).
+  python3 - "${out}/ac" <<'EOF'
+import pathlib, sys
+d = pathlib.Path(sys.argv[1])
+plain = (d / "plain.toml").read_text()
+old = '[model.config]\nmodel = { instance_key = "initialized_model"'
+assert old in plain
+for name, params in (("selective_op", '{ save_ops_keys = ["ops.aten.mm.default"] }'), ("full", "{}")):
+    variant = "selective_op_activation_checkpointing" if name == "selective_op" else "full_activation_checkpointing"
+    text = plain.replace(old, '[model.config]\nmodel = { instance_key = "checkpointed_model"')
+    text += (f'\n[checkpointed_model]\ncomponent_key = "model"\nvariant_key = "activation_checkpointed"\n'
+             f'config = {{ ac_variant = "{variant}", layers_fqn = "transformer.h", model = {{ instance_key = '
+             f'"initialized_model", pass_type = "BY_REFERENCE" }}, ac_fun_params = {params} }}\n')
+    (d / f"{name}.toml").write_text(text)
+EOF
+  cp "${out}/ac/plain.toml" "${out}/ac/plain_again.toml"
+  for name in plain plain_again selective_op full; do
+    rm -rf "${out}/ac/exp/${name}"
+    MODALITIES_PROGRESS=0 "${modalities}" run --config_file_path "${out}/ac/${name}.toml" \
+      --experiments_root_path "${out}/ac/exp" --experiment_id "${name}" >"${out}/ac/${name}.log" 2>&1 \
+      || { tail -n 20 "${out}/ac/${name}.log"; failed+=("ac/${name}"); }
+  done
+  python3 - "${out}/ac/exp" <<'EOF' || failed+=(ac-compare)
+import json, pathlib, statistics, sys
+exp = pathlib.Path(sys.argv[1])
+runs = {}
+for name in ("plain", "plain_again", "selective_op", "full"):
+    f = exp / name / "evaluation_results.jsonl"
+    if f.exists():
+        runs[name] = [r for r in map(json.loads, f.open()) if r.get("dataloader_tag") == "train"]
+if len(runs) != 4:
+    sys.exit(1)
+curve = lambda rs: [(r["losses"], r["metrics"]) for r in rs]
+reproducible = curve(runs["plain"]) == curve(runs["plain_again"])
+for name, rs in runs.items():
+    tps = statistics.median(r["throughput_metrics"]["train samples/s"] for r in rs[1:]) * 1024
+    mem = max(v for r in rs for k, v in r["throughput_metrics"].items() if k.startswith("peak memory"))
+    same = "identical to" if curve(rs) == curve(runs["plain"]) else "different from"
+    print(f"{name:>13}: {tps:8.0f} tokens/s (median), peak memory {mem / 1024:6.2f} GiB, "
+          f"losses and grad norms {same} the first run without checkpointing")
+if reproducible:
+    bad = [n for n in ("selective_op", "full") if curve(runs[n]) != curve(runs["plain"])]
+    if bad:
+        print(f"checkpointing changed the results of a reproducible run: {bad}")
+        sys.exit(1)
+else:
+    print("the run without checkpointing is not reproducible on this GPU (two runs differ), so the curves of the "
+          "checkpointed runs cannot be compared bit for bit here; the CPU tests compare them (plugins/model_wrappers)")
+EOF
 fi
 
 if want configs; then
