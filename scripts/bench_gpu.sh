@@ -17,7 +17,8 @@
 #                one rank: GPT-2 124M, FSDP2 with bf16 parameters and reductions, fused AdamW,
 #                micro-batch 16 x 1024 tokens, 20 steps on the bundled data; PyTorch's fully_shard on
 #                Modalities' GPT2LLM against ours, tokens/s and MFU
-#   ac           fsdp2_gpu_8.toml at one rank (as gpt2) without activation checkpointing (twice),
+#   ac           fsdp2_gpu_8.toml at one rank (as gpt2, but without biases: Modalities' selective op
+#                keeps only bias-free projections, aten.mm) without activation checkpointing (twice),
 #                with selective-op (ops.aten.mm.default) and with full checkpointing: peak memory
 #                and tokens/s; losses and grad norms compared step by step when the run without
 #                checkpointing is reproducible on this GPU (bf16 CUDA kernels may not be)
@@ -40,7 +41,7 @@ while [[ $# -gt 0 ]]; do
     --modalities) modalities="$2"; shift 2 ;;
     --python) python="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench_gpu.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -147,7 +148,7 @@ if want ac; then
     --set "checkpoint_saving.config.checkpoint_saving_strategy.config={ k = 0 }" \
     --set "settings.step_profile.gradient_accumulation_steps=1" \
     --set 'settings.step_profile.local_train_micro_batch_size.config={ global_batch_size = 16, dp_degree = "${settings.step_profile.dp_degree}", gradient_accumulation_steps = "${settings.step_profile.gradient_accumulation_steps}" }' \
-    --set "scheduler.config.warmup_steps=4"
+    --set "scheduler.config.warmup_steps=4" --set "model_raw.config.bias=false"
   # The checkpointed variants wrap the initialized model before sharding (Modalities' order).
   python3 - "${out}/ac" <<'EOF'
 import pathlib, sys

@@ -51,6 +51,9 @@ if [[ "${base}" == "${root}/configs/quickstart/train.toml" ]] && (( steps <= 10 
   exit 2
 fi
 [[ -x "${modalities}" ]] || { echo "bench_training.sh: ${modalities} is missing (see scripts/setup.sh / scripts/build.sh)" >&2; exit 1; }
+if [[ -n "${python}" && "${python}" == */* ]]; then
+  python="$(cd "$(dirname "${python}")" && pwd)/$(basename "${python}")"  # the reference runs in ${out}
+fi
 if [[ -z "${python}" ]]; then
   # The Python side: Modalities 0.5.0 and torch 2.11.0 as pinned in scripts/bench-requirements.txt.
   python="${root}/.deps/bench/bin/python"

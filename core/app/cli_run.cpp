@@ -379,7 +379,8 @@ double process_group_timeout(const RunArgs& a) {
       throw Error(fmt::format("{}: expected a number of seconds (a literal: it is read before interpolation), got {}",
                               what, node->type_name()));
   }
-  if (!(seconds > 0)) throw Error(fmt::format("{} must be a positive number of seconds, got {}", what, seconds));
+  if (!(seconds > 0) || seconds > 1e7)
+    throw Error(fmt::format("{} must be a positive number of seconds up to 1e7, got {}", what, seconds));
   return seconds;
 }
 

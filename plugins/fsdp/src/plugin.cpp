@@ -35,7 +35,10 @@ struct Fsdp2Config {
 
   static void describe(Schema<Fsdp2Config>& s) {
     using C = Fsdp2Config;
-    s.field("model", &C::model, "The model to shard (materialized, on the run device).").required();
+    s.field("model", &C::model,
+            "The model to shard (materialized; a CPU model moves to the run device), or a list of parts (a pipeline "
+            "rank's stages), which gives the list of their sharded modules.")
+        .required();
     s.field("block_names", &C::block_names,
             "Class names of the blocks sharded as units, e.g. [\"GPT2Block\"]; names the model does not have are "
             "ignored, as in Modalities.")
@@ -181,7 +184,8 @@ std::shared_ptr<Module> wrap_fsdp1(const Fsdp1Config& c) {
 // or LoopedBFS, from pipeline/selector MODEL_PART) and returns the same shape: a Module, or a list
 // of Modules, each part sharded by an engine of its own over the same dp_shard group. The ranks of
 // a dp_shard group hold the same stages and run the same schedule, so the engines' collectives are
-// issued in the same order on all of them.
+// issued in the same order on all of them. One part gives a Module (not a list of one), as
+// Modalities' one-model configs expect.
 Value wrap_all(const Fsdp2Config& c, const std::string& origin) {
   if (c.model.parts.size() == 1)
     return Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, c.model.parts.front().shared())),

@@ -30,10 +30,12 @@ namespace sac = selective_checkpoint;
 // Note [Selective checkpointing of the fused ops]
 // Under model/activation_checkpointed with selective_op_activation_checkpointing and the key
 // "ops.aten.mm.default", the projection ops (fused_linear: 1 matmul, fused_qkv: 3, fused_swiglu:
-// 2) are Modalities' aten.mm calls: each asks an OpSlot (modalities/sdk/selective_checkpoint.h),
+// 2) stand for PyTorch's aten.mm calls. A projection with a bias is aten.addmm in PyTorch (linear
+// folds the bias into addmm), which Modalities' policy neither keeps nor counts, so only the
+// bias-free projections count. Each op asks an OpSlot (modalities/sdk/selective_checkpoint.h),
 // which keeps its outputs from the block's first forward when Modalities' policy would keep one
-// of its matmuls (the odd-numbered ones), and hands them back in the recomputation, which then
-// skips these projections; the backward node is recorded on the kept tensors as usual (it saves
+// of its counted matmuls (the odd-numbered ones), and hands them back in the recomputation, which
+// then skips these projections; the backward node is recorded on the kept tensors as usual (it saves
 // the inputs and weights, not the outputs, plus SwiGLU's intermediates, which are kept with it).
 // Nothing here draws random numbers, so skipping them leaves the dropout masks unchanged.
 namespace {
@@ -574,11 +576,11 @@ class MergeHeadsBackward final : public Node {
 }  // namespace
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  sac::OpSlot slot(sac::Op::kMatmul);  // Note [Selective checkpointing of the fused ops]
+  sac::OpSlot slot(sac::Op::kMatmul, b.defined() ? 0 : 1);  // Note [Selective checkpointing of the fused ops]
   if (!row_major(x) || !row_major(w)) return at::linear(x, w, b);
   at::Tensor y;
   if (slot.reuse()) {
-    y = slot.take()[0];
+    y = slot.take(1)[0];
   } else {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     y = linear_forward(x, w, b);
@@ -642,7 +644,7 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
 Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, const at::Tensor& wk,
               const at::Tensor& bk, const at::Tensor& wv, const at::Tensor& bv, std::int64_t B, std::int64_t T,
               std::int64_t hd, const HeadsSpec& q, const HeadsSpec& k, const HeadsSpec& v) {
-  sac::OpSlot slot(sac::Op::kMatmul, /*matmuls=*/3);  // Note [Selective checkpointing of the fused ops]
+  sac::OpSlot slot(sac::Op::kMatmul, (bq.defined() ? 0 : 1) + (bk.defined() ? 0 : 1) + (bv.defined() ? 0 : 1));
   const HeadsSpec* specs[3] = {&q, &k, &v};
   const at::Tensor* ws[3] = {&wq, &wk, &wv};
   const at::Tensor* bs[3] = {&bq, &bk, &bv};
@@ -659,7 +661,7 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
   }
   at::Tensor out[3];
   if (slot.reuse()) {
-    std::vector<at::Tensor> kept = slot.take();
+    std::vector<at::Tensor> kept = slot.take(3);
     for (int p = 0; p < 3; ++p) out[p] = std::move(kept[static_cast<std::size_t>(p)]);
   } else {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -696,11 +698,11 @@ Qkv fused_qkv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& bq, c
 
 at::Tensor fused_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bw, const at::Tensor& v,
                         const at::Tensor& bv) {
-  sac::OpSlot slot(sac::Op::kMatmul, /*matmuls=*/2);  // Note [Selective checkpointing of the fused ops]
+  sac::OpSlot slot(sac::Op::kMatmul, (bw.defined() ? 0 : 1) + (bv.defined() ? 0 : 1));  // Note [Selective ...]
   if (!row_major(x) || !row_major(w) || !row_major(v)) return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
   at::Tensor a, b, s, h;
   if (slot.reuse()) {
-    std::vector<at::Tensor> kept = slot.take();
+    std::vector<at::Tensor> kept = slot.take(4);
     a = std::move(kept[0]), s = std::move(kept[1]), b = std::move(kept[2]), h = std::move(kept[3]);
   } else {
     at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -122,9 +122,12 @@ class RecomputeBlock final : public torch::autograd::Node {
       RandomStateScope random(random_);
       at::AutoGradMode grad_mode(true);
       std::optional<selective_checkpoint::Pass> pass;
-      if (selective_) pass.emplace(selective_->save, selective_->kept, /*recompute=*/true);
+      if (selective_) {
+        selective_->kept->next = 0;  // every recomputation reads the kept outputs from the start
+        pass.emplace(selective_->save, selective_->kept, /*recompute=*/true);
+      }
       y = run_(x);
-      TORCH_CHECK(!selective_ || selective_->kept->empty(),
+      TORCH_CHECK(!selective_ || selective_->kept->next == selective_->kept->entries.size(),
                   "selective activation checkpointing: the recomputation of a block did not use every op output its "
                   "first forward kept (the block ran different ops the second time)");
     }

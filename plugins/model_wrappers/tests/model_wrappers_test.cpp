@@ -62,13 +62,22 @@ config = { ac_variant = "selective_layer_activation_checkpointing", layers_fqn =
 )";
 
 // Selective op checkpointing of a copy ("selective_op_raw"): every block, the projections' outputs
-// kept under Modalities' every-second-matmul policy (aten.max: nothing computes it).
+// kept under Modalities' every-second-matmul policy (aten.max: nothing computes it). Only
+// projections without a bias count as aten.mm (PyTorch computes the others as addmm), so the
+// tests give this copy no biases (nobias()) and compare it with a bias-free plain model.
 constexpr const char* kSelectiveOp = R"(
 [selective_op]
 component_key = "model"
 variant_key = "activation_checkpointed"
 config = { ac_variant = "selective_op_activation_checkpointing", layers_fqn = "transformer.h", model = { instance_key = "selective_op_raw", pass_type = "BY_REFERENCE" }, ac_fun_params = { save_ops_keys = ["ops.aten.mm.default", "ops.aten.max.default"] } }
 )";
+
+// `table` with bias = false.
+std::string nobias(std::string table) {
+  const auto at = table.find("bias = true");
+  if (at == std::string::npos) throw std::runtime_error("the example's model has no 'bias = true'");
+  return table.replace(at, 11, "bias = false");
+}
 
 // The next-token loss of `m` on `ids`, dropout drawn after seeding.
 at::Tensor clm_loss(Module& m, const at::Tensor& ids) {
@@ -100,18 +109,32 @@ void expect_same_gradients(Module& got, Module& want, const std::string& what) {
 TEST(ActivationCheckpointingTest, FullEverySecondBlockAndSelectiveOpGiveTheGradientsOfNoCheckpointingBitForBit) {
   std::string text = example();
   text += copy_of_raw(text, "plain") + copy_of_raw(text, "every_second_raw") + kEverySecond +
-          copy_of_raw(text, "selective_op_raw") + kSelectiveOp;
+          nobias(copy_of_raw(text, "plain_nobias")) + nobias(copy_of_raw(text, "selective_op_raw")) + kSelectiveOp;
   Harness h = harness(text);
   const auto plain = h.get<Module>("plain");
   ASSERT_NE(plain, nullptr) << h.build_error();
   const auto ids = at::randint(0, 128, {4, 32}, at::kLong);
   const at::Tensor want = train_step(*plain, ids);
-  for (const char* key : {"model", "every_second", "model_fsdp1_style", "selective_op"}) {
+  for (const char* key : {"model", "every_second", "model_fsdp1_style"}) {
     const auto m = h.get<Module>(key);
     ASSERT_NE(m, nullptr) << h.build_error();
     const at::Tensor got = train_step(*m, ids);
     EXPECT_TRUE(at::equal(got, want)) << key << ": loss " << got.item<double>() << " vs " << want.item<double>();
     expect_same_gradients(*m, *plain, key);
+  }
+  {
+    // Selective op (bias-free, so its projections count): also with a second backward through
+    // the same graph (retain_graph), which recomputes and reuses the kept outputs again.
+    const auto plain_nobias = h.get<Module>("plain_nobias");
+    const auto selective = h.get<Module>("selective_op");
+    ASSERT_NE(selective, nullptr) << h.build_error();
+    for (Module* m : {plain_nobias.get(), selective.get()}) {
+      m->train(true);
+      at::Tensor loss = clm_loss(*m, ids);
+      loss.backward({}, /*retain_graph=*/true);
+      loss.backward();
+    }
+    expect_same_gradients(*selective, *plain_nobias, "selective_op (two backwards)");
   }
   // Evaluation (no grad) runs the blocks once, as without checkpointing. (The manual attention
   // applies its dropout in every mode, as Modalities' does, hence the seed.)
@@ -261,15 +284,20 @@ TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
   for (const auto& [from, to] : std::map<std::string, std::string>{
            {"n_layer = 4", "n_layer = 8"}, {"sequence_length = 32", "sequence_length = 256"}})
     for (std::size_t at; (at = base.find(from)) != std::string::npos;) base.replace(at, from.size(), to);
+  // The same selective op on a copy with biases ("selective_op_bias").
+  std::string selective_bias = kSelectiveOp;
+  selective_bias.replace(selective_bias.find("[selective_op]"), 14, "[selective_op_bias]");
+  selective_bias.replace(selective_bias.find("\"selective_op_raw\""), 18, "\"selective_op_bias_raw\"");
   const std::string text = base + copy_of_raw(base, "plain") + copy_of_raw(base, "every_second_raw") + kEverySecond +
-                           copy_of_raw(base, "selective_op_raw") + kSelectiveOp;
+                           nobias(copy_of_raw(base, "selective_op_raw")) + kSelectiveOp +
+                           copy_of_raw(base, "selective_op_bias_raw") + selective_bias;
   Harness h = harness(text);
   ASSERT_NE(h.get<Module>("plain"), nullptr) << h.build_error();
   static CountingAllocator counting(c10::GetDefaultCPUAllocator());
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   const auto ids = at::randint(0, 128, {8, 256}, at::kLong);
   std::map<std::string, std::int64_t> kept;
-  for (const char* key : {"plain", "every_second", "selective_op", "model"}) {
+  for (const char* key : {"plain", "every_second", "selective_op", "selective_op_bias", "model"}) {
     const auto m = h.get<Module>(key);
     m->train(true);
     for (int warm = 0; warm < 2; ++warm) {  // the second round is measured (first-touch effects gone)
@@ -293,9 +321,11 @@ TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
   EXPECT_LT(kept["every_second"], kept["plain"]);
   EXPECT_LT(kept["model"], kept["every_second"]);
   EXPECT_LT(kept["model"] * 2, kept["plain"]);
-  // Selective op keeps some projections' outputs of every block: between full and nothing.
+  // Selective op keeps some projections' outputs of every block: between full and nothing. With
+  // biases its projections are addmm for Modalities' policy: nothing is kept, as with full.
   EXPECT_LT(kept["model"], kept["selective_op"]);
   EXPECT_LT(kept["selective_op"], kept["plain"]);
+  EXPECT_EQ(kept["selective_op_bias"], kept["model"]);
 }
 
 }  // namespace

@@ -12,7 +12,7 @@
 //   selective_checkpoint::OpSlot slot(selective_checkpoint::Op::kMatmul, /*matmuls=*/1);
 //   at::Tensor y;
 //   if (slot.reuse()) {
-//     y = slot.take()[0];                    // the recomputation: the value of the first forward
+//     y = slot.take(1)[0];                   // the recomputation: the value of the first forward
 //   } else {
 //     { at::AutoDispatchBelowADInplaceOrView g; y = at::mm(x, w.t()); }
 //     slot.keep({y});                        // the first forward: kept if the policy saves it
@@ -31,20 +31,32 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <set>
 #include <vector>
 
 namespace modalities::selective_checkpoint {
 
-/// The kinds of op a policy can keep. kMatmul: a projection (x W^T (+ b)), or a fused op holding
-/// several (it says how many); Modalities' key "ops.aten.mm.default".
+/// The kinds of op a policy can keep. kMatmul: a projection x W^T without a bias, or a fused op
+/// holding several (it says how many); Modalities' key "ops.aten.mm.default" (with a bias PyTorch
+/// computes aten.addmm, which that key does not name: such a projection counts 0 matmuls).
 enum class Op : int { kMatmul = 0 };
 
-/// The outputs kept by one block's first forward, in call order.
-using Kept = std::deque<std::vector<at::Tensor>>;
+/// The outputs kept by one block's first forward, in call order, each with the op and the number
+/// of its call among the pass's kept ops (checked when the recomputation takes them); `next` is
+/// where the current recomputation reads (every recomputation reads all of them, from the start:
+/// a second backward with retain_graph recomputes again).
+struct Kept {
+  struct Entry {
+    Op op;
+    std::int64_t call;
+    std::vector<at::Tensor> outputs;
+  };
+  std::vector<Entry> entries;
+  std::size_t next = 0;
+};
 
 /// One pass through a selectively checkpointed block (the first forward, or the recomputation in
 /// backward), active on this thread for its lifetime. Modalities' policy: an op is kept when its
@@ -60,6 +72,8 @@ class MODALITIES_SDK_API Pass {
 
   /// Whether the current op (of `matmuls` matmuls) is kept; counts it.
   bool decide(Op op, int matmuls);
+  /// Number of kept ops decided so far in this pass (identifies an entry of Kept).
+  std::int64_t kept_calls() const { return kept_calls_; }
   bool recompute() const { return recompute_; }
   Kept& kept() { return *kept_; }
 
@@ -68,6 +82,7 @@ class MODALITIES_SDK_API Pass {
   std::shared_ptr<Kept> kept_;
   bool recompute_;
   std::int64_t matmuls_ = 0;
+  std::int64_t kept_calls_ = 0;
   Pass* outer_;
 };
 
@@ -77,14 +92,16 @@ class MODALITIES_SDK_API OpSlot {
   explicit OpSlot(Op op, int matmuls = 1);
   /// True in a recomputation when this op's outputs were kept: take() them instead of computing.
   bool reuse() const { return reuse_; }
-  /// The kept outputs (reuse() only); throws modalities::Error when the recomputation asks for
-  /// other ops than the first forward ran.
-  std::vector<at::Tensor> take();
+  /// The `count` kept outputs (reuse() only); throws modalities::Error when the recomputation asks
+  /// for other ops, or other outputs, than the first forward kept.
+  std::vector<at::Tensor> take(std::size_t count);
   /// In a first forward: keeps `outputs` when the policy saves this op. Elsewhere: nothing.
   void keep(std::vector<at::Tensor> outputs);
 
  private:
   Pass* pass_ = nullptr;
+  Op op_ = Op::kMatmul;
+  std::int64_t call_ = -1;
   bool kept_ = false;
   bool reuse_ = false;
 };
