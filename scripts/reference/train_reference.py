@@ -30,7 +30,7 @@ torch.cuda.synchronize() per step, so a step's time is its GPU work.
 """
 import argparse
 import json
-import os
+import tempfile
 import time
 import tomllib
 
@@ -149,9 +149,9 @@ def to_gpu(cfg, model):
     mps = wc.get("mixed_precision_settings", {})
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[mps.get("param_dtype", "FP_32")],
                               reduce_dtype=DTYPES[mps.get("reduce_dtype", "FP_32")])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # One rank: rendezvous through a FileStore in a temporary folder (no port to collide with).
+    store = tempfile.mkdtemp(prefix="train_reference_")
+    dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
     mesh = init_device_mesh("cuda", (1,))
     reshard = wc.get("reshard_after_forward", True)
     for block in model.transformer.h.values():
