@@ -641,11 +641,20 @@ TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
 
 // configs/distributed/pp_cpu.toml for a short run with `schedule` (in both pipeline components)
 // and `layers_per_stage` (2: two stages, one per rank; 1: four stages, two per rank).
-std::string pp_config(int steps, const std::string& schedule = "gpipe", int layers_per_stage = 2) {
-  std::string text = distributed_config("pp_cpu.toml", steps);
+std::string pp_config(int steps, const std::string& schedule = "gpipe", int layers_per_stage = 2,
+                      const std::string& file = "pp_cpu.toml", int checkpoint_every = 0) {
+  std::string text = distributed_config(file, steps, 1, checkpoint_every);
   for (int k = 0; k < 2; ++k)
     text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"" + schedule + "\"");
   return edited(text, "num_layers_per_stage = 2", fmt::format("num_layers_per_stage = {}", layers_per_stage));
+}
+
+// PP4 with 1F1B: one layer-equivalent per stage, so rank 0 holds the embedding alone (no parameter
+// with weight decay on that rank: its optimizer group is empty there, not on every rank).
+std::string pp4_config(int steps) {
+  std::string text = pp_config(steps, "1F1B", 1);
+  text = edited(text, "pipeline_parallel_degree = 2", "pipeline_parallel_degree = 4");
+  return edited(text, "pp_degree = 2", "pp_degree = 4");
 }
 
 // The one-process reference of a pipeline: the same model without weight tying.
@@ -670,14 +679,15 @@ TEST(DistributedRunTest, EveryParallelismOnTwoRanksTrainsLikeOneProcess) {
 }
 
 // The acceptance (label `full`): PP2 with GPipe, 1F1B, interleaved 1F1B with 2 stages per
-// rank and looped BFS, 20 steps each.
+// rank and looped BFS, and PP4 with 1F1B (a stage holding only the embedding), 20 steps each.
 TEST(DistributedPpFullTest, EveryScheduleTrainsLikeOneProcess) {
   constexpr int kSteps = 20;
   expect_layouts_train_like_one_process(kSteps,
                                         {{"pp2_gpipe", 2, pp_config(kSteps, "gpipe")},
                                          {"pp2_1f1b", 2, pp_config(kSteps, "1F1B")},
                                          {"pp2_interleaved_v2", 2, pp_config(kSteps, "Interleaved1F1B", 1)},
-                                         {"pp2_looped_bfs_v2", 2, pp_config(kSteps, "LoopedBFS", 1)}},
+                                         {"pp2_looped_bfs_v2", 2, pp_config(kSteps, "LoopedBFS", 1)},
+                                         {"pp4_1f1b", 4, pp4_config(kSteps)}},
                                         untied);
 }
 
@@ -687,10 +697,7 @@ TEST(DistributedPpFullTest, EveryScheduleTrainsLikeOneProcess) {
 TEST(DistributedPpFullTest, PipelineStagesShardedWithFsdp2TrainLikeOneProcess) {
   constexpr int kSteps = 20;
   const auto config = [&](const std::string& schedule, int layers_per_stage) {
-    std::string text = distributed_config("pp_fsdp2_cpu.toml", kSteps);
-    for (int k = 0; k < 2; ++k)
-      text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"" + schedule + "\"");
-    return edited(text, "num_layers_per_stage = 2", fmt::format("num_layers_per_stage = {}", layers_per_stage));
+    return pp_config(kSteps, schedule, layers_per_stage, "pp_fsdp2_cpu.toml");
   };
   expect_layouts_train_like_one_process(kSteps,
                                         {{"pp2_fsdp2x2_gpipe", 4, config("gpipe", 2)},
@@ -1162,13 +1169,9 @@ class CheckpointRuns {
                              dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))};
     configs_[Parallelism::kPp] = {dir_.write("train_pp.toml", distributed_config("pp_cpu.toml", steps, 1, every)),
                              dir_.write("resume_pp.toml", distributed_config("pp_cpu_warmstart.toml", steps, 1, every))};
-    const auto interleaved = [](std::string text) {
-      for (int k = 0; k < 2; ++k) text = edited(text, "pp_schedule_name = \"gpipe\"", "pp_schedule_name = \"Interleaved1F1B\"");
-      return edited(text, "num_layers_per_stage = 2", "num_layers_per_stage = 1");
-    };
     // pp_fsdp2_cpu.toml has no warm-start twin: continue_on resumes it with
     // `run --resume_from_checkpoint_info`, which derives the warm-start form itself.
-    const auto ppi = dir_.write("train_ppi.toml", interleaved(distributed_config("pp_fsdp2_cpu.toml", steps, 1, every)));
+    const auto ppi = dir_.write("train_ppi.toml", pp_config(steps, "Interleaved1F1B", 1, "pp_fsdp2_cpu.toml", every));
     configs_[Parallelism::kPpInterleaved] = {ppi, ppi};
   }
 

@@ -6,6 +6,7 @@
 // and `fused = true` calls PyTorch's own fused kernels. Same library, same machine: bit-identical
 // to torch.optim's algorithm; against Python torch.optim run elsewhere: within a few ulps (the
 // vectorised kernels may round differently on another CPU; tests/optimizers_test.cpp). State per parameter is PyTorch's: step (float32 0-dim), exp_avg, exp_avg_sq.
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
@@ -122,15 +123,16 @@ struct PartGroup {
   std::string name;
   double weight_decay;
   NamedTensors params;
+  std::string if_empty;  // the config error when the group is empty on every rank
 };
 
-// `several_parts`: pipeline stages of one model: a stage may lack a group (the embeddings alone have
-// no decayed parameter). The group is kept, empty (Modalities drops it): every pipeline rank then has
-// the same number of groups, so the per-group scheduler state has one shape on every rank and a
-// checkpoint holds it once.
+// A part's groups, empty ones included: a pipeline stage may lack a group (the embeddings alone have
+// no decayed parameter), and so may a rank whose FSDP shards of a group are all empty. Such a group
+// is kept (Modalities drops it), so every rank has the same groups and the per-group scheduler state
+// has one shape everywhere. Only a group that is empty on every rank is a config error (Adam's
+// constructor checks that once all parts are grouped).
 std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::string& origin, double weight_decay,
-                                             const std::vector<std::string>& excluded, BuildContext& ctx,
-                                             bool several_parts = false) {
+                                             const std::vector<std::string>& excluded, BuildContext& ctx) {
   NamedTensors trainable;
   std::int64_t trainable_numel = 0;
   for (auto& [name, p] : model.named_parameters()) {
@@ -139,7 +141,7 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
     trainable_numel += p.numel();
     trainable.emplace_back(name, p);
   }
-  if (weight_decay == 0.0 || excluded.empty()) return {{"all", weight_decay, std::move(trainable)}};
+  if (weight_decay == 0.0 || excluded.empty()) return {{"all", weight_decay, std::move(trainable), {}}};
 
   // Note: Modalities requires an FSDP1/FSDP2-wrapped model here; any Module is accepted.
   const auto declared = model.weight_decay_groups();
@@ -155,7 +157,7 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
 
   // Declared groups in the model's order (std::map: by name). Order inside a group only decides
   // the order of the update, never its result.
-  PartGroup decayed{"with_weight_decay", weight_decay, {}}, not_decayed{"without_weight_decay", 0.0, {}};
+  PartGroup decayed{"with_weight_decay", weight_decay, {}, {}}, not_decayed{"without_weight_decay", 0.0, {}, {}};
   std::map<std::string, int> hits;
   for (const auto& [group, patterns] : declared) {
     std::vector<std::regex> regexes;
@@ -176,14 +178,11 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
       (is_excluded ? not_decayed : decayed).params.emplace_back(name, p);
     }
   }
-  for (const PartGroup* g : {&decayed, &not_decayed})
-    if (g->params.empty() && !several_parts)
-      throw ConfigError(
-          "weight_decay_groups_excluded",
-          fmt::format("optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
-                      "weight-decay group (model groups: {}; excluded: {})",
-                      g->name, origin, g == &decayed ? "non-excluded" : "excluded",
-                      declared_names.empty() ? "none" : quoted_list(declared_names), quoted_list(excluded)));
+  for (PartGroup* g : {&decayed, &not_decayed})
+    g->if_empty = fmt::format("optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
+                              "weight-decay group (model groups: {}; excluded: {})",
+                              g->name, origin, g == &decayed ? "non-excluded" : "excluded",
+                              declared_names.empty() ? "none" : quoted_list(declared_names), quoted_list(excluded));
   std::int64_t grouped = 0;
   for (const PartGroup* g : {&decayed, &not_decayed})
     for (const auto& [_, p] : g->params) grouped += p.numel();
@@ -228,26 +227,28 @@ class Adam final : public Optimizer {
     impl_ = c.fused.value_or(false) ? Impl::kFused : c.foreach.value_or(true) ? Impl::kForeach : Impl::kSingleTensor;
     std::unordered_map<std::string, std::string> owner;  // fqn -> part origin, for duplicate FQNs
     std::set<const c10::TensorImpl*> seen;
-    const bool several_parts = c.wrapped_model.parts.size() > 1;
+    std::vector<std::string> if_empty;  // per group
     for (const auto& part : c.wrapped_model.parts) {
       parts_.push_back(part.shared());
-      for (auto& pg : split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx,
-                                            several_parts)) {
+      for (auto& pg : split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
         // Several parts (a pipeline rank's stages) share their groups: the same group of every part is
         // one group, so every layout (one process, PP2, two stages per rank, ...) has the same groups,
         // and optimizer and scheduler state continue across layouts. The update is per parameter, so
         // grouping changes no value.
-        const auto same = std::find_if(groups_.begin(), groups_.end(), [&](const Group& g) { return g.name == pg.name; });
-        const bool merged = same != groups_.end();
-        Group fresh;
-        Group& g = merged ? *same : fresh;
-        g.name = pg.name;
-        g.lr = c.lr;
-        g.beta1 = c.betas[0];
-        g.beta2 = c.betas[1];
-        g.eps = c.eps;
-        g.weight_decay = pg.weight_decay;
-        const std::size_t group_index = merged ? static_cast<std::size_t>(same - groups_.begin()) : groups_.size();
+        auto same = std::find_if(groups_.begin(), groups_.end(), [&](const Group& g) { return g.name == pg.name; });
+        if (same == groups_.end()) {
+          Group g;
+          g.name = pg.name;
+          g.lr = c.lr;
+          g.beta1 = c.betas[0];
+          g.beta2 = c.betas[1];
+          g.eps = c.eps;
+          g.weight_decay = pg.weight_decay;
+          groups_.push_back(std::move(g));
+          if_empty.push_back(pg.if_empty);
+          same = groups_.end() - 1;
+        }
+        const std::size_t group_index = static_cast<std::size_t>(same - groups_.begin());
         for (auto& [name, tensor] : pg.params) {
           if (!seen.insert(tensor.unsafeGetTensorImpl()).second) {
             ctx.warn(
@@ -268,12 +269,16 @@ class Adam final : public Optimizer {
           if (tensor.is_complex())
             throw ConfigError("wrapped_model", fmt::format("parameter '{}' is complex; not supported", name));
           index_.emplace(name, params_.size());
-          g.params.push_back(params_.size());
+          groups_[group_index].params.push_back(params_.size());
           params_.push_back(Param{name, tensor, group_index, {}, {}, {}});
         }
-        if (!merged) groups_.push_back(std::move(fresh));
       }
     }
+    // A group may be empty on this rank (a pipeline stage, empty shards), not on every rank. A
+    // collective when several ranks build the optimizer (every rank, at the same point of the graph).
+    for (std::size_t k = 0; k < groups_.size(); ++k)
+      if (!dist::any_rank(!groups_[k].params.empty()) && !if_empty[k].empty())
+        throw ConfigError("weight_decay_groups_excluded", if_empty[k]);
   }
 
   void step() override {
