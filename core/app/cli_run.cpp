@@ -362,13 +362,12 @@ std::string human_seconds(double s) {
 
 // The process group's timeout: --process_group_timeout_s, else settings.process_group_timeout_s of
 // the config (a literal number: the group exists before interpolation runs), else 600 s.
-double process_group_timeout(const RunArgs& a) {
+double process_group_timeout(const RunArgs& a, const core::ConfigNode& root) {
   double seconds = 600;
   std::string what = "--process_group_timeout_s";
   if (a.process_group_timeout_s) {
     seconds = *a.process_group_timeout_s;
   } else {
-    const core::ConfigNode root = core::load_toml_file(a.config_file_path);
     const core::ConfigNode* settings = root.find("settings");
     const core::ConfigNode* node = settings && settings->is_table() ? settings->find("process_group_timeout_s") : nullptr;
     if (node == nullptr) return seconds;
@@ -398,8 +397,11 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
   if (!load_plugins_or_report(host, popts)) return kPluginError;
   record_plugin_versions(registry);
   try {
+    // Read once: the process-group timeout comes from it before the group exists; interpolation and
+    // the warm-start form come after.
+    core::ConfigNode root = core::load_toml_file(a.config_file_path);
     if (launch.distributed()) {
-      const double timeout_s = process_group_timeout(a);
+      const double timeout_s = process_group_timeout(a, root);
       dist::RuntimeOptions ro;
       ro.timeout = std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
       dist::init(launch, ro);
@@ -416,7 +418,6 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
         throw Error(fmt::format("--last_checkpoint_info_file_path {}: no such file", a.last_checkpoint_info_file_path));
       resolvers.add(warmstart_resolver(a.last_checkpoint_info_file_path));
     }
-    core::ConfigNode root = core::load_toml_file(a.config_file_path);
     std::optional<std::string> resumed;
     if (!a.resume_from.empty()) resumed = resume_config_from(root, a.resume_from);
     core::resolve_interpolations(root, resolvers);

@@ -165,10 +165,12 @@ class DataLedger {
     const auto n = static_cast<std::int64_t>(pending_.size());
     at::Tensor t = at::empty({3, std::max<std::int64_t>(n, 1)}, at::kLong).zero_();
     auto a = t.accessor<std::int64_t, 2>();
-    for (std::int64_t k = 0; k < n && counted_; ++k) {
-      a[0][k] = pending_[static_cast<std::size_t>(k)].hash;
-      a[1][k] = pending_[static_cast<std::size_t>(k)].samples;
-      a[2][k] = pending_[static_cast<std::size_t>(k)].unknown;
+    if (counted_) {  // the others join the all-reduce with zeros
+      for (std::int64_t k = 0; k < n; ++k) {
+        a[0][k] = pending_[static_cast<std::size_t>(k)].hash;
+        a[1][k] = pending_[static_cast<std::size_t>(k)].samples;
+        a[2][k] = pending_[static_cast<std::size_t>(k)].unknown;
+      }
     }
     if (dist::initialized()) {
       std::vector<at::Tensor> v = {t};
@@ -706,14 +708,8 @@ GymSummary run_gym(GymComponents& components, const GymOptions& options) {
 i64 count_trainable_parameters(const GymComponents& c) {
   std::vector<const Module*> parts;
   for (const auto& part : c.app_state->model_parts()) parts.push_back(part.get());
-  const i64 local = modalities::count_trainable_parameters(parts);
-  // A pipeline rank holds its stages only: the model's count is the sum over the world divided by
-  // the ranks that hold each stage alike (world / pp; their counts are whole stages already).
-  if (!c.scheduled_pipeline || !dist::initialized() || !c.device_mesh || !c.device_mesh->has_dim("pp")) return local;
-  std::vector<at::Tensor> t = {at::full({1}, static_cast<double>(local), at::kDouble)};
-  dist::world()->allreduce(t)->wait();
-  const double holders = static_cast<double>(dist::world_size()) / static_cast<double>(c.device_mesh->size("pp"));
-  return static_cast<i64>(std::llround(t.front().item<double>() / holders));
+  // A pipeline rank holds its stages only: summed over the pp group.
+  return modalities::count_trainable_parameters(parts, c.scheduled_pipeline ? c.device_mesh.get() : nullptr);
 }
 
 std::string training_report(const GymComponents& c, i64 num_parameters) {

@@ -37,7 +37,9 @@
 #include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/python_format.h>
 
+#include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <c10/core/ScalarType.h>
 
 #include <fmt/core.h>
@@ -215,6 +217,14 @@ std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts)
     }
   }
   return n;
+}
+
+std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts, const DeviceMesh* mesh) {
+  std::int64_t n = count_trainable_parameters(parts);
+  if (mesh == nullptr || !mesh->has_dim("pp") || mesh->size("pp") <= 1) return n;
+  std::vector<at::Tensor> t = {at::full({1}, n, at::kLong)};
+  mesh->process_group("pp")->allreduce(t)->wait();
+  return t.front().item<std::int64_t>();
 }
 
 // --- Module defaults: an unwrapped model whose module() tree has canonical names --

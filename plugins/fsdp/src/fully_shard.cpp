@@ -220,10 +220,9 @@ class Engine {
   void move_to_run_device() {
     const c10::Device device = run_device();
     if (device.is_cpu()) return;
-    bool on_cpu = false;
-    for (const auto& item : inner_->module().named_parameters(/*recurse=*/true))
-      on_cpu = on_cpu || (item.value().defined() && item.value().is_cpu());
-    if (on_cpu) inner_->to(device, std::nullopt);
+    const auto params = inner_->module().parameters(/*recurse=*/true);
+    if (std::any_of(params.begin(), params.end(), [](const at::Tensor& t) { return t.defined() && t.is_cpu(); }))
+      inner_->to(device, std::nullopt);
   }
 
   void build_units() {

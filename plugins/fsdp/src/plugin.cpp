@@ -187,13 +187,12 @@ std::shared_ptr<Module> wrap_fsdp1(const Fsdp1Config& c) {
 // issued in the same order on all of them. One part gives a Module (not a list of one), as
 // Modalities' one-model configs expect.
 Value wrap_all(const Fsdp2Config& c, const std::string& origin) {
-  if (c.model.parts.size() == 1)
-    return Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, c.model.parts.front().shared())),
-                  origin};
+  const auto wrapped = [&](const Ref<Module>& part) -> Value {
+    return Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, part.shared())), origin};
+  };
+  if (c.model.parts.size() == 1) return wrapped(c.model.parts.front());
   Value::List out;
-  for (const auto& part : c.model.parts)
-    out.emplace_back(
-        Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, part.shared())), origin});
+  for (const auto& part : c.model.parts) out.push_back(wrapped(part));
   return out;
 }
 

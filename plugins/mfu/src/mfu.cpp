@@ -16,7 +16,6 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #if defined(MODALITIES_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -76,15 +75,9 @@ class Gpt2MfuCalculator final : public MFUCalculator {
   Gpt2MfuCalculator(const Gpt2MfuConfig& c, BuildContext& ctx) : sequence_length_(c.sequence_length) {
     std::vector<const Module*> parts;
     for (const auto& part : c.model_parts.parts) parts.push_back(part.get());
-    std::int64_t n = count_trainable_parameters(parts);
-    // A pipeline rank holds its stages only: the model's count is the sum over the pp group (each
-    // rank of it holds other stages; sharded parameters already count at their global size). A
-    // collective: every rank builds this component at the same point of the graph.
-    if (c.device_mesh && (*c.device_mesh)->has_dim("pp") && (*c.device_mesh)->size("pp") > 1) {
-      std::vector<at::Tensor> t = {at::full({1}, n, at::kLong)};
-      (*c.device_mesh)->process_group("pp")->allreduce(t)->wait();
-      n = t.front().item<std::int64_t>();
-    }
+    // A pipeline rank holds its stages only: summed over the pp group (a collective: every rank
+    // builds this component at the same point of the graph).
+    const std::int64_t n = count_trainable_parameters(parts, c.device_mesh ? c.device_mesh->get() : nullptr);
     flops_per_token_ = 6.0 * static_cast<double>(n) +
                        12.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.sequence_length) *
                            static_cast<double>(c.n_embd);

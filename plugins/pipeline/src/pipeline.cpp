@@ -425,8 +425,9 @@ std::shared_ptr<Pipeline> build_scheduled(const ScheduledConfig& c) {
   return c.pipeline.shared();
 }
 
-// A list of stages, as pipeline/selector with PP_STAGE gives it. Before the selector is built (the
-// dry validation), its result is a placeholder whose kind depends on selection_type.
+// A list of stages, as pipeline/selector with PP_STAGE gives it. In the dry validation, before the
+// selector is built, its value is Pending with no kind (the kind follows from selection_type), which
+// the codec accepts as pending.
 struct StageList {
   std::vector<Ref<PipelineStage>> stages;
 };

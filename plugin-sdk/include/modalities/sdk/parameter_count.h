@@ -9,6 +9,7 @@
 
 namespace modalities {
 
+class DeviceMesh;
 class Module;
 
 /// Elements of the parameters that require a gradient, over all `parts`, each tensor once (a tied
@@ -16,5 +17,12 @@ class Module;
 /// (Module::shard_placements), so every rank and every world size gives the same number.
 /// Since: SDK 0.1 (ABI 4).
 MODALITIES_SDK_API std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts);
+
+/// The same for a pipeline rank: with a `mesh` whose `pp` dim is > 1, `parts` are this rank's
+/// stages and the whole model's count is their sum over the pp group (a collective on that group:
+/// every rank calls it at the same point). Otherwise count_trainable_parameters(parts).
+/// Since: SDK 0.1 (ABI 5).
+MODALITIES_SDK_API std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts,
+                                                           const DeviceMesh* mesh);
 
 }  // namespace modalities
