@@ -5,10 +5,11 @@ On the same machine, in one run, with the same thread count and settings:
   1. create_raw_index and pack_encoded_data of a >= 200 MB multilingual JSONL
      (scripts/make_bench_corpus.py) with GPT-2, ours vs `modalities` (pip);
      outputs must be byte-identical; reports MB/s, tokens/s per core, ratio.
-  2. single-thread tokenization tokens/s on the same documents: our packer with
-     one thread (JSON parsing and writing included) vs Python `tokenizers`
-     (Tokenizer.encode per document) and `tiktoken` (GPT-2 ranks built from the
-     same vocabulary; tiktoken cannot download its own files here); ids compared.
+  2. single-thread tokenization tokens/s on the same documents, for GPT-2, a
+     Llama-3-style and a SentencePiece-style byte_fallback tokenizer: our packer
+     with one thread (JSON parsing and writing included) vs Python `tokenizers`
+     (Tokenizer.encode per document) and, for GPT-2, `tiktoken` (ranks built from
+     the same vocabulary; tiktoken cannot download its own files here); ids compared.
   3. random-access reads of 1024-token samples from the packed file: our
      PackedFile vs Modalities' PackedMemMapDatasetContinuous.
 
@@ -55,6 +56,74 @@ def count_tokens(pbin):
         head = f.read(12)
     data_len = int.from_bytes(head[:8], "little")
     return data_len // int.from_bytes(head[8:12], "little")
+
+
+# Single-thread tokenization rows: the GPT-2 tokenizer of the packing benchmark, a Llama-3-style one
+# (Modalities' own headline benchmark tokenizes with the Llama-3 tokenizer; this one has its
+# regex, ignore_merges and BOS template at a small vocabulary) and a SentencePiece-style BPE with
+# byte_fallback (Llama-2 pipeline: Prepend/Replace normalizer, no pre-tokenizer).
+SINGLE_THREAD_TOKENIZERS = [
+    ("gpt2", "data/tokenizer/gpt2", "<|endoftext|>"),
+    ("llama3_style", "plugins/hf_tokenizer/tests/data/llama3_style", "<|end_of_text|>"),
+    ("llama2_byte_fallback", "plugins/hf_tokenizer/tests/data/families/llama2_style", "</s>"),
+]
+
+SINGLE_THREAD_PY = r'''
+import array, json, sys, time
+sample, tok_dir, pbin, eod, with_tiktoken = sys.argv[1:6]
+texts = [json.loads(l)["text"] for l in open(sample, encoding="utf-8")]
+from transformers import AutoTokenizer
+eod_id = AutoTokenizer.from_pretrained(tok_dir).convert_tokens_to_ids(eod)
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(tok_dir + "/tokenizer.json")
+t0 = time.perf_counter(); ids_hf = [tok.encode(t).ids for t in texts]; t_hf = time.perf_counter() - t0
+out = {"hf_s": t_hf, "hf_tokens": sum(len(x) for x in ids_hf)}
+raw = open(pbin, "rb").read(); dl = int.from_bytes(raw[:8], "little"); width = int.from_bytes(raw[8:12], "little")
+toks = array.array({1: "B", 2: "H", 4: "I"}[width]); toks.frombytes(raw[12:12 + dl])
+flat = []
+for ids in ids_hf:
+    flat.extend(ids)
+    if not ids or ids[-1] != eod_id:
+        flat.append(eod_id)
+out["hf_equals_ours"] = flat == toks.tolist()
+if with_tiktoken == "1":
+    import tiktoken
+    vocab = json.load(open(tok_dir + "/tokenizer.json", encoding="utf-8"))["model"]["vocab"]
+    # GPT-2's byte-level alphabet back to bytes (the inverse of bytes_to_unicode).
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]; n = 0
+    for b in range(256):
+        if b not in bs: bs.append(b); cs.append(256 + n); n += 1
+    dec = {chr(c): b for b, c in zip(bs, cs)}
+    ranks = {bytes(dec[ch] for ch in tokstr): i for tokstr, i in vocab.items() if tokstr != "<|endoftext|>"}
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    enc = tiktoken.Encoding("gpt2_local", pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
+    t0 = time.perf_counter(); ids_tt = [enc.encode(t, allowed_special="all") for t in texts]; t_tt = time.perf_counter() - t0
+    out.update({"tiktoken_s": t_tt, "tiktoken_tokens": sum(len(x) for x in ids_tt), "tiktoken_equals_hf": ids_tt == ids_hf})
+print(json.dumps(out))
+'''
+
+
+def single_thread(name, tok_dir, eod, sample, ours, py, env, out_dir):
+    """Our packer on one thread (JSON parsing and writing included) against `tokenizers`' encode per
+    document, on the same documents; the packed ids are compared with `tokenizers`' ids + EOD."""
+    d = os.path.join(out_dir, "single", name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    idx, pbin = os.path.join(d, "sample.idx"), os.path.join(d, "sample.pbin")
+    run([ours, "data", "create_raw_index", sample, "--index_path", idx], env)
+    cfg = os.path.join(d, "pack.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[settings]\nsrc_path = "{sample}"\ndst_path = "{pbin}"\nindex_path = "{idx}"\n'
+                f'jq_pattern = ".text"\nnum_cpus = 1\neod_token = "{eod}"\nprocessing_batch_size = 100\n\n'
+                '[tokenizer]\ncomponent_key = "tokenizer"\nvariant_key = "pretrained_hf_tokenizer"\n'
+                f'config = {{ pretrained_model_name_or_path = "{tok_dir}" }}\n')
+    t_ours, _ = run([ours, "data", "pack_encoded_data", cfg], env)
+    _, out = run([py, "-c", SINGLE_THREAD_PY, sample, tok_dir, pbin, eod, "1" if name == "gpt2" else "0"],
+                 dict(env, RAYON_NUM_THREADS="1"))
+    st = json.loads(out.strip().splitlines()[-1])
+    st.update({"ours_s": t_ours, "ours_tokens": count_tokens(pbin), "sample_bytes": os.path.getsize(sample)})
+    return st
 
 
 def main():
@@ -126,7 +195,7 @@ def main():
     print(f"identical .idx: {res['idx_identical']}   identical .pbin: {res['pbin_identical']}   "
           f"speed-up index x{res['index_speedup']:.1f}, pack x{res['pack_speedup']:.1f}")
 
-    # --- 2. single-thread tokenization ------------------------------------------
+    # --- 2. single-thread tokenization, one row per tokenizer family ---------------
     sample = os.path.join(args.out, "sample.jsonl")
     limit = int(args.single_thread_mb * (1 << 20))
     with open(corpus, encoding="utf-8") as f, open(sample, "w", encoding="utf-8") as g:
@@ -136,56 +205,16 @@ def main():
             n += len(line.encode())
             if n >= limit:
                 break
-    d = os.path.join(args.out, "single")
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(d)
-    idx, pbin = os.path.join(d, "sample.idx"), os.path.join(d, "sample.pbin")
-    run([ours, "data", "create_raw_index", sample, "--index_path", idx], env)
-    cfg = os.path.join(d, "pack.toml")
-    with open(cfg, "w") as f:
-        f.write(f'[settings]\nsrc_path = "{sample}"\ndst_path = "{pbin}"\nindex_path = "{idx}"\n'
-                'jq_pattern = ".text"\nnum_cpus = 1\neod_token = "<|endoftext|>"\nprocessing_batch_size = 100\n\n'
-                '[tokenizer]\ncomponent_key = "tokenizer"\nvariant_key = "pretrained_hf_tokenizer"\n'
-                f'config = {{ pretrained_model_name_or_path = "{tok_dir}" }}\n')
-    t_ours, _ = run([ours, "data", "pack_encoded_data", cfg], env)
-    tokens_ours = count_tokens(pbin)
-    py_code = r'''
-import json, sys, time
-sample, tok_dir, pbin = sys.argv[1:4]
-texts = [json.loads(l)["text"] for l in open(sample, encoding="utf-8")]
-from tokenizers import Tokenizer
-tok = Tokenizer.from_file(tok_dir + "/tokenizer.json")
-t0 = time.perf_counter(); ids_hf = [tok.encode(t).ids for t in texts]; t_hf = time.perf_counter() - t0
-import tiktoken
-from tokenizers.decoders import ByteLevel
-vocab = json.load(open(tok_dir + "/tokenizer.json", encoding="utf-8"))["model"]["vocab"]
-# GPT-2's byte-level alphabet back to bytes (the inverse of bytes_to_unicode).
-bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-cs = bs[:]; n = 0
-for b in range(256):
-    if b not in bs: bs.append(b); cs.append(256 + n); n += 1
-dec = {chr(c): b for b, c in zip(bs, cs)}
-ranks = {bytes(dec[ch] for ch in tokstr): i for tokstr, i in vocab.items() if tokstr != "<|endoftext|>"}
-enc = tiktoken.Encoding("gpt2_local", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-                        mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
-t0 = time.perf_counter(); ids_tt = [enc.encode(t, allowed_special="all") for t in texts]; t_tt = time.perf_counter() - t0
-raw = open(pbin, "rb").read(); dl = int.from_bytes(raw[:8], "little")
-import array
-toks = array.array("H"); toks.frombytes(raw[12:12 + dl])
-flat = []
-for ids in ids_hf: flat.extend(ids); flat.append(50256) if not ids or ids[-1] != 50256 else None
-n_hf = sum(len(x) for x in ids_hf)
-print(json.dumps({"hf_s": t_hf, "tiktoken_s": t_tt, "hf_tokens": n_hf, "tiktoken_tokens": sum(len(x) for x in ids_tt),
-                  "hf_equals_ours": flat == toks.tolist(), "tiktoken_equals_hf": ids_tt == ids_hf}))
-'''
-    _, out = run([py, "-c", py_code, sample, tok_dir, pbin], dict(env, RAYON_NUM_THREADS="1"))
-    st = json.loads(out.strip().splitlines()[-1])
-    st.update({"ours_s": t_ours, "ours_tokens": tokens_ours, "sample_bytes": os.path.getsize(sample)})
-    res["single_thread"] = st
-    print(f"single thread on {st['sample_bytes'] / 1e6:.0f} MB: ours {tokens_ours / t_ours / 1e6:.3f} M tok/s "
-          f"(JSON + write included), tokenizers {st['hf_tokens'] / st['hf_s'] / 1e6:.3f} M tok/s, "
-          f"tiktoken {st['tiktoken_tokens'] / st['tiktoken_s'] / 1e6:.3f} M tok/s; "
-          f"ours == tokenizers: {st['hf_equals_ours']}, tiktoken == tokenizers: {st['tiktoken_equals_hf']}")
+    res["single_thread"] = {}
+    for name, folder, eod in SINGLE_THREAD_TOKENIZERS:
+        st = single_thread(name, os.path.join(ROOT, folder), eod, sample, ours, py, env, args.out)
+        res["single_thread"][name] = st
+        tiktoken = (f", tiktoken {st['tiktoken_tokens'] / st['tiktoken_s'] / 1e6:.3f} M tok/s "
+                    f"(== tokenizers: {st['tiktoken_equals_hf']})" if "tiktoken_s" in st else "")
+        print(f"single thread, {name:20s} on {st['sample_bytes'] / 1e6:.0f} MB: ours "
+              f"{st['ours_tokens'] / st['ours_s'] / 1e6:.3f} M tok/s (JSON + write included), tokenizers "
+              f"{st['hf_tokens'] / st['hf_s'] / 1e6:.3f} M tok/s (x{st['hf_s'] / st['ours_s']:.1f}){tiktoken}; "
+              f"ours == tokenizers: {st['hf_equals_ours']}", flush=True)
 
     # --- 3. random-access sample reads -----------------------------------------
     pbin = results["cpp"]["pbin"]

@@ -347,7 +347,9 @@ class PretrainedHfTokenizer final : public Tokenizer {
     std::vector<std::pair<std::int64_t, AddedToken>> decoder;  // added_tokens_decoder
     bool has_decoder = false;
     std::string cls = "PreTrainedTokenizerFast";
-    bool add_prefix_space = false;
+    bool add_prefix_space = false, add_prefix_space_given = false, additional_given = false;
+    std::optional<bool> add_bos_token, add_eos_token, do_lower_case, strip_accents, tokenize_chinese_chars;
+    std::optional<std::int64_t> extra_ids;
 
     const fs::path config_file = dir / "tokenizer_config.json";
     std::error_code ec;
@@ -357,7 +359,20 @@ class PretrainedHfTokenizer final : public Tokenizer {
       if (auto v = f.string("tokenizer_class")) cls = *v;
       if (auto v = f.number("model_max_length")) model_max_length_ = *v;
       if (auto v = f.boolean("clean_up_tokenization_spaces")) clean_up_ = *v;
-      if (auto v = f.boolean("add_prefix_space")) add_prefix_space = *v;
+      if (auto v = f.boolean("add_prefix_space")) {
+        add_prefix_space = *v;
+        add_prefix_space_given = true;
+      }
+      add_bos_token = f.boolean("add_bos_token");
+      add_eos_token = f.boolean("add_eos_token");
+      do_lower_case = f.boolean("do_lower_case");
+      strip_accents = f.boolean("strip_accents");
+      tokenize_chinese_chars = f.boolean("tokenize_chinese_chars");
+      if (auto v = f.number("extra_ids")) {
+        if (*v < 0 || *v != static_cast<double>(static_cast<std::int64_t>(*v))) f.bad("extra_ids", "a non-negative integer");
+        extra_ids = static_cast<std::int64_t>(*v);
+      }
+      additional_given = f.get("additional_special_tokens").has_value();
       if (auto v = f.string("padding_side")) {
         if (*v != "left" && *v != "right") f.bad("padding_side", "\"left\" or \"right\"");
         pad_left_ = *v == "left";
@@ -427,7 +442,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
       }
     }
 
-    // Class defaults of the fast tokenizer classes whose loading we reproduce.
+    // Class rules of the fast tokenizer classes whose loading we reproduce (transformers 4.57:
+    // a slow class name means its Fast class). See the README's table.
     std::string base = cls;
     if (base.ends_with("Fast")) base.resize(base.size() - 4);
     auto default_attr = [&](const std::string& key, const std::string& value, bool added_token) {
@@ -437,16 +453,99 @@ class PretrainedHfTokenizer final : public Tokenizer {
       sv.is_added_token = added_token;
       attrs[key] = sv;
     };
-    if (base == "GPT2Tokenizer") {
+    bool template_from_flags = false, default_add_bos = false, force_prefix_space = true;
+    if (base == "GPT2Tokenizer" || base == "CodeGenTokenizer") {
       for (const char* key : {"unk_token", "bos_token", "eos_token"}) default_attr(key, "<|endoftext|>", false);
+      if (base == "CodeGenTokenizer" && add_bos_token.value_or(false))
+        throw Error(fmt::format("{}: CodeGenTokenizer does not support add_bos_token = true (transformers raises "
+                                "a ValueError)", config_file.string()));
     } else if (base == "Qwen2Tokenizer") {
       for (const char* key : {"unk_token", "eos_token", "pad_token"}) default_attr(key, "<|endoftext|>", true);
+    } else if (base == "LlamaTokenizer" || base == "T5Tokenizer") {
+      if (add_prefix_space_given)
+        throw Error(fmt::format(
+            "{}: add_prefix_space is set, so transformers' {}Fast rebuilds the tokenizer from its SentencePiece "
+            "model instead of reading tokenizer.json; that conversion is not reproduced (remove the key to use "
+            "tokenizer.json as it is)",
+            config_file.string(), base));
+      force_prefix_space = false;  // these classes pass add_prefix_space=None: the pre-tokenizer stays as it is
+      if (base == "LlamaTokenizer") {
+        default_attr("unk_token", "<unk>", false);
+        default_attr("bos_token", "<s>", false);
+        default_attr("eos_token", "</s>", false);
+        template_from_flags = true;
+        default_add_bos = true;
+      } else {
+        default_attr("eos_token", "</s>", false);
+        default_attr("unk_token", "<unk>", false);
+        default_attr("pad_token", "<pad>", false);
+        const std::int64_t extra = extra_ids.value_or(100);
+        std::vector<SpecialValue> extras;
+        for (std::int64_t k = 0; k < extra; ++k)
+          extras.push_back(SpecialValue{AddedToken{fmt::format("<extra_id_{}>", k), false, false, false, false, true}, false});
+        if (!additional_given && additional.empty()) {
+          additional = extras;
+        } else {
+          const auto have = std::count_if(additional.begin(), additional.end(), [](const SpecialValue& v) {
+            return v.token.content.find("<extra_id_") != std::string::npos;
+          });
+          if (have == 0) additional.insert(additional.end(), extras.begin(), extras.end());
+          else if (extra > 0 && have != extra)
+            throw Error(fmt::format("{}: extra_ids = {} but additional_special_tokens has {} <extra_id_*> tokens "
+                                    "(transformers raises a ValueError)", config_file.string(), extra, have));
+        }
+      }
+    } else if (base == "GemmaTokenizer") {
+      default_attr("unk_token", "<unk>", false);
+      default_attr("bos_token", "<bos>", false);
+      default_attr("eos_token", "<eos>", false);
+      default_attr("pad_token", "<pad>", false);
+      template_from_flags = true;
+      default_add_bos = true;
+    } else if (base == "GPTNeoXTokenizer") {
+      for (const char* key : {"unk_token", "bos_token", "eos_token"}) default_attr(key, "<|endoftext|>", false);
+      template_from_flags = true;
+    } else if (base == "CohereTokenizer") {
+      default_attr("unk_token", "<UNK>", false);
+      default_attr("bos_token", "<BOS_TOKEN>", false);
+      default_attr("eos_token", "<|END_OF_TURN_TOKEN|>", false);
+      template_from_flags = true;
+      default_add_bos = true;
+    } else if (base == "RobertaTokenizer") {
+      default_attr("bos_token", "<s>", false);
+      default_attr("cls_token", "<s>", false);
+      default_attr("eos_token", "</s>", false);
+      default_attr("sep_token", "</s>", false);
+      default_attr("unk_token", "<unk>", false);
+      default_attr("pad_token", "<pad>", false);
+      default_attr("mask_token", "<mask>", false);
+      // RobertaTokenizerFast turns a string mask token into AddedToken(lstrip=True, normalized=False).
+      if (auto it = attrs.find("mask_token"); it != attrs.end() && !it->second.is_added_token) {
+        it->second.token = AddedToken{it->second.token.content, false, true, false, false, true};
+        it->second.is_added_token = true;
+      }
+    } else if (base == "BloomTokenizer") {
+      default_attr("unk_token", "<unk>", false);
+      default_attr("bos_token", "<s>", false);
+      default_attr("eos_token", "</s>", false);
+      default_attr("pad_token", "<pad>", false);
+    } else if (base == "BertTokenizer") {
+      default_attr("unk_token", "[UNK]", false);
+      default_attr("sep_token", "[SEP]", false);
+      default_attr("pad_token", "[PAD]", false);
+      default_attr("cls_token", "[CLS]", false);
+      default_attr("mask_token", "[MASK]", false);
+      // BertTokenizerFast rebuilds a top-level BertNormalizer with the config's flags.
+      tok_->configure_bert_normalizer(do_lower_case.value_or(true), strip_accents,
+                                      tokenize_chinese_chars.value_or(true));
     } else if (base != "PreTrainedTokenizer") {
       throw Error(fmt::format(
           "{}: tokenizer_class '{}' is not supported: its class-specific loading rules are not reproduced "
-          "(supported: PreTrainedTokenizerFast, GPT2TokenizerFast, Qwen2TokenizerFast). If the tokenizer.json "
-          "alone defines the tokenizer, set \"tokenizer_class\": \"PreTrainedTokenizerFast\".",
-          config_file.string(), cls));
+          "(supported: PreTrainedTokenizerFast, GPT2, CodeGen, Qwen2, Llama, Gemma, GPTNeoX, Cohere, Roberta, "
+          "Bloom, Bert and T5 tokenizers, slow or Fast){}. If the tokenizer.json alone defines the tokenizer, set "
+          "\"tokenizer_class\": \"PreTrainedTokenizerFast\".",
+          config_file.string(), cls,
+          base == "CodeLlamaTokenizer" ? "; CodeLlama's infilling (<FILL_ME>) is Python code in transformers" : ""));
     }
 
     // String attributes take the AddedToken of the same content from added_tokens_decoder.
@@ -460,8 +559,11 @@ class PretrainedHfTokenizer final : public Tokenizer {
     };
     for (auto& [key, sv] : attrs) resolve(sv);
 
-    // PreTrainedTokenizerFast.__init__: transformers overrides add_prefix_space of a top-level ByteLevel.
-    tok_->set_top_level_add_prefix_space(add_prefix_space);
+    // PreTrainedTokenizerFast.__init__: transformers overrides add_prefix_space of a top-level ByteLevel
+    // (Bloom and Cohere set it on every ByteLevel when it is true).
+    if (force_prefix_space) tok_->set_top_level_add_prefix_space(add_prefix_space);
+    if ((base == "BloomTokenizer" || base == "CohereTokenizer") && add_prefix_space)
+      tok_->set_byte_level_add_prefix_space_everywhere(true);
 
     // Re-add added_tokens_decoder entries that differ from tokenizer.json, then
     // the special attributes (an AddedToken is always re-added; a string only
@@ -501,6 +603,24 @@ class PretrainedHfTokenizer final : public Tokenizer {
     for (const auto& key : kAttributes)
       if (auto it = attrs.find(key); it != attrs.end()) attributes_[key] = it->second.token.content;
     for (const auto& sv : additional) additional_.push_back(sv.token.content);
+
+    // update_post_processor() of the Llama, Gemma, GPTNeoX and Cohere classes: the template
+    // becomes [bos if add_bos_token] $A [eos if add_eos_token], whatever tokenizer.json says.
+    if (template_from_flags) {
+      auto id_of = [&](const char* key, const char* flag) {
+        auto it = attributes_.find(key);
+        std::optional<std::int64_t> id;
+        if (it != attributes_.end()) id = tok_->token_to_id(it->second);
+        if (!id)
+          throw Error(fmt::format("{}: {} is true but the tokenizer has no {} (transformers raises a ValueError)",
+                                  config_file.string(), flag, key));
+        return *id;
+      };
+      std::vector<std::int64_t> prefix, suffix;
+      if (add_bos_token.value_or(default_add_bos)) prefix.push_back(id_of("bos_token", "add_bos_token"));
+      if (add_eos_token.value_or(false)) suffix.push_back(id_of("eos_token", "add_eos_token"));
+      tok_->set_template(std::move(prefix), std::move(suffix));
+    }
   }
 
   // Modalities: tokenizer.add_special_tokens(special_tokens, replace_additional_special_tokens=False),

@@ -1,33 +1,39 @@
-// Loader and encoder for Hugging Face `tokenizer.json` files of the byte-level
-// BPE family (GPT-2, Llama-3, Qwen2, ...), reproducing the ids of the
-// `tokenizers` library (Rust core, as used by transformers and Modalities).
+// Loader and encoder for Hugging Face `tokenizer.json` files, reproducing the
+// ids of the `tokenizers` library (Rust core, as used by transformers and
+// Modalities): byte-level BPE (GPT-2, Llama-3, Qwen2, ...), SentencePiece-style
+// BPE with byte fallback (Llama-2, Mistral, Gemma), Unigram (T5) and WordPiece
+// (BERT), with their normalizers, pre-tokenizers, post-processors and decoders.
 //
-// Note [Why the BPE core is hand-written]
+// Note [Why the tokenizer core is hand-written]
 // There is no maintained C++ port of `tokenizers`, and the ids must be
 // identical to it, including its less obvious rules: leftmost-longest
 // added-token matching with single_word/lstrip/rstrip, Oniguruma regex
 // semantics (Unicode \s, \w, empty-match stepping), split behaviours,
-// ignore_merges, byte_fallback, unk fusing and the merge order (lowest rank
-// first, leftmost on ties). Speed matters as much (packing tokenizes whole
-// corpora): we keep no offsets or alignments, run BPE directly on raw bytes
-// when the pipeline is byte-level, merge with a flat pair table and cache
-// words per thread. Regexes go to PCRE2 (JIT), Unicode normalization to
-// utf8proc and JSON to simdjson; only the tokenizer logic is ours.
+// Metaspace's prepend schemes, ignore_merges, byte_fallback, unk fusing, the
+// merge order (lowest rank first, leftmost on ties) and Unigram's Viterbi
+// tie-breaking. Speed matters as much (packing tokenizes whole corpora): we
+// keep no offsets or alignments, run BPE directly on raw bytes when the
+// pipeline is byte-level, merge with a flat pair table and cache words per
+// thread. Regexes go to PCRE2 (JIT, onig_regex.cpp), Unicode normalization to
+// utf8proc and JSON to simdjson; Unicode classes come from tables probed from
+// `tokenizers` itself (unicode.h); only the tokenizer logic is ours.
 #include "tokenizer_json.h"
+
+#include "onig_regex.h"
+#include "unicode.h"
 
 #include <modalities/sdk/error.h>
 
-#define PCRE2_CODE_UNIT_WIDTH 8
 #include <absl/container/flat_hash_map.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <pcre2.h>
 #include <simdjson.h>
-#include <utf8proc.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -38,65 +44,8 @@ namespace {
 
 namespace dom = simdjson::dom;
 
-// ---------------------------------------------------------------------------
-// UTF-8 and Unicode helpers
-
 // Debian's Abseil has its own string_view type for heterogeneous lookups.
 inline absl::string_view key(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
-inline std::size_t utf8_len(unsigned char lead) {
-  return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
-}
-
-// Code point at s[i] of valid UTF-8; sets *len to its byte length.
-inline char32_t decode_at(std::string_view s, std::size_t i, std::size_t* len) {
-  const auto b0 = static_cast<unsigned char>(s[i]);
-  const std::size_t n = utf8_len(b0);
-  *len = n;
-  if (n == 1) return b0;
-  char32_t cp = b0 & (n == 2 ? 0x1F : n == 3 ? 0x0F : 0x07);
-  for (std::size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-  return cp;
-}
-
-// Start of the last code point of non-empty valid UTF-8 `s`.
-inline std::size_t last_char_start(std::string_view s) {
-  std::size_t i = s.size() - 1;
-  while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) --i;
-  return i;
-}
-
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
-// Unicode White_Space: what `\s` means in Rust's regex and in Oniguruma.
-bool is_white_space(char32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
-         c == 0x3000;
-}
-
-// Rust `char::is_numeric`: general categories Nd, Nl, No.
-bool is_numeric(char32_t c) {
-  if (c < 0x80) return c >= '0' && c <= '9';
-  const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
-  return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
-}
 
 // The GPT-2 byte <-> printable character table (bytes_to_unicode).
 struct ByteLevelAlphabet {
@@ -132,126 +81,6 @@ struct ByteLevelAlphabet {
 const ByteLevelAlphabet& alphabet() {
   static const ByteLevelAlphabet a;
   return a;
-}
-
-// Note [Normalization fast path]
-// Running utf8proc on every segment dominates NFC pipelines, while most text is
-// already normalized. A segment is left alone when every character is known to
-// be unchanged by the form and unable to interact with its neighbours: for BMP
-// characters a per-form table computed once with utf8proc (NF(c) == c, combining
-// class 0, not the second element of any composition, not a Hangul jamo), for
-// astral ones the property check (no decomposition at all, class 0, not a
-// second element). Anything else takes the full utf8proc path.
-constexpr utf8proc_uint16_t kNoIndex = 0xFFFF;
-
-bool is_hangul_jamo(char32_t c) {
-  return (c >= 0x1100 && c <= 0x11FF) || (c >= 0xA960 && c <= 0xA97F) || (c >= 0xD7B0 && c <= 0xD7FF);
-}
-
-bool stable_by_properties(char32_t c, bool compose) {
-  const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
-  if (p->combining_class != 0 || p->decomp_seqindex != kNoIndex || is_hangul_jamo(c)) return false;
-  return !(compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000);
-}
-
-class StableTable {
- public:
-  explicit StableTable(int options) : bits_(0x10000, false) {
-    const bool compose = (options & UTF8PROC_COMPOSE) != 0;
-    for (char32_t c = 0x80; c < 0x10000; ++c) {
-      if (c >= 0xD800 && c <= 0xDFFF) continue;
-      const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
-      if (p->combining_class != 0 || is_hangul_jamo(c)) continue;
-      if (compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
-      std::string one;
-      append_utf8(one, c);
-      utf8proc_uint8_t* dst = nullptr;
-      const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(one.data()),
-                                              static_cast<utf8proc_ssize_t>(one.size()), &dst,
-                                              static_cast<utf8proc_option_t>(options));
-      if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one)
-        bits_[c] = true;
-      std::free(dst);
-    }
-  }
-  bool stable(char32_t c) const { return bits_[c]; }
-
- private:
-  std::vector<bool> bits_;
-};
-
-const StableTable& stable_table(int options) {
-  static const StableTable nfc(UTF8PROC_STABLE | UTF8PROC_COMPOSE);
-  static const StableTable nfd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE);
-  static const StableTable nfkc(UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
-  static const StableTable nfkd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
-  if (options & UTF8PROC_COMPAT) return (options & UTF8PROC_COMPOSE) ? nfkc : nfkd;
-  return (options & UTF8PROC_COMPOSE) ? nfc : nfd;
-}
-
-// Whether `c` is unchanged by the form and cannot interact with its neighbours.
-bool is_stable(char32_t c, int options, const StableTable*& table) {
-  if (c >= 0x10000) return stable_by_properties(c, (options & UTF8PROC_COMPOSE) != 0);
-  if (table == nullptr) table = &stable_table(options);
-  return table->stable(c);
-}
-
-std::string utf8proc_normalize(std::string_view s, int options) {
-  utf8proc_uint8_t* dst = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                          static_cast<utf8proc_ssize_t>(s.size()), &dst,
-                                          static_cast<utf8proc_option_t>(options));
-  if (n < 0) throw Error(fmt::format("Unicode normalization failed: {}", utf8proc_errmsg(n)));
-  std::string out(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
-  std::free(dst);
-  return out;
-}
-
-// Normalizes `s` into `out` and returns true, or returns false (leaving `out`
-// alone) when `s` is already normalized. A boundary before a stable character
-// is a safe split point, so only the regions around unstable characters (from
-// the last stable character before them to the next stable one) go through
-// utf8proc. See Note [Normalization fast path].
-bool normalize_form(std::string_view s, int options, std::string& out) {
-  const StableTable* table = nullptr;
-  std::size_t copied = 0, last_stable = 0;
-  bool changed = false;
-  for (std::size_t i = 0; i < s.size();) {
-    if (static_cast<unsigned char>(s[i]) < 0x80) {
-      last_stable = i++;
-      continue;
-    }
-    std::size_t len;
-    const char32_t c = decode_at(s, i, &len);
-    if (is_stable(c, options, table)) {
-      last_stable = i;
-      i += len;
-      continue;
-    }
-    const std::size_t region = std::max(copied, last_stable);
-    std::size_t j = i + len;
-    while (j < s.size()) {
-      if (static_cast<unsigned char>(s[j]) < 0x80) break;
-      std::size_t l;
-      if (is_stable(decode_at(s, j, &l), options, table)) break;
-      j += l;
-    }
-    const std::string normalized = utf8proc_normalize(s.substr(region, j - region), options);
-    if (!changed && normalized == s.substr(region, j - region)) {
-      i = j;  // this region happened to be normalized already; nothing to copy yet
-      continue;
-    }
-    if (!changed) {
-      out.clear();
-      changed = true;
-    }
-    out.append(s, copied, region - copied);
-    out += normalized;
-    copied = j;
-    i = j;
-  }
-  if (changed) out.append(s, copied, std::string_view::npos);
-  return changed;
 }
 
 // ---------------------------------------------------------------------------
@@ -321,202 +150,6 @@ struct Json {
                    supported));
 }
 
-// ---------------------------------------------------------------------------
-// Regexes: Oniguruma (Ruby syntax, as `tokenizers` compiles them) -> PCRE2
-
-constexpr std::string_view kSpaceItems =
-    "\\x{09}-\\x{0D}\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
-// Oniguruma's Unicode \w: Alphabetic, marks, decimal digits, connectors, plus the
-// Latin-1 digits-like characters ² ³ ¹ ¼ ½ ¾ (checked against `tokenizers` on
-// every code point, see regex_classes.json in the tests).
-constexpr std::string_view kWordItems = "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{B2}\\x{B3}\\x{B9}\\x{BC}-\\x{BE}";
-
-// Rewrites the Oniguruma constructs whose PCRE2 meaning differs: \s (Unicode
-// White_Space), \w (see kWordItems), \d (Nd), \h (hex
-// digit), \uHHHH, and (?m) (dot-all in Ruby). Set operations and nested
-// classes have no PCRE2 equivalent and are refused.
-std::string translate_pattern(std::string_view p, const std::function<void(std::string_view)>& refuse) {
-  std::string out;
-  out.reserve(p.size() * 2);
-  bool in_class = false;
-  std::size_t class_start = 0;  // index just after "[" or "[^"
-  for (std::size_t i = 0; i < p.size();) {
-    const char c = p[i];
-    if (c == '\\') {
-      if (i + 1 >= p.size()) refuse("trailing backslash");
-      const char d = p[i + 1];
-      auto cls = [&](std::string_view items, bool negated) {
-        if (in_class) {
-          if (negated) refuse(fmt::format("'\\{}' inside a character class", d));
-          out += items;
-        } else {
-          out += negated ? "[^" : "[";
-          out += items;
-          out += ']';
-        }
-      };
-      switch (d) {
-        case 's': cls(kSpaceItems, false); break;
-        case 'S': cls(kSpaceItems, true); break;
-        case 'w': cls(kWordItems, false); break;
-        case 'W': cls(kWordItems, true); break;
-        case 'h': cls("0-9a-fA-F", false); break;
-        case 'H': cls("0-9a-fA-F", true); break;
-        case 'd': out += "\\p{Nd}"; break;
-        case 'D': out += "\\P{Nd}"; break;
-        case 'u': {
-          if (i + 6 > p.size()) refuse("'\\u' needs four hex digits");
-          out += "\\x{";
-          out += p.substr(i + 2, 4);
-          out += '}';
-          i += 6;
-          continue;
-        }
-        default: out += c; out += d; break;
-      }
-      i += 2;
-      continue;
-    }
-    if (in_class) {
-      if (c == '[') {
-        if (i + 1 < p.size() && p[i + 1] == ':') {
-          const std::size_t end = p.find(":]", i + 2);
-          if (end == std::string_view::npos) refuse("unterminated POSIX class");
-          out += p.substr(i, end + 2 - i);
-          i = end + 2;
-          continue;
-        }
-        refuse("nested character class");
-      }
-      if (c == '&' && i + 1 < p.size() && p[i + 1] == '&') refuse("character class intersection '&&'");
-      if (c == ']' && i != class_start) in_class = false;
-      out += c;
-      ++i;
-      continue;
-    }
-    if (c == '[') {
-      in_class = true;
-      out += c;
-      ++i;
-      if (i < p.size() && p[i] == '^') out += p[i++];
-      class_start = i;
-      continue;
-    }
-    if (c == '(' && i + 1 < p.size() && p[i + 1] == '?') {
-      // Inline options (?imx-imx) or (?imx-imx:...): Ruby's m is PCRE2's s.
-      std::size_t j = i + 2;
-      while (j < p.size() && (p[j] == 'i' || p[j] == 'm' || p[j] == 'x' || p[j] == '-')) ++j;
-      if (j > i + 2 && j < p.size() && (p[j] == ':' || p[j] == ')')) {
-        out += "(?";
-        for (std::size_t k = i + 2; k < j; ++k) out += p[k] == 'm' ? 's' : p[k];
-        i = j;
-        continue;
-      }
-    }
-    out += c;
-    ++i;
-  }
-  if (in_class) refuse("unterminated character class");
-  return out;
-}
-
-// Per-thread PCRE2 matching state (match data and a JIT stack that can grow).
-struct PcreThreadState {
-  pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
-  pcre2_match_context* context = pcre2_match_context_create(nullptr);
-  pcre2_jit_stack* stack = pcre2_jit_stack_create(64 * 1024, 16 * 1024 * 1024, nullptr);
-  PcreThreadState() { pcre2_jit_stack_assign(context, nullptr, stack); }
-  ~PcreThreadState() {
-    pcre2_jit_stack_free(stack);
-    pcre2_match_context_free(context);
-    pcre2_match_data_free(data);
-  }
-};
-
-PcreThreadState& pcre_state() {
-  thread_local PcreThreadState state;
-  return state;
-}
-
-class Regex {
- public:
-  Regex() = default;
-  Regex(const std::string& onig_pattern, const std::filesystem::path& file, std::string_view where) {
-    const std::string pattern = translate_pattern(onig_pattern, [&](std::string_view why) {
-      fail(file, where, fmt::format("regex '{}' uses {}, which is not supported", onig_pattern, why));
-    });
-    pcre2_compile_context* cc = pcre2_compile_context_create(nullptr);
-    pcre2_set_newline(cc, PCRE2_NEWLINE_LF);
-    int err = 0;
-    PCRE2_SIZE offset = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                     PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &err, &offset, cc);
-    pcre2_compile_context_free(cc);
-    if (code == nullptr) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(err, msg, sizeof msg);
-      fail(file, where,
-           fmt::format("regex '{}' does not compile (as PCRE2 '{}'): {} at offset {}", onig_pattern, pattern,
-                       reinterpret_cast<const char*>(msg), offset));
-    }
-    jit_ = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
-    code_ = std::shared_ptr<pcre2_code>(code, pcre2_code_free);
-    properties_ = pattern.find("\\p") != std::string::npos || pattern.find("\\P") != std::string::npos;
-  }
-  explicit operator bool() const { return static_cast<bool>(code_); }
-  // Whether the pattern uses Unicode property classes (\p{..}, \P{..}), whose result depends on
-  // the Unicode version of PCRE2's tables.
-  bool uses_properties() const { return properties_; }
-
-  // Leftmost match starting at or after `from`, as [start, end).
-  bool search(std::string_view text, std::size_t from, std::size_t* start, std::size_t* end) const {
-    PcreThreadState& st = pcre_state();
-    const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-    const int rc = jit_ ? pcre2_jit_match(code_.get(), subject, text.size(), from, 0, st.data, st.context)
-                        : pcre2_match(code_.get(), subject, text.size(), from, PCRE2_NO_UTF_CHECK, st.data, st.context);
-    if (rc == PCRE2_ERROR_NOMATCH) return false;
-    if (rc < 0) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(rc, msg, sizeof msg);
-      throw Error(fmt::format("pre-tokenizer regex failed on a text of {} bytes: {}", text.size(),
-                              reinterpret_cast<const char*>(msg)));
-    }
-    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.data);
-    *start = ov[0];
-    *end = ov[1];
-    return true;
-  }
-
-  // All matches with the iteration rules of the `onig` crate's find_iter:
-  // after an empty match the search moves on by one character, and an empty
-  // match found right after a non-empty one is skipped.
-  template <class F>
-  void for_each_match(std::string_view text, F&& on_match) const {
-    std::size_t last_end = 0;
-    bool skip_next_empty = false;
-    while (last_end <= text.size()) {
-      std::size_t s, e;
-      if (!search(text, last_end, &s, &e)) break;
-      last_end = e;
-      if (s == e) {
-        last_end += last_end < text.size() ? utf8_len(static_cast<unsigned char>(text[last_end])) : 1;
-        if (skip_next_empty) {
-          skip_next_empty = false;
-          continue;
-        }
-      } else {
-        skip_next_empty = true;
-      }
-      on_match(s, e);
-    }
-  }
-
- private:
-  std::shared_ptr<pcre2_code> code_;
-  bool jit_ = false;
-  bool properties_ = false;
-};
-
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
@@ -575,15 +208,6 @@ class Trie {
   std::vector<Node> nodes_;
   std::array<bool, 256> first_{};
 };
-
-// Rust regex `\w` (Unicode word character) for single_word tokens.
-bool is_rust_word_char(char32_t c) {
-  static const Regex word("[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]", "<built-in>", "word class");
-  std::string s;
-  append_utf8(s, c);
-  std::size_t a, b;
-  return word.search(s, 0, &a, &b);
-}
 
 // ---------------------------------------------------------------------------
 // Pre-tokenizer split behaviours (SplitDelimiterBehavior), streaming.
@@ -655,48 +279,6 @@ class Combiner {
   std::size_t ps_ = 0, pe_ = 0;
 };
 
-struct SplitStage {
-  enum class Kind { kRegex, kLiteral, kDigits } kind = Kind::kRegex;
-  Regex regex;
-  std::string literal;
-  Behavior behavior = Behavior::kIsolated;
-  bool invert = false;
-
-  // Segments covering `text`, each flagged as a match or not (Pattern::find_matches).
-  template <class F>
-  void segments(std::string_view text, F&& seg) const {
-    if (kind == Kind::kDigits) {
-      std::size_t last = 0;
-      for (std::size_t i = 0; i < text.size();) {
-        std::size_t len;
-        const char32_t c = decode_at(text, i, &len);
-        if (is_numeric(c)) {
-          if (last < i) seg(last, i, false);
-          seg(i, i + len, true);
-          last = i + len;
-        }
-        i += len;
-      }
-      if (last < text.size()) seg(last, text.size(), false);
-      return;
-    }
-    std::size_t prev = 0;
-    auto on_match = [&](std::size_t s, std::size_t e) {
-      if (prev != s) seg(prev, s, invert);
-      seg(s, e, !invert);
-      prev = e;
-    };
-    if (kind == Kind::kRegex) {
-      regex.for_each_match(text, on_match);
-    } else {
-      for (std::size_t pos = text.find(literal); pos != std::string_view::npos;
-           pos = text.find(literal, pos + literal.size()))
-        on_match(pos, pos + literal.size());
-    }
-    if (prev != text.size()) seg(prev, text.size(), invert);
-  }
-};
-
 // ---------------------------------------------------------------------------
 // Per-thread word cache. Note [Word cache]: keyed by the model input of one
 // pre-token; bounded per thread and per tokenizer instance (cleared when
@@ -723,6 +305,417 @@ WordCache& word_cache(std::uint64_t owner) {
 
 std::atomic<std::uint64_t> g_next_instance{1};
 
+// Rust regex `\w` (single_word added tokens; the same class as the Whitespace pre-tokenizer's).
+bool is_rust_word_char(char32_t c) { return whitespace_pretokenizer_word().contains(c); }
+
+// ---------------------------------------------------------------------------
+// Normalizers (each a string -> string step; `tokenizers` tracks alignments,
+// which only offsets need)
+
+struct NormalizerStep {
+  enum class Kind { kForm, kPrepend, kReplace, kStrip, kLowercase, kStripAccents, kBert, kNmt } kind = Kind::kForm;
+  int options = 0;          // kForm: utf8proc options
+  std::string text;         // kPrepend: prefix; kReplace: replacement
+  std::string literal;      // kReplace with a String pattern
+  Regex regex;              // kReplace with a Regex pattern
+  bool left = false, right = false;  // kStrip
+  bool clean_text = true, chinese = true, strip_accents = false, lowercase = true;  // kBert
+  std::optional<bool> strip_accents_given;  // kBert: null follows lowercase
+
+  // Applies the step to `in`; returns false (leaving `out` alone) when nothing changes. Sets
+  // *start_removed when the first character was deleted (the result then starts at a later
+  // original offset, which Metaspace's "first" scheme looks at).
+  bool apply(std::string_view in, std::string& out, bool* start_removed) const;
+};
+
+bool is_bert_chinese(char32_t c) {
+  return (c >= 0x4E00 && c <= 0x9FFF) || (c >= 0x3400 && c <= 0x4DBF) || (c >= 0x20000 && c <= 0x2A6DF) ||
+         (c >= 0x2A700 && c <= 0x2B73F) || (c >= 0x2B740 && c <= 0x2B81F) || (c >= 0x2B920 && c <= 0x2CEAF) ||
+         (c >= 0xF900 && c <= 0xFAFF) || (c >= 0x2F800 && c <= 0x2FA1F);
+}
+
+// Rebuilds `in` character by character; `map` appends what a character becomes.
+template <class F>
+bool map_chars(std::string_view in, std::string& out, F&& map, bool* first_removed = nullptr) {
+  std::string result;
+  result.reserve(in.size() + 8);
+  for (std::size_t i = 0; i < in.size();) {
+    std::size_t len;
+    const char32_t c = decode_at(in, i, &len);
+    map(c, in.substr(i, len), result);
+    if (i == 0 && result.empty() && first_removed != nullptr) *first_removed = true;
+    i += len;
+  }
+  if (result == in) return false;
+  out = std::move(result);
+  return true;
+}
+
+bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_removed) const {
+  switch (kind) {
+    case Kind::kForm: return normalize_form(in, options, out);
+    case Kind::kPrepend:
+      if (in.empty()) return false;
+      out = text;
+      out += in;
+      return true;
+    case Kind::kReplace: {
+      std::string result;
+      std::size_t prev = 0;
+      bool any = false;
+      auto on_match = [&](std::size_t s, std::size_t e) {
+        result.append(in, prev, s - prev);
+        result += text;
+        prev = e;
+        any = true;
+        if (s == 0 && e > 0 && text.empty()) *start_removed = true;
+      };
+      if (regex) {
+        regex.for_each_match(in, on_match);
+      } else if (!literal.empty()) {
+        for (std::size_t pos = in.find(literal); pos != std::string_view::npos; pos = in.find(literal, pos + literal.size()))
+          on_match(pos, pos + literal.size());
+      }
+      if (!any) return false;
+      result.append(in, prev, std::string_view::npos);
+      out = std::move(result);
+      return true;
+    }
+    case Kind::kStrip: {
+      const CodePointSet& ws = rust_whitespace();
+      std::size_t b = 0, e = in.size();
+      while (left && b < e) {
+        std::size_t len;
+        if (!ws.contains(decode_at(in, b, &len))) break;
+        b += len;
+      }
+      while (right && e > b) {
+        std::size_t len;
+        const std::size_t p = last_char_start(in.substr(0, e));
+        if (!ws.contains(decode_at(in, p, &len))) break;
+        e = p;
+      }
+      if (b == 0 && e == in.size()) return false;
+      if (b > 0) *start_removed = true;
+      out = std::string(in.substr(b, e - b));
+      return true;
+    }
+    case Kind::kLowercase:
+      return map_chars(in, out, [](char32_t c, std::string_view raw, std::string& r) {
+        if (c < 0x80) r += static_cast<char>(c >= 'A' && c <= 'Z' ? c + 32 : c);
+        else append_lowercase(r, c);
+        (void)raw;
+      });
+    case Kind::kStripAccents: {
+      const CodePointSet& marks = strip_accents_marks();
+      return map_chars(in, out, [&](char32_t c, std::string_view raw, std::string& r) {
+        if (!marks.contains(c)) r += raw;
+      }, start_removed);
+    }
+    case Kind::kNmt: {
+      const CodePointSet& removed = nmt_removed();
+      const CodePointSet& space = nmt_to_space();
+      return map_chars(in, out, [&](char32_t c, std::string_view raw, std::string& r) {
+        if (removed.contains(c)) return;
+        if (space.contains(c)) r += ' ';
+        else r += raw;
+      }, start_removed);
+    }
+    case Kind::kBert: {
+      std::string cur(in);
+      bool changed = false;
+      std::string next;
+      if (clean_text) {
+        const CodePointSet& removed = bert_removed();
+        const CodePointSet& space = bert_to_space();
+        if (map_chars(cur, next, [&](char32_t c, std::string_view raw, std::string& r) {
+              if (removed.contains(c)) return;
+              if (space.contains(c)) r += ' ';
+              else r += raw;
+            }, start_removed)) {
+          cur.swap(next);
+          changed = true;
+        }
+      }
+      if (chinese && map_chars(cur, next, [](char32_t c, std::string_view raw, std::string& r) {
+            if (is_bert_chinese(c)) {
+              r += ' ';
+              r += raw;
+              r += ' ';
+            } else {
+              r += raw;
+            }
+          })) {
+        cur.swap(next);
+        changed = true;
+      }
+      if (strip_accents) {
+        std::string nfd;
+        const bool decomposed = normalize_form(cur, normalization_form_options("NFD"), nfd);
+        const CodePointSet& marks = bert_nonspacing_marks();
+        std::string_view src = decomposed ? std::string_view(nfd) : std::string_view(cur);
+        if (map_chars(src, next, [&](char32_t c, std::string_view raw, std::string& r) {
+              if (!marks.contains(c)) r += raw;
+            }, start_removed)) {
+          cur.swap(next);
+          changed = true;
+        } else if (decomposed) {
+          cur.swap(nfd);
+          changed = true;
+        }
+      }
+      if (lowercase && map_chars(cur, next, [](char32_t c, std::string_view, std::string& r) {
+            if (c < 0x80) r += static_cast<char>(c >= 'A' && c <= 'Z' ? c + 32 : c);
+            else append_lowercase(r, c);
+          })) {
+        cur.swap(next);
+        changed = true;
+      }
+      if (!changed) return false;
+      out = std::move(cur);
+      return true;
+    }
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// Pre-tokenizer stages
+
+enum class PrependScheme { kAlways, kFirst, kNever };
+
+struct Stage {
+  enum class Kind { kRegex, kLiteral, kChars, kWhitespace, kMetaspace } kind = Kind::kRegex;
+  Regex regex;
+  std::string literal;
+  const CodePointSet* chars = nullptr;  // kChars: each character in the set is a match
+  char32_t delimiter = 0;               // kChars with a single delimiter character (chars == nullptr)
+  Behavior behavior = Behavior::kIsolated;
+  bool invert = false;
+  // kMetaspace
+  std::string replacement;
+  PrependScheme prepend = PrependScheme::kAlways;
+  bool split = true;
+
+  // Segments covering `text`, each flagged as a match or not (Pattern::find_matches).
+  template <class F>
+  void segments(std::string_view text, F&& seg) const {
+    if (kind == Kind::kChars) {
+      std::size_t last = 0;
+      for (std::size_t i = 0; i < text.size();) {
+        std::size_t len;
+        const char32_t c = decode_at(text, i, &len);
+        if (chars != nullptr ? chars->contains(c) : c == delimiter) {
+          if (last < i) seg(last, i, false);
+          seg(i, i + len, true);
+          last = i + len;
+        }
+        i += len;
+      }
+      if (last < text.size()) seg(last, text.size(), false);
+      return;
+    }
+    if (kind == Kind::kWhitespace) {
+      // \w+|[^\w\s]+ with the pieces kept and the spaces dropped.
+      const CodePointSet& word = whitespace_pretokenizer_word();
+      const CodePointSet& space = whitespace_pretokenizer_space();
+      std::size_t i = 0;
+      int run = -1;  // 0: word run, 1: other run
+      std::size_t run_start = 0;
+      while (i < text.size()) {
+        std::size_t len;
+        const char32_t c = decode_at(text, i, &len);
+        const int cls = word.contains(c) ? 0 : space.contains(c) ? 2 : 1;
+        if (cls != run) {  // runs of word or other characters are kept, spaces are the (removed) matches
+          if (run == 0 || run == 1) seg(run_start, i, false);
+          else if (i > run_start) seg(run_start, i, true);
+          run = cls;
+          run_start = i;
+        }
+        i += len;
+      }
+      if (run == 0 || run == 1) seg(run_start, text.size(), false);
+      else if (text.size() > run_start) seg(run_start, text.size(), true);
+      return;
+    }
+    std::size_t prev = 0;
+    auto on_match = [&](std::size_t s, std::size_t e) {
+      if (prev != s) seg(prev, s, invert);
+      seg(s, e, !invert);
+      prev = e;
+    };
+    if (kind == Kind::kRegex) {
+      regex.for_each_match(text, on_match);
+    } else {
+      for (std::size_t pos = text.find(literal); pos != std::string_view::npos;
+           pos = text.find(literal, pos + literal.size()))
+        on_match(pos, pos + literal.size());
+    }
+    if (prev != text.size()) seg(prev, text.size(), invert);
+  }
+};
+
+// Note [Unigram scores are parsed as serde_json parses them]
+// `tokenizers` reads tokenizer.json with serde_json without its float_roundtrip
+// feature: a number's decimal digits are collected into a u64 (digits beyond
+// its range are dropped), converted to f64 and multiplied or divided once by a
+// power of ten, which is one rounding more than a correct parse and can be one
+// ulp away (about 10% of the scores of a typical Unigram vocabulary). Viterbi
+// sums those scores, so a correctly rounded parse could pick another path on a
+// near-tie; we reproduce serde_json's arithmetic on the number's text instead.
+double serde_json_f64(std::string_view t, const std::filesystem::path& file, const std::string& where) {
+  static const std::array<double, 309> kPow10 = [] {
+    std::array<double, 309> p{};
+    for (int i = 0; i < 309; ++i) p[i] = std::strtod(fmt::format("1e{}", i).c_str(), nullptr);
+    return p;
+  }();
+  std::size_t i = 0;
+  const bool positive = !(i < t.size() && t[i] == '-');
+  if (!positive) ++i;
+  auto digit = [&](std::size_t k) { return k < t.size() && t[k] >= '0' && t[k] <= '9'; };
+  if (!digit(i)) fail(file, where, fmt::format("'{}' is not a number", t));
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  auto overflows = [](std::uint64_t a, std::uint64_t d) { return a >= kMax / 10 && (a > kMax / 10 || d > kMax % 10); };
+  std::uint64_t significand = 0;
+  std::int64_t exponent = 0;
+  bool is_integer = true;
+  for (; digit(i); ++i) {  // integer part: digits beyond u64 only raise the exponent
+    const std::uint64_t d = static_cast<std::uint64_t>(t[i] - '0');
+    if (overflows(significand, d)) {
+      is_integer = false;
+      for (; digit(i); ++i) ++exponent;
+      break;
+    }
+    significand = significand * 10 + d;
+  }
+  if (i < t.size() && t[i] == '.') {
+    is_integer = false;
+    ++i;
+    bool dropped = false;
+    for (; digit(i); ++i) {
+      const std::uint64_t d = static_cast<std::uint64_t>(t[i] - '0');
+      if (dropped || overflows(significand, d)) {
+        dropped = true;  // further digits are ignored
+        continue;
+      }
+      significand = significand * 10 + d;
+      --exponent;
+    }
+  }
+  if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
+    is_integer = false;
+    ++i;
+    bool negative_exp = false;
+    if (i < t.size() && (t[i] == '+' || t[i] == '-')) negative_exp = t[i++] == '-';
+    std::int64_t e = 0;
+    for (; digit(i); ++i) e = std::min<std::int64_t>(e * 10 + (t[i] - '0'), 1LL << 40);
+    exponent += negative_exp ? -e : e;
+  }
+  if (is_integer) return positive ? static_cast<double>(significand) : -static_cast<double>(significand);
+  double f = static_cast<double>(significand);
+  while (true) {
+    const std::int64_t a = exponent < 0 ? -exponent : exponent;
+    if (a <= 308) {
+      if (exponent >= 0) f *= kPow10[static_cast<std::size_t>(a)];
+      else f /= kPow10[static_cast<std::size_t>(a)];
+      break;
+    }
+    if (f == 0.0) break;
+    if (exponent >= 0) fail(file, where, fmt::format("number '{}' is out of range", t));
+    f /= 1e308;
+    exponent += 308;
+  }
+  if (std::isinf(f)) fail(file, where, fmt::format("number '{}' is out of range", t));
+  return positive ? f : -f;
+}
+
+// The texts of the Unigram scores (model.vocab[*][1]), read with simdjson's on-demand parser,
+// which keeps a number's text.
+std::vector<std::string> unigram_score_texts(const std::filesystem::path& file) {
+  simdjson::padded_string json;
+  if (simdjson::padded_string::load(file.string()).get(json) != simdjson::SUCCESS)
+    fail(file, "tokenizer.json", "cannot be read");
+  simdjson::ondemand::parser parser;
+  std::vector<std::string> out;
+  auto doc = parser.iterate(json);
+  simdjson::ondemand::array vocab;
+  if (doc["model"]["vocab"].get_array().get(vocab) != simdjson::SUCCESS) fail(file, "model.vocab", "expected an array");
+  for (auto pair : vocab) {
+    simdjson::ondemand::array entry;
+    if (pair.get_array().get(entry) != simdjson::SUCCESS) fail(file, "model.vocab", "expected [piece, score] pairs");
+    std::size_t k = 0;
+    for (auto e : entry) {
+      if (k++ != 1) continue;
+      std::string_view raw;
+      if (e.raw_json_token().get(raw) != simdjson::SUCCESS) fail(file, "model.vocab", "unreadable score");
+      while (!raw.empty() && (raw.back() == ' ' || raw.back() == '\n' || raw.back() == '\r' || raw.back() == '\t'))
+        raw.remove_suffix(1);
+      out.emplace_back(raw);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Unigram: a byte trie for the common-prefix search over the pieces.
+
+class PrefixTrie {
+ public:
+  PrefixTrie() : nodes_(1) {}
+  void insert(std::string_view s, std::int32_t id) {
+    std::uint32_t n = 0;
+    for (char ch : s) {
+      const auto b = static_cast<unsigned char>(ch);
+      auto& next = nodes_[n].next;
+      auto it = std::lower_bound(next.begin(), next.end(), b, [](const auto& e, unsigned char v) { return e.first < v; });
+      if (it == next.end() || it->first != b) {
+        const auto child = static_cast<std::uint32_t>(nodes_.size());
+        it = next.insert(it, {b, child});
+        nodes_.emplace_back();
+        n = child;
+      } else {
+        n = it->second;
+      }
+    }
+    nodes_[n].id = id;
+  }
+  // Calls f(length, id) for every piece that is a prefix of text[pos..], shortest first.
+  template <class F>
+  void prefixes(std::string_view text, std::size_t pos, F&& f) const {
+    std::uint32_t n = 0;
+    for (std::size_t i = pos; i < text.size(); ++i) {
+      const auto b = static_cast<unsigned char>(text[i]);
+      const auto& next = nodes_[n].next;
+      auto it = std::lower_bound(next.begin(), next.end(), b, [](const auto& e, unsigned char v) { return e.first < v; });
+      if (it == next.end() || it->first != b) return;
+      n = it->second;
+      if (nodes_[n].id >= 0) f(i + 1 - pos, nodes_[n].id);
+    }
+  }
+
+ private:
+  struct Node {
+    std::vector<std::pair<unsigned char, std::uint32_t>> next;
+    std::int32_t id = -1;
+  };
+  std::vector<Node> nodes_;
+};
+
+// ---------------------------------------------------------------------------
+// Decoders: each maps the list of token strings to a new list; the result is
+// the concatenation (Decoder::decode = decode_chain + join).
+
+struct DecoderStep {
+  enum class Kind { kByteLevel, kByteFallback, kFuse, kStrip, kReplace, kMetaspace, kWordPiece, kBpe } kind;
+  std::string content;      // kStrip: the character; kReplace: replacement; kMetaspace: replacement
+  std::string literal;      // kReplace with a String pattern
+  Regex regex;              // kReplace with a Regex pattern
+  std::size_t start = 0, stop = 0;  // kStrip
+  PrependScheme prepend = PrependScheme::kAlways;  // kMetaspace
+  std::string prefix;       // kWordPiece prefix, kBpe suffix
+  bool cleanup = true;      // kWordPiece
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -731,31 +724,37 @@ struct TokenizerJson::Impl {
   std::filesystem::path file;
   std::uint64_t instance_id = g_next_instance.fetch_add(1);
 
-  // Normalizer: utf8proc option sets applied in order.
-  std::vector<int> normalizers;
+  std::vector<NormalizerStep> normalizers;
+  bool top_level_bert = false;  // the normalizer is one BertNormalizer (not in a Sequence)
 
-  // Pre-tokenizer: split stages, then (optionally, always last) ByteLevel.
-  std::vector<SplitStage> stages;
+  // Pre-tokenizer: stages, then (optionally, always last) ByteLevel.
+  std::vector<Stage> stages;
   bool byte_level = false;
   bool byte_level_prefix_space = false;
   bool byte_level_use_regex = true;
   bool byte_level_top_level = false;
   Regex gpt2_regex;
-  // Note [Unicode version]: set when a pre-tokenizer regex uses Unicode property classes.
-  bool property_classes = false;
-  bool only_gpt2_classes = false;  // ... and the only such regex is ByteLevel's (\p{L}, \p{N}, \s)
 
-  // BPE model.
+  // Model.
+  enum class ModelKind { kBpe, kUnigram, kWordPiece, kWordLevel } model_kind = ModelKind::kBpe;
   absl::flat_hash_map<std::string, std::int32_t> vocab;
   std::vector<std::string> vocab_r;  // id -> token ("" when absent)
   std::vector<bool> vocab_r_present;
-  absl::flat_hash_map<std::uint64_t, std::uint64_t> merges;  // (a << 32 | b) -> (rank << 32 | new id)
+  absl::flat_hash_map<std::uint64_t, std::uint64_t> merges;  // BPE: (a << 32 | b) -> (rank << 32 | new id)
   std::optional<std::string> unk_token;
   std::string subword_prefix, word_suffix;
   bool fuse_unk = false, byte_fallback = false, ignore_merges = false;
   std::array<std::int32_t, 256> byte_ids{};  // byte-level mode: id of each byte's character
   bool byte_fast = false;                    // every byte character is in the vocabulary, no prefix/suffix
   absl::flat_hash_map<std::string, std::int32_t> raw_vocab;  // byte-level mode + ignore_merges: raw bytes -> id
+  std::array<std::int32_t, 256> fallback_ids{};              // byte_fallback: id of <0xNN>, or -1
+  // Unigram
+  std::vector<double> scores;
+  double unk_score = 0;
+  std::optional<std::int32_t> unk_id;
+  PrefixTrie pieces;
+  // WordPiece
+  std::size_t max_input_chars_per_word = 100;
 
   // Added vocabulary.
   std::vector<std::pair<std::int64_t, AddedToken>> added;
@@ -764,40 +763,54 @@ struct TokenizerJson::Impl {
   Trie raw_trie, normalized_trie;
   std::vector<std::string> normalized_patterns;  // normalized content per `added` index
 
-  // Decoder.
-  bool decoder_byte_level = false;
+  // Decoder (empty with has_decoder: tokens joined by spaces).
+  bool has_decoder = false;
+  std::vector<DecoderStep> decoders;
 
   // ---- loading ----
   void load(std::vector<std::int64_t>& prefix, std::vector<std::int64_t>& suffix, std::vector<std::string>& warnings);
   void parse_normalizer(const Json& j, dom::element el, const std::string& where);
   void parse_pre_tokenizer(const Json& j, dom::element el, const std::string& where, bool top_level);
   void parse_model(const Json& j, dom::element el);
+  void parse_vocab_map(const Json& j, dom::element el);
   void parse_post_processor(const Json& j, dom::element el, const std::string& where,
                             std::vector<std::int64_t>& prefix, std::vector<std::int64_t>& suffix);
   void parse_decoder(const Json& j, dom::element el, const std::string& where);
+  Regex parse_pattern(const Json& j, dom::element pattern, const std::string& where, std::string& literal,
+                      bool allow_empty);
   void finish_model();
   std::size_t add_tokens(std::span<const AddedToken> tokens);
   void rebuild_tries();
 
   // ---- encoding ----
-  bool normalize(std::string_view in, std::string& out) const;
+  bool normalize(std::string_view in, std::string& out, bool* start_removed) const;
   void encode(std::string_view text, std::vector<std::int64_t>& out) const;
-  void check_unicode_version(std::string_view text) const;
-  void encode_normalizable(std::string_view segment, std::vector<std::int64_t>& out) const;
+  void encode_normalizable(std::string_view segment, bool at_origin, std::vector<std::int64_t>& out) const;
   template <class F>
   void split_added(std::string_view sentence, const Trie& trie, F&& on_split) const;
-  void pre_tokenize(std::string_view piece, std::size_t stage, std::vector<std::int64_t>& out) const;
+  void pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin, std::vector<std::int64_t>& out) const;
   void byte_level_stage(std::string_view piece, std::vector<std::int64_t>& out) const;
   void model(std::string_view word, std::vector<std::int64_t>& out) const;
   void tokenize_word(std::string_view word, std::vector<std::int32_t>& ids) const;
   void initial_symbols(std::string_view chars, std::vector<std::int32_t>& syms) const;
   void merge(std::vector<std::int32_t>& syms) const;
   void merge_heap(std::vector<std::int32_t>& syms) const;
+  void unigram(std::string_view word, std::vector<std::int32_t>& ids) const;
+  void wordpiece(std::string_view word, std::vector<std::int32_t>& ids) const;
   std::optional<std::int32_t> vocab_id(std::string_view s) const {
     auto it = vocab.find(key(s));
     if (it == vocab.end()) return std::nullopt;
     return it->second;
   }
+  std::int32_t required_unk(std::string_view model_name) const {
+    if (unk_token)
+      if (auto id = vocab_id(*unk_token)) return *id;
+    throw Error(fmt::format("{}: the {} model needs its unknown token for this text, but it has none in its vocabulary",
+                            file.string(), model_name));
+  }
+
+  // ---- decoding ----
+  std::string decode_tokens(std::vector<std::string> tokens) const;
 };
 
 // ---------------------------------------------------------------------------
@@ -873,7 +886,10 @@ void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<st
   if (auto n = j.optional_member(root, "normalizer")) parse_normalizer(j, *n, "normalizer");
   if (auto p = j.optional_member(root, "pre_tokenizer")) parse_pre_tokenizer(j, *p, "pre_tokenizer", true);
   finish_model();
-  if (auto d = j.optional_member(root, "decoder")) parse_decoder(j, *d, "decoder");
+  if (auto d = j.optional_member(root, "decoder")) {
+    has_decoder = true;
+    parse_decoder(j, *d, "decoder");
+  }
 
   // Added tokens: the library re-adds them in file order; ids come from add_tokens.
   std::vector<AddedToken> tokens;
@@ -904,19 +920,73 @@ void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<st
   if (auto p = j.optional_member(root, "post_processor")) parse_post_processor(j, *p, "post_processor", prefix, suffix);
 }
 
+// A `pattern` object: {"String": "..."} (returned in `literal`) or {"Regex": "..."}.
+Regex TokenizerJson::Impl::parse_pattern(const Json& j, dom::element pattern, const std::string& where,
+                                         std::string& literal, bool allow_empty) {
+  if (auto r = j.optional_member(pattern, "Regex")) return Regex(j.string(*r, where + ".Regex"), file, where + ".Regex");
+  if (auto l = j.optional_member(pattern, "String")) {
+    literal = j.string(*l, where + ".String");
+    if (literal.empty() && !allow_empty) fail(file, where + ".String", "an empty pattern is not supported");
+    return Regex();
+  }
+  fail(file, where, "expected {\"Regex\": ...} or {\"String\": ...}");
+}
+
 void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const std::string& where) {
   const std::string type = j.type_of(el, where);
-  if (type == "NFC") normalizers.push_back(UTF8PROC_STABLE | UTF8PROC_COMPOSE);
-  else if (type == "NFD") normalizers.push_back(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE);
-  else if (type == "NFKC") normalizers.push_back(UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
-  else if (type == "NFKD") normalizers.push_back(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
-  else if (type == "Sequence") {
+  NormalizerStep n;
+  using K = NormalizerStep::Kind;
+  if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    n.kind = K::kForm;
+    n.options = normalization_form_options(type);
+  } else if (type == "Sequence") {
     std::size_t k = 0;
-    for (dom::element n : j.array(j.member(el, "normalizers", where), where + ".normalizers"))
-      parse_normalizer(j, n, fmt::format("{}.normalizers[{}]", where, k++));
+    for (dom::element e : j.array(j.member(el, "normalizers", where), where + ".normalizers"))
+      parse_normalizer(j, e, fmt::format("{}.normalizers[{}]", where, k++));
+    return;
+  } else if (type == "Prepend") {
+    n.kind = K::kPrepend;
+    n.text = j.string(j.member(el, "prepend", where), where + ".prepend");
+  } else if (type == "Replace") {
+    n.kind = K::kReplace;
+    n.regex = parse_pattern(j, j.member(el, "pattern", where), where + ".pattern", n.literal, true);
+    n.text = j.string(j.member(el, "content", where), where + ".content");
+  } else if (type == "Strip") {
+    n.kind = K::kStrip;
+    n.left = j.flag(el, "strip_left", true, where);
+    n.right = j.flag(el, "strip_right", true, where);
+  } else if (type == "Lowercase") {
+    n.kind = K::kLowercase;
+  } else if (type == "StripAccents") {
+    n.kind = K::kStripAccents;
+  } else if (type == "Nmt") {
+    n.kind = K::kNmt;
+  } else if (type == "BertNormalizer") {
+    n.kind = K::kBert;
+    n.clean_text = j.flag(el, "clean_text", true, where);
+    n.chinese = j.flag(el, "handle_chinese_chars", true, where);
+    n.lowercase = j.flag(el, "lowercase", true, where);
+    if (auto v = j.optional_member(el, "strip_accents")) n.strip_accents_given = j.boolean(*v, where + ".strip_accents");
+    n.strip_accents = n.strip_accents_given.value_or(n.lowercase);
+    top_level_bert = where == "normalizer";
   } else {
-    unsupported(file, where, "normalizer", type, "NFC, NFD, NFKC, NFKD and a Sequence of them");
+    unsupported(file, where, "normalizer", type,
+                "NFC, NFD, NFKC, NFKD, Prepend, Replace, Strip, Lowercase, StripAccents, Nmt, BertNormalizer and a "
+                "Sequence of them");
   }
+  normalizers.push_back(std::move(n));
+}
+
+static Behavior parse_behavior(const Json& j, dom::element el, const std::string& where, Behavior fallback) {
+  auto v = j.optional_member(el, "behavior");
+  if (!v) return fallback;
+  const std::string b = j.string(*v, where + ".behavior");
+  if (b == "Removed") return Behavior::kRemoved;
+  if (b == "Isolated") return Behavior::kIsolated;
+  if (b == "MergedWithPrevious") return Behavior::kMergedWithPrevious;
+  if (b == "MergedWithNext") return Behavior::kMergedWithNext;
+  if (b == "Contiguous") return Behavior::kContiguous;
+  fail(j.file, where + ".behavior", fmt::format("unknown split behavior '{}'", b));
 }
 
 void TokenizerJson::Impl::parse_pre_tokenizer(const Json& j, dom::element el, const std::string& where,
@@ -924,68 +994,84 @@ void TokenizerJson::Impl::parse_pre_tokenizer(const Json& j, dom::element el, co
   const std::string type = j.type_of(el, where);
   if (byte_level)
     fail(file, where, fmt::format("pre-tokenizer '{}' after ByteLevel is not supported (ByteLevel must come last)", type));
+  Stage s;
   if (type == "Sequence") {
     std::size_t k = 0;
     for (dom::element p : j.array(j.member(el, "pretokenizers", where), where + ".pretokenizers"))
       parse_pre_tokenizer(j, p, fmt::format("{}.pretokenizers[{}]", where, k++), false);
+    return;
   } else if (type == "ByteLevel") {
     byte_level = true;
     byte_level_prefix_space = j.flag(el, "add_prefix_space", true, where);
     byte_level_use_regex = j.flag(el, "use_regex", true, where);
     byte_level_top_level = top_level;
     if (byte_level_use_regex) gpt2_regex = Regex(std::string(kGpt2Pattern), file, where);
+    return;
   } else if (type == "Split") {
-    SplitStage s;
-    const dom::element pattern = j.member(el, "pattern", where);
-    if (auto r = j.optional_member(pattern, "Regex")) {
-      s.kind = SplitStage::Kind::kRegex;
-      s.regex = Regex(j.string(*r, where + ".pattern.Regex"), file, where + ".pattern.Regex");
-    } else if (auto l = j.optional_member(pattern, "String")) {
-      s.kind = SplitStage::Kind::kLiteral;
-      s.literal = j.string(*l, where + ".pattern.String");
-      if (s.literal.empty()) fail(file, where + ".pattern.String", "an empty split string is not supported");
-    } else {
-      fail(file, where + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
-    }
-    const std::string behavior = j.string(j.member(el, "behavior", where), where + ".behavior");
-    if (behavior == "Removed") s.behavior = Behavior::kRemoved;
-    else if (behavior == "Isolated") s.behavior = Behavior::kIsolated;
-    else if (behavior == "MergedWithPrevious") s.behavior = Behavior::kMergedWithPrevious;
-    else if (behavior == "MergedWithNext") s.behavior = Behavior::kMergedWithNext;
-    else if (behavior == "Contiguous") s.behavior = Behavior::kContiguous;
-    else fail(file, where + ".behavior", fmt::format("unknown split behavior '{}'", behavior));
+    std::string literal;
+    s.regex = parse_pattern(j, j.member(el, "pattern", where), where + ".pattern", literal, false);
+    s.kind = s.regex ? Stage::Kind::kRegex : Stage::Kind::kLiteral;
+    s.literal = std::move(literal);
+    if (!j.optional_member(el, "behavior")) fail(file, where + ".behavior", "missing");
+    s.behavior = parse_behavior(j, el, where, Behavior::kIsolated);
     s.invert = j.flag(el, "invert", false, where);
-    stages.push_back(std::move(s));
   } else if (type == "Digits") {
-    SplitStage s;
-    s.kind = SplitStage::Kind::kDigits;
+    s.kind = Stage::Kind::kChars;
+    s.chars = &rust_numeric();
     s.behavior = j.flag(el, "individual_digits", false, where) ? Behavior::kIsolated : Behavior::kContiguous;
+  } else if (type == "WhitespaceSplit") {
+    s.kind = Stage::Kind::kChars;
+    s.chars = &rust_whitespace();
+    s.behavior = Behavior::kRemoved;
+  } else if (type == "Punctuation") {
+    s.kind = Stage::Kind::kChars;
+    s.chars = &bert_punctuation();
+    s.behavior = parse_behavior(j, el, where, Behavior::kIsolated);
+  } else if (type == "BertPreTokenizer") {
+    s.kind = Stage::Kind::kChars;
+    s.chars = &rust_whitespace();
+    s.behavior = Behavior::kRemoved;
     stages.push_back(std::move(s));
+    s = Stage{};
+    s.kind = Stage::Kind::kChars;
+    s.chars = &bert_punctuation();
+    s.behavior = Behavior::kIsolated;
+  } else if (type == "CharDelimiterSplit") {
+    const std::string d = j.string(j.member(el, "delimiter", where), where + ".delimiter");
+    std::size_t len = 0;
+    if (d.empty() || (s.delimiter = decode_at(d, 0, &len), len != d.size()))
+      fail(file, where + ".delimiter", "expected a single character");
+    s.kind = Stage::Kind::kChars;
+    s.behavior = Behavior::kRemoved;
+  } else if (type == "Whitespace") {
+    s.kind = Stage::Kind::kWhitespace;
+    s.behavior = Behavior::kRemoved;
+  } else if (type == "Metaspace") {
+    s.kind = Stage::Kind::kMetaspace;
+    s.replacement = j.string(j.member(el, "replacement", where), where + ".replacement");
+    std::size_t len = 0;
+    if (s.replacement.empty() || (decode_at(s.replacement, 0, &len), len != s.replacement.size()))
+      fail(file, where + ".replacement", "expected a single character");
+    s.split = j.flag(el, "split", true, where);
+    if (auto scheme = j.optional_member(el, "prepend_scheme")) {
+      const std::string v = j.string(*scheme, where + ".prepend_scheme");
+      if (v == "always") s.prepend = PrependScheme::kAlways;
+      else if (v == "first") s.prepend = PrependScheme::kFirst;
+      else if (v == "never") s.prepend = PrependScheme::kNever;
+      else fail(file, where + ".prepend_scheme", fmt::format("expected \"always\", \"first\" or \"never\", got '{}'", v));
+    } else {
+      // Files from before prepend_scheme: add_prefix_space decides (true = always).
+      s.prepend = j.flag(el, "add_prefix_space", true, where) ? PrependScheme::kAlways : PrependScheme::kNever;
+    }
   } else {
-    unsupported(file, where, "pre-tokenizer", type, "ByteLevel, Split, Digits and a Sequence of them");
+    unsupported(file, where, "pre-tokenizer", type,
+                "ByteLevel, Split, Digits, WhitespaceSplit, Whitespace, Punctuation, BertPreTokenizer, "
+                "CharDelimiterSplit, Metaspace and a Sequence of them");
   }
+  stages.push_back(std::move(s));
 }
 
-void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
-  std::string type;
-  if (auto t = j.optional_member(el, "type")) type = j.string(*t, "model.type");
-  else if (j.optional_member(el, "merges")) type = "BPE";  // old serialisation without "type"
-  else fail(file, "model", "has no 'type' (and no 'merges', so it is not a BPE model)");
-  if (type != "BPE")
-    unsupported(file, "model.type", "model", type, "BPE (byte-level BPE as in GPT-2, Llama-3, Qwen2)");
-
-  if (auto d = j.optional_member(el, "dropout")) {
-    double p = 0;
-    if (d->get_double().get(p) != simdjson::SUCCESS) fail(file, "model.dropout", "expected a number or null");
-    if (p != 0.0) fail(file, "model.dropout", fmt::format("BPE dropout {} is not supported (must be null)", p));
-  }
-  if (auto u = j.optional_member(el, "unk_token")) unk_token = j.string(*u, "model.unk_token");
-  if (auto p = j.optional_member(el, "continuing_subword_prefix")) subword_prefix = j.string(*p, "model.continuing_subword_prefix");
-  if (auto s = j.optional_member(el, "end_of_word_suffix")) word_suffix = j.string(*s, "model.end_of_word_suffix");
-  fuse_unk = j.flag(el, "fuse_unk", false, "model");
-  byte_fallback = j.flag(el, "byte_fallback", false, "model");
-  ignore_merges = j.flag(el, "ignore_merges", false, "model");
-
+void TokenizerJson::Impl::parse_vocab_map(const Json& j, dom::element el) {
   std::int64_t max_id = -1;
   for (auto field : j.object(j.member(el, "vocab", "model"), "model.vocab")) {
     const std::int64_t id = j.integer(field.value, fmt::format("model.vocab[\"{}\"]", field.key));
@@ -999,6 +1085,72 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
     vocab_r[id] = token;
     vocab_r_present[id] = true;
   }
+}
+
+void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
+  std::string type;
+  if (auto t = j.optional_member(el, "type")) type = j.string(*t, "model.type");
+  else if (j.optional_member(el, "merges")) type = "BPE";  // old serialisation without "type"
+  else fail(file, "model", "has no 'type' (and no 'merges', so it is not a BPE model)");
+
+  if (type == "WordPiece" || type == "WordLevel") {
+    model_kind = type == "WordPiece" ? ModelKind::kWordPiece : ModelKind::kWordLevel;
+    parse_vocab_map(j, el);
+    unk_token = j.string(j.member(el, "unk_token", "model"), "model.unk_token");
+    if (model_kind == ModelKind::kWordPiece) {
+      subword_prefix = j.string(j.member(el, "continuing_subword_prefix", "model"), "model.continuing_subword_prefix");
+      const std::int64_t m = j.integer(j.member(el, "max_input_chars_per_word", "model"), "model.max_input_chars_per_word");
+      if (m < 0) fail(file, "model.max_input_chars_per_word", "expected a non-negative integer");
+      max_input_chars_per_word = static_cast<std::size_t>(m);
+    }
+    return;
+  }
+  if (type == "Unigram") {
+    model_kind = ModelKind::kUnigram;
+    byte_fallback = j.flag(el, "byte_fallback", false, "model");
+    std::int32_t id = 0;
+    double min_score = std::numeric_limits<double>::infinity();
+    const std::vector<std::string> score_texts = unigram_score_texts(file);
+    for (dom::element e : j.array(j.member(el, "vocab", "model"), "model.vocab")) {
+      const std::string w = fmt::format("model.vocab[{}]", id);
+      dom::array pair = j.array(e, w);
+      if (pair.size() != 2) fail(file, w, "expected [piece, score]");
+      const std::string piece = j.string(pair.at(0).value_unsafe(), w + "[0]");
+      if (!pair.at(1).value_unsafe().is_number()) fail(file, w + "[1]", "expected a number");
+      if (static_cast<std::size_t>(id) >= score_texts.size()) fail(file, w, "unreadable score");
+      const double score = serde_json_f64(score_texts[static_cast<std::size_t>(id)], file, w + "[1]");
+      vocab.insert_or_assign(piece, id);
+      vocab_r.push_back(piece);
+      vocab_r_present.push_back(true);
+      scores.push_back(score);
+      min_score = std::min(min_score, score);
+      pieces.insert(piece, id);
+      ++id;
+    }
+    if (auto u = j.optional_member(el, "unk_id")) {
+      const std::int64_t v = j.integer(*u, "model.unk_id");
+      if (v < 0 || v >= id) fail(file, "model.unk_id", fmt::format("{} is not a piece index (vocabulary of {})", v, id));
+      unk_id = static_cast<std::int32_t>(v);
+      unk_token = vocab_r[v];
+    }
+    unk_score = min_score - 10.0;  // tokenizers' K_UNK_PENALTY
+    return;
+  }
+  if (type != "BPE")
+    unsupported(file, "model.type", "model", type, "BPE, Unigram, WordPiece and WordLevel");
+
+  if (auto d = j.optional_member(el, "dropout")) {
+    double p = 0;
+    if (d->get_double().get(p) != simdjson::SUCCESS) fail(file, "model.dropout", "expected a number or null");
+    if (p != 0.0) fail(file, "model.dropout", fmt::format("BPE dropout {} is not supported (must be null)", p));
+  }
+  if (auto u = j.optional_member(el, "unk_token")) unk_token = j.string(*u, "model.unk_token");
+  if (auto p = j.optional_member(el, "continuing_subword_prefix")) subword_prefix = j.string(*p, "model.continuing_subword_prefix");
+  if (auto s = j.optional_member(el, "end_of_word_suffix")) word_suffix = j.string(*s, "model.end_of_word_suffix");
+  fuse_unk = j.flag(el, "fuse_unk", false, "model");
+  byte_fallback = j.flag(el, "byte_fallback", false, "model");
+  ignore_merges = j.flag(el, "ignore_merges", false, "model");
+  parse_vocab_map(j, el);
 
   // Merges: ["a b", ...] (legacy) or [["a", "b"], ...]; a later duplicate pair wins, as in the library.
   std::size_t rank = 0;
@@ -1037,14 +1189,12 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
 }
 
 void TokenizerJson::Impl::finish_model() {
-  bool split_properties = false;
-  for (const SplitStage& st : stages) split_properties = split_properties || st.regex.uses_properties();
-  const bool gpt2_properties = byte_level && byte_level_use_regex;
-  property_classes = split_properties || gpt2_properties;
-  only_gpt2_classes = gpt2_properties && !split_properties;
+  fallback_ids.fill(-1);
+  for (int b = 0; b < 256; ++b)
+    if (auto id = vocab_id(fmt::format("<0x{:02X}>", b))) fallback_ids[b] = *id;
   if (!byte_level) return;
   const auto& abc = alphabet();
-  byte_fast = subword_prefix.empty() && word_suffix.empty();
+  byte_fast = model_kind == ModelKind::kBpe && subword_prefix.empty() && word_suffix.empty();
   for (int b = 0; b < 256; ++b) {
     const auto id = vocab_id(abc.byte_to_utf8[b]);
     byte_ids[b] = id ? *id : -1;
@@ -1105,15 +1255,56 @@ void TokenizerJson::Impl::parse_post_processor(const Json& j, dom::element el, c
 
 void TokenizerJson::Impl::parse_decoder(const Json& j, dom::element el, const std::string& where) {
   const std::string type = j.type_of(el, where);
-  if (type == "ByteLevel") {
-    decoder_byte_level = true;
-  } else if (type == "Sequence") {
-    dom::array list = j.array(j.member(el, "decoders", where), where + ".decoders");
-    if (list.size() != 1) unsupported(file, where, "decoder sequence of", fmt::format("{} decoders", list.size()), "a single ByteLevel");
-    parse_decoder(j, list.at(0).value_unsafe(), where + ".decoders[0]");
+  DecoderStep d{};
+  using K = DecoderStep::Kind;
+  if (type == "Sequence") {
+    std::size_t k = 0;
+    for (dom::element e : j.array(j.member(el, "decoders", where), where + ".decoders"))
+      parse_decoder(j, e, fmt::format("{}.decoders[{}]", where, k++));
+    return;
+  } else if (type == "ByteLevel") {
+    d.kind = K::kByteLevel;
+  } else if (type == "ByteFallback") {
+    d.kind = K::kByteFallback;
+  } else if (type == "Fuse") {
+    d.kind = K::kFuse;
+  } else if (type == "Strip") {
+    d.kind = K::kStrip;
+    d.content = j.string(j.member(el, "content", where), where + ".content");
+    std::size_t len = 0;
+    if (d.content.empty() || (decode_at(d.content, 0, &len), len != d.content.size()))
+      fail(file, where + ".content", "expected a single character");
+    const std::int64_t start = j.integer(j.member(el, "start", where), where + ".start");
+    const std::int64_t stop = j.integer(j.member(el, "stop", where), where + ".stop");
+    if (start < 0 || stop < 0) fail(file, where, "start and stop must be non-negative");
+    d.start = static_cast<std::size_t>(start);
+    d.stop = static_cast<std::size_t>(stop);
+  } else if (type == "Replace") {
+    d.kind = K::kReplace;
+    d.regex = parse_pattern(j, j.member(el, "pattern", where), where + ".pattern", d.literal, true);
+    d.content = j.string(j.member(el, "content", where), where + ".content");
+  } else if (type == "Metaspace") {
+    d.kind = K::kMetaspace;
+    d.content = j.string(j.member(el, "replacement", where), where + ".replacement");
+    if (auto scheme = j.optional_member(el, "prepend_scheme")) {
+      const std::string v = j.string(*scheme, where + ".prepend_scheme");
+      d.prepend = v == "never" ? PrependScheme::kNever : v == "first" ? PrependScheme::kFirst : PrependScheme::kAlways;
+    } else {
+      d.prepend = j.flag(el, "add_prefix_space", true, where) ? PrependScheme::kAlways : PrependScheme::kNever;
+    }
+  } else if (type == "WordPiece") {
+    d.kind = K::kWordPiece;
+    d.prefix = j.optional_member(el, "prefix") ? j.string(j.member(el, "prefix", where), where + ".prefix") : "##";
+    d.cleanup = j.flag(el, "cleanup", true, where);
+  } else if (type == "BPEDecoder") {
+    d.kind = K::kBpe;
+    d.prefix = j.optional_member(el, "suffix") ? j.string(j.member(el, "suffix", where), where + ".suffix") : "</w>";
   } else {
-    unsupported(file, where, "decoder", type, "ByteLevel");
+    unsupported(file, where, "decoder", type,
+                "ByteLevel, ByteFallback, Fuse, Strip, Replace, Metaspace, WordPiece, BPEDecoder and a Sequence of "
+                "them");
   }
+  decoders.push_back(std::move(d));
 }
 
 std::size_t TokenizerJson::Impl::add_tokens(std::span<const AddedToken> tokens) {
@@ -1160,7 +1351,8 @@ void TokenizerJson::Impl::rebuild_tries() {
   for (std::size_t i : order) {
     const AddedToken& t = added[i].second;
     if (t.normalized) {
-      if (!normalize(t.content, normalized_patterns[i])) normalized_patterns[i] = t.content;
+      bool ignored = false;
+      if (!normalize(t.content, normalized_patterns[i], &ignored)) normalized_patterns[i] = t.content;
       if (!normalized_patterns[i].empty()) normalized_trie.insert(normalized_patterns[i], static_cast<std::int32_t>(i));
     } else {
       raw_trie.insert(t.content, static_cast<std::int32_t>(i));
@@ -1172,11 +1364,11 @@ void TokenizerJson::Impl::rebuild_tries() {
 // Encoding
 
 // Applies the normalizers; returns false when `in` is unchanged (then `out` is not written).
-bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out) const {
+bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out, bool* start_removed) const {
   bool changed = false;
   std::string next;
-  for (int options : normalizers) {
-    if (normalize_form(changed ? std::string_view(out) : in, options, next)) {
+  for (const NormalizerStep& n : normalizers) {
+    if (n.apply(changed ? std::string_view(out) : in, next, start_removed)) {
       out.swap(next);
       changed = true;
     }
@@ -1219,7 +1411,7 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
       while (new_start > 0) {
         std::size_t l;
         const std::size_t p = last_char_start(s.substr(0, new_start));
-        if (!is_white_space(decode_at(s, p, &l))) break;
+        if (!rust_whitespace().contains(decode_at(s, p, &l))) break;
         new_start = p;
       }
       start = std::max(new_start, start_offset);
@@ -1227,7 +1419,7 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
     if (t.rstrip) {
       while (stop < s.size()) {
         std::size_t l;
-        if (!is_white_space(decode_at(s, stop, &l))) break;
+        if (!rust_whitespace().contains(decode_at(s, stop, &l))) break;
         stop += l;
       }
     }
@@ -1238,37 +1430,6 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
   if (start_offset != s.size()) on_split(start_offset, s.size(), -1);
 }
 
-// Note [Unicode version]: PCRE2's tables (Debian 12: PCRE2 10.42, Unicode 14.0) are older than
-// those of Hugging Face's tokenizers, so a code point assigned in a later Unicode version (new
-// emoji such as U+1FAE8, new scripts) falls outside every \p{..} class here but inside one there:
-// a regex like [\p{P}\p{S}] splits such text differently and the document would silently get
-// other token ids. Until the tables match, such a document is refused. For ByteLevel's own
-// pattern (\p{L}, \p{N}, \s) a code point that utf8proc (Unicode 15.0) knows to be neither a
-// letter, a number nor a separator splits exactly as an unassigned one, so that case is allowed.
-void TokenizerJson::Impl::check_unicode_version(std::string_view text) const {
-  static const Regex unassigned("\\p{Cn}", "<built-in>", "unassigned code points");
-  std::size_t from = 0, start = 0, end = 0;
-  while (unassigned.search(text, from, &start, &end)) {
-    std::size_t len = 0;
-    const char32_t cp = decode_at(text, start, &len);
-    from = start + len;
-    const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
-    const bool letter_number_or_separator =
-        (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
-        (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO) ||
-        (cat >= UTF8PROC_CATEGORY_ZS && cat <= UTF8PROC_CATEGORY_ZP);
-    if (only_gpt2_classes && cat != UTF8PROC_CATEGORY_CN && !letter_number_or_separator) continue;
-    char unicode[24] = "?";
-    pcre2_config(PCRE2_CONFIG_UNICODE_VERSION, unicode);
-    throw Error(fmt::format(
-        "text contains U+{:04X} (at byte {}), which the Unicode {} tables of this build's regex engine do not "
-        "assign; Hugging Face's tokenizers know newer Unicode and may split it differently with this tokenizer's "
-        "\\p{{..}} pre-tokenizer classes, so the document is refused rather than given different token ids "
-        "(remove the character, or set skip_invalid_documents)",
-        static_cast<std::uint32_t>(cp), start, unicode));
-  }
-}
-
 void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t>& out) const {
   if (!simdjson::validate_utf8(text.data(), text.size())) {
     const std::string fixed = utf8_lossy(text);
@@ -1276,32 +1437,66 @@ void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t
     while (bad < text.size() && text[bad] == fixed[bad]) ++bad;
     throw Error(fmt::format("text is not valid UTF-8 (first bad byte at offset {} of {})", bad, text.size()));
   }
-  if (property_classes) check_unicode_version(text);
   split_added(text, raw_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
     if (index >= 0) out.push_back(added[index].first);
-    else if (e > b) encode_normalizable(text.substr(b, e - b), out);
+    else if (e > b) encode_normalizable(text.substr(b, e - b), b == 0, out);
   });
 }
 
-void TokenizerJson::Impl::encode_normalizable(std::string_view segment, std::vector<std::int64_t>& out) const {
+void TokenizerJson::Impl::encode_normalizable(std::string_view segment, bool at_origin,
+                                              std::vector<std::int64_t>& out) const {
   std::string normalized;
   std::string_view view = segment;
-  if (!normalizers.empty() && normalize(segment, normalized)) view = normalized;
+  bool start_removed = false;
+  if (!normalizers.empty() && normalize(segment, normalized, &start_removed)) view = normalized;
+  at_origin = at_origin && !start_removed;
   split_added(view, normalized_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
     if (index >= 0) out.push_back(added[index].first);
-    else if (e > b) pre_tokenize(view.substr(b, e - b), 0, out);
+    else if (e > b) pre_tokenize(view.substr(b, e - b), 0, at_origin && b == 0, out);
   });
 }
 
-void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage, std::vector<std::int64_t>& out) const {
+// `at_origin`: the piece starts at offset 0 of the original text (Metaspace's "first" scheme).
+void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin,
+                                       std::vector<std::int64_t>& out) const {
   if (stage == stages.size()) {
     if (byte_level) byte_level_stage(piece, out);
     else model(piece, out);
     return;
   }
-  auto emit = [&](std::size_t b, std::size_t e) { pre_tokenize(piece.substr(b, e - b), stage + 1, out); };
-  Combiner<decltype(emit)> combiner(stages[stage].behavior, emit);
-  stages[stage].segments(piece, [&](std::size_t b, std::size_t e, bool m) { combiner.push(b, e, m); });
+  const Stage& st = stages[stage];
+  if (st.kind == Stage::Kind::kMetaspace) {
+    // Spaces become the replacement, which is prepended by the scheme; then split before each replacement.
+    std::string replaced;
+    replaced.reserve(piece.size() + 8);
+    for (char c : piece) {
+      if (c == ' ') replaced += st.replacement;
+      else replaced += c;
+    }
+    const bool starts = replaced.starts_with(st.replacement);
+    if (!starts && (st.prepend == PrependScheme::kAlways || (st.prepend == PrependScheme::kFirst && at_origin)))
+      replaced.insert(0, st.replacement);
+    if (!st.split) {
+      pre_tokenize(replaced, stage + 1, at_origin, out);
+      return;
+    }
+    std::string_view view = replaced;
+    auto emit = [&](std::size_t b, std::size_t e) { pre_tokenize(view.substr(b, e - b), stage + 1, at_origin && b == 0, out); };
+    Combiner<decltype(emit)> combiner(Behavior::kMergedWithNext, emit);
+    std::size_t prev = 0;
+    for (std::size_t pos = view.find(st.replacement); pos != std::string_view::npos;
+         pos = view.find(st.replacement, pos + st.replacement.size())) {
+      if (prev != pos) combiner.push(prev, pos, false);
+      combiner.push(pos, pos + st.replacement.size(), true);
+      prev = pos + st.replacement.size();
+    }
+    if (prev != view.size()) combiner.push(prev, view.size(), false);
+    combiner.finish();
+    return;
+  }
+  auto emit = [&](std::size_t b, std::size_t e) { pre_tokenize(piece.substr(b, e - b), stage + 1, at_origin && b == 0, out); };
+  Combiner<decltype(emit)> combiner(st.behavior, emit);
+  st.segments(piece, [&](std::size_t b, std::size_t e, bool m) { combiner.push(b, e, m); });
   combiner.finish();
 }
 
@@ -1348,10 +1543,10 @@ void TokenizerJson::Impl::model(std::string_view word, std::vector<std::int64_t>
   cache.words.emplace(std::string(word), std::move(ids));
 }
 
-// One pre-token through the BPE model. In byte-level mode `word` holds raw
-// bytes; the vocabulary is keyed by their byte-level characters.
+// One pre-token through the model. In byte-level mode `word` holds raw bytes;
+// the vocabulary is keyed by their byte-level characters.
 void TokenizerJson::Impl::tokenize_word(std::string_view word, std::vector<std::int32_t>& ids) const {
-  if (byte_level) {
+  if (byte_level && model_kind == ModelKind::kBpe) {
     if (ignore_merges) {
       if (auto it = raw_vocab.find(key(word)); it != raw_vocab.end()) {
         ids.push_back(it->second);
@@ -1366,16 +1561,32 @@ void TokenizerJson::Impl::tokenize_word(std::string_view word, std::vector<std::
       for (char c : word) chars += alphabet().byte_to_utf8[static_cast<unsigned char>(c)];
       initial_symbols(chars, ids);
     }
-  } else {
-    if (ignore_merges) {
-      if (auto id = vocab_id(word)) {
-        ids.push_back(*id);
-        return;
-      }
-    }
-    initial_symbols(word, ids);
+    merge(ids);
+    return;
   }
-  merge(ids);
+  std::string chars;
+  if (byte_level) {
+    for (char c : word) chars += alphabet().byte_to_utf8[static_cast<unsigned char>(c)];
+    word = chars;
+  }
+  switch (model_kind) {
+    case ModelKind::kBpe:
+      if (ignore_merges) {
+        if (auto id = vocab_id(word)) {
+          ids.push_back(*id);
+          return;
+        }
+      }
+      initial_symbols(word, ids);
+      merge(ids);
+      return;
+    case ModelKind::kUnigram: unigram(word, ids); return;
+    case ModelKind::kWordPiece: wordpiece(word, ids); return;
+    case ModelKind::kWordLevel:
+      if (auto id = vocab_id(word)) ids.push_back(*id);
+      else ids.push_back(required_unk("WordLevel"));
+      return;
+  }
 }
 
 // BPE::merge_word before merging: one symbol per character (with the subword
@@ -1398,24 +1609,23 @@ void TokenizerJson::Impl::initial_symbols(std::string_view w, std::vector<std::i
       continue;
     }
     if (byte_fallback) {
-      std::vector<std::int32_t> bytes;
+      const std::size_t before = syms.size();
+      bool all = true;
       for (char c : s) {
-        auto id = vocab_id(fmt::format("<0x{:02X}>", static_cast<unsigned char>(c)));
-        if (!id) {
-          bytes.clear();
+        const std::int32_t id = fallback_ids[static_cast<unsigned char>(c)];
+        if (id < 0) {
+          all = false;
           break;
         }
-        bytes.push_back(*id);
+        syms.push_back(id);
       }
-      if (!bytes.empty()) {
-        syms.insert(syms.end(), bytes.begin(), bytes.end());  // a pending unk stays pending, as in the library
-        continue;
-      }
+      if (all) continue;  // a pending unk stays pending, as in the library
+      syms.resize(before);
     }
     if (unk_token) {
-      const std::int32_t unk_id = *vocab_id(*unk_token);
+      const std::int32_t unk_id_ = *vocab_id(*unk_token);
       if (unk && !fuse_unk) syms.push_back(*unk);
-      if (!unk || !fuse_unk) unk = unk_id;
+      if (!unk || !fuse_unk) unk = unk_id_;
     }
   }
   if (unk) syms.push_back(*unk);
@@ -1497,6 +1707,297 @@ void TokenizerJson::Impl::merge_heap(std::vector<std::int32_t>& syms) const {
     if (x.alive) syms.push_back(x.id);
 }
 
+// Unigram::encode (the Viterbi search of `encode_optimized`) and tokenize:
+// best path over the pieces that start at each character, an unknown node
+// (score min_score - 10) where no single-character piece exists, unknown
+// pieces fused, and unmatched strings through byte fallback or the unk id.
+void TokenizerJson::Impl::unigram(std::string_view w, std::vector<std::int32_t>& ids) const {
+  struct Node {
+    std::int32_t id = 0;
+    double score = 0;
+    std::int64_t starts_at = -1;
+  };
+  const std::size_t n = w.size();
+  std::vector<Node> best(n + 1);
+  for (std::size_t at = 0; at < n;) {
+    const double till_here = best[at].score;
+    const std::size_t mblen = utf8_len(static_cast<unsigned char>(w[at]));
+    bool has_single = false;
+    pieces.prefixes(w, at, [&](std::size_t length, std::int32_t id) {
+      Node& target = best[at + length];
+      const double candidate = scores[static_cast<std::size_t>(id)] + till_here;
+      if (target.starts_at < 0 || candidate > target.score) {
+        target.score = candidate;
+        target.starts_at = static_cast<std::int64_t>(at);
+        target.id = id;
+      }
+      if (length == mblen) has_single = true;
+    });
+    if (!has_single) {
+      Node& target = best[at + mblen];
+      const double candidate = unk_score + till_here;
+      if (target.starts_at < 0 || candidate > target.score) {
+        if (!unk_id) throw Error(fmt::format("{}: the Unigram model has no unk_id, but '{}' is not in its pieces",
+                                             file.string(), w.substr(at, mblen)));
+        target.score = candidate;
+        target.starts_at = static_cast<std::int64_t>(at);
+        target.id = *unk_id;
+      }
+    }
+    at += mblen;
+  }
+  // Backtrack; consecutive unknown nodes fuse into one string of their characters.
+  std::vector<std::string_view> strings;
+  std::vector<bool> is_piece;
+  std::size_t unk_end = 0;
+  bool in_unk = false;
+  for (std::size_t end = n; end > 0;) {
+    const Node& node = best[end];
+    const auto start = static_cast<std::size_t>(node.starts_at);
+    if (unk_id && node.id == *unk_id) {
+      if (!in_unk) unk_end = end;
+      in_unk = true;
+    } else {
+      if (in_unk) {
+        strings.push_back(w.substr(end, unk_end - end));
+        is_piece.push_back(false);
+        in_unk = false;
+      }
+      strings.push_back(vocab_r[node.id]);
+      is_piece.push_back(true);
+    }
+    end = start;
+  }
+  if (in_unk) {
+    strings.push_back(w.substr(0, unk_end));
+    is_piece.push_back(false);
+  }
+  for (std::size_t k = strings.size(); k-- > 0;) {
+    const std::string_view s = strings[k];
+    if (auto id = vocab_id(s)) {
+      ids.push_back(*id);
+      continue;
+    }
+    if (byte_fallback) {
+      const std::size_t before = ids.size();
+      bool all = true;
+      for (char c : s) {
+        const std::int32_t id = fallback_ids[static_cast<unsigned char>(c)];
+        if (id < 0) {
+          all = false;
+          break;
+        }
+        ids.push_back(id);
+      }
+      if (all) continue;
+      ids.resize(before);
+    }
+    if (!unk_id) throw Error(fmt::format("{}: the Unigram model has no unk_id for '{}'", file.string(), s));
+    ids.push_back(*unk_id);
+  }
+}
+
+// WordPiece::tokenize: greedy longest-match-first; a word longer than
+// max_input_chars_per_word characters, or one that cannot be covered, is one unk.
+void TokenizerJson::Impl::wordpiece(std::string_view w, std::vector<std::int32_t>& ids) const {
+  if (count_chars(w) > max_input_chars_per_word) {
+    ids.push_back(required_unk("WordPiece"));
+    return;
+  }
+  const std::size_t before = ids.size();
+  std::string candidate;
+  for (std::size_t start = 0; start < w.size();) {
+    std::size_t end = w.size();
+    std::optional<std::int32_t> found;
+    while (start < end) {
+      candidate.clear();
+      if (start > 0) candidate += subword_prefix;
+      candidate.append(w.substr(start, end - start));
+      if (auto id = vocab_id(candidate)) {
+        found = id;
+        break;
+      }
+      end = last_char_start(w.substr(0, end));
+    }
+    if (!found) {
+      ids.resize(before);
+      ids.push_back(required_unk("WordPiece"));
+      return;
+    }
+    ids.push_back(*found);
+    start = end;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Decoding
+
+namespace {
+
+// The WordPiece decoder's clean-up (tokenizers' decoders::wordpiece::cleanup).
+std::string wordpiece_cleanup(std::string s) {
+  static const std::pair<std::string_view, std::string_view> kRules[] = {
+      {" .", "."},     {" ?", "?"},     {" !", "!"},         {" ,", ","},     {" ' ", "'"},   {" n't", "n't"},
+      {" 'm", "'m"},   {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+  for (const auto& [from, to] : kRules) {
+    std::string out;
+    std::size_t pos = 0;
+    for (std::size_t hit = s.find(from); hit != std::string::npos; hit = s.find(from, pos)) {
+      out.append(s, pos, hit - pos);
+      out += to;
+      pos = hit + from.size();
+    }
+    out.append(s, pos);
+    s = std::move(out);
+  }
+  return s;
+}
+
+std::string replace_all(std::string_view in, const std::string& literal, const Regex& regex, const std::string& with) {
+  std::string out;
+  std::size_t prev = 0;
+  auto on_match = [&](std::size_t s, std::size_t e) {
+    out.append(in, prev, s - prev);
+    out += with;
+    prev = e;
+  };
+  if (regex) {
+    regex.for_each_match(in, on_match);
+  } else if (!literal.empty()) {
+    for (std::size_t pos = in.find(literal); pos != std::string_view::npos; pos = in.find(literal, pos + literal.size()))
+      on_match(pos, pos + literal.size());
+  }
+  out.append(in, prev, std::string_view::npos);
+  return out;
+}
+
+// "<0xNN>" -> NN, as u8::from_str_radix on the two characters after "<0x".
+std::optional<unsigned char> byte_token(const std::string& t) {
+  if (t.size() != 6 || !t.starts_with("<0x") || t[5] != '>') return std::nullopt;
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  const char a = t[3], b = t[4];
+  if (a == '+' && digit(b) >= 0) return static_cast<unsigned char>(digit(b));
+  if (digit(a) < 0 || digit(b) < 0) return std::nullopt;
+  return static_cast<unsigned char>(digit(a) * 16 + digit(b));
+}
+
+}  // namespace
+
+std::string TokenizerJson::Impl::decode_tokens(std::vector<std::string> tokens) const {
+  using K = DecoderStep::Kind;
+  if (!has_decoder) {
+    std::string out;
+    for (std::size_t k = 0; k < tokens.size(); ++k) {
+      if (k > 0) out += ' ';
+      out += tokens[k];
+    }
+    return out;
+  }
+  const auto& abc = alphabet();
+  for (const DecoderStep& d : decoders) {
+    std::vector<std::string> next;
+    switch (d.kind) {
+      case K::kByteLevel: {
+        std::string bytes;
+        for (const std::string& t : tokens) {
+          if (auto raw = abc.to_bytes(t)) bytes += *raw;
+          else bytes += t;
+        }
+        next.push_back(utf8_lossy(bytes));
+        break;
+      }
+      case K::kByteFallback: {
+        std::string pending;
+        auto flush = [&] {
+          if (pending.empty()) return;
+          if (simdjson::validate_utf8(pending.data(), pending.size())) next.push_back(pending);
+          else
+            for (std::size_t k = 0; k < pending.size(); ++k) next.emplace_back("\xEF\xBF\xBD");
+          pending.clear();
+        };
+        for (std::string& t : tokens) {
+          if (auto b = byte_token(t)) {
+            pending += static_cast<char>(*b);
+          } else {
+            flush();
+            next.push_back(std::move(t));
+          }
+        }
+        flush();
+        break;
+      }
+      case K::kFuse: {
+        std::string all;
+        for (const std::string& t : tokens) all += t;
+        next.push_back(std::move(all));
+        break;
+      }
+      case K::kStrip: {
+        std::size_t clen = 0;
+        const char32_t content = decode_at(d.content, 0, &clen);
+        for (const std::string& t : tokens) {
+          std::vector<std::size_t> starts;  // byte offset of each character
+          for (std::size_t i = 0; i < t.size(); i += utf8_len(static_cast<unsigned char>(t[i]))) starts.push_back(i);
+          auto char_at = [&](std::size_t k) {
+            std::size_t len;
+            return decode_at(t, starts[k], &len);
+          };
+          std::size_t start_cut = 0, stop_cut = starts.size();
+          while (start_cut < d.start && start_cut < starts.size() && char_at(start_cut) == content) ++start_cut;
+          for (std::size_t k = 0; k < d.stop && stop_cut > 0 && char_at(stop_cut - 1) == content; ++k) --stop_cut;
+          if (stop_cut < start_cut || (d.stop > 0 && starts.empty()))
+            throw Error(fmt::format("{}: the Strip decoder cannot strip '{}' (tokenizers panics on it)", file.string(), t));
+          const std::size_t b = start_cut < starts.size() ? starts[start_cut] : t.size();
+          const std::size_t e = stop_cut < starts.size() ? starts[stop_cut] : t.size();
+          next.push_back(t.substr(b, e - b));
+        }
+        break;
+      }
+      case K::kReplace:
+        for (const std::string& t : tokens) next.push_back(replace_all(t, d.literal, d.regex, d.content));
+        break;
+      case K::kMetaspace:
+        for (std::size_t k = 0; k < tokens.size(); ++k) {
+          std::string out;
+          const std::string& t = tokens[k];
+          for (std::size_t pos = 0; pos < t.size();) {
+            if (t.compare(pos, d.content.size(), d.content) == 0) {
+              if (k != 0 || d.prepend == PrependScheme::kNever) out += ' ';
+              pos += d.content.size();
+            } else {
+              out += t[pos++];
+            }
+          }
+          next.push_back(std::move(out));
+        }
+        break;
+      case K::kWordPiece:
+        for (std::size_t k = 0; k < tokens.size(); ++k) {
+          std::string t = std::move(tokens[k]);
+          if (k != 0) {
+            if (t.starts_with(d.prefix)) t.erase(0, d.prefix.size());
+            else t.insert(0, " ");
+          }
+          next.push_back(d.cleanup ? wordpiece_cleanup(std::move(t)) : std::move(t));
+        }
+        break;
+      case K::kBpe:
+        for (std::size_t k = 0; k < tokens.size(); ++k)
+          next.push_back(replace_all(tokens[k], d.prefix, Regex(), k + 1 == tokens.size() ? "" : " "));
+        break;
+    }
+    tokens = std::move(next);
+  }
+  std::string out;
+  for (const std::string& t : tokens) out += t;
+  return out;
+}
+
 // ---------------------------------------------------------------------------
 
 TokenizerJson::TokenizerJson(const std::filesystem::path& file) : impl_(std::make_unique<Impl>()), file_(file) {
@@ -1516,6 +2017,27 @@ bool TokenizerJson::set_top_level_add_prefix_space(bool value) {
 
 bool TokenizerJson::top_level_add_prefix_space() const {
   return impl_->byte_level && impl_->byte_level_top_level && impl_->byte_level_prefix_space;
+}
+
+void TokenizerJson::set_byte_level_add_prefix_space_everywhere(bool value) {
+  if (impl_->byte_level) impl_->byte_level_prefix_space = value;
+}
+
+bool TokenizerJson::configure_bert_normalizer(bool lowercase, std::optional<bool> strip_accents, bool chinese) {
+  if (!impl_->top_level_bert) return false;
+  NormalizerStep& n = impl_->normalizers.front();
+  if (n.lowercase == lowercase && n.strip_accents_given == strip_accents && n.chinese == chinese) return true;
+  n.lowercase = lowercase;
+  n.strip_accents_given = strip_accents;
+  n.strip_accents = strip_accents.value_or(lowercase);
+  n.chinese = chinese;
+  impl_->rebuild_tries();  // normalized added tokens are matched in their normalized form
+  return true;
+}
+
+void TokenizerJson::set_template(std::vector<std::int64_t> prefix, std::vector<std::int64_t> suffix) {
+  prefix_ = std::move(prefix);
+  suffix_ = std::move(suffix);
 }
 
 void TokenizerJson::encode_sequence(std::string_view text, std::vector<std::int64_t>& out) const {
@@ -1538,25 +2060,15 @@ std::optional<std::string> TokenizerJson::id_to_token(std::int64_t id) const {
 }
 
 std::string TokenizerJson::decode(std::span<const std::int64_t> ids) const {
-  std::string out;
-  const auto& abc = alphabet();
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
   for (std::size_t k = 0; k < ids.size(); ++k) {
-    const std::int64_t id = ids[k];
-    const std::string* token = nullptr;
-    if (auto it = impl_->added_by_id.find(id); it != impl_->added_by_id.end()) token = &impl_->added[it->second].second.content;
-    else if (id >= 0 && static_cast<std::size_t>(id) < impl_->vocab_r.size() && impl_->vocab_r_present[id])
-      token = &impl_->vocab_r[id];
-    if (token == nullptr)
-      throw Error(fmt::format("decode: id {} (position {}) is not in the vocabulary of {}", id, k, file_.string()));
-    if (impl_->decoder_byte_level) {
-      if (auto raw = abc.to_bytes(*token)) out += *raw;
-      else out += *token;
-    } else {
-      if (k > 0) out += ' ';
-      out += *token;
-    }
+    auto token = id_to_token(ids[k]);
+    if (!token)
+      throw Error(fmt::format("decode: id {} (position {}) is not in the vocabulary of {}", ids[k], k, file_.string()));
+    tokens.push_back(std::move(*token));
   }
-  return impl_->decoder_byte_level ? utf8_lossy(out) : out;
+  return impl_->decode_tokens(std::move(tokens));
 }
 
 std::optional<std::int64_t> TokenizerJson::token_to_id(std::string_view token) const {
@@ -1579,67 +2091,9 @@ const std::vector<std::pair<std::int64_t, AddedToken>>& TokenizerJson::added_tok
 
 std::optional<std::string> TokenizerJson::unk_token() const { return impl_->unk_token; }
 
-std::vector<std::pair<std::size_t, std::size_t>> regex_matches(const std::string& pattern, std::string_view text) {
-  const Regex re(pattern, "<pattern>", "regex_matches");
-  std::vector<std::pair<std::size_t, std::size_t>> out;
-  re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
-  return out;
-}
-
 std::string unicode_normalize(std::string_view text, std::string_view form) {
-  int options = UTF8PROC_STABLE;
-  if (form == "NFC") options |= UTF8PROC_COMPOSE;
-  else if (form == "NFD") options |= UTF8PROC_DECOMPOSE;
-  else if (form == "NFKC") options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
-  else if (form == "NFKD") options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
-  else throw Error(fmt::format("unknown normalization form '{}'", form));
   std::string out;
-  return normalize_form(text, options, out) ? out : std::string(text);
-}
-
-std::string utf8_lossy(std::string_view in) {
-  std::string out;
-  out.reserve(in.size());
-  const auto* s = reinterpret_cast<const unsigned char*>(in.data());
-  const std::size_t n = in.size();
-  for (std::size_t i = 0; i < n;) {
-    const unsigned char b = s[i];
-    if (b < 0x80) {
-      out += static_cast<char>(b);
-      ++i;
-      continue;
-    }
-    // Well-formed sequences (Unicode Table 3-7); on failure emit U+FFFD for
-    // the maximal prefix that could still have become valid.
-    std::size_t need = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) need = 1;
-    else if (b == 0xE0) { need = 2; lo = 0xA0; }
-    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) need = 2;
-    else if (b == 0xED) { need = 2; hi = 0x9F; }
-    else if (b == 0xF0) { need = 3; lo = 0x90; }
-    else if (b >= 0xF1 && b <= 0xF3) need = 3;
-    else if (b == 0xF4) { need = 3; hi = 0x8F; }
-    if (need == 0) {
-      out += "\xEF\xBF\xBD";
-      ++i;
-      continue;
-    }
-    std::size_t k = 1;
-    for (; k <= need && i + k < n; ++k) {
-      const unsigned char c = s[i + k];
-      const unsigned char l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-      if (c < l || c > h) break;
-    }
-    if (k == need + 1) {
-      out.append(in.substr(i, need + 1));
-      i += need + 1;
-    } else {
-      out += "\xEF\xBF\xBD";
-      i += k;
-    }
-  }
-  return out;
+  return normalize_form(text, normalization_form_options(form), out) ? out : std::string(text);
 }
 
 }  // namespace modalities::plugins::hf_tokenizer

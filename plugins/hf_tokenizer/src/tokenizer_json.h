@@ -1,8 +1,8 @@
-// A Hugging Face `tokenizer.json` (byte-level BPE family) loaded into an
-// immutable, thread-safe encoder/decoder that reproduces the `tokenizers`
-// library's ids exactly: added-token splitting, Unicode normalizers,
-// ByteLevel/Split/Digits pre-tokenizers, the BPE model and the template
-// post-processors. Everything else is refused by name when loading.
+// A Hugging Face `tokenizer.json` loaded into an immutable, thread-safe
+// encoder/decoder that reproduces the `tokenizers` library's ids exactly:
+// added-token splitting, normalizers, pre-tokenizers, the BPE, Unigram,
+// WordPiece and WordLevel models, post-processors and decoders (README lists
+// them). Everything else is refused by name when loading.
 // Used by hf_tokenizer.cpp (the transformers-like wrapper) and the benchmark.
 #pragma once
 
@@ -51,6 +51,15 @@ class TokenizerJson {
   /// false when the top-level pre-tokenizer is not ByteLevel.
   bool set_top_level_add_prefix_space(bool value);
   bool top_level_add_prefix_space() const;
+  /// Sets add_prefix_space of the ByteLevel pre-tokenizer wherever it is (Bloom, Cohere).
+  void set_byte_level_add_prefix_space_everywhere(bool value);
+  /// BertTokenizerFast: a top-level BertNormalizer whose lowercase / strip_accents /
+  /// handle_chinese_chars differ from these is rebuilt with them. Returns false when the
+  /// top-level normalizer is not a BertNormalizer.
+  bool configure_bert_normalizer(bool lowercase, std::optional<bool> strip_accents, bool chinese);
+  /// Replaces the template tokens around a single sequence (what transformers'
+  /// classes do when they rebuild the post-processor, e.g. from add_bos_token).
+  void set_template(std::vector<std::int64_t> prefix, std::vector<std::int64_t> suffix);
 
   // ---- Queries (thread-safe) ---------------------------------------------
 
@@ -87,18 +96,8 @@ class TokenizerJson {
   std::filesystem::path file_;
 };
 
-/// Matches of an Oniguruma `pattern` (as written in tokenizer.json) in `text`,
-/// as [begin, end) byte ranges, with the iteration rules of `tokenizers`.
-/// Exposed for tests of the regex translation.
-std::vector<std::pair<std::size_t, std::size_t>> regex_matches(const std::string& pattern, std::string_view text);
-
 /// `text` in Unicode normalization form `form` ("NFC", "NFD", "NFKC", "NFKD"),
-/// computed as the normalizers do it (fast path for text known to be stable,
-/// utf8proc otherwise). Exposed for tests.
+/// as `tokenizers`' normalizers compute it. Exposed for tests.
 std::string unicode_normalize(std::string_view text, std::string_view form);
-
-/// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
-/// becomes one U+FFFD.
-std::string utf8_lossy(std::string_view bytes);
 
 }  // namespace modalities::plugins::hf_tokenizer

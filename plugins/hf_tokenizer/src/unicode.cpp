@@ -1,0 +1,473 @@
+// UTF-8 helpers, code point sets, the per-component Unicode tables and
+// normalization. See Note [One Unicode table per component] in unicode.h.
+#include "unicode.h"
+
+#include <modalities/sdk/error.h>
+
+#include <fmt/format.h>
+#include <utf8proc.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <map>
+
+namespace modalities::plugins::hf_tokenizer {
+
+void append_utf8(std::string& out, char32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+std::size_t count_chars(std::string_view s) {
+  std::size_t n = 0;
+  for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
+// ---------------------------------------------------------------------------
+// CodePointSet
+
+CodePointSet::CodePointSet(std::span<const CodePointRange> ranges) : bmp_(1024, 0) {
+  ranges_.reserve(ranges.size());
+  for (const auto& r : ranges) ranges_.emplace_back(r.first, r.last);
+  *this = from_ranges(std::move(ranges_));
+}
+
+CodePointSet CodePointSet::from_ranges(std::vector<std::pair<char32_t, char32_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  CodePointSet s;
+  for (const auto& [a, b] : ranges) {
+    if (b < a) continue;
+    if (!s.ranges_.empty() && a <= s.ranges_.back().second + 1) s.ranges_.back().second = std::max(s.ranges_.back().second, b);
+    else s.ranges_.emplace_back(a, b);
+  }
+  for (const auto& [a, b] : s.ranges_)
+    for (char32_t c = a; c <= std::min<char32_t>(b, 0xFFFF); ++c) s.bmp_[c >> 6] |= std::uint64_t{1} << (c & 63);
+  return s;
+}
+
+bool CodePointSet::contains_astral(char32_t c) const {
+  auto it = std::upper_bound(ranges_.begin(), ranges_.end(), c,
+                             [](char32_t v, const std::pair<char32_t, char32_t>& r) { return v < r.first; });
+  return it != ranges_.begin() && c <= std::prev(it)->second;
+}
+
+CodePointSet CodePointSet::complement() const {
+  std::vector<std::pair<char32_t, char32_t>> out;
+  char32_t next = 0;
+  for (const auto& [a, b] : ranges_) {
+    if (a > next) out.emplace_back(next, a - 1);
+    next = b + 1;
+  }
+  if (next <= 0x10FFFF) out.emplace_back(next, 0x10FFFF);
+  return from_ranges(std::move(out));
+}
+
+CodePointSet CodePointSet::operator|(const CodePointSet& o) const {
+  auto all = ranges_;
+  all.insert(all.end(), o.ranges_.begin(), o.ranges_.end());
+  return from_ranges(std::move(all));
+}
+
+CodePointSet CodePointSet::operator^(const CodePointSet& o) const {
+  // Boundary sweep: a code point is in the result when it is in exactly one set.
+  std::vector<std::pair<char32_t, int>> events;
+  for (const auto* set : {this, &o})
+    for (const auto& [a, b] : set->ranges_) {
+      events.emplace_back(a, 1);
+      events.emplace_back(b + 1, -1);
+    }
+  std::sort(events.begin(), events.end());
+  std::vector<std::pair<char32_t, char32_t>> out;
+  int depth = 0;
+  for (std::size_t k = 0; k < events.size();) {
+    const char32_t at = events[k].first;
+    const bool was_in = depth == 1;
+    while (k < events.size() && events[k].first == at) depth += events[k++].second;
+    const bool is_in = depth == 1;
+    if (!was_in && is_in) out.emplace_back(at, 0);
+    if (was_in && !is_in) out.back().second = at - 1;
+  }
+  return from_ranges(std::move(out));
+}
+
+std::size_t CodePointSet::find_in(std::string_view s) const {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    if (b < 0x80) {
+      if (contains(b)) return i;
+      ++i;
+      continue;
+    }
+    std::size_t len;
+    if (contains(decode_at(s, i, &len))) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+// ---------------------------------------------------------------------------
+// The probed tables (unicode_tables.inc, generated; see unicode.h)
+
+namespace tables {
+#include "unicode_tables.inc"
+}  // namespace tables
+
+namespace {
+
+template <std::size_t N>
+CodePointSet set_of(const tables::CodePointRange (&ranges)[N]) {
+  std::vector<std::pair<char32_t, char32_t>> v;
+  v.reserve(N);
+  for (const auto& r : ranges)
+    if (r.first <= 0x10FFFF) v.emplace_back(r.first, r.last);
+  return CodePointSet::from_ranges(std::move(v));
+}
+
+// Oniguruma property names are matched loosely: case, spaces, '-' and '_' do not count.
+std::string loose(std::string_view name) {
+  std::string out;
+  for (char c : name)
+    if (c != ' ' && c != '-' && c != '_') out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+struct OnigTables {
+  std::map<std::string, CodePointSet, std::less<>> by_name;  // canonical name -> set
+  std::map<std::string, std::string, std::less<>> canonical;  // loose alias -> canonical name
+  OnigTables() {
+    auto add = [&](std::string name, CodePointSet set, std::initializer_list<std::string_view> aliases) {
+      canonical[loose(name)] = name;
+      for (auto a : aliases) canonical[loose(a)] = name;
+      by_name.emplace(std::move(name), std::move(set));
+    };
+    add("L", set_of(tables::kOnigL), {"Letter"});
+    add("Lu", set_of(tables::kOnigLu), {"Uppercase_Letter"});
+    add("Ll", set_of(tables::kOnigLl), {"Lowercase_Letter"});
+    add("Lt", set_of(tables::kOnigLt), {"Titlecase_Letter"});
+    add("Lm", set_of(tables::kOnigLm), {"Modifier_Letter"});
+    add("Lo", set_of(tables::kOnigLo), {"Other_Letter"});
+    add("M", set_of(tables::kOnigM), {"Mark", "Combining_Mark"});
+    add("Mn", set_of(tables::kOnigMn), {"Nonspacing_Mark"});
+    add("Mc", set_of(tables::kOnigMc), {"Spacing_Mark"});
+    add("Me", set_of(tables::kOnigMe), {"Enclosing_Mark"});
+    add("N", set_of(tables::kOnigN), {"Number"});
+    add("Nd", set_of(tables::kOnigNd), {"Decimal_Number", "Digit"});
+    add("Nl", set_of(tables::kOnigNl), {"Letter_Number"});
+    add("No", set_of(tables::kOnigNo), {"Other_Number"});
+    add("P", set_of(tables::kOnigP), {"Punctuation", "Punct"});
+    add("Pc", set_of(tables::kOnigPc), {"Connector_Punctuation"});
+    add("Pd", set_of(tables::kOnigPd), {"Dash_Punctuation"});
+    add("Ps", set_of(tables::kOnigPs), {"Open_Punctuation"});
+    add("Pe", set_of(tables::kOnigPe), {"Close_Punctuation"});
+    add("Pi", set_of(tables::kOnigPi), {"Initial_Punctuation"});
+    add("Pf", set_of(tables::kOnigPf), {"Final_Punctuation"});
+    add("Po", set_of(tables::kOnigPo), {"Other_Punctuation"});
+    add("S", set_of(tables::kOnigS), {"Symbol"});
+    add("Sm", set_of(tables::kOnigSm), {"Math_Symbol"});
+    add("Sc", set_of(tables::kOnigSc), {"Currency_Symbol"});
+    add("Sk", set_of(tables::kOnigSk), {"Modifier_Symbol"});
+    add("So", set_of(tables::kOnigSo), {"Other_Symbol"});
+    add("Z", set_of(tables::kOnigZ), {"Separator"});
+    add("Zs", set_of(tables::kOnigZs), {"Space_Separator"});
+    add("Zl", set_of(tables::kOnigZl), {"Line_Separator"});
+    add("Zp", set_of(tables::kOnigZp), {"Paragraph_Separator"});
+    add("C", set_of(tables::kOnigC), {"Other"});
+    add("Cc", set_of(tables::kOnigCc), {"Control", "Cntrl"});
+    add("Cf", set_of(tables::kOnigCf), {"Format"});
+    add("Co", set_of(tables::kOnigCo), {"Private_Use"});
+    add("Cn", set_of(tables::kOnigCn), {"Unassigned"});
+    add("Alphabetic", set_of(tables::kOnigAlphabetic), {"Alpha"});
+    add("White_Space", set_of(tables::kOnigWhiteSpace), {"WSpace", "Space"});
+    add("Han", set_of(tables::kOnigScriptHan), {"Hani"});
+    add("Hiragana", set_of(tables::kOnigScriptHiragana), {"Hira"});
+    add("Katakana", set_of(tables::kOnigScriptKatakana), {"Kana"});
+    add("Hangul", set_of(tables::kOnigScriptHangul), {"Hang"});
+    add("Latin", set_of(tables::kOnigScriptLatin), {"Latn"});
+    add("Cyrillic", set_of(tables::kOnigScriptCyrillic), {"Cyrl"});
+    add("Greek", set_of(tables::kOnigScriptGreek), {"Grek"});
+    add("Arabic", set_of(tables::kOnigScriptArabic), {"Arab"});
+    add("Hebrew", set_of(tables::kOnigScriptHebrew), {"Hebr"});
+    add("Thai", set_of(tables::kOnigScriptThai), {});
+    add("Devanagari", set_of(tables::kOnigScriptDevanagari), {"Deva"});
+    add("Common", set_of(tables::kOnigScriptCommon), {"Zyyy"});
+    // Escapes, not property names (the translator asks for them by these keys).
+    by_name.emplace("\\s", set_of(tables::kOnigSpace));
+    by_name.emplace("\\w", set_of(tables::kOnigWord));
+    by_name.emplace("\\d", set_of(tables::kOnigDigit));
+    by_name.emplace("\\h", set_of(tables::kOnigHexDigit));
+  }
+};
+
+const OnigTables& onig() {
+  static const OnigTables t;
+  return t;
+}
+
+}  // namespace
+
+const CodePointSet* oniguruma_class(std::string_view name) {
+  const auto& t = onig();
+  auto it = t.by_name.find(name);
+  return it == t.by_name.end() ? nullptr : &it->second;
+}
+
+std::string oniguruma_property_name(std::string_view name) {
+  const auto& t = onig();
+  auto it = t.canonical.find(loose(name));
+  return it == t.canonical.end() ? std::string() : it->second;
+}
+
+#define MODALITIES_TABLE(function, table)  \
+  const CodePointSet& function() {         \
+    static const CodePointSet s = set_of(tables::table); \
+    return s;                              \
+  }
+MODALITIES_TABLE(rust_numeric, kRustIsNumeric)
+MODALITIES_TABLE(rust_whitespace, kRustIsWhitespace)
+MODALITIES_TABLE(bert_punctuation, kHfPunctuation)
+MODALITIES_TABLE(bert_removed, kBertCleanTextRemove)
+MODALITIES_TABLE(bert_to_space, kBertCleanTextToSpace)
+MODALITIES_TABLE(bert_nonspacing_marks, kBertStripAccentsRemove)
+MODALITIES_TABLE(strip_accents_marks, kStripAccentsRemove)
+MODALITIES_TABLE(whitespace_pretokenizer_word, kRustRegexWord)
+MODALITIES_TABLE(whitespace_pretokenizer_space, kRustRegexSpace)
+MODALITIES_TABLE(hf_normalization_unknown, kHfNormalizationUnknown)
+#undef MODALITIES_TABLE
+
+// Nmt (tokenizers' normalizers::unicode::Nmt): fixed lists in its source, not Unicode data.
+const CodePointSet& nmt_removed() {
+  static const CodePointSet s = CodePointSet::from_ranges(
+      {{0x01, 0x08}, {0x0B, 0x0B}, {0x0E, 0x1F}, {0x7F, 0x7F}, {0x8F, 0x8F}, {0x9F, 0x9F}});
+  return s;
+}
+
+const CodePointSet& nmt_to_space() {
+  static const CodePointSet s = CodePointSet::from_ranges({{0x09, 0x0A}, {0x0C, 0x0D}, {0x1680, 0x1680}, {0x200B, 0x200F},
+                                                           {0x2028, 0x2029}, {0x2581, 0x2581}, {0xFEFF, 0xFEFF},
+                                                           {0xFFFD, 0xFFFD}});
+  return s;
+}
+
+void append_lowercase(std::string& out, char32_t c) {
+  static const auto* table = [] {
+    auto* m = new std::vector<std::pair<char32_t, std::array<char32_t, 3>>>();
+    for (const auto& e : tables::kRustLowercase) m->push_back({e.cp, {e.lower[0], e.lower[1], e.lower[2]}});
+    return m;
+  }();
+  auto it = std::lower_bound(table->begin(), table->end(), c, [](const auto& e, char32_t v) { return e.first < v; });
+  if (it == table->end() || it->first != c) {
+    append_utf8(out, c);
+    return;
+  }
+  for (char32_t l : it->second)
+    if (l != 0) append_utf8(out, l);
+}
+
+// ---------------------------------------------------------------------------
+// Normalization
+
+int normalization_form_options(std::string_view form) {
+  int options = UTF8PROC_STABLE;
+  if (form == "NFC") options |= UTF8PROC_COMPOSE;
+  else if (form == "NFD") options |= UTF8PROC_DECOMPOSE;
+  else if (form == "NFKC") options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+  else if (form == "NFKD") options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+  else throw Error(fmt::format("unknown normalization form '{}'", form));
+  return options;
+}
+
+namespace {
+
+// Note [Normalization fast path]
+// Running utf8proc on every segment dominates NFC pipelines, while most text is
+// already normalized. A segment is left alone when every character is known to
+// be unchanged by the form and unable to interact with its neighbours: for BMP
+// characters a per-form table computed once with utf8proc (NF(c) == c, combining
+// class 0, not the second element of any composition, not a Hangul jamo), for
+// astral ones the property check (no decomposition at all, class 0, not a
+// second element). Anything else takes the full utf8proc path.
+constexpr utf8proc_uint16_t kNoIndex = 0xFFFF;
+
+bool is_hangul_jamo(char32_t c) {
+  return (c >= 0x1100 && c <= 0x11FF) || (c >= 0xA960 && c <= 0xA97F) || (c >= 0xD7B0 && c <= 0xD7FF);
+}
+
+bool stable_by_properties(char32_t c, bool compose) {
+  const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
+  if (p->combining_class != 0 || p->decomp_seqindex != kNoIndex || is_hangul_jamo(c)) return false;
+  return !(compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000);
+}
+
+class StableTable {
+ public:
+  explicit StableTable(int options) : bits_(0x10000, false) {
+    const bool compose = (options & UTF8PROC_COMPOSE) != 0;
+    for (char32_t c = 0x80; c < 0x10000; ++c) {
+      if (c >= 0xD800 && c <= 0xDFFF) continue;
+      const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
+      if (p->combining_class != 0 || is_hangul_jamo(c)) continue;
+      if (compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
+      std::string one;
+      append_utf8(one, c);
+      utf8proc_uint8_t* dst = nullptr;
+      const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(one.data()),
+                                              static_cast<utf8proc_ssize_t>(one.size()), &dst,
+                                              static_cast<utf8proc_option_t>(options));
+      if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one)
+        bits_[c] = true;
+      std::free(dst);
+    }
+  }
+  bool stable(char32_t c) const { return bits_[c]; }
+
+ private:
+  std::vector<bool> bits_;
+};
+
+const StableTable& stable_table(int options) {
+  static const StableTable nfc(UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+  static const StableTable nfd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE);
+  static const StableTable nfkc(UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+  static const StableTable nfkd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
+  if (options & UTF8PROC_COMPAT) return (options & UTF8PROC_COMPOSE) ? nfkc : nfkd;
+  return (options & UTF8PROC_COMPOSE) ? nfc : nfd;
+}
+
+// Whether `c` is unchanged by the form and cannot interact with its neighbours.
+bool is_stable(char32_t c, int options, const StableTable*& table) {
+  if (c >= 0x10000) return stable_by_properties(c, (options & UTF8PROC_COMPOSE) != 0);
+  if (table == nullptr) table = &stable_table(options);
+  return table->stable(c);
+}
+
+std::string utf8proc_normalize(std::string_view s, int options) {
+  utf8proc_uint8_t* dst = nullptr;
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
+                                          static_cast<utf8proc_ssize_t>(s.size()), &dst,
+                                          static_cast<utf8proc_option_t>(options));
+  if (n < 0) throw Error(fmt::format("Unicode normalization failed: {}", utf8proc_errmsg(n)));
+  std::string out(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
+  std::free(dst);
+  return out;
+}
+
+// Normalizes `s` into `out` and returns true, or returns false (leaving `out`
+// alone) when `s` is already normalized. A boundary before a stable character
+// is a safe split point, so only the regions around unstable characters (from
+// the last stable character before them to the next stable one) go through
+// utf8proc. Code points that tokenizers' normalization tables do not know are
+// starters without mappings there, so they end a region and are copied as
+// they are. See Note [Normalization fast path].
+}  // namespace
+
+bool normalize_form(std::string_view s, int options, std::string& out) {
+  const CodePointSet& unknown = hf_normalization_unknown();
+  const StableTable* table = nullptr;
+  std::size_t copied = 0, last_stable = 0;
+  bool changed = false;
+  for (std::size_t i = 0; i < s.size();) {
+    if (static_cast<unsigned char>(s[i]) < 0x80) {
+      last_stable = i++;
+      continue;
+    }
+    std::size_t len;
+    const char32_t c = decode_at(s, i, &len);
+    if (unknown.contains(c)) {  // inert for tokenizers: never part of a utf8proc region
+      last_stable = i + len;
+      i += len;
+      continue;
+    }
+    if (is_stable(c, options, table)) {
+      last_stable = i;
+      i += len;
+      continue;
+    }
+    const std::size_t region = std::max(copied, last_stable);
+    std::size_t j = i + len;
+    while (j < s.size()) {
+      if (static_cast<unsigned char>(s[j]) < 0x80) break;
+      std::size_t l;
+      const char32_t d = decode_at(s, j, &l);
+      if (unknown.contains(d) || is_stable(d, options, table)) break;
+      j += l;
+    }
+    const std::string normalized = utf8proc_normalize(s.substr(region, j - region), options);
+    if (!changed && normalized == s.substr(region, j - region)) {
+      i = j;  // this region happened to be normalized already; nothing to copy yet
+      continue;
+    }
+    if (!changed) {
+      out.clear();
+      changed = true;
+    }
+    out.append(s, copied, region - copied);
+    out += normalized;
+    copied = j;
+    i = j;
+  }
+  if (changed) out.append(s, copied, std::string_view::npos);
+  return changed;
+}
+
+std::string utf8_lossy(std::string_view in) {
+  std::string out;
+  out.reserve(in.size());
+  const auto* s = reinterpret_cast<const unsigned char*>(in.data());
+  const std::size_t n = in.size();
+  for (std::size_t i = 0; i < n;) {
+    const unsigned char b = s[i];
+    if (b < 0x80) {
+      out += static_cast<char>(b);
+      ++i;
+      continue;
+    }
+    // Well-formed sequences (Unicode Table 3-7); on failure emit U+FFFD for
+    // the maximal prefix that could still have become valid.
+    std::size_t need = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) need = 1;
+    else if (b == 0xE0) { need = 2; lo = 0xA0; }
+    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) need = 2;
+    else if (b == 0xED) { need = 2; hi = 0x9F; }
+    else if (b == 0xF0) { need = 3; lo = 0x90; }
+    else if (b >= 0xF1 && b <= 0xF3) need = 3;
+    else if (b == 0xF4) { need = 3; hi = 0x8F; }
+    if (need == 0) {
+      out += "\xEF\xBF\xBD";
+      ++i;
+      continue;
+    }
+    std::size_t k = 1;
+    for (; k <= need && i + k < n; ++k) {
+      const unsigned char c = s[i + k];
+      const unsigned char l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
+      if (c < l || c > h) break;
+    }
+    if (k == need + 1) {
+      out.append(in.substr(i, need + 1));
+      i += need + 1;
+    } else {
+      out += "\xEF\xBF\xBD";
+      i += k;
+    }
+  }
+  return out;
+}
+
+
+}  // namespace modalities::plugins::hf_tokenizer

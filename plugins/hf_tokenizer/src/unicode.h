@@ -1,0 +1,139 @@
+// UTF-8 helpers and the Unicode data of the hf_tokenizer plugin.
+//
+// Note [One Unicode table per component]
+// Hugging Face's `tokenizers` does not have one Unicode version: its `Split`
+// and `Replace` regexes run on Oniguruma, `Digits`, `WhitespaceSplit`, `Strip`
+// and `Lowercase` on Rust's standard library, `Punctuation` and the BERT pieces
+// on the `unicode_categories` crate, and the NFC/NFD/NFKC/NFKD normalizers on
+// `unicode-normalization-alignments`. Each has its own Unicode version, so a
+// code point can be punctuation for one component and unassigned for another.
+// The tables in unicode_tables.inc were probed from the pinned `tokenizers`
+// (scripts/reference/make_unicode_tables.py), one per component, and every
+// component here looks code points up in its own table.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace modalities::plugins::hf_tokenizer {
+
+// ---- UTF-8 ----------------------------------------------------------------
+
+inline std::size_t utf8_len(unsigned char lead) { return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
+
+/// Code point at s[i] of valid UTF-8; sets *len to its byte length.
+inline char32_t decode_at(std::string_view s, std::size_t i, std::size_t* len) {
+  const auto b0 = static_cast<unsigned char>(s[i]);
+  const std::size_t n = utf8_len(b0);
+  *len = n;
+  if (n == 1) return b0;
+  char32_t cp = b0 & (n == 2 ? 0x1F : n == 3 ? 0x0F : 0x07);
+  for (std::size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  return cp;
+}
+
+/// Start of the last code point of non-empty valid UTF-8 `s`.
+inline std::size_t last_char_start(std::string_view s) {
+  std::size_t i = s.size() - 1;
+  while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
+
+void append_utf8(std::string& out, char32_t cp);
+
+/// Number of code points of valid UTF-8 `s`.
+std::size_t count_chars(std::string_view s);
+
+// ---- code point sets ------------------------------------------------------
+
+struct CodePointRange {
+  char32_t first, last;
+};
+
+/// A set of code points: sorted, disjoint, non-adjacent ranges, plus a bitmap
+/// of the BMP so that most lookups are one load.
+class CodePointSet {
+ public:
+  CodePointSet() : bmp_(1024, 0) {}
+  explicit CodePointSet(std::span<const CodePointRange> ranges);
+  static CodePointSet from_ranges(std::vector<std::pair<char32_t, char32_t>> ranges);
+
+  bool contains(char32_t c) const {
+    if (c < 0x10000) return (bmp_[c >> 6] >> (c & 63)) & 1;
+    return contains_astral(c);
+  }
+  bool empty() const { return ranges_.empty(); }
+  const std::vector<std::pair<char32_t, char32_t>>& ranges() const { return ranges_; }
+  CodePointSet complement() const;
+  CodePointSet operator|(const CodePointSet& o) const;
+  CodePointSet operator^(const CodePointSet& o) const;
+  bool operator==(const CodePointSet& o) const { return ranges_ == o.ranges_; }
+  /// The first code point of valid UTF-8 `s` in the set, as a byte offset, or npos.
+  std::size_t find_in(std::string_view s) const;
+
+ private:
+  bool contains_astral(char32_t c) const;
+  std::vector<std::uint64_t> bmp_;
+  std::vector<std::pair<char32_t, char32_t>> ranges_;
+};
+
+// ---- the tables of each Hugging Face component ------------------------------
+
+/// Oniguruma (tokenizers' `Split`/`Replace` regexes, ByteLevel's regex): a property
+/// class by its canonical name ("L", "Lu", "Nd", "P", "Alphabetic", "Han", ...) or
+/// one of "\\s", "\\w", "\\d", "\\h". Nullptr when the property is not tabled.
+const CodePointSet* oniguruma_class(std::string_view name);
+/// The canonical name of an Oniguruma property written `name` in a pattern
+/// ("Letter" -> "L", "uppercase_letter" -> "Lu", "han" -> "Han"); empty if unknown.
+std::string oniguruma_property_name(std::string_view name);
+
+/// Rust `char::is_numeric` (`Digits`).
+const CodePointSet& rust_numeric();
+/// Rust `char::is_whitespace` (`WhitespaceSplit`, `Strip`, `BertPreTokenizer`).
+const CodePointSet& rust_whitespace();
+/// `tokenizers`' `Lowercase` (Rust `char::to_lowercase`, per character): appends the
+/// lowercase of `c` to `out`.
+void append_lowercase(std::string& out, char32_t c);
+/// `is_punc` of `Punctuation` and `BertPreTokenizer` (ASCII punctuation or the
+/// `unicode_categories` crate's P*).
+const CodePointSet& bert_punctuation();
+/// BertNormalizer clean_text: characters removed, and characters that become ' '.
+const CodePointSet& bert_removed();
+const CodePointSet& bert_to_space();
+/// BertNormalizer strip_accents: characters removed after NFD (nonspacing marks).
+const CodePointSet& bert_nonspacing_marks();
+/// `StripAccents`: characters removed (combining marks).
+const CodePointSet& strip_accents_marks();
+/// `Whitespace` pre-tokenizer (`\w+|[^\w\s]+`): word characters and spaces.
+const CodePointSet& whitespace_pretokenizer_word();
+const CodePointSet& whitespace_pretokenizer_space();
+/// `Nmt` normalizer: characters removed, and characters that become ' '.
+const CodePointSet& nmt_removed();
+const CodePointSet& nmt_to_space();
+
+/// Code points that the normalization tables of `tokenizers` do not know and
+/// therefore leave alone (no decomposition, combining class 0), while utf8proc
+/// (a newer Unicode) would change them or their neighbours.
+const CodePointSet& hf_normalization_unknown();
+
+// ---- normalization --------------------------------------------------------
+
+/// utf8proc option bits of the four forms.
+int normalization_form_options(std::string_view form);
+
+/// Normalizes `s` into `out` and returns true, or returns false (leaving `out`
+/// alone) when `s` is already normalized; the result is what `tokenizers`'
+/// normalizer of that form gives.
+bool normalize_form(std::string_view s, int options, std::string& out);
+
+/// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
+/// becomes one U+FFFD.
+std::string utf8_lossy(std::string_view bytes);
+
+}  // namespace modalities::plugins::hf_tokenizer
