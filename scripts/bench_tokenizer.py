@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Single-thread tokenizer throughput of the Python reference libraries.
 
-Counterpart of plugins/hf_tokenizer/tests/hf_tokenizer_bench.cpp (Google Benchmark,
+Side by side with plugins/hf_tokenizer/tests/hf_tokenizer_bench.cpp (Google Benchmark,
 built with -DMODALITIES_BUILD_BENCHMARKS=ON): the same text, data/multilingual/
-multilingual.jsonl repeated to about 20 MB, through
+multilingual.jsonl repeated to about 20 MB (--mb), for GPT-2 and every tokenizer family of
+plugins/hf_tokenizer/tests/data/families, through
   * Hugging Face `tokenizers` (Rust core) with one thread: `encode_batch` under
-    RAYON_NUM_THREADS=1 and a plain loop of `encode` calls;
+    RAYON_NUM_THREADS=1 (and, with --loop, a plain loop of `encode` calls);
+  * our engine (the benchmark binary, --ours; skipped when it is not built), with the
+    ratio ours / tokenizers and a check that both produced the same number of tokens;
   * tiktoken with the GPT-2 ranks built offline from the fixture's vocabulary
     (tiktoken.get_encoding("gpt2") would download them); its ids are checked
     against `tokenizers` first.
 Prints tokens/s and MB/s. Usage (the venv .deps/bench of scripts/setup_bench_env.sh, with the
 tokenizers and tiktoken versions pinned in scripts/bench-requirements.txt):
 
-    .deps/bench/bin/python scripts/bench_tokenizer.py [fixtures-dir] [--repeat 3]
+    .deps/bench/bin/python scripts/bench_tokenizer.py [fixtures-dir] [--repeat 3] [--mb 20]
+        [--ours build/bin/modalities_hf_tokenizer_bench] [--only gpt2,llama2_style]
 
 [fixtures-dir] holds data/tokenizer/hf_gpt2/... (default: tests/fixtures/modalities).
 """
@@ -24,6 +28,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -31,14 +36,16 @@ from tokenizers import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/modalities"
-TARGET_BYTES = 20 << 20
+FAMILIES = ["gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
+            "deepseek_v3_style", "gptneox_style", "roberta_style", "bloom_style", "llama2_style", "mistral_style",
+            "gemma_style", "bert_style", "t5_style", "unigram_style", "pretok_sequences_style", "whitespace_style"]
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def corpus():
+def corpus(target_bytes):
     lines = [json.loads(l)["text"] for l in open(ROOT / "data/multilingual/multilingual.jsonl", encoding="utf-8")]
     out, size = [], 0
-    while size < TARGET_BYTES:
+    while size < target_bytes:
         for line in lines:
             out.append(line)
             size += len(line.encode("utf-8"))
@@ -79,25 +86,65 @@ def gpt2_tiktoken(tokenizer_json):
                              special_tokens={"<|endoftext|>": 50256})
 
 
+def tokenizer_file(name, fixtures):
+    if name == "gpt2":
+        return fixtures / "data/tokenizer/hf_gpt2/tokenizer.json"
+    data = ROOT / "plugins/hf_tokenizer/tests/data"
+    return (data / name if (data / name).exists() else data / "families" / name) / "tokenizer.json"
+
+
+def run_ours(binary, names, mb):
+    """tokens/s and token counts of our engine, from the Google Benchmark binary."""
+    if not binary.exists():
+        print(f"{binary} not built (cmake -DMODALITIES_BUILD_BENCHMARKS=ON, target modalities_hf_tokenizer_bench): "
+              "ours skipped")
+        return {}
+    pattern = "BM_Encode/(" + "|".join(names) + ")/"
+    env = dict(os.environ, MODALITIES_BENCH_MB=str(mb))
+    out = subprocess.run([str(binary), "--benchmark_format=json", f"--benchmark_filter={pattern}"], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return {b["name"].split("/")[1]: b for b in json.loads(out)["benchmarks"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("fixtures", type=Path, nargs="?", default=FIXTURES,
                     help="Modalities fixtures directory holding data/... (default: tests/fixtures/modalities)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--mb", type=float, default=20.0, help="corpus size in MiB (default 20)")
+    ap.add_argument("--ours", type=Path, default=ROOT / "build/bin/modalities_hf_tokenizer_bench")
+    ap.add_argument("--only", default=",".join(FAMILIES), help="comma-separated tokenizer names")
+    ap.add_argument("--loop", action="store_true", help="also time a loop of encode calls")
     args = ap.parse_args()
-    texts, size = corpus()
+    texts, size = corpus(int(args.mb * (1 << 20)))
+    names = [n for n in args.only.split(",") if n]
     print(f"{len(texts)} texts, {size / 1e6:.1f} MB, one thread")
-    files = {
-        "gpt2": args.fixtures / "data/tokenizer/hf_gpt2/tokenizer.json",
-        "llama3_style": ROOT / "plugins/hf_tokenizer/tests/data/llama3_style/tokenizer.json",
-        "qwen2_style": ROOT / "plugins/hf_tokenizer/tests/data/qwen2_style/tokenizer.json",
-    }
-    for name, file in files.items():
-        tok = Tokenizer.from_file(str(file))
+    ours = run_ours(args.ours, names, args.mb)
+    rows = []
+    for name in names:
+        tok = Tokenizer.from_file(str(tokenizer_file(name, args.fixtures)))
         seconds, encs = best_of(args.repeat, lambda: tok.encode_batch(texts))
-        report(f"tokenizers {name} encode_batch", seconds, sum(len(e.ids) for e in encs), size)
-        seconds, n = best_of(args.repeat, lambda: sum(len(tok.encode(t).ids) for t in texts))
-        report(f"tokenizers {name} encode loop", seconds, n, size)
+        n = sum(len(e.ids) for e in encs)
+        report(f"tokenizers {name} encode_batch", seconds, n, size)
+        if args.loop:
+            loop_s, loop_n = best_of(args.repeat, lambda: sum(len(tok.encode(t).ids) for t in texts))
+            report(f"tokenizers {name} encode loop", loop_s, loop_n, size)
+        row = {"name": name, "tokenizers_tps": n / seconds, "tokens": n}
+        if name in ours:
+            b = ours[name]
+            row.update(ours_tps=b["tokens/s"], ours_MBps=b["bytes_per_second"] / 1e6, same_count=int(b["tokens"]) == n)
+            report(f"ours {name}", n / b["tokens/s"], n, size)
+        rows.append(row)
+    if ours:
+        print(f"\n| tokenizer | ours M tok/s | ours MB/s | tokenizers M tok/s | ratio | same token count |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if "ours_tps" in r:
+                print(f"| {r['name']} | {r['ours_tps'] / 1e6:.2f} | {r['ours_MBps']:.1f} | {r['tokenizers_tps'] / 1e6:.2f} "
+                      f"| {r['ours_tps'] / r['tokenizers_tps']:.1f}x | {r['same_count']} |")
+    if "gpt2" not in names:
+        return
+    files = {"gpt2": tokenizer_file("gpt2", args.fixtures)}
 
     try:
         enc = gpt2_tiktoken(files["gpt2"])

@@ -755,6 +755,9 @@ struct TokenizerJson::Impl {
   PrefixTrie pieces;
   // WordPiece
   std::size_t max_input_chars_per_word = 100;
+  // BPE without a pre-tokenizer (SentencePiece style): words may be split before "▁"; see
+  // Note [Splitting SentencePiece-style words]. Empty when that is not safe.
+  std::string split_before;
 
   // Added vocabulary.
   std::vector<std::pair<std::int64_t, AddedToken>> added;
@@ -779,6 +782,7 @@ struct TokenizerJson::Impl {
   Regex parse_pattern(const Json& j, dom::element pattern, const std::string& where, std::string& literal,
                       bool allow_empty);
   void finish_model();
+  void find_split_character();
   std::size_t add_tokens(std::span<const AddedToken> tokens);
   void rebuild_tries();
 
@@ -791,6 +795,7 @@ struct TokenizerJson::Impl {
   void pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin, std::vector<std::int64_t>& out) const;
   void byte_level_stage(std::string_view piece, std::vector<std::int64_t>& out) const;
   void model(std::string_view word, std::vector<std::int64_t>& out) const;
+  void model_piece(std::string_view word, std::vector<std::int64_t>& out) const;
   void tokenize_word(std::string_view word, std::vector<std::int32_t>& ids) const;
   void initial_symbols(std::string_view chars, std::vector<std::int32_t>& syms) const;
   void merge(std::vector<std::int32_t>& syms) const;
@@ -1188,7 +1193,28 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
     fail(file, "model.unk_token", fmt::format("unk token '{}' is not in the vocabulary", *unk_token));
 }
 
+// Note [Splitting SentencePiece-style words]
+// Without a splitting pre-tokenizer (Llama-2, Mistral, Gemma) the BPE model gets a whole
+// segment as one word, which `tokenizers` merges in one piece and which no word
+// cache can reuse. A merge across the position before a "▁" that follows a
+// non-"▁" character would create a token with "▁" right after another
+// character; if the vocabulary has no such token (and "▁" itself is a token, so
+// an unknown run cannot continue past it), no merge ever crosses there, the
+// merges on each side happen in the same relative order, and splitting the word
+// at those positions gives the same ids while each piece is cached like a word.
+void TokenizerJson::Impl::find_split_character() {
+  const std::string mark = "\xE2\x96\x81";  // U+2581
+  if (model_kind != ModelKind::kBpe || byte_level || !subword_prefix.empty() ||
+      !word_suffix.empty() || !vocab.contains(mark))
+    return;
+  for (const auto& [token, id] : vocab)
+    for (std::size_t pos = token.find(mark, 1); pos != std::string::npos; pos = token.find(mark, pos + 1))
+      if (token.compare(last_char_start(std::string_view(token).substr(0, pos)), mark.size(), mark) != 0) return;
+  split_before = mark;
+}
+
 void TokenizerJson::Impl::finish_model() {
+  find_split_character();
   fallback_ids.fill(-1);
   for (int b = 0; b < 256; ++b)
     if (auto id = vocab_id(fmt::format("<0x{:02X}>", b))) fallback_ids[b] = *id;
@@ -1524,6 +1550,23 @@ void TokenizerJson::Impl::byte_level_stage(std::string_view piece, std::vector<s
 
 void TokenizerJson::Impl::model(std::string_view word, std::vector<std::int64_t>& out) const {
   if (word.empty()) return;
+  if (!split_before.empty() && word.find(split_before, 1) != std::string_view::npos) {
+    // Note [Splitting SentencePiece-style words]: no merge can cross these boundaries.
+    std::size_t start = 0;
+    for (std::size_t pos = word.find(split_before, 1); pos != std::string_view::npos;
+         pos = word.find(split_before, pos + split_before.size())) {
+      if (word.compare(last_char_start(word.substr(0, pos)), split_before.size(), split_before) == 0)
+        continue;  // inside a run of replacement characters
+      model_piece(word.substr(start, pos - start), out);
+      start = pos;
+    }
+    model_piece(word.substr(start), out);
+    return;
+  }
+  model_piece(word, out);
+}
+
+void TokenizerJson::Impl::model_piece(std::string_view word, std::vector<std::int64_t>& out) const {
   if (word.size() >= kCacheMaxWordBytes) {
     thread_local std::vector<std::int32_t> ids;
     ids.clear();

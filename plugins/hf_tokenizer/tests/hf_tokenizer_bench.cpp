@@ -1,13 +1,15 @@
 // Single-thread throughput of the tokenizer.json engine (tokens/s and MB/s) on
-// data/multilingual/multilingual.jsonl repeated to about 20 MB, for the GPT-2
-// fixture and the Llama-3-/Qwen2-style test tokenizers. scripts/bench_tokenizer.py
-// measures Python `tokenizers` (and tiktoken) on the same text for comparison.
+// data/multilingual/multilingual.jsonl repeated to about 20 MB (MODALITIES_BENCH_MB
+// changes the size), for the GPT-2 fixture, the Llama-3-/Qwen2-style test tokenizers
+// and every tokenizer family of tests/data/families. scripts/bench_tokenizer.py runs
+// Python `tokenizers` (and tiktoken) on the same text and this benchmark side by side.
 // Built only with -DMODALITIES_BUILD_BENCHMARKS=ON.
 #include "tokenizer_json.h"
 
 #include <benchmark/benchmark.h>
 #include <simdjson.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -17,7 +19,10 @@ namespace {
 namespace fs = std::filesystem;
 using modalities::plugins::hf_tokenizer::TokenizerJson;
 
-constexpr std::size_t kTargetBytes = 20u << 20;
+std::size_t target_bytes() {
+  const char* mb = std::getenv("MODALITIES_BENCH_MB");
+  return static_cast<std::size_t>((mb != nullptr ? std::atof(mb) : 20.0) * (1u << 20));
+}
 
 const std::vector<std::string>& corpus() {
   static const std::vector<std::string> texts = [] {
@@ -30,7 +35,8 @@ const std::vector<std::string>& corpus() {
     }
     std::vector<std::string> out;
     std::size_t bytes = 0;
-    while (bytes < kTargetBytes && !lines.empty())
+    const std::size_t target = target_bytes();
+    while (bytes < target && !lines.empty())
       for (const auto& l : lines) {
         out.push_back(l);
         bytes += l.size();
@@ -44,8 +50,9 @@ fs::path tokenizer_file(const std::string& name) {
   if (name == "gpt2")
     return fs::path(MODALITIES_TEST_FIXTURES_DIR) / "data" / "tokenizer" / "hf_gpt2" /
            "tokenizer.json";
-  return fs::path(MODALITIES_TEST_SOURCE_ROOT) / "plugins" / "hf_tokenizer" / "tests" / "data" / name /
-         "tokenizer.json";
+  const fs::path data = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "plugins" / "hf_tokenizer" / "tests" / "data";
+  if (fs::exists(data / name)) return data / name / "tokenizer.json";
+  return data / "families" / name / "tokenizer.json";
 }
 
 void BM_Encode(benchmark::State& state, const std::string& name) {
@@ -66,10 +73,18 @@ void BM_Encode(benchmark::State& state, const std::string& name) {
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
 }
 
-BENCHMARK_CAPTURE(BM_Encode, gpt2, std::string("gpt2"))->Unit(benchmark::kMillisecond)->MinTime(3.0);
-BENCHMARK_CAPTURE(BM_Encode, llama3_style, std::string("llama3_style"))->Unit(benchmark::kMillisecond)->MinTime(3.0);
-BENCHMARK_CAPTURE(BM_Encode, qwen2_style, std::string("qwen2_style"))->Unit(benchmark::kMillisecond)->MinTime(3.0);
-
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  for (const char* name : {"gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
+                           "deepseek_v3_style", "gptneox_style", "roberta_style", "bloom_style", "llama2_style",
+                           "mistral_style", "gemma_style", "bert_style", "t5_style", "unigram_style",
+                           "pretok_sequences_style", "whitespace_style"})
+    benchmark::RegisterBenchmark((std::string("BM_Encode/") + name).c_str(), BM_Encode, std::string(name))
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(1.0);
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
