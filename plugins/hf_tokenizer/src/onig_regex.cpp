@@ -163,7 +163,7 @@ class Translator {
     const char d = p_[i_ + 1];
     auto hex = [&](std::size_t from, std::size_t n) -> char32_t {
       const std::string digits(p_.substr(from, n));
-      if (digits.empty() || digits.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+      if (digits.empty() || digits.size() > 8 || digits.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
         refuse_(fmt::format("the escape '{}'", p_.substr(i_, from + n - i_)));
       return static_cast<char32_t>(std::stoul(digits, nullptr, 16));
     };

@@ -351,7 +351,44 @@ bool map_chars(std::string_view in, std::string& out, F&& map, bool* first_remov
   return true;
 }
 
+bool is_ascii(std::string_view s) {
+  for (char c : s)
+    if (static_cast<unsigned char>(c) >= 0x80) return false;
+  return true;
+}
+
+// Lowercase, StripAccents and BertNormalizer on ASCII text, in one pass (the common case; the
+// general paths below give the same result).
+bool ascii_fast_path(const NormalizerStep& n, std::string_view in, std::string& out, bool* start_removed) {
+  using K = NormalizerStep::Kind;
+  if (n.kind == K::kStripAccents) return false;  // ASCII has no marks
+  std::string r;
+  r.reserve(in.size());
+  bool changed = false;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    char c = in[i];
+    if (n.kind == K::kBert && n.clean_text) {
+      const auto b = static_cast<unsigned char>(c);
+      if (b == '\t' || b == '\n' || b == '\r') {
+        c = ' ';
+      } else if (b < 0x20 || b == 0x7F) {  // controls (and NUL) are removed
+        if (i == 0) *start_removed = true;
+        changed = true;
+        continue;
+      }
+    }
+    if ((n.kind == K::kLowercase || (n.kind == K::kBert && n.lowercase)) && c >= 'A' && c <= 'Z') c = static_cast<char>(c + 32);
+    changed = changed || c != in[i];
+    r += c;
+  }
+  if (!changed) return false;
+  out = std::move(r);
+  return true;
+}
+
 bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_removed) const {
+  if ((kind == Kind::kLowercase || kind == Kind::kStripAccents || kind == Kind::kBert) && is_ascii(in))
+    return ascii_fast_path(*this, in, out, start_removed);
   switch (kind) {
     case Kind::kForm: return normalize_form(in, options, out);
     case Kind::kPrepend:

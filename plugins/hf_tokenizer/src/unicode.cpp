@@ -269,11 +269,16 @@ void append_lowercase(std::string& out, char32_t c) {
     for (const auto& e : tables::kRustLowercase) m->push_back({e.cp, {e.lower[0], e.lower[1], e.lower[2]}});
     return m;
   }();
-  auto it = std::lower_bound(table->begin(), table->end(), c, [](const auto& e, char32_t v) { return e.first < v; });
-  if (it == table->end() || it->first != c) {
+  static const CodePointSet* mapped = [] {
+    std::vector<std::pair<char32_t, char32_t>> r;
+    for (const auto& e : *table) r.emplace_back(e.first, e.first);
+    return new CodePointSet(CodePointSet::from_ranges(std::move(r)));
+  }();
+  if (!mapped->contains(c)) {
     append_utf8(out, c);
     return;
   }
+  auto it = std::lower_bound(table->begin(), table->end(), c, [](const auto& e, char32_t v) { return e.first < v; });
   for (char32_t l : it->second)
     if (l != 0) append_utf8(out, l);
 }

@@ -802,6 +802,47 @@ TEST(HfTokenizerTest, RegexClassesMatchOnigurumaOnEveryCodePoint) {
   EXPECT_GT(delta_total, 0u);  // PCRE2 10.42 (Unicode 14) is older than Oniguruma's tables
 }
 
+// Every property class that real pre-tokenizer regexes use (GPT-2, Llama-3, Qwen2, Tekken, o200k,
+// DeepSeek-V3, BLOOM), on every code point: the pattern matches exactly Oniguruma's table (probed
+// from tokenizers by make_unicode_tables.py), natively outside the delta and with the explicit
+// ranges everywhere.
+TEST(HfTokenizerTest, EveryRegexClassOfRealPreTokenizersMatchesItsTable) {
+  std::vector<char32_t> all;
+  for (char32_t c = 1; c < 0x110000; ++c)
+    if (c < 0xD800 || c > 0xDFFF) all.push_back(c);
+  for (const char* name : {"L", "Lu", "Ll", "Lt", "Lm", "Lo", "M", "N", "Nd", "P", "S", "Z", "\\s", "\\w", "\\d"}) {
+    const std::string n = name;
+    const std::string pattern = n[0] == '\\' ? n : "\\p{" + n + "}";
+    const CodePointSet* table = oniguruma_class(n);
+    ASSERT_NE(table, nullptr) << name;
+    const Regex re(pattern + "+", "<test>", "pattern");
+    for (const bool exact : {false, true}) {
+      const Regex r = exact ? re.with_exact_tables() : re;
+      std::vector<bool> in(0x110000, false);
+      // The native pattern runs on text without delta code points (as it would in use).
+      std::string part;
+      std::vector<char32_t> cps;
+      for (char32_t c : all)
+        if (exact || !re.delta().contains(c)) {
+          cps.push_back(c);
+          append_utf8(part, c);
+        }
+      std::vector<std::size_t> starts;
+      for (std::size_t i = 0; i < part.size(); i += utf8_len(static_cast<unsigned char>(part[i]))) starts.push_back(i);
+      r.for_each_match(part, [&](std::size_t b, std::size_t e) {
+        auto i = static_cast<std::size_t>(std::lower_bound(starts.begin(), starts.end(), b) - starts.begin());
+        for (; i < starts.size() && starts[i] < e; ++i) in[cps[i]] = true;
+      });
+      std::size_t differences = 0;
+      for (char32_t c : cps)
+        if (in[c] != table->contains(c) && differences++ < 3)
+          ADD_FAILURE() << pattern << (exact ? " (exact)" : " (native)") << ": U+" << std::hex
+                        << static_cast<std::uint32_t>(c);
+      EXPECT_EQ(differences, 0u) << pattern << (exact ? " exact" : " native");
+    }
+  }
+}
+
 // The normalization fast path (Note [Normalization fast path]) must never skip
 // a change (code points that tokenizers' older normalization tables do not know aside): every BMP character alone, after 'e'/'A'/a Hangul syllable and
 // before combining marks and jamo, in all four forms, against utf8proc itself.
