@@ -42,7 +42,7 @@ up to each Unicode version (ages: perl's Unicode::UCD up to 14.0, plus the
 AGES_15_TO_17 list below); the PCRE2 / utf8proc comparisons need Debian's
 libpcre2-32.so.0 and libutf8proc.so.2 and are skipped when those are missing.
 
-Usage (about two minutes, one core; deterministic):
+Usage (about three minutes, one core; deterministic):
 
     TOKENIZERS_PARALLELISM=false .deps/bench/bin/python scripts/reference/make_unicode_tables.py
 """

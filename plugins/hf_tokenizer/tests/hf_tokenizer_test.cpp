@@ -915,6 +915,21 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
   EXPECT_EQ(mismatches, 0u) << "of " << checked;
 }
 
+// Code points that tokenizers' normalization tables (Unicode 9) do not know stay as they are,
+// while utf8proc (Unicode 15) would decompose or compose them; expected values from tokenizers 0.22.
+TEST(HfTokenizerTest, NormalizationLeavesCodePointsTokenizersDoesNotKnow) {
+  const std::string hangul_lv_and_old_t = "\xEA\xB0\x80\xE1\x86\xA7";  // U+AC00 U+11A7 (utf8proc 2.8 drops U+11A7)
+  EXPECT_EQ(unicode_normalize(hangul_lv_and_old_t, "NFC"), hangul_lv_and_old_t);
+  EXPECT_EQ(unicode_normalize(hangul_lv_and_old_t, "NFD"), "\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA7");
+  const std::string dives_akuru = "a\xF0\x91\xA4\xB8" "b";  // U+11938 (Unicode 13): canonical decomposition there
+  for (const char* form : {"NFC", "NFD", "NFKC", "NFKD"}) EXPECT_EQ(unicode_normalize(dives_akuru, form), dives_akuru) << form;
+  const std::string reiwa = "\xE3\x8B\xBF";  // U+32FF SQUARE ERA NAME REIWA (Unicode 12.1): NFKC -> 令和 in utf8proc
+  EXPECT_EQ(unicode_normalize(reiwa, "NFKC"), reiwa);
+  const std::string segmented_nine = "x\xF0\x9F\xAF\xB9";  // U+1FBF9 (Unicode 13): NFKC -> 9 in utf8proc
+  EXPECT_EQ(unicode_normalize(segmented_nine, "NFKC"), segmented_nine);
+  EXPECT_EQ(unicode_normalize("e\xCC\x81", "NFC"), "\xC3\xA9");  // known code points still normalize
+}
+
 TEST(HfTokenizerTest, Utf8LossyReplacesMaximalInvalidSubsequences) {
   EXPECT_EQ(utf8_lossy("abc"), "abc");
   EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), "\xEF\xBF\xBD");              // truncated 4-byte sequence: one U+FFFD
