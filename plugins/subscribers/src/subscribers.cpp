@@ -5,7 +5,7 @@
 //                  latest train loss, lr, tokens/s and ETA; one line per eval pass
 //   results to_disc  Modalities' JSONL results file, byte for byte
 //   results rich   Modalities' console line "<time> | step: n | k: v | ... | "
-// (`results_subscriber/wandb` needs the network and is not provided.)
+//   results wandb  records the W&B run for scripts/wandb_replay.py (no C++ W&B client)
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/plugin.h>
@@ -24,8 +24,10 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -439,6 +441,156 @@ class RichProgressSubscriber final : public MessageSubscriber {
   Clock::time_point last_tokens_at_;
 };
 
+
+// ---------------------------------------------------------------------------
+// results_subscriber/wandb
+//
+// Note [W&B without a W&B client]
+// Modalities calls the Python `wandb` client (wandb.init / wandb.log). There is
+// no C++ client, and the service is often unreachable from training nodes
+// anyway. So rank 0 records exactly what Modalities would send — the run's name,
+// project and config file, every wandb.log call (three per result: losses,
+// metrics, throughput metrics, at step num_train_steps_done, keys
+// "<dataloader_tag> <name>") and the consume_dict run-config entries — into
+// <directory>/modalities-offline-run-<experiment_id>/, one line per call,
+// flushed. scripts/wandb_replay.py replays such a folder through the official
+// client (an offline W&B run, then `wandb sync`, or straight online).
+// DISABLED and ranks other than 0 do nothing; ONLINE records the same way and
+// says how to upload.
+
+struct WandbConfig {
+  std::int64_t global_rank = 0;
+  std::string project, experiment_id, mode;
+  fs::path directory, config_file_path;
+  std::optional<std::string> entity;
+
+  static void describe(Schema<WandbConfig>& s) {
+    s.field("global_rank", &WandbConfig::global_rank, "This process's rank; only rank 0 records.")
+        .required()
+        .non_negative();
+    s.field("project", &WandbConfig::project, "W&B project of the run.").required().non_empty();
+    s.field("experiment_id", &WandbConfig::experiment_id, "Run name (Modalities passes the experiment id).")
+        .required()
+        .non_empty();
+    s.field("mode", &WandbConfig::mode,
+            "ONLINE / OFFLINE record the run for scripts/wandb_replay.py (ONLINE also prints the upload command); "
+            "DISABLED does nothing.")
+        .required()
+        .one_of({"ONLINE", "OFFLINE", "DISABLED"});
+    s.field("directory", &WandbConfig::directory,
+            "Folder for W&B data; the run is recorded in <directory>/modalities-offline-run-<experiment_id>.")
+        .required()
+        .non_empty();
+    s.field("config_file_path", &WandbConfig::config_file_path,
+            "The run's config file; copied into the run folder (W&B's run config and config artifact).")
+        .required()
+        .non_empty();
+    s.field("entity", &WandbConfig::entity, "W&B entity (team or user), passed on by the replay. Our addition.");
+  }
+};
+
+// A JSON number for one result value (scalars as numbers, tensors as nested lists; NaN/Inf as
+// Python's json writes them, which W&B reads).
+std::string wandb_value(const at::Tensor& v) { return py::json_tensor(v); }
+
+std::string json_dict_value(const DictValue& v) {
+  if (const auto* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
+  if (const auto* i = std::get_if<std::int64_t>(&v)) return fmt::format("{}", *i);
+  if (const auto* d = std::get_if<double>(&v)) return py::float_repr(*d);
+  return py::json_string(std::get<std::string>(v));
+}
+
+void write_file_atomically(const fs::path& file, const std::string& text) {
+  const fs::path tmp = file.string() + ".tmp";
+  {
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (f == nullptr) throw Error(fmt::format("cannot write '{}': {}", tmp.string(), std::strerror(errno)));
+    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    if (std::fclose(f) != 0 || !ok) throw Error(fmt::format("cannot write '{}': {}", tmp.string(), std::strerror(errno)));
+  }
+  std::error_code ec;
+  fs::rename(tmp, file, ec);
+  if (ec) throw Error(fmt::format("cannot rename '{}' to '{}': {}", tmp.string(), file.string(), ec.message()));
+}
+
+void append_line(const fs::path& file, const std::string& line) {
+  std::FILE* f = std::fopen(file.c_str(), "ab");
+  if (f == nullptr) throw Error(fmt::format("cannot open '{}' for appending: {}", file.string(), std::strerror(errno)));
+  const bool written = std::fwrite(line.data(), 1, line.size(), f) == line.size();
+  if (std::fclose(f) != 0 || !written)
+    throw Error(fmt::format("cannot write to '{}': {}", file.string(), std::strerror(errno)));
+}
+
+class WandbRecorder final : public MessageSubscriber {
+ public:
+  explicit WandbRecorder(const WandbConfig& c) {
+    std::error_code ec;
+    if (!fs::is_regular_file(c.config_file_path, ec))
+      throw ConfigError("config_file_path", fmt::format("'{}' is not a file", c.config_file_path.string()));
+    fs::create_directories(c.directory, ec);
+    if (ec)
+      throw ConfigError("directory",
+                        fmt::format("cannot create the folder '{}': {}", c.directory.string(), ec.message()));
+    // A new folder per run: an existing one (a warm start with the same experiment id) is kept.
+    const std::string base = "modalities-offline-run-" + c.experiment_id;
+    dir_ = c.directory / base;
+    for (int n = 2; fs::exists(dir_, ec); ++n) dir_ = c.directory / fmt::format("{}-{}", base, n);
+    fs::create_directories(dir_, ec);
+    if (ec) throw ConfigError("directory", fmt::format("cannot create '{}': {}", dir_.string(), ec.message()));
+    const std::string ext = c.config_file_path.extension().string();
+    const std::string config_name = "config" + (ext.empty() ? std::string(".toml") : ext);
+    std::ifstream in(c.config_file_path, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    if (!in.good() && !in.eof())
+      throw ConfigError("config_file_path", fmt::format("cannot read '{}'", c.config_file_path.string()));
+    write_file_atomically(dir_ / config_name, text.str());
+    std::string run = fmt::format(
+        "{{\"format\": 1, \"project\": {}, \"name\": {}, \"mode\": {}, \"config_file\": {}, \"created\": {}",
+        py::json_string(c.project), py::json_string(c.experiment_id), py::json_string(c.mode),
+        py::json_string(config_name), py::json_string(iso_timestamp()));
+    if (c.entity) run += fmt::format(", \"entity\": {}", py::json_string(*c.entity));
+    write_file_atomically(dir_ / "run.json", run + "}\n");
+    const std::string replay = fmt::format("python3 scripts/wandb_replay.py {}{}", dir_.string(),
+                                           c.mode == "ONLINE" ? " --mode online" : "");
+    if (c.mode == "ONLINE")
+      std::fprintf(stderr,
+                   "results_subscriber/wandb: mode ONLINE, but this program has no W&B client; the run is recorded "
+                   "in %s. Upload it (during or after the run) with the official client: %s\n",
+                   dir_.c_str(), replay.c_str());
+    else
+      std::fprintf(stderr, "results_subscriber/wandb: recording the run in %s (replay through W&B: %s)\n",
+                   dir_.c_str(), replay.c_str());
+  }
+
+  void consume_message(const Message& m) override {
+    const auto* r = std::get_if<EvaluationResultBatch>(&m.payload);
+    if (r == nullptr) return;
+    // Modalities' three wandb.log calls, each at step num_train_steps_done.
+    for (const ResultItems* items : {&r->losses, &r->metrics, &r->throughput_metrics}) {
+      std::string data;
+      for (const auto& [key, item] : *items) {
+        if (!data.empty()) data += ", ";
+        data += py::json_string(r->dataloader_tag + " " + key) + ": " + wandb_value(item.value);
+      }
+      append_line(dir_ / "history.jsonl",
+                  fmt::format("{{\"step\": {}, \"data\": {{{}}}}}\n", r->num_train_steps_done, data));
+    }
+  }
+
+  void consume_dict(const std::map<std::string, DictValue>& values) override {
+    if (values.empty()) return;
+    std::string line;
+    for (const auto& [key, value] : values) line += (line.empty() ? "" : ", ") + py::json_string(key) + ": " + json_dict_value(value);
+    append_line(dir_ / "config_updates.jsonl", "{" + line + "}\n");
+  }
+
+  const fs::path& folder() const { return dir_; }
+
+ private:
+  fs::path dir_;
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -466,6 +618,14 @@ void register_components(Registrar& r) {
       [](const RichResultsConfig& c) -> std::shared_ptr<MessageSubscriber> {
         if (c.global_rank != 0) return std::make_shared<DummySubscriber>();
         return std::make_shared<RichResultsSubscriber>(c.show_dataloader_tag);
+      });
+  r.add<MessageSubscriber, WandbConfig>(
+      kResults, "wandb",
+      "Rank 0, mode OFFLINE or ONLINE: records the W&B run Modalities would log (config file, every wandb.log call, "
+      "run-config entries) for scripts/wandb_replay.py; DISABLED and other ranks: dummy.",
+      [](const WandbConfig& c) -> std::shared_ptr<MessageSubscriber> {
+        if (c.global_rank != 0 || c.mode == "DISABLED") return std::make_shared<DummySubscriber>();
+        return std::make_shared<WandbRecorder>(c);
       });
 }
 

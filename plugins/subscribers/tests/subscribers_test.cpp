@@ -181,6 +181,76 @@ TEST(ToDiscTest, UnwritableFolderIsAClearError) {
 }
 
 // ---------------------------------------------------------------------------
+// results_subscriber/wandb (recorded for scripts/wandb_replay.py; see the README)
+
+TEST(WandbTest, OfflineRecordsTheConfigEveryLogCallAndTheRunConfigEntries) {
+  TempDir dir;
+  testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
+  h.set("wandb_subscriber.config.mode", "OFFLINE");
+  h.set("wandb_subscriber.config.directory", (dir.path() / "wandb_storage").string());
+  h.set("wandb_subscriber.config.config_file_path", kExample.string());
+  auto sub = h.get<MessageSubscriber>("wandb_subscriber");
+  ASSERT_NE(sub, nullptr) << h.build_error();
+  const fs::path run = dir.path() / "wandb_storage" / "modalities-offline-run-example_run";
+  ASSERT_TRUE(fs::is_directory(run));
+  EXPECT_EQ(testing::read_file(run / "config.toml"), testing::read_file(kExample));
+  const std::string meta = testing::read_file(run / "run.json");
+  EXPECT_THAT(meta, HasSubstr("\"project\": \"modalities_example\", \"name\": \"example_run\", \"mode\": \"OFFLINE\", "
+                              "\"config_file\": \"config.toml\""));
+  sub->consume_dict({{"No. parameters", std::int64_t{124}}, {"precision", std::string("bf16")}});
+  const auto s = samples();
+  sub->consume_message(result_message(s[0]));
+  sub->consume_message(result_message(s[1]));
+  sub->consume_message(progress(3, ExperimentStatus::kTrain, "train"));  // not a result: ignored
+  const auto history = lines_of(testing::read_file(run / "history.jsonl"));
+  ASSERT_EQ(history.size(), 6u);  // three wandb.log calls per result, as Modalities makes them
+  EXPECT_EQ(history[0], "{\"step\": 42, \"data\": {\"train train loss avg\": 3.456789016723633, "
+                        "\"train train loss last\": 2.675}}");
+  EXPECT_THAT(history[1], HasSubstr("\"train consumed tokens\": 1048576"));
+  EXPECT_THAT(history[2], HasSubstr("\"train lr mean\": 0.0003000000142492354"));
+  EXPECT_THAT(history[3], ::testing::StartsWith("{\"step\": 42, \"data\": {\"val \\u00fc \\\"q\\\" CLMCrossEntropyLoss\": "));
+  EXPECT_EQ(history[4], "{\"step\": 42, \"data\": {}}");  // no metrics: an empty log call, as in Modalities
+  EXPECT_EQ(testing::read_file(run / "config_updates.jsonl"), "{\"No. parameters\": 124, \"precision\": \"bf16\"}\n");
+
+  // A second run with the same experiment id gets its own folder.
+  testing::Harness again{MODALITIES_TEST_PLUGIN, kExample};
+  again.set("wandb_subscriber.config.mode", "ONLINE");
+  again.set("wandb_subscriber.config.directory", (dir.path() / "wandb_storage").string());
+  again.set("wandb_subscriber.config.config_file_path", kExample.string());
+  ASSERT_NE(again.get<MessageSubscriber>("wandb_subscriber"), nullptr) << again.build_error();
+  EXPECT_THAT(testing::read_file(dir.path() / "wandb_storage" / "modalities-offline-run-example_run-2" / "run.json"),
+              HasSubstr("\"mode\": \"ONLINE\""));
+}
+
+TEST(WandbTest, DisabledAndOtherRanksRecordNothing) {
+  TempDir dir;
+  for (const auto& [mode, rank] : {std::pair{"DISABLED", 0}, std::pair{"OFFLINE", 1}}) {
+    testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
+    h.set("wandb_subscriber.config.mode", mode);
+    h.set("wandb_subscriber.config.global_rank", std::int64_t{rank});
+    h.set("wandb_subscriber.config.directory", (dir.path() / "w").string());
+    h.set("wandb_subscriber.config.config_file_path", kExample.string());
+    auto sub = h.get<MessageSubscriber>("wandb_subscriber");
+    ASSERT_NE(sub, nullptr) << h.build_error();
+    sub->consume_message(result_message(samples()[0]));
+    EXPECT_FALSE(fs::exists(dir.path() / "w")) << mode;
+  }
+}
+
+TEST(WandbTest, BadModeAndMissingConfigFileAreClearErrors) {
+  TempDir dir;
+  testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
+  h.set("wandb_subscriber.config.mode", "offline");
+  EXPECT_THAT(h.build_error(), HasSubstr("wandb_subscriber.config.mode"));
+  testing::Harness h2{MODALITIES_TEST_PLUGIN, kExample};
+  h2.set("wandb_subscriber.config.mode", "OFFLINE");
+  h2.set("wandb_subscriber.config.directory", dir.path().string());
+  h2.set("wandb_subscriber.config.config_file_path", (dir.path() / "nope.yaml").string());
+  EXPECT_THAT(h2.build_error(), HasSubstr("config_file_path"));
+  EXPECT_THAT(h2.build_error(), HasSubstr("is not a file"));
+}
+
+// ---------------------------------------------------------------------------
 // results_subscriber/rich
 
 const std::string kTimestamp = "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2} \\| ";
