@@ -2,7 +2,9 @@
 # Set-up, build and the test suite (GoogleTest via CTest, plugin smoke tests, out-of-tree plugin
 # against the installed SDK). Usage: scripts/test.sh [--full] [ctest args...]
 # The default suite leaves out the tests labelled `full` (the heavy multi-rank acceptance runs:
-# 4 ranks, 20 steps, every layout); --full runs them too.
+# 4 ranks, 20 steps, every layout); --full runs them too. The tests labelled `check` run the
+# official Python `wandb` and `tensorboard` packages on our output; their venv .deps/check is
+# created by scripts/setup_check_env.sh (pinned, from PyPI) first.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 preset=cpu
@@ -11,5 +13,6 @@ if [[ "${1:-}" == "--full" ]]; then
   shift
 fi
 "${root}/scripts/build.sh" cpu
+"${root}/scripts/setup_check_env.sh"
 cd "${root}"
 ctest --preset "${preset}" "$@"

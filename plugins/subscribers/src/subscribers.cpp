@@ -6,6 +6,7 @@
 //   results to_disc  Modalities' JSONL results file, byte for byte
 //   results rich   Modalities' console line "<time> | step: n | k: v | ... | "
 //   results wandb  records the W&B run for scripts/wandb_replay.py (no C++ W&B client)
+//   results tensorboard  TensorBoard event files (our addition)
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/plugin.h>
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -591,6 +593,162 @@ class WandbRecorder final : public MessageSubscriber {
   fs::path dir_;
 };
 
+
+// ---------------------------------------------------------------------------
+// results_subscriber/tensorboard (our addition)
+//
+// Note [Writing TensorBoard event files by hand]
+// An event file is a TFRecord stream of `Event` protocol buffers: per record a
+// little-endian u64 length, the masked CRC-32C of those 8 bytes, the bytes, and
+// their masked CRC-32C. We write three message types with five fields between
+// them (Event.wall_time/step/file_version/summary, Summary.Value.tag/
+// simple_value), so the encoding is spelled out here rather than pulling in
+// protobuf and TensorFlow's .proto files; Debian 12 has no CRC-32C library,
+// and the table-driven CRC below is the standard algorithm (polynomial
+// 0x82F63B78, reflected). The tensorboard package reads these files
+// (scripts/check_tensorboard.sh).
+
+std::uint32_t crc32c(std::string_view data) {
+  static const std::array<std::uint32_t, 256> table = [] {
+    std::array<std::uint32_t, 256> t{};
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      std::uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  std::uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : data) c = table[(c ^ b) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+std::uint32_t masked_crc32c(std::string_view data) {
+  const std::uint32_t c = crc32c(data);
+  return ((c >> 15) | (c << 17)) + 0xA282EAD8u;
+}
+
+void put_varint(std::string& out, std::uint64_t v) {
+  while (v >= 0x80) {
+    out += static_cast<char>((v & 0x7F) | 0x80);
+    v >>= 7;
+  }
+  out += static_cast<char>(v);
+}
+
+template <class T>
+void put_fixed(std::string& out, T v) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
+  out.append(bytes, sizeof(T));
+}
+
+void put_bytes_field(std::string& out, int field, std::string_view bytes) {
+  put_varint(out, static_cast<std::uint64_t>(field) << 3 | 2);
+  put_varint(out, bytes.size());
+  out += bytes;
+}
+
+// Event{wall_time = 1 (double), step = 2 (int64), file_version = 3 | summary = 5}.
+std::string event_header(double wall_time, std::int64_t step) {
+  std::string e;
+  e += static_cast<char>(1 << 3 | 1);
+  put_fixed(e, wall_time);
+  e += static_cast<char>(2 << 3 | 0);
+  put_varint(e, static_cast<std::uint64_t>(step));
+  return e;
+}
+
+// Summary.Value{tag = 1, simple_value = 2 (float)}.
+std::string scalar_value(std::string_view tag, float value) {
+  std::string v;
+  put_bytes_field(v, 1, tag);
+  v += static_cast<char>(2 << 3 | 5);
+  put_fixed(v, value);
+  return v;
+}
+
+std::string tfrecord(std::string_view data) {
+  std::string r, len;
+  put_fixed(len, static_cast<std::uint64_t>(data.size()));
+  r += len;
+  put_fixed(r, masked_crc32c(len));
+  r += data;
+  put_fixed(r, masked_crc32c(data));
+  return r;
+}
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+struct TensorboardConfig {
+  std::int64_t global_rank = 0;
+  fs::path log_dir;
+
+  static void describe(Schema<TensorboardConfig>& s) {
+    s.field("global_rank", &TensorboardConfig::global_rank, "This process's rank; only rank 0 writes.")
+        .required()
+        .non_negative();
+    s.field("log_dir", &TensorboardConfig::log_dir,
+            "Folder of the event file (`tensorboard --logdir` it, or its parent for several runs).")
+        .required()
+        .non_empty();
+  }
+};
+
+class TensorboardSubscriber final : public MessageSubscriber {
+ public:
+  explicit TensorboardSubscriber(const fs::path& dir) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw ConfigError("log_dir", fmt::format("cannot create the folder '{}': {}", dir.string(), ec.message()));
+    char host[256] = "localhost";
+    ::gethostname(host, sizeof host - 1);
+    file_ = dir / fmt::format("events.out.tfevents.{}.{}.{}.modalities", static_cast<std::int64_t>(unix_seconds()),
+                              host, ::getpid());
+    std::string first = event_header(unix_seconds(), 0);
+    put_bytes_field(first, 3, "brain.Event:2");
+    write(first);
+  }
+
+  void consume_message(const Message& m) override {
+    const auto* r = std::get_if<EvaluationResultBatch>(&m.payload);
+    if (r == nullptr) return;
+    std::string summary;
+    for (const ResultItems* items : {&r->losses, &r->metrics, &r->throughput_metrics})
+      for (const auto& [key, item] : *items)
+        if (item.value.numel() == 1)
+          put_bytes_field(summary, 1,
+                          scalar_value(r->dataloader_tag + "/" + key, item.value.to(at::kDouble).item<double>()));
+    if (summary.empty()) return;
+    std::string e = event_header(unix_seconds(), r->num_train_steps_done);
+    put_bytes_field(e, 5, summary);
+    write(e);
+  }
+
+  // Numeric run facts ("No. parameters") as scalars at step 0 under "run/".
+  void consume_dict(const std::map<std::string, DictValue>& values) override {
+    std::string summary;
+    for (const auto& [key, value] : values) {
+      if (const auto* i = std::get_if<std::int64_t>(&value)) put_bytes_field(summary, 1, scalar_value("run/" + key, static_cast<float>(*i)));
+      else if (const auto* d = std::get_if<double>(&value)) put_bytes_field(summary, 1, scalar_value("run/" + key, static_cast<float>(*d)));
+    }
+    if (summary.empty()) return;
+    std::string e = event_header(unix_seconds(), 0);
+    put_bytes_field(e, 5, summary);
+    write(e);
+  }
+
+ private:
+  // One record per event, appended and flushed: a crashed run keeps every event written so far.
+  void write(std::string_view event) {
+    const std::string record = tfrecord(event);
+    append_line(file_, record);
+  }
+  fs::path file_;
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -626,6 +784,14 @@ void register_components(Registrar& r) {
       [](const WandbConfig& c) -> std::shared_ptr<MessageSubscriber> {
         if (c.global_rank != 0 || c.mode == "DISABLED") return std::make_shared<DummySubscriber>();
         return std::make_shared<WandbRecorder>(c);
+      });
+  r.add<MessageSubscriber, TensorboardConfig>(
+      kResults, "tensorboard",
+      "Rank 0 writes every scalar result (tag '<dataloader_tag>/<name>', step num_train_steps_done) to a TensorBoard "
+      "event file in log_dir. Our addition.",
+      [](const TensorboardConfig& c) -> std::shared_ptr<MessageSubscriber> {
+        if (c.global_rank != 0) return std::make_shared<DummySubscriber>();
+        return std::make_shared<TensorboardSubscriber>(c.log_dir);
       });
 }
 

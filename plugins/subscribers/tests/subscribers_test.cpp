@@ -15,7 +15,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -211,6 +213,9 @@ TEST(WandbTest, OfflineRecordsTheConfigEveryLogCallAndTheRunConfigEntries) {
   EXPECT_THAT(history[3], ::testing::StartsWith("{\"step\": 42, \"data\": {\"val \\u00fc \\\"q\\\" CLMCrossEntropyLoss\": "));
   EXPECT_EQ(history[4], "{\"step\": 42, \"data\": {}}");  // no metrics: an empty log call, as in Modalities
   EXPECT_EQ(testing::read_file(run / "config_updates.jsonl"), "{\"No. parameters\": 124, \"precision\": \"bf16\"}\n");
+  // For check.wandb_replay: this recording, replayed through the official wandb client.
+  if (const char* out = std::getenv("MODALITIES_WANDB_CHECK_DIR"))
+    fs::copy(run, fs::path(out), fs::copy_options::recursive | fs::copy_options::overwrite_existing);
 
   // A second run with the same experiment id gets its own folder.
   testing::Harness again{MODALITIES_TEST_PLUGIN, kExample};
@@ -248,6 +253,150 @@ TEST(WandbTest, BadModeAndMissingConfigFileAreClearErrors) {
   h2.set("wandb_subscriber.config.config_file_path", (dir.path() / "nope.yaml").string());
   EXPECT_THAT(h2.build_error(), HasSubstr("config_file_path"));
   EXPECT_THAT(h2.build_error(), HasSubstr("is not a file"));
+}
+
+// ---------------------------------------------------------------------------
+// results_subscriber/tensorboard: the event file decoded here (TFRecord framing with CRC-32C,
+// Event / Summary protocol buffers); scripts/check_tensorboard.py reads the same kind of file
+// with the tensorboard package (the CTest test check.tensorboard).
+
+std::uint32_t test_crc32c(std::string_view data) {  // bitwise, independent of the plugin's table
+  std::uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : data) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+  }
+  return c ^ 0xFFFFFFFFu;
+}
+
+struct Scalar {
+  std::string tag;
+  std::int64_t step;
+  float value;
+};
+
+// Minimal protobuf reader for the fields the subscriber writes.
+struct PbReader {
+  std::string_view d;
+  std::size_t i = 0;
+  std::uint64_t varint() {
+    std::uint64_t v = 0;
+    for (int shift = 0; i < d.size(); shift += 7) {
+      const auto b = static_cast<unsigned char>(d[i++]);
+      v |= static_cast<std::uint64_t>(b & 0x7F) << shift;
+      if (!(b & 0x80)) break;
+    }
+    return v;
+  }
+  std::string_view bytes() {
+    const std::size_t n = varint();
+    const std::string_view out = d.substr(i, n);
+    i += n;
+    return out;
+  }
+  template <class T>
+  T fixed() {
+    T v;
+    std::memcpy(&v, d.data() + i, sizeof(T));
+    i += sizeof(T);
+    return v;
+  }
+};
+
+std::vector<Scalar> read_events(const fs::path& file, std::string* version) {
+  const std::string data = testing::read_file(file);
+  std::vector<Scalar> out;
+  for (std::size_t pos = 0; pos < data.size();) {
+    std::uint64_t len;
+    std::uint32_t len_crc, data_crc;
+    std::memcpy(&len, data.data() + pos, 8);
+    std::memcpy(&len_crc, data.data() + pos + 8, 4);
+    const std::string_view payload(data.data() + pos + 12, len);
+    std::memcpy(&data_crc, data.data() + pos + 12 + len, 4);
+    auto masked = [](std::uint32_t c) { return ((c >> 15) | (c << 17)) + 0xA282EAD8u; };
+    EXPECT_EQ(len_crc, masked(test_crc32c(std::string_view(data.data() + pos, 8))));
+    EXPECT_EQ(data_crc, masked(test_crc32c(payload)));
+    pos += 16 + len;
+    PbReader e{payload};
+    std::int64_t step = 0;
+    while (e.i < payload.size()) {
+      const std::uint64_t key = e.varint();
+      if (key == (1 << 3 | 1)) e.fixed<double>();
+      else if (key == (2 << 3 | 0)) step = static_cast<std::int64_t>(e.varint());
+      else if (key == (3 << 3 | 2)) *version = std::string(e.bytes());
+      else if (key == (5 << 3 | 2)) {
+        PbReader summary{e.bytes()};
+        while (summary.i < summary.d.size()) {
+          EXPECT_EQ(summary.varint(), 1u << 3 | 2);
+          PbReader value{summary.bytes()};
+          Scalar sc{"", step, 0};
+          while (value.i < value.d.size()) {
+            const std::uint64_t k = value.varint();
+            if (k == (1 << 3 | 2)) sc.tag = std::string(value.bytes());
+            else if (k == (2 << 3 | 5)) sc.value = value.fixed<float>();
+            else ADD_FAILURE() << "unexpected Summary.Value field " << k;
+          }
+          out.push_back(sc);
+        }
+      } else {
+        ADD_FAILURE() << "unexpected Event field " << key;
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+TEST(TensorboardTest, WritesEveryScalarResultAsAnEventOnRankZero) {
+  TempDir dir;
+  const fs::path log_dir = dir.path() / "tb";
+  testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
+  h.set("tensorboard_subscriber.config.log_dir", log_dir.string());
+  auto sub = h.get<MessageSubscriber>("tensorboard_subscriber");
+  ASSERT_NE(sub, nullptr) << h.build_error();
+  sub->consume_dict({{"No. parameters", std::int64_t{124}}, {"name", std::string("x")}});
+  const auto s = samples();
+  for (const auto& r : s) sub->consume_message(result_message(r));
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(log_dir)) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_THAT(files[0].filename().string(), ::testing::StartsWith("events.out.tfevents."));
+  std::string version;
+  const auto scalars = read_events(files[0], &version);
+  EXPECT_EQ(version, "brain.Event:2");
+  std::vector<Scalar> want = {{"run/No. parameters", 0, 124.0f}};
+  for (const auto& r : s)
+    for (const ResultItems* items : {&r.losses, &r.metrics, &r.throughput_metrics})
+      for (const auto& [key, item] : *items)
+        if (item.value.numel() == 1)
+          want.push_back({r.dataloader_tag + "/" + key, r.num_train_steps_done,
+                          static_cast<float>(item.value.to(at::kDouble).item<double>())});
+  ASSERT_EQ(scalars.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(scalars[i].tag, want[i].tag);
+    EXPECT_EQ(scalars[i].step, want[i].step) << want[i].tag;
+    if (std::isnan(want[i].value)) EXPECT_TRUE(std::isnan(scalars[i].value));
+    else EXPECT_EQ(scalars[i].value, want[i].value) << want[i].tag;
+  }
+  // For check.tensorboard: the same events and what they must contain, read by the tensorboard package.
+  if (const char* out = std::getenv("MODALITIES_TENSORBOARD_CHECK_DIR")) {
+    fs::create_directories(out);
+    fs::copy_file(files[0], fs::path(out) / files[0].filename(), fs::copy_options::overwrite_existing);
+    std::ofstream expected(fs::path(out) / "expected_scalars.tsv");
+    for (const auto& w : want) expected << w.tag << '\t' << w.step << '\t' << fmt::format("{}", w.value) << '\n';
+  }
+}
+
+TEST(TensorboardTest, OtherRanksWriteNothingAndBadFoldersAreClearErrors) {
+  TempDir dir;
+  testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
+  h.set("tensorboard_subscriber.config.log_dir", (dir.path() / "tb").string());
+  h.set("tensorboard_subscriber.config.global_rank", std::int64_t{1});
+  h.get<MessageSubscriber>("tensorboard_subscriber")->consume_message(result_message(samples()[0]));
+  EXPECT_FALSE(fs::exists(dir.path() / "tb"));
+  testing::Harness bad{MODALITIES_TEST_PLUGIN, kExample};
+  bad.set("tensorboard_subscriber.config.log_dir", "/proc/no_such_dir/tb");
+  EXPECT_THAT(bad.build_error(), HasSubstr("tensorboard_subscriber.config.log_dir"));
 }
 
 // ---------------------------------------------------------------------------
