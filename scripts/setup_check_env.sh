@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates the Python environment of the test suite's independent checks (CTest label `check`):
 # the venv .deps/check with exactly the versions of scripts/check-requirements.txt (the official
-# `wandb` client and `tensorboard`), with `python3 -m venv` and `pip install --no-deps -r` from
-# PyPI (about 270 MB), then `pip check`. A stamp file holds the sha256 of the requirements file and
+# `wandb` client, `tensorboard` and matplotlib), with `python3 -m venv` and `pip install --no-deps -r` from
+# PyPI (about 330 MB), then `pip check`. A stamp file holds the sha256 of the requirements file and
 # the Python version; when it matches, a rerun is a no-op. scripts/test.sh calls this.
 # Usage: scripts/setup_check_env.sh [--force]   (--force recreates the venv)
 # Set PYTHON to the interpreter to use (default python3; Python >= 3.9).
@@ -35,7 +35,7 @@ if [[ ! -x "${venv}/bin/python" ]]; then
     exit 1
   fi
 fi
-log "installing scripts/check-requirements.txt (wandb, tensorboard)"
+log "installing scripts/check-requirements.txt (wandb, tensorboard, matplotlib)"
 "${venv}/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "${requirements}"
 "${venv}/bin/python" -m pip check --disable-pip-version-check >/dev/null
 echo "${want}" > "${stamp}"
