@@ -49,6 +49,8 @@ int run_dist(const std::vector<std::string>& args);
 /// Every collective of the world group on exactly known values (cli_dist.cpp); throws
 /// modalities::Error naming the collective and the first wrong element. `run --test_comm`.
 void check_collective_values();
+/// `modalities profile [distributed]` (cli_run.cpp): a steppable component under a profiler.
+int run_profile(const std::vector<std::string>& args);
 /// `modalities generate_text` (cli_run.cpp).
 int run_generate_text(const std::vector<std::string>& args);
 

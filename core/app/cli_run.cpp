@@ -11,6 +11,8 @@
 #include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
+#include <modalities/sdk/interfaces/steppable_component.h>
+#include <modalities/sdk/interfaces/steppable_profiler.h>
 #include <modalities/sdk/interfaces/text_inference_component.h>
 #include <modalities/sdk/run_context.h>
 
@@ -524,6 +526,112 @@ int run_training(const std::vector<std::string>& args, bool warmstart) {
   if (!parse(args, desc, {}, vm, usage, status)) return status;
   if (a.experiment_id.empty()) a.experiment_id = default_experiment_id(a.config_file_path);
   return train(a, popts, warmstart);
+}
+
+// `modalities profile [distributed]`: Modalities' ModalitiesProfilerStarter. Builds the profiling
+// pipeline (steppable_component, profiler) and runs component.step(); profiler.step() size() times
+// inside enter()/exit(). As in Modalities, ${modalities_env:experiments_root_path} is the
+// experiment folder <root>/<experiment_id> here (not the root as in `run`), and the config is
+// copied into it.
+int run_profile(const std::vector<std::string>& raw_args) {
+  std::vector<std::string> args = raw_args;
+  if (!args.empty() && args[0] == "distributed") args.erase(args.begin());  // Modalities' spelling
+  RunArgs a;
+  core::PluginOptions popts;
+  po::options_description desc("Profiling options");
+  desc.add_options()("help,h", "this help")(
+      "config_file_path", po::value(&a.config_file_path)->required(),
+      "profiling config with top-level steppable_component and profiler (also the first positional argument)")(
+      "experiment_root_path", po::value(&a.experiments_root_path)->default_value("experiments"),
+      "root folder; traces go where the profiler's config says, the config copy to <root>/<experiment_id>")(
+      "experiments_root_path", po::value(&a.experiments_root_path), "same as --experiment_root_path")(
+      "experiment_id", po::value(&a.experiment_id), "experiment id (default: <date>__<time>_<hash of the config path>)");
+  desc.add(plugin_options(popts));
+  po::positional_options_description pos;
+  pos.add("config_file_path", 1);
+  po::variables_map vm;
+  int status = kOk;
+  if (!parse(args, desc, pos, vm,
+             "usage: modalities profile [distributed] --config_file_path F [--experiment_root_path R]\n\n"
+             "Runs the config's steppable_component (e.g. steppable_component/forward_pass) as many steps as its\n"
+             "profiler wants (steppable_profiler/kernel_tracing writes a Chrome trace and a per-operator table,\n"
+             "memory_tracing a CUDA memory snapshot). One process, or every rank under `modalities launch` /\n"
+             "torchrun / srun.",
+             status))
+    return status;
+  if (a.experiment_id.empty()) a.experiment_id = default_experiment_id(a.config_file_path);
+  dist::LaunchEnv launch;
+  try {
+    launch = export_launcher_env();
+  } catch (const std::exception& e) {
+    print_error(e.what());
+    return kFailed;
+  }
+  const std::string who = rank_prefix(launch);
+  core::Registry registry;
+  core::PluginHost host(registry);
+  if (!load_plugins_or_report(host, popts)) return kPluginError;
+  record_plugin_versions(registry);
+  try {
+    core::ConfigNode root = core::load_toml_file(a.config_file_path);
+    if (launch.distributed()) {
+      dist::RuntimeOptions ro;
+      ro.timeout = std::chrono::milliseconds(static_cast<long>(process_group_timeout(a, root) * 1000));
+      dist::init(launch, ro);
+      a.experiment_id = dist::broadcast_from_rank0("experiment_id", a.experiment_id);
+    }
+    const fs::path folder = fs::absolute(fs::path(a.experiments_root_path) / a.experiment_id);
+    core::ModalitiesEnv env = core::env_for_config(a.config_file_path);
+    env.values["experiments_root_path"] = folder.string();
+    env.values["experiment_id"] = a.experiment_id;
+    core::resolve_interpolations(root, core::resolvers_for(registry, env));
+    choose_device(root);
+    if (launch.rank == 0) {
+      prepare_experiment_folder(a, root);
+      std::cerr << fmt::format("profiling {} in {} (device {}{})\n", a.experiment_id, folder.string(),
+                               run_device().str(),
+                               launch.distributed() ? fmt::format(", {} ranks", launch.world_size) : "");
+    }
+    dist::barrier();
+    core::ComponentGraph graph(registry, root, core::find_pipeline("profiling"));
+    const core::BuiltGraph built = graph.build([](const std::string&) {}, [&](const std::string& line) {
+      if (launch.rank == 0) std::cerr << line << "\n";
+    });
+    auto get = [&](const char* key, std::string_view interface) {
+      const Value* v = built.get(key);
+      if (v == nullptr || !v->is_object() || v->as_object().interface != interface)
+        throw Error(fmt::format("{} must produce a {}", key, interface));
+      return v->as_object().ptr;
+    };
+    auto component = std::static_pointer_cast<SteppableComponent>(get("steppable_component", SteppableComponent::kInterface));
+    auto profiler = std::static_pointer_cast<SteppableProfiler>(get("profiler", SteppableProfiler::kInterface));
+    const std::int64_t steps = profiler->size();
+    if (steps < 0)
+      throw Error("the profiler does not say how many steps to run (steppable_profiler/no_profiler has no length); "
+                  "use kernel_tracing or memory_tracing, alone or in a combined profiler");
+    const auto start = std::chrono::steady_clock::now();
+    profiler->enter();
+    for (std::int64_t i = 0; i < steps; ++i) {
+      component->step();
+      profiler->step();
+    }
+    profiler->exit();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    dist::barrier();
+    if (launch.rank == 0)
+      std::cout << fmt::format("Profiled {} steps in {} ({:.1f} ms per step, profiler overhead included). Config "
+                               "copy: {}\n",
+                               steps, human_seconds(seconds), steps ? 1e3 * seconds / static_cast<double>(steps) : 0.0,
+                               folder.string());
+    return kOk;
+  } catch (const core::ConfigFileError& e) {
+    for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
+    print_error(fmt::format("{}{}: invalid profiling config", who, a.config_file_path));
+    return kFailed;
+  } catch (const std::exception& e) {
+    print_error(who + e.what());
+    return kFailed;
+  }
 }
 
 int run_generate_text(const std::vector<std::string>& args) {

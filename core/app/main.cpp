@@ -20,6 +20,8 @@ Commands:
   run                           train a model described by a config (`modalities run --help`)
   warmstart                     continue a run from its last checkpoint
   generate_text                 generate text from a trained checkpoint
+  profile [distributed]         run a steppable component under a profiler (Chrome trace, operator table,
+                                CUDA memory snapshot; `modalities profile --help`)
   plugins list                  list every loaded variant with its plugin file
   plugins describe <ck>/<vk>    config schema of one variant (types, defaults, help)
   plugins smoke <file.so>       load one plugin, build its example config, run conformance checks
@@ -64,6 +66,7 @@ int main(int argc, char** argv) {
     if (verb == "launch") return modalities::cli::run_launch(args);
     if (verb == "dist") return modalities::cli::run_dist(args);
     if (verb == "generate_text") return modalities::cli::run_generate_text(args);
+    if (verb == "profile") return modalities::cli::run_profile(args);
   } catch (const std::exception& e) {
     modalities::cli::print_error(e.what());
     return modalities::cli::kFailed;

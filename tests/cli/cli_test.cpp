@@ -9,6 +9,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -295,6 +297,62 @@ TEST_F(CliConfigValidateTest, TrainingPipelineNamesEveryMissingKey) {
   const CommandResult bad = modalities({"config", "validate", file, "--pipeline", "trainng"});
   EXPECT_EQ(bad.exit_code, 2) << bad;
   EXPECT_THAT(bad.err, HasSubstr("unknown pipeline 'trainng'")) << bad;
+}
+
+// --- profile ------------------------------------------------------------------------------------
+
+// The shipped profiling config as a user runs it: a Chrome trace that parses as a trace-event file
+// and holds the model's operators, the per-operator table, and the config copy.
+TEST(CliProfileTest, ProfilesTheShippedConfigIntoTheExperimentFolder) {
+  ScratchDir dir;
+  const CommandResult r =
+      modalities({"profile", "distributed", "--config_file_path",
+                  std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/profiling/gpt2_train_step.toml",
+                  "--experiment_root_path", dir.path().string(), "--experiment_id", "prof"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("Profiled 5 steps")) << r;
+  EXPECT_THAT(r.err, Not(HasSubstr("ERROR"))) << r;  // Kineto's GPU probe stays quiet for CPU-only traces
+  const auto folder = dir.path() / "prof";
+  EXPECT_TRUE(std::filesystem::exists(folder / "gpt2_train_step.toml"));
+  std::ifstream trace(folder / "profiler_trace_ranks_1_rank_0.json");
+  ASSERT_TRUE(trace) << "no trace";
+  std::stringstream text;
+  text << trace.rdbuf();
+  EXPECT_THAT(text.str(), HasSubstr("\"traceEvents\"")) << "Chrome trace-event format";
+  EXPECT_THAT(text.str(), HasSubstr("\"name\": \"aten::mm\""));
+  std::ifstream table(folder / "profiler_summary_ranks_1_rank_0.txt");
+  std::stringstream rows;
+  rows << table.rdbuf();
+  EXPECT_THAT(rows.str(), HasSubstr("3 recorded step(s)"));
+  EXPECT_THAT(rows.str(), HasSubstr("aten::addmm"));
+}
+
+TEST(CliProfileTest, AProfilerWithoutALengthIsAClearError) {
+  ScratchDir dir;
+  const auto config = dir.write("p.toml", R"(
+[steppable_component]
+component_key = "steppable_component"
+variant_key = "forward_pass"
+config = { model = { instance_key = "m", pass_type = "BY_REFERENCE" }, dataset_batch_generator = { instance_key = "g", pass_type = "BY_REFERENCE" } }
+
+[m]
+component_key = "layer_norm"
+variant_key = "layer_norm"
+config = { normalized_shape = 4 }
+
+[g]
+component_key = "dataset_batch_generator"
+variant_key = "random"
+config = { dims = { b = 2, d = 4 }, data_type = "float32", min_val = 0, max_val = 1 }
+
+[profiler]
+component_key = "steppable_profiler"
+variant_key = "no_profiler"
+config = {}
+)");
+  const CommandResult r = modalities({"profile", config.string(), "--experiment_root_path", dir.path().string()});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("no_profiler has no length")) << r;
 }
 
 }  // namespace
