@@ -246,47 +246,43 @@ struct KernelTracingConfig {
   }
 };
 
-// Per-operator totals of the recorded events, sorted by total time (the summary table).
+// The summary: one table of the operators (CPU events: calls, inclusive time) and, when device
+// activity was recorded, one of the kernels and copies (device events), each sorted by total time.
 std::string summary_table(const std::vector<torch::autograd::profiler::KinetoEvent>& events, std::int64_t steps) {
   struct Row {
     std::int64_t calls = 0;
-    std::uint64_t cpu_ns = 0, device_ns = 0;
+    std::uint64_t ns = 0;
   };
-  std::map<std::string, Row> rows;
+  std::map<std::string, Row> cpu, device;
   std::uint64_t cpu_total = 0, device_total = 0;
   for (const auto& e : events) {
-    Row& r = rows[e.name()];
-    if (e.deviceType() == c10::DeviceType::CPU) {
-      ++r.calls;
-      r.cpu_ns += e.durationNs();
-      cpu_total += e.durationNs();
-    } else {
-      r.device_ns += e.durationNs();
-      device_total += e.durationNs();
+    const bool on_cpu = e.deviceType() == c10::DeviceType::CPU;
+    Row& r = (on_cpu ? cpu : device)[e.name()];
+    ++r.calls;
+    r.ns += e.durationNs();
+    (on_cpu ? cpu_total : device_total) += e.durationNs();
+  }
+  auto table = [](const std::map<std::string, Row>& rows, std::uint64_t total, std::string_view title) {
+    std::vector<std::pair<std::string, Row>> sorted(rows.begin(), rows.end());
+    std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second.ns > b.second.ns; });
+    std::size_t width = 4;
+    for (const auto& [name, r] : sorted) width = std::max(width, std::min<std::size_t>(name.size(), 70));
+    const std::string rule(width + 50, '-');
+    std::string out = fmt::format("{}\n{}\n{:<{}}  {:>8}  {:>12}  {:>8}  {:>12}\n{}\n", title, rule, "Name", width, "Calls",
+                                  "Total", "%", "Avg", rule);
+    for (const auto& [name, r] : sorted) {
+      const std::string shown = name.size() > width ? name.substr(0, width - 3) + "..." : name;
+      out += fmt::format("{:<{}}  {:>8}  {:>9.3f} ms  {:>7.2f}%  {:>9.3f} us\n", shown, width, r.calls, r.ns / 1e6,
+                         total ? 100.0 * static_cast<double>(r.ns) / static_cast<double>(total) : 0.0,
+                         r.calls ? static_cast<double>(r.ns) / 1e3 / static_cast<double>(r.calls) : 0.0);
     }
-  }
-  std::vector<std::pair<std::string, Row>> sorted(rows.begin(), rows.end());
-  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
-    return a.second.cpu_ns + a.second.device_ns > b.second.cpu_ns + b.second.device_ns;
-  });
-  std::size_t width = 4;
-  for (const auto& [name, r] : sorted) width = std::max(width, std::min<std::size_t>(name.size(), 60));
-  std::string out = fmt::format("{} recorded step(s), {} events. Times are inclusive (an operator contains the "
-                                "operators it calls), summed over the recorded steps.\n",
+    return out + rule + fmt::format("\nTotal: {:.3f} ms\n", total / 1e6);
+  };
+  std::string out = fmt::format("{} recorded step(s), {} events. Operator times are inclusive (an operator contains the "
+                                "operators it calls), summed over the recorded steps.\n\n",
                                 steps, events.size());
-  const std::string rule(width + 62, '-');
-  out += rule + "\n";
-  out += fmt::format("{:<{}}  {:>8}  {:>12}  {:>8}  {:>12}  {:>12}\n", "Name", width, "Calls", "CPU total", "CPU %",
-                     "CPU avg", "device total");
-  out += rule + "\n";
-  for (const auto& [name, r] : sorted) {
-    const std::string shown = name.size() > width ? name.substr(0, width - 3) + "..." : name;
-    out += fmt::format("{:<{}}  {:>8}  {:>9.3f} ms  {:>7.2f}%  {:>9.3f} us  {:>9.3f} ms\n", shown, width, r.calls,
-                       r.cpu_ns / 1e6, cpu_total ? 100.0 * r.cpu_ns / cpu_total : 0.0,
-                       r.calls ? r.cpu_ns / 1e3 / r.calls : 0.0, r.device_ns / 1e6);
-  }
-  out += rule + "\n";
-  out += fmt::format("CPU total: {:.3f} ms; device total: {:.3f} ms\n", cpu_total / 1e6, device_total / 1e6);
+  out += table(cpu, cpu_total, "Operators and runtime calls (CPU)");
+  if (!device.empty()) out += "\n" + table(device, device_total, "Kernels and copies (device)");
   return out;
 }
 
