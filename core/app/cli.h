@@ -1,6 +1,7 @@
 // Internal interface between the `modalities` entry point and its verbs.
 #pragma once
 
+#include <modalities/core/interpolation.h>
 #include <modalities/core/registry.h>
 #include <modalities/core/session.h>
 
@@ -49,6 +50,13 @@ int run_dist(const std::vector<std::string>& args);
 /// Every collective of the world group on exactly known values (cli_dist.cpp); throws
 /// modalities::Error naming the collective and the first wrong element. `run --test_comm`.
 void check_collective_values();
+/// For the `config` verbs: RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as `run` sets them
+/// (from the launcher's variables, or one process when there are none).
+void export_single_process_env();
+/// Adds `warmstart`'s ${warmstart_env:checkpoint_paths} resolver reading `info_file`.
+void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& info_file);
+/// `run`'s default experiment id for a config file.
+std::string run_default_experiment_id(const std::string& config_file_path);
 /// `modalities profile [distributed]` (cli_run.cpp): a steppable component under a profiler.
 int run_profile(const std::vector<std::string>& args);
 /// `modalities generate_text` (cli_run.cpp).

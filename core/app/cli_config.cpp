@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <filesystem>
 #include <iostream>
 
 namespace modalities::cli {
@@ -18,6 +19,7 @@ struct ConfigArgs {
   std::string pipeline;
   std::string experiments_root_path;
   std::string experiment_id;
+  std::string last_checkpoint_info_file_path;
 };
 
 po::options_description config_options(ConfigArgs& a) {
@@ -27,17 +29,34 @@ po::options_description config_options(ConfigArgs& a) {
       ("pipeline", po::value(&a.pipeline),
        "check against a command's pipeline profile: training, packing, text_generation, profiling "
        "(default: every top-level key)")
-      ("experiments_root_path", po::value(&a.experiments_root_path),
-       "makes ${modalities_env:experiments_root_path} available, as `run` does")
-      ("experiment_id", po::value(&a.experiment_id), "makes ${modalities_env:experiment_id} available, as `run` does");
+      ("experiments_root_path", po::value(&a.experiments_root_path)->default_value("experiments"),
+       "${modalities_env:experiments_root_path}, as `run` takes it (made absolute; nothing is written)")
+      ("experiment_id", po::value(&a.experiment_id),
+       "${modalities_env:experiment_id} (default: run's <date>__<time>_<hash of the config path>)")
+      ("last_checkpoint_info_file_path", po::value(&a.last_checkpoint_info_file_path),
+       "a warm-start config: the last_checkpoint_info.json that ${warmstart_env:checkpoint_paths} reads, as "
+       "`warmstart` takes it");
   return d;
 }
 
-core::ModalitiesEnv env_of(const ConfigArgs& a) {
+// The environment `run` gives a config: launcher variables (one process by default), the
+// experiments root and id, and with --last_checkpoint_info_file_path `warmstart`'s resolver.
+core::ResolverTable resolvers_of(const ConfigArgs& a, const core::Registry& registry) {
+  export_single_process_env();
   core::ModalitiesEnv env = core::env_for_config(a.file);
-  if (!a.experiments_root_path.empty()) env.values["experiments_root_path"] = a.experiments_root_path;
-  if (!a.experiment_id.empty()) env.values["experiment_id"] = a.experiment_id;
-  return env;
+  env.values["experiments_root_path"] = std::filesystem::absolute(a.experiments_root_path).string();
+  env.values["experiment_id"] = a.experiment_id.empty() ? run_default_experiment_id(a.file) : a.experiment_id;
+  core::ResolverTable resolvers = core::resolvers_for(registry, env);
+  if (!a.last_checkpoint_info_file_path.empty()) {
+    add_warmstart_resolver(resolvers, a.last_checkpoint_info_file_path);
+  } else {
+    resolvers.add({"warmstart_env", "Warm start facts: needs --last_checkpoint_info_file_path.",
+                   [](std::string_view) -> Value {
+                     throw Error("this is a warm-start config: give the last_checkpoint_info.json of the run to "
+                                 "continue with --last_checkpoint_info_file_path, as for `modalities warmstart`");
+                   }});
+  }
+  return resolvers;
 }
 
 void print_diagnostics(const std::vector<core::Diagnostic>& ds) {
@@ -94,7 +113,8 @@ int run_config(const std::vector<std::string>& args) {
   core::PluginHost host(registry);
   if (!load_plugins_or_report(host, popts)) return kPluginError;
   try {
-    const core::ConfigNode root = core::load_resolved(a.file, registry, env_of(a));
+    core::ConfigNode root = core::load_toml_file(a.file);
+    core::resolve_interpolations(root, resolvers_of(a, registry));
     if (verb == "resolve") {
       std::cout << core::to_toml(root);
       return kOk;
@@ -121,6 +141,9 @@ int run_config(const std::vector<std::string>& args) {
   } catch (const core::ConfigFileError& e) {
     print_diagnostics(e.diagnostics());
     print_error(fmt::format("{}: {} error(s)", a.file, count_errors(e.diagnostics())));
+    return kFailed;
+  } catch (const std::exception& e) {
+    print_error(e.what());
     return kFailed;
   }
 }

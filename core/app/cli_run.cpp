@@ -634,6 +634,18 @@ int run_profile(const std::vector<std::string>& raw_args) {
   }
 }
 
+void export_single_process_env() { (void)export_launcher_env(); }
+
+void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& info_file) {
+  if (!fs::is_regular_file(info_file))
+    throw Error(fmt::format("--last_checkpoint_info_file_path {}: no such file", info_file));
+  resolvers.add(warmstart_resolver(info_file));
+}
+
+std::string run_default_experiment_id(const std::string& config_file_path) {
+  return default_experiment_id(config_file_path);
+}
+
 int run_generate_text(const std::vector<std::string>& args) {
   std::string config_file_path;
   core::PluginOptions popts;

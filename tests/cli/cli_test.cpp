@@ -299,6 +299,33 @@ TEST_F(CliConfigValidateTest, TrainingPipelineNamesEveryMissingKey) {
   EXPECT_THAT(bad.err, HasSubstr("unknown pipeline 'trainng'")) << bad;
 }
 
+// config validate / resolve give a config the environment `run` and `warmstart` give it: one process,
+// an experiments root and id, and with --last_checkpoint_info_file_path the warm-start facts.
+TEST(CliConfigRunEnvironmentTest, ShippedTrainingAndWarmStartConfigsValidateLikeRunSeesThem) {
+  const std::string configs = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/quickstart/";
+  CommandResult r = modalities({"config", "validate", configs + "train.toml", "--pipeline", "training"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("valid for pipeline 'training'")) << r;
+  r = modalities({"config", "validate", configs + "warmstart.toml"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("give the last_checkpoint_info.json of the run to continue with "
+                               "--last_checkpoint_info_file_path")) << r;
+  ScratchDir dir;
+  const std::string folder = (dir.path() / "eid_q-seen_steps_60-seen_tokens_30720-target_steps_80-target_tokens_40960").string();
+  const auto info = dir.write("last_checkpoint_info.json", "{\"checkpoint_folder_path\": \"" + folder + "\"}");
+  r = modalities({"config", "validate", configs + "warmstart.toml", "--last_checkpoint_info_file_path", info.string()});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  r = modalities({"config", "resolve", configs + "warmstart.toml", "--last_checkpoint_info_file_path", info.string(),
+                  "--experiments_root_path", dir.path().string(), "--experiment_id", "resumed"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr(folder)) << r;
+  EXPECT_THAT(r.out, HasSubstr((dir.path() / "resumed").string())) << r;
+  r = modalities({"config", "validate", configs + "warmstart.toml", "--last_checkpoint_info_file_path",
+                  (dir.path() / "missing.json").string()});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("missing.json: no such file")) << r;
+}
+
 // --- profile ------------------------------------------------------------------------------------
 
 // The shipped profiling config as a user runs it: a Chrome trace that parses as a trace-event file
