@@ -50,8 +50,8 @@ int run_dist(const std::vector<std::string>& args);
 /// Every collective of the world group on exactly known values (cli_dist.cpp); throws
 /// modalities::Error naming the collective and the first wrong element. `run --test_comm`.
 void check_collective_values();
-/// For the `config` verbs: RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as `run` sets them
-/// (from the launcher's variables, or one process when there are none).
+/// For the `config` verbs: RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as given, or those of
+/// one process where unset (no rendezvous variables are needed to validate).
 void export_single_process_env();
 /// Adds `warmstart`'s ${warmstart_env:checkpoint_paths} resolver reading `info_file`.
 void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& info_file);

@@ -634,7 +634,12 @@ int run_profile(const std::vector<std::string>& raw_args) {
   }
 }
 
-void export_single_process_env() { (void)export_launcher_env(); }
+void export_single_process_env() {
+  // Validation needs no rendezvous: only the variables a config reads, one process where unset.
+  for (const auto& [name, value] : {std::pair{"RANK", "0"}, std::pair{"WORLD_SIZE", "1"}, std::pair{"LOCAL_RANK", "0"},
+                                    std::pair{"LOCAL_WORLD_SIZE", "1"}})
+    setenv(name, value, 0);
+}
 
 void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& info_file) {
   if (!fs::is_regular_file(info_file))
