@@ -22,7 +22,7 @@ config updates, a TOML config) in the temporary folder and checks that.
   --keep       keep the temporary folder (printed) instead of deleting it
   -h, --help   this help
 
-Environment: PYTHON (default: .deps/bench/bin/python if present, else python3) must have wandb.
+Environment: PYTHON (default: .deps/check/bin/python, else .deps/bench/bin/python, else python3) must have wandb.
 The check needs no network; wandb's data/cache/config dirs point into the temporary folder.
 EOF
 }
@@ -49,10 +49,11 @@ fi
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo_root="$(dirname "$script_dir")"
 if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$repo_root/.deps/bench/bin/python" ]]; then PYTHON="$repo_root/.deps/bench/bin/python"; else PYTHON=python3; fi
+    if [[ -x "$repo_root/.deps/check/bin/python" ]]; then PYTHON="$repo_root/.deps/check/bin/python";
+    elif [[ -x "$repo_root/.deps/bench/bin/python" ]]; then PYTHON="$repo_root/.deps/bench/bin/python"; else PYTHON=python3; fi
 fi
 if ! "$PYTHON" -c 'import wandb' 2>/dev/null; then
-    echo "check_wandb_replay.sh: $PYTHON cannot import wandb: pip install wandb (or set PYTHON)" >&2
+    echo "check_wandb_replay.sh: $PYTHON cannot import wandb: run scripts/setup_check_env.sh (or pip install wandb, or set PYTHON)" >&2
     exit 2
 fi
 if [[ -n "$run_dir" && ! -d "$run_dir" ]]; then

@@ -5,7 +5,7 @@
 # PyPI (about 330 MB), then `pip check`. A stamp file holds the sha256 of the requirements file and
 # the Python version; when it matches, a rerun is a no-op. scripts/test.sh calls this.
 # Usage: scripts/setup_check_env.sh [--force]   (--force recreates the venv)
-# Set PYTHON to the interpreter to use (default python3; Python >= 3.9).
+# Set PYTHON to the interpreter to use (default python3; Python 3.11 or 3.12, as the pins need).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${root}/.deps/check"
@@ -22,6 +22,11 @@ for arg in "$@"; do
 done
 log() { printf '[setup_check_env] %s\n' "$*"; }
 command -v "${python}" >/dev/null || { echo "setup_check_env.sh: ${python} not found (set PYTHON)" >&2; exit 1; }
+py_version="$("${python}" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+case "${py_version}" in
+  3.11|3.12) ;;
+  *) echo "setup_check_env.sh: ${python} is Python ${py_version}; the pinned packages need 3.11 or 3.12 (set PYTHON)" >&2; exit 1 ;;
+esac
 want="$(sha256sum "${requirements}" | cut -d' ' -f1) $("${python}" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 if [[ ${force} == 0 && -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
   exit 0
@@ -29,9 +34,11 @@ fi
 if [[ ${force} == 1 ]]; then rm -rf "${venv}"; fi
 if [[ ! -x "${venv}/bin/python" ]]; then
   log "creating ${venv}"
-  if ! "${python}" -m venv "${venv}" 2>/dev/null; then
+  if ! err="$("${python}" -m venv "${venv}" 2>&1)"; then
     rm -rf "${venv}"
-    echo "setup_check_env.sh: '${python} -m venv' failed; install Debian's python3-venv (apt-get install python3-venv)" >&2
+    echo "setup_check_env.sh: '${python} -m venv ${venv}' failed:" >&2
+    echo "${err}" >&2
+    echo "(on Debian: apt-get install python3-venv; scripts/setup.sh installs it)" >&2
     exit 1
   fi
 fi

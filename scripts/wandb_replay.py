@@ -11,7 +11,7 @@ The C++ subscriber cannot talk to the W&B service. On rank 0 it records the run 
 
 This script makes the calls that Modalities' WandBEvaluationResultSubscriber makes, in the same order:
 
-  run = wandb.init(project=..., name=<name>, mode=<mode>, dir=<wandb dir>, config=<parsed config file>,
+  run = wandb.init(project=..., entity=<entity or None>, name=<name>, mode=<mode>, dir=<wandb dir>, config=<parsed config file>,
                    settings=wandb.Settings(init_timeout=120, console="off"))
   run.log_artifact(<config file>, name=f"config_{run.id}", type="config")
   run.config[k] = v           for every key of every config_updates.jsonl line
@@ -120,6 +120,8 @@ def load_recorded_run(run_dir: Path) -> dict:
     for key in ("project", "name", "config_file"):
         if not isinstance(meta.get(key), str) or not meta[key]:
             raise ReplayError(f"{meta_path}: {key!r} must be a non-empty string")
+    if "entity" in meta and (not isinstance(meta["entity"], str) or not meta["entity"]):
+        raise ReplayError(f"{meta_path}: 'entity' must be a non-empty string when given")
     config_name = meta["config_file"]
     if Path(config_name).name != config_name:
         raise ReplayError(f"{meta_path}: config_file must be a file name in the run folder, not {config_name!r}")
@@ -194,6 +196,7 @@ def replay(rec: dict, mode: str, wandb_dir: Path) -> None:
     try:
         run = wandb.init(
             project=meta["project"],
+            entity=meta.get("entity"),
             name=meta["name"],
             mode=mode,
             dir=str(wandb_dir),

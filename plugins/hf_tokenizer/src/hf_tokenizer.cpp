@@ -453,7 +453,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
       sv.is_added_token = added_token;
       attrs[key] = sv;
     };
-    bool template_from_flags = false, default_add_bos = false, force_prefix_space = true;
+    bool template_from_flags = false, default_add_bos = false, force_prefix_space = true, roberta_mask = false;
     if (base == "GPT2Tokenizer" || base == "CodeGenTokenizer") {
       for (const char* key : {"unk_token", "bos_token", "eos_token"}) default_attr(key, "<|endoftext|>", false);
       if (base == "CodeGenTokenizer" && add_bos_token.value_or(false))
@@ -519,11 +519,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
       default_attr("unk_token", "<unk>", false);
       default_attr("pad_token", "<pad>", false);
       default_attr("mask_token", "<mask>", false);
-      // RobertaTokenizerFast turns a string mask token into AddedToken(lstrip=True, normalized=False).
-      if (auto it = attrs.find("mask_token"); it != attrs.end() && !it->second.is_added_token) {
-        it->second.token = AddedToken{it->second.token.content, false, true, false, false, true};
-        it->second.is_added_token = true;
-      }
+      roberta_mask = true;  // applied after the added_tokens_decoder lookup below
     } else if (base == "BloomTokenizer") {
       default_attr("unk_token", "<unk>", false);
       default_attr("bos_token", "<s>", false);
@@ -558,6 +554,13 @@ class PretrainedHfTokenizer final : public Tokenizer {
         }
     };
     for (auto& [key, sv] : attrs) resolve(sv);
+    // RobertaTokenizerFast turns a mask token that is still a string (not an added_tokens_decoder entry)
+    // into AddedToken(lstrip=True, normalized=False).
+    if (roberta_mask)
+      if (auto it = attrs.find("mask_token"); it != attrs.end() && !it->second.is_added_token) {
+        it->second.token = AddedToken{it->second.token.content, false, true, false, false, true};
+        it->second.is_added_token = true;
+      }
 
     // PreTrainedTokenizerFast.__init__: transformers overrides add_prefix_space of a top-level ByteLevel
     // (Bloom and Cohere set it on every ByteLevel when it is true).
@@ -739,7 +742,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
 void register_components(Registrar& r) {
   r.add<Tokenizer, HfTokenizerConfig>(
       "pretrained_hf_tokenizer",
-      "Hugging Face fast tokenizer (byte-level BPE tokenizer.json) from a local folder, as AutoTokenizer loads it.",
+      "Hugging Face fast tokenizer (tokenizer.json: byte-level BPE, SentencePiece-style BPE, Unigram, WordPiece) from a "
+      "local folder, as AutoTokenizer loads it.",
       [](const HfTokenizerConfig& c, BuildContext& ctx) { return std::make_shared<PretrainedHfTokenizer>(c, ctx); });
 }
 

@@ -2030,7 +2030,9 @@ std::string TokenizerJson::Impl::decode_tokens(std::vector<std::string> tokens) 
           std::size_t start_cut = 0, stop_cut = starts.size();
           while (start_cut < d.start && start_cut < starts.size() && char_at(start_cut) == content) ++start_cut;
           for (std::size_t k = 0; k < d.stop && stop_cut > 0 && char_at(stop_cut - 1) == content; ++k) --stop_cut;
-          if (stop_cut < start_cut || (d.stop > 0 && starts.empty()))
+          // tokenizers indexes chars.len() - i - 1 for i < stop: it panics when stop exceeds a token made of
+          // the content character only, and when the cuts cross.
+          if (stop_cut < start_cut || (stop_cut == 0 && d.stop > starts.size()))
             throw Error(fmt::format("{}: the Strip decoder cannot strip '{}' (tokenizers panics on it)", file.string(), t));
           const std::size_t b = start_cut < starts.size() ? starts[start_cut] : t.size();
           const std::size_t e = stop_cut < starts.size() ? starts[stop_cut] : t.size();

@@ -381,6 +381,13 @@ std::string utf8proc_normalize(std::string_view s, int options) {
 }  // namespace
 
 bool normalize_form(std::string_view s, int options, std::string& out) {
+  // kHfNormalizationUnknown and the stability tables were checked against utf8proc 2.8 (Unicode 15),
+  // whose property encoding this file also reads; another version could normalize differently.
+  static const bool known_utf8proc = std::string_view(utf8proc_version()) == "2.8.0";
+  if (!known_utf8proc)
+    throw Error(fmt::format("Unicode normalization: this build links utf8proc {}, but the normalizers were checked "
+                            "against utf8proc 2.8.0 only (Debian 12's); rebuild with it rather than risk other ids",
+                            utf8proc_version()));
   const CodePointSet& unknown = hf_normalization_unknown();
   const StableTable* table = nullptr;
   std::size_t copied = 0, last_stable = 0;

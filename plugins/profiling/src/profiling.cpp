@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <optional>
 #include <set>
@@ -333,18 +334,25 @@ class KernelTracing final : public SteppableProfiler {
     advance();
   }
 
+  // Leaving early (a training run with fewer steps left than the schedule) keeps what was recorded,
+  // as torch.profiler does when it stops: the trace of the active steps so far, with a warning.
   void exit() override {
     if (step_ < 0) throw Error("steppable_profiler/kernel_tracing: exit() without enter()");
     const std::int64_t done = step_;
     step_ = -1;
+    if (done >= s_.total()) return;
     if (recording_) {
-      torch::autograd::profiler::disableProfiler();
+      auto result = torch::autograd::profiler::disableProfiler();
       recording_ = false;
+      write(*result, done - s_.wait - s_.warmup);
+      std::cerr << fmt::format("warning: steppable_profiler/kernel_tracing: left after {} of {} steps; the trace holds "
+                               "the {} active step(s) recorded: {}\n",
+                               done, s_.total(), done - s_.wait - s_.warmup, trace_.string());
+    } else {
+      std::cerr << fmt::format("warning: steppable_profiler/kernel_tracing: left after {} of {} steps, before the "
+                               "first active step (wait {}, warmup {}); no trace was written\n",
+                               done, s_.total(), s_.wait, s_.warmup);
     }
-    if (done < s_.total())
-      throw Error(fmt::format("steppable_profiler/kernel_tracing: exited after {} of {} steps (wait {}, warmup {}, "
-                              "active {}); no trace was written",
-                              done, s_.total(), s_.wait, s_.warmup, s_.active));
   }
 
   std::int64_t size() const override { return s_.total(); }
@@ -365,16 +373,20 @@ class KernelTracing final : public SteppableProfiler {
     if (step_ == s_.total() && recording_) {
       auto result = torch::autograd::profiler::disableProfiler();
       recording_ = false;
-      std::error_code ec;
-      fs::create_directories(c_.output_folder_path, ec);
-      if (ec)
-        throw Error(fmt::format("steppable_profiler/kernel_tracing: cannot create '{}': {}",
-                                c_.output_folder_path.string(), ec.message()));
-      const fs::path tmp = trace_.string() + ".tmp";
-      result->save(tmp.string());
-      fs::rename(tmp, trace_);
-      write_text_atomically(summary_, summary_table(result->events(), s_.active));
+      write(*result, s_.active);
     }
+  }
+
+  void write(torch::autograd::profiler::ProfilerResult& result, std::int64_t active_steps) const {
+    std::error_code ec;
+    fs::create_directories(c_.output_folder_path, ec);
+    if (ec)
+      throw Error(fmt::format("steppable_profiler/kernel_tracing: cannot create '{}': {}",
+                              c_.output_folder_path.string(), ec.message()));
+    const fs::path tmp = trace_.string() + ".tmp";
+    result.save(tmp.string());
+    fs::rename(tmp, trace_);
+    write_text_atomically(summary_, summary_table(result.events(), active_steps));
   }
 
   KernelTracingConfig c_;
@@ -432,9 +444,13 @@ class MemoryTracing final : public SteppableProfiler {
   void exit() override {
     const std::int64_t done = step_;
     step_ = -1;
-    if (done < s_.total())
-      throw Error(fmt::format("steppable_profiler/memory_tracing: exited after {} of {} steps; no snapshot was written",
-                              done, s_.total()));
+    if (done >= s_.total()) return;
+#if defined(MODALITIES_WITH_CUDA)
+    if (done >= s_.wait + s_.warmup && s_.active > 0) torch::cuda::_record_memory_history(std::nullopt);
+#endif
+    // As Modalities: leaving before the last step is an error (no snapshot).
+    throw Error(fmt::format("steppable_profiler/memory_tracing: exited after {} of {} steps; no snapshot was written",
+                            done, s_.total()));
   }
   std::int64_t size() const override { return s_.total(); }
 

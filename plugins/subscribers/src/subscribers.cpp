@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -606,7 +607,7 @@ class WandbRecorder final : public MessageSubscriber {
 // protobuf and TensorFlow's .proto files; Debian 12 has no CRC-32C library,
 // and the table-driven CRC below is the standard algorithm (polynomial
 // 0x82F63B78, reflected). The tensorboard package reads these files
-// (scripts/check_tensorboard.sh).
+// (scripts/check_tensorboard.py).
 
 std::uint32_t crc32c(std::string_view data) {
   static const std::array<std::uint32_t, 256> table = [] {
@@ -705,8 +706,9 @@ class TensorboardSubscriber final : public MessageSubscriber {
     if (ec) throw ConfigError("log_dir", fmt::format("cannot create the folder '{}': {}", dir.string(), ec.message()));
     char host[256] = "localhost";
     ::gethostname(host, sizeof host - 1);
-    file_ = dir / fmt::format("events.out.tfevents.{}.{}.{}.modalities", static_cast<std::int64_t>(unix_seconds()),
-                              host, ::getpid());
+    static std::atomic<int> instances{0};  // several subscribers in one process and second: distinct files
+    file_ = dir / fmt::format("events.out.tfevents.{}.{}.{}.{}.modalities", static_cast<std::int64_t>(unix_seconds()),
+                              host, ::getpid(), instances++);
     std::string first = event_header(unix_seconds(), 0);
     put_bytes_field(first, 3, "brain.Event:2");
     write(first);
