@@ -627,6 +627,27 @@ TEST(HfTokenizerTest, RejectsMalformedJson) {
   EXPECT_THAT(build_error(dir2.path()), HasSubstr("tokenizer_config.json: malformed JSON"));
 }
 
+// Decoders on hand-made token lists (tokenizers 0.22 outputs): Strip counts characters and refuses
+// what tokenizers panics on; ByteFallback turns an invalid run into one U+FFFD per byte.
+TEST(HfTokenizerTest, StripAndByteFallbackDecodersAtTheirEdges) {
+  TempDir dir;
+  dir.write("tokenizer.json", tiny_json("null", "null", "", "null",
+                                        R"({"type":"Sequence","decoders":[{"type":"ByteFallback"},)"
+                                        R"({"type":"Strip","content":"a","start":1,"stop":1}]})"));
+  TokenizerJson t(dir.path() / "tokenizer.json");
+  const std::int64_t a = *t.token_to_id("a"), ab = *t.token_to_id("ab"), b = *t.token_to_id("b");
+  // Expected values from tokenizers 0.22.2: Strip('a', 1, 1) on ["ab", "b"] gives "bb"; on a token "a"
+  // the cuts cross (start 1 > stop 0) and tokenizers panics.
+  EXPECT_EQ(t.decode(std::vector<std::int64_t>{ab, b}), "bb");
+  EXPECT_THROW(t.decode(std::vector<std::int64_t>{ab, b, a}), Error);
+  TempDir dir2;
+  dir2.write("tokenizer.json", tiny_json("null", "null", "", "null", R"({"type":"Strip","content":"a","start":0,"stop":3})"));
+  TokenizerJson t2(dir2.path() / "tokenizer.json");
+  EXPECT_EQ(t2.decode(std::vector<std::int64_t>{b}), "b");
+  // Strip('a', 0, 3): a token of content characters only, shorter than stop, makes tokenizers panic.
+  EXPECT_THROW(t2.decode(std::vector<std::int64_t>{b, a}), Error);
+}
+
 TEST(HfTokenizerTest, RejectsOtherModelTypesByName) {
   TempDir dir;
   dir.write("tokenizer.json", R"({"version":"1.0","added_tokens":[],"normalizer":null,"pre_tokenizer":null,)"
