@@ -647,6 +647,15 @@ void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& i
   resolvers.add(warmstart_resolver(info_file));
 }
 
+void prepare_one_process_verb(const core::Registry& registry, const core::ConfigNode* resolved) {
+  if (resolved == nullptr) {
+    (void)export_launcher_env();
+    return;
+  }
+  record_plugin_versions(registry);
+  choose_device(*resolved);
+}
+
 std::string run_default_experiment_id(const std::string& config_file_path) {
   return default_experiment_id(config_file_path);
 }

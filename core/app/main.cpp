@@ -20,6 +20,9 @@ Commands:
   run                           train a model described by a config (`modalities run --help`)
   warmstart                     continue a run from its last checkpoint
   generate_text                 generate text from a trained checkpoint
+  convert_pytorch_to_hf_checkpoint
+                                a checkpoint as a Hugging Face transformers folder (Llama, Mistral, Qwen2,
+                                GPT-2; `modalities convert_pytorch_to_hf_checkpoint --help`)
   profile [distributed]         run a steppable component under a profiler (Chrome trace, operator table,
                                 CUDA memory snapshot; `modalities profile --help`)
   plugins list                  list every loaded variant with its plugin file
@@ -67,6 +70,7 @@ int main(int argc, char** argv) {
     if (verb == "dist") return modalities::cli::run_dist(args);
     if (verb == "generate_text") return modalities::cli::run_generate_text(args);
     if (verb == "profile") return modalities::cli::run_profile(args);
+    if (verb == "convert_pytorch_to_hf_checkpoint") return modalities::cli::run_convert_to_hf(args);
   } catch (const std::exception& e) {
     modalities::cli::print_error(e.what());
     return modalities::cli::kFailed;

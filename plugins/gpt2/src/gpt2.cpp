@@ -8,7 +8,10 @@
 // Shape legend: B batch, T sequence length, d = n_embd, V = vocab_size,
 // Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
 #include "fused_ops.h"
+#include "huggingface.h"
 
+#include <modalities/sdk/formats/safetensors.h>
+#include <modalities/sdk/huggingface.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/module_hooks.h>
@@ -67,11 +70,43 @@ struct NormWrapperConfig {
   std::string size_key;  // the config key holding `size` ("normalized_shape" or "ndim"), for messages
 };
 
+/// RoPE frequency scaling, as Hugging Face configs state it (`rope_scaling`); ours, not Modalities'.
+struct RopeScalingConfig {
+  std::string rope_type;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_position_embeddings = 8192;
+  static void describe(Schema<RopeScalingConfig>& s) {
+    using C = RopeScalingConfig;
+    s.field("rope_type", &C::rope_type,
+            "linear (every frequency / factor) or llama3 (Llama 3.1: low frequencies / factor, high ones kept, "
+            "smooth in between).")
+        .required()
+        .one_of({"linear", "llama3"});
+    s.field("factor", &C::factor, "Scaling factor.").required().greater_than(0.0);
+    s.field("low_freq_factor", &C::low_freq_factor, "llama3: wavelengths above original/low_freq_factor are scaled.")
+        .greater_than(0.0);
+    s.field("high_freq_factor", &C::high_freq_factor,
+            "llama3: wavelengths below original/high_freq_factor are kept; must exceed low_freq_factor.")
+        .greater_than(0.0);
+    s.field("original_max_position_embeddings", &C::original_max_position_embeddings,
+            "llama3: the context length the model was trained with before scaling.")
+        .at_least(1);
+    s.rule([](const C& c, ParseContext& ctx) {
+      if (c.rope_type == "llama3" && c.high_freq_factor <= c.low_freq_factor)
+        ctx.fail("high_freq_factor", fmt::format("must exceed low_freq_factor ({}), got {}", c.low_freq_factor,
+                                                 c.high_freq_factor));
+    });
+  }
+};
+
 struct RotaryFields {
   std::int64_t n_embd = 0;
   std::int64_t n_head = 0;
   std::int64_t seq_length_dim = -2;
   std::int64_t base_freq = 10000;
+  std::optional<RopeScalingConfig> rope_scaling;
   static void describe(Schema<RotaryFields>& s) {
     s.field("n_embd", &RotaryFields::n_embd, "Model width; must equal the model's n_embd.").required().at_least(0);
     s.field("n_head", &RotaryFields::n_head, "Query head count; must equal n_head_q (head dim = n_embd / n_head).")
@@ -80,6 +115,9 @@ struct RotaryFields {
     s.field("seq_length_dim", &RotaryFields::seq_length_dim, "Sequence dimension of [B, H, T, hd]: -2 (or 2).")
         .required();
     s.field("base_freq", &RotaryFields::base_freq, "RoPE theta.").required().at_least(10000);
+    s.field("rope_scaling", &RotaryFields::rope_scaling,
+            "Ours: frequency scaling {rope_type = linear|llama3, factor, ...} as in Hugging Face configs; null: "
+            "none (Modalities).");
   }
 };
 
@@ -93,6 +131,9 @@ struct QkvTransformConfig {
   bool rotary = false;
   RotaryFields rope;
 };
+
+struct FromPretrainedArgs {};
+struct FromPretrainedKwargs {};
 
 const std::vector<std::string> kNormTypes = {"layer_norm", "rms_norm", "pytorch_rms_norm"};
 const std::vector<std::string> kTransformTypes = {"IdentityTransform", "RotaryTransform"};
@@ -222,6 +263,45 @@ struct Codec<plugins::gpt2::NormWrapperConfig> {
   }
 };
 
+// model/huggingface_pretrained_model's model_args (from_pretrained's positional arguments): only
+// null or an empty list.
+template <>
+struct Codec<plugins::gpt2::FromPretrainedArgs> {
+  static std::string type_name() { return "null or []"; }
+  static std::string repr(const plugins::gpt2::FromPretrainedArgs&) { return "null"; }
+  static Parsed parse(const Value& v, plugins::gpt2::FromPretrainedArgs&, const std::string& path, ParseContext& ctx) {
+    if (v.is_null() || (v.is_list() && v.as_list().empty())) return Parsed::kOk;
+    ctx.fail(path, "extra positional arguments of from_pretrained are not supported; leave it null");
+    return Parsed::kError;
+  }
+};
+
+// ... and its kwargs: null, or a table whose only key is torch_dtype / dtype = "float32" (or "auto").
+template <>
+struct Codec<plugins::gpt2::FromPretrainedKwargs> {
+  static std::string type_name() { return "null or table {torch_dtype}"; }
+  static std::string repr(const plugins::gpt2::FromPretrainedKwargs&) { return "{...}"; }
+  static Parsed parse(const Value& v, plugins::gpt2::FromPretrainedKwargs&, const std::string& path,
+                      ParseContext& ctx) {
+    if (v.is_null()) return Parsed::kOk;
+    if (!v.is_table()) return detail::type_error(v, "a table or null", path, ctx);
+    Parsed r = Parsed::kOk;
+    for (const auto& [key, item] : v.as_table()) {
+      if (key != "torch_dtype" && key != "dtype") {
+        ctx.fail(join_path(path, key), "not supported (the from_pretrained keyword argument taken here: torch_dtype)");
+        r = Parsed::kError;
+      } else if (!item.is_string() || (item.as_string() != "float32" && item.as_string() != "torch.float32" &&
+                                       item.as_string() != "auto")) {
+        ctx.fail(join_path(path, key),
+                 "parameters are float32 master weights here (\"float32\" or \"auto\"); for bf16 compute use "
+                 "model/mixed_precision or fsdp2_wrapped's mixed_precision_settings");
+        r = Parsed::kError;
+      }
+    }
+    return r;
+  }
+};
+
 template <>
 struct Codec<plugins::gpt2::QkvTransformConfig> {
   using T = plugins::gpt2::QkvTransformConfig;
@@ -266,6 +346,7 @@ namespace {
 struct AttentionConfig {
   std::vector<QkvTransformConfig> qkv_transforms;
   std::optional<NormWrapperConfig> qk_norm_config;
+  std::optional<std::int64_t> sliding_window;
   static void describe(Schema<AttentionConfig>& s) {
     s.field("qkv_transforms", &AttentionConfig::qkv_transforms,
             "Transforms applied in order to (q, k, v) after the head split: IdentityTransform or RotaryTransform "
@@ -273,6 +354,10 @@ struct AttentionConfig {
         .required();
     s.field("qk_norm_config", &AttentionConfig::qk_norm_config,
             "Optional norm applied per head (size = head dim) to q and k after the transforms.");
+    s.field("sliding_window", &AttentionConfig::sliding_window,
+            "Ours: sliding-window attention (Mistral): position i attends to j with i - window < j <= i. "
+            "null: full causal attention (Modalities).")
+        .at_least(1);
   }
 };
 
@@ -296,6 +381,9 @@ struct GPT2Config {
   std::int64_t ffn_hidden = 0;
   double dropout = 0.0;
   bool bias = false;
+  std::optional<bool> qkv_bias;
+  std::optional<bool> attn_proj_bias;
+  std::optional<bool> mlp_bias;
   AttentionConfig attention_config;
   std::string attention_implementation;
   std::string activation_type;
@@ -307,6 +395,10 @@ struct GPT2Config {
   std::int64_t enforce_swiglu_hidden_dim_multiple_of = 256;
 
   std::int64_t head_dim() const { return n_embd / n_head_q; }
+  bool qkv_bias_on() const { return qkv_bias.value_or(bias); }
+  bool attn_proj_bias_on() const { return attn_proj_bias.value_or(bias); }
+  bool mlp_bias_on() const { return mlp_bias.value_or(bias); }
+  bool gelu() const { return activation_type == "gelu" || activation_type == "gelu_tanh"; }
 
   static void describe(Schema<GPT2Config>& s) {
     s.field("sample_key", &GPT2Config::sample_key, "Key of the token-id tensor [B, T] in the input map.").required();
@@ -339,6 +431,10 @@ struct GPT2Config {
         .in_closed(0.0, 1.0);
     s.field("bias", &GPT2Config::bias, "Bias on every attention and MLP linear layer (lm_head never has one).")
         .required();
+    s.field("qkv_bias", &GPT2Config::qkv_bias,
+            "Ours: bias on q_attn/k_attn/v_attn only (Qwen2 has them, its other linears not); null: `bias`.");
+    s.field("attn_proj_bias", &GPT2Config::attn_proj_bias, "Ours: bias on attn.c_proj; null: `bias`.");
+    s.field("mlp_bias", &GPT2Config::mlp_bias, "Ours: bias on the MLP linears; null: `bias`.");
     s.field("attention_config", &GPT2Config::attention_config, "qkv_transforms and optional qk_norm_config.")
         .required();
     s.field("attention_implementation", &GPT2Config::attention_implementation,
@@ -346,9 +442,11 @@ struct GPT2Config {
             "dao_flash is not available in this build.")
         .required()
         .one_of({"manual", "pytorch_flash", "dao_flash"});
-    s.field("activation_type", &GPT2Config::activation_type, "MLP: gelu (c_fc, GELU, c_proj) or swiglu (W, V, W_2).")
+    s.field("activation_type", &GPT2Config::activation_type,
+            "MLP: gelu (c_fc, exact GELU, c_proj), gelu_tanh (ours: tanh-approximated GELU, GPT-2's gelu_new) or "
+            "swiglu (W, V, W_2).")
         .required()
-        .one_of({"gelu", "swiglu"});
+        .one_of({"gelu", "gelu_tanh", "swiglu"});
     s.field("attention_norm_config", &GPT2Config::attention_norm_config, "Norm before attention (size n_embd).")
         .required();
     s.field("ffn_norm_config", &GPT2Config::ffn_norm_config, "Norm before the MLP (size n_embd).").required();
@@ -592,8 +690,9 @@ class IdentityImpl final : public torch::nn::Module {  // wpe with poe_type NOPE
 // RoPE, half-split (NeoX) convention; precision as in README.md, "Numerics".
 class RotaryTransformImpl final : public Leaf {
  public:
-  RotaryTransformImpl(std::int64_t head_dim, std::int64_t base_freq, const at::TensorOptions& o)
-      : Leaf("RotaryTransform"), hd_(head_dim), base_(base_freq) {
+  RotaryTransformImpl(std::int64_t head_dim, std::int64_t base_freq, std::optional<RopeScalingConfig> scaling,
+                      const at::TensorOptions& o)
+      : Leaf("RotaryTransform"), hd_(head_dim), base_(base_freq), scaling_(std::move(scaling)) {
     inv_freq_slot_ = &register_buffer("inv_freq", at::empty({hd_ / 2}, o));
   }
   void reset() override {
@@ -601,8 +700,24 @@ class RotaryTransformImpl final : public Leaf {
     const at::Tensor& buf = *inv_freq_slot_;
     const at::Tensor exps =
         at::arange(0, hd_, 2, at::TensorOptions().dtype(at::kLong).device(buf.device())).to(at::kFloat) / hd_;
-    buf.copy_(at::reciprocal(at::pow(at::Scalar(base_), exps)));
+    at::Tensor inv = at::reciprocal(at::pow(at::Scalar(base_), exps));
+    if (scaling_) inv = scaled(inv, *scaling_);
+    buf.copy_(inv);
     cache_ = {};
+  }
+  // Frequency scaling with the float32 ops of transformers' rope initialisers
+  // (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters), so imported models get
+  // the very inv_freq their Hugging Face counterpart computes.
+  static at::Tensor scaled(const at::Tensor& inv, const RopeScalingConfig& s) {
+    if (s.rope_type == "linear") return inv / s.factor;
+    const double old_len = static_cast<double>(s.original_max_position_embeddings);
+    const double low_wavelen = old_len / s.low_freq_factor, high_wavelen = old_len / s.high_freq_factor;
+    const at::Tensor wavelen = 2 * M_PI / inv;
+    const at::Tensor llama = at::where(wavelen > low_wavelen, inv / s.factor, inv);
+    const at::Tensor smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    const at::Tensor smoothed = (1 - smooth) * llama / s.factor + smooth * llama;
+    const at::Tensor medium = (wavelen < high_wavelen).logical_not() * (wavelen > low_wavelen).logical_not();
+    return at::where(medium, smoothed, llama);
   }
   void remap(const Remap& f) override {
     *inv_freq_slot_ = f(*inv_freq_slot_);
@@ -649,6 +764,7 @@ class RotaryTransformImpl final : public Leaf {
   }
   std::int64_t hd_;
   std::int64_t base_;
+  std::optional<RopeScalingConfig> scaling_;
   at::Tensor* inv_freq_slot_ = nullptr;  // see Note [Replacing registered tensors]
   struct Cache {
     std::int64_t T = -1;
@@ -660,21 +776,37 @@ class RotaryTransformImpl final : public Leaf {
   } cache_;
 };
 
-// Additive causal mask for the manual path (0 on and below the diagonal, -inf above),
-// shared by all layers and cached per (T, device, dtype).
+// Causal masks, shared by all layers and cached per (T, device, dtype): the additive mask of the
+// manual path (0 where position i may attend to j, -inf elsewhere) and, with a sliding window, the
+// boolean mask handed to SDPA. Allowed: j <= i, and i - window < j with a window (transformers'
+// sliding_window_causal_mask_function).
 class CausalMaskCache {
  public:
+  explicit CausalMaskCache(std::optional<std::int64_t> window = std::nullopt) : window_(window) {}
   const at::Tensor& get(std::int64_t T, const at::TensorOptions& o) {
     if (mask_.defined() && mask_.size(0) == T && mask_.device() == o.device() &&
         mask_.scalar_type() == o.dtype().toScalarType())
       return mask_;
-    const at::Tensor keep = at::ones({T, T}, o.dtype(at::kBool)).tril();
-    mask_ = at::zeros({T, T}, o).masked_fill_(keep.logical_not(), -std::numeric_limits<double>::infinity());
+    mask_ = at::zeros({T, T}, o).masked_fill_(allowed(T, o.device()).logical_not(),
+                                               -std::numeric_limits<double>::infinity());
     return mask_;
+  }
+  // Boolean [T, T] (true: attend) when a sliding window cuts into length T; undefined otherwise
+  // (plain causal attention, SDPA's is_causal).
+  at::Tensor sliding(std::int64_t T, const c10::Device& device) {
+    if (!window_ || *window_ >= T) return {};
+    if (!bool_.defined() || bool_.size(0) != T || bool_.device() != device) bool_ = allowed(T, device);
+    return bool_;
   }
 
  private:
-  at::Tensor mask_;
+  at::Tensor allowed(std::int64_t T, const c10::Device& device) const {
+    at::Tensor keep = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
+    if (window_) keep = keep.logical_and(at::ones_like(keep).triu(-(*window_ - 1)));
+    return keep;
+  }
+  std::optional<std::int64_t> window_;
+  at::Tensor mask_, bool_;
 };
 
 enum class AttentionImpl { kManual, kPytorchFlash };
@@ -700,17 +832,18 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
         impl_(c.attention_implementation == "manual" ? AttentionImpl::kManual : AttentionImpl::kPytorchFlash),
         mask_(std::move(mask)) {
     const std::int64_t kv = c.n_embd / (c.n_head_q / c.n_head_kv);
-    q_attn = register_module("q_attn", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.bias, o));
-    k_attn = register_module("k_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.bias, o));
-    v_attn = register_module("v_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.bias, o));
-    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.bias, o));
+    q_attn = register_module("q_attn", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.qkv_bias_on(), o));
+    k_attn = register_module("k_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.qkv_bias_on(), o));
+    v_attn = register_module("v_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.qkv_bias_on(), o));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.attn_proj_bias_on(), o));
     register_module("resid_dropout", torch::nn::Dropout(c.dropout));
     // A plain module named like nn.ModuleList, entries "0", "1", ...; typed view in `rope_`.
     auto list = register_module("qkv_transforms", std::make_shared<torch::nn::Module>("ModuleList"));
     for (std::size_t j = 0; j < c.attention_config.qkv_transforms.size(); ++j) {
       const QkvTransformConfig& t = c.attention_config.qkv_transforms[j];
       if (t.rotary) {
-        auto rope = std::make_shared<RotaryTransformImpl>(t.rope.n_embd / t.rope.n_head, t.rope.base_freq, o);
+        auto rope = std::make_shared<RotaryTransformImpl>(t.rope.n_embd / t.rope.n_head, t.rope.base_freq,
+                                                          t.rope.rope_scaling, o);
         list->register_module(std::to_string(j), rope);
         rope_.push_back(rope);
       } else {
@@ -767,6 +900,8 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       at::Tensor p = at::softmax(s, -1);
       if (dropout_ > 0) p = at::dropout(p, dropout_, /*train=*/true);  // in every mode, as in Modalities
       y = at::matmul(p, v);
+    } else if (const at::Tensor window = mask_->sliding(T, q.device()); window.defined()) {
+      y = at::scaled_dot_product_attention(q, k, v, window, dropout_, /*is_causal=*/false);
     } else {
       // Dropout in every mode too: Modalities passes dropout_p without consulting the mode.
       y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_, /*is_causal=*/true);
@@ -802,10 +937,10 @@ class SwiGLUImpl final : public torch::nn::Module {
  public:
   SwiGLUImpl(const GPT2Config& c, const at::TensorOptions& o) : torch::nn::Module("SwiGLU") {
     const std::int64_t h = swiglu_hidden(c.ffn_hidden, c.enforce_swiglu_hidden_dim_multiple_of);
-    W = register_module("W", std::make_shared<LinearImpl>(c.n_embd, h, c.bias, o));
+    W = register_module("W", std::make_shared<LinearImpl>(c.n_embd, h, c.mlp_bias_on(), o));
     register_module("silu", torch::nn::SiLU());
-    V = register_module("V", std::make_shared<LinearImpl>(c.n_embd, h, c.bias, o));
-    W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.bias, o));
+    V = register_module("V", std::make_shared<LinearImpl>(c.n_embd, h, c.mlp_bias_on(), o));
+    W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.mlp_bias_on(), o));
   }
   // x: [B*T, d] -> [B*T, h] -> [B*T, d]; no dropout (as in Modalities). Under TP h is this
   // rank's part of the hidden units and W_2 is row-parallel.
@@ -821,16 +956,16 @@ class SwiGLUImpl final : public torch::nn::Module {
 class TransformerMLPImpl final : public torch::nn::Module {
  public:
   TransformerMLPImpl(const GPT2Config& c, const at::TensorOptions& o)
-      : torch::nn::Module("TransformerMLP"), dropout_(c.dropout) {
-    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(c.n_embd, c.ffn_hidden, c.bias, o));
-    register_module("gelu", torch::nn::GELU());
-    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.ffn_hidden, c.n_embd, c.bias, o));
+      : torch::nn::Module("TransformerMLP"), dropout_(c.dropout), tanh_(c.activation_type == "gelu_tanh") {
+    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(c.n_embd, c.ffn_hidden, c.mlp_bias_on(), o));
+    register_module("gelu", torch::nn::GELU(torch::nn::GELUOptions().approximate(tanh_ ? "tanh" : "none")));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.ffn_hidden, c.n_embd, c.mlp_bias_on(), o));
     register_module("dropout", torch::nn::Dropout(c.dropout));
   }
-  // x: [B*T, d] -> [B*T, ffn_hidden] -> [B*T, d]; exact (erf) GELU. Under TP c_fc is
-  // column-parallel, c_proj row-parallel.
+  // x: [B*T, d] -> [B*T, ffn_hidden] -> [B*T, d]; exact (erf) GELU, or its tanh approximation
+  // (gelu_tanh, GPT-2's gelu_new). Under TP c_fc is column-parallel, c_proj row-parallel.
   at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
-    const at::Tensor a = at::gelu((*c_fc)(x, dt));
+    const at::Tensor a = at::gelu((*c_fc)(x, dt), tanh_ ? "tanh" : "none");
     at::Tensor y = tp ? row_parallel(*c_proj, a, B, T, dt, *tp) : (*c_proj)(a, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
@@ -841,6 +976,7 @@ class TransformerMLPImpl final : public torch::nn::Module {
 
  private:
   double dropout_;
+  bool tanh_;
 };
 
 class GPT2BlockImpl final : public torch::nn::Module {
@@ -890,7 +1026,7 @@ class GPT2LLMImpl final : public torch::nn::Module {
         absolute_(c.poe_type == "ABSOLUTE"),
         sequence_length_(c.sequence_length),
         dropout_(c.dropout) {
-    auto mask = std::make_shared<CausalMaskCache>();
+    auto mask = std::make_shared<CausalMaskCache>(c.attention_config.sliding_window);
     // Objects are created (and, off the meta device, initialized) in Modalities' construction
     // order so that a seeded build draws random numbers in the same sequence: wpe, wte,
     // blocks, lm_head; they are registered in the canonical FQN order below.
@@ -1117,7 +1253,9 @@ std::optional<std::int64_t> tp_split_dim(std::string_view fqn) {
   return std::nullopt;
 }
 
-class GPT2 final : public Module {
+hf::DecoderSpec spec_from_config(const GPT2Config& c);
+
+class GPT2 final : public Module, public HuggingFaceExportable {
  public:
   GPT2(const GPT2Config& c, const c10::Device& device) : config_(c) {
     if (c.seed) {
@@ -1236,6 +1374,17 @@ class GPT2 final : public Module {
   void retain_modules(const std::vector<std::string>& module_fqns) override {
     impl_->retain(module_fqns);
     retained_ = module_fqns;
+  }
+
+  // `modalities convert_pytorch_to_hf_checkpoint` (README.md, "Hugging Face interop").
+  HuggingFaceCheckpoint to_huggingface(const HuggingFaceExportOptions& options) const override {
+    if (tp_ || retained_)
+      throw Error("gpt2: a tensor-parallel or pipeline-split model holds part of the weights; export the whole "
+                  "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
+                  "sharded checkpoints whole)");
+    for (const auto& t : impl_->parameters())
+      if (t.is_meta()) throw Error("gpt2: the model is on the meta device; load a checkpoint into it before exporting");
+    return hf::to_huggingface(spec_from_config(config_), state_dict(), options);
   }
 
   // --- tensor parallel (model/gpt2_tp) ---------------------------------------------------
@@ -1440,6 +1589,201 @@ std::shared_ptr<Module> split_gpt2(const Gpt2TpConfig& c) {
   return c.model.shared();
 }
 
+// ===================================================================================
+// Hugging Face interop (huggingface.h): GPT2Config <-> hf::DecoderSpec, and
+// model/huggingface_pretrained_model
+// ===================================================================================
+
+hf::DecoderSpec spec_from_config(const GPT2Config& c) {
+  std::vector<std::string> why;
+  hf::DecoderSpec s;
+  s.absolute_positions = c.poe_type == "ABSOLUTE";
+  s.max_positions = c.sequence_length;
+  s.vocab_size = c.vocab_size;
+  s.n_layer = c.n_layer;
+  s.n_head_q = c.n_head_q;
+  s.n_head_kv = c.n_head_kv;
+  s.n_embd = c.n_embd;
+  s.activation = c.activation_type;
+  s.mlp_hidden = c.activation_type == "swiglu" ? swiglu_hidden(c.ffn_hidden, c.enforce_swiglu_hidden_dim_multiple_of)
+                                               : c.ffn_hidden;
+  s.qkv_bias = c.qkv_bias_on();
+  s.attn_proj_bias = c.attn_proj_bias_on();
+  s.mlp_bias = c.mlp_bias_on();
+  s.tie_word_embeddings = c.use_weight_tying;
+  s.dropout = c.dropout;
+  s.sliding_window = c.attention_config.sliding_window;
+  // One norm for all three places: RMSNorm (pytorch_rms_norm, or rms_norm without bias) or LayerNorm with
+  // weight and bias.
+  const auto kind = [](const NormWrapperConfig& n) -> std::string {
+    if (n.kind == norms::Kind::kTorchRmsNorm || (n.kind == norms::Kind::kRmsLayerNorm && !n.bias)) return "rms_norm";
+    if (n.kind == norms::Kind::kLayerNorm && n.weight && n.bias) return "layer_norm";
+    return n.norm_type + (n.kind == norms::Kind::kRmsLayerNorm ? " with bias" : " without weight or bias");
+  };
+  const NormWrapperConfig* norms3[] = {&c.attention_norm_config, &c.ffn_norm_config, &c.lm_head_norm_config};
+  s.norm = kind(*norms3[0]);
+  s.norm_eps = norms3[0]->eps;
+  for (const NormWrapperConfig* n : norms3)
+    if (kind(*n) != s.norm || n->eps != s.norm_eps) {
+      why.push_back("the three norms differ in type or eps (transformers models use one norm everywhere)");
+      break;
+    }
+  if (s.norm != "rms_norm" && s.norm != "layer_norm")
+    why.push_back(fmt::format("{} has no transformers counterpart", s.norm));
+  if (c.attention_config.qk_norm_config)
+    why.push_back("qk_norm_config (Modalities normalizes q and k after RoPE; no transformers family does)");
+  int rotary = 0;
+  for (const QkvTransformConfig& t : c.attention_config.qkv_transforms) {
+    if (!t.rotary) continue;
+    ++rotary;
+    s.rope_theta = t.rope.base_freq;
+    if (t.rope.rope_scaling) {
+      const RopeScalingConfig& r = *t.rope.rope_scaling;
+      s.rope_scaling = hf::RopeScaling{r.rope_type, r.factor, r.low_freq_factor, r.high_freq_factor,
+                                       r.original_max_position_embeddings};
+    }
+  }
+  if (rotary > 1) why.push_back("more than one RotaryTransform");
+  if (rotary == 0 && !s.absolute_positions)
+    why.push_back("no position encoding (poe_type NOPE without RotaryTransform)");
+  if (!why.empty())
+    throw Error(fmt::format("gpt2: this model has no transformers counterpart: {}", fmt::join(why, "; ")));
+  return s;
+}
+
+GPT2Config config_from_spec(const hf::DecoderSpec& s) {
+  GPT2Config c;
+  c.poe_type = s.absolute_positions ? "ABSOLUTE" : "NOPE";
+  c.sequence_length = s.max_positions;
+  c.vocab_size = s.vocab_size;
+  c.n_layer = s.n_layer;
+  c.n_head_q = s.n_head_q;
+  c.n_head_kv = s.n_head_kv;
+  c.n_embd = s.n_embd;
+  c.activation_type = s.activation;
+  // SwiGLU's hidden size is derived from ffn_hidden; with the multiple equal to the wanted size,
+  // ceil_to_multiple(int(2 * h / 3), h) = h for any h >= 2.
+  c.ffn_hidden = s.mlp_hidden;
+  c.enforce_swiglu_hidden_dim_multiple_of = s.activation == "swiglu" ? s.mlp_hidden : 256;
+  c.dropout = s.dropout;
+  c.bias = s.qkv_bias && s.attn_proj_bias && s.mlp_bias;
+  c.qkv_bias = s.qkv_bias;
+  c.attn_proj_bias = s.attn_proj_bias;
+  c.mlp_bias = s.mlp_bias;
+  c.use_weight_tying = s.tie_word_embeddings;
+  c.attention_implementation = "pytorch_flash";
+  c.attention_config.sliding_window = s.sliding_window;
+  if (!s.absolute_positions) {
+    QkvTransformConfig t;
+    t.type_hint = "RotaryTransform";
+    t.rotary = true;
+    t.rope.n_embd = s.n_embd;
+    t.rope.n_head = s.n_head_q;
+    t.rope.seq_length_dim = -2;
+    t.rope.base_freq = s.rope_theta;
+    if (s.rope_scaling)
+      t.rope.rope_scaling = RopeScalingConfig{s.rope_scaling->rope_type, s.rope_scaling->factor,
+                                              s.rope_scaling->low_freq_factor, s.rope_scaling->high_freq_factor,
+                                              s.rope_scaling->original_max_position_embeddings};
+    c.attention_config.qkv_transforms.push_back(t);
+  }
+  NormWrapperConfig n;
+  n.size = s.n_embd;
+  n.eps = s.norm_eps;
+  if (s.norm == "rms_norm") {
+    n.norm_type = "pytorch_rms_norm";
+    n.kind = norms::Kind::kTorchRmsNorm;
+    n.size_key = "normalized_shape";
+    n.weight = true;
+    n.bias = false;
+  } else {
+    n.norm_type = "layer_norm";
+    n.kind = norms::Kind::kLayerNorm;
+    n.size_key = "normalized_shape";
+    n.weight = n.bias = true;
+  }
+  c.attention_norm_config = c.ffn_norm_config = c.lm_head_norm_config = n;
+  return c;
+}
+
+/// model/huggingface_pretrained_model: Modalities' keys; see README.md.
+struct HuggingFacePretrainedConfig {
+  std::string model_type;
+  std::filesystem::path model_name;
+  std::string prediction_key;
+  std::string huggingface_prediction_subscription_key;
+  std::string sample_key;
+  FromPretrainedArgs model_args;
+  FromPretrainedKwargs kwargs;
+  double dropout = 0.0;
+  std::optional<std::int64_t> sequence_length;
+  std::string attention_implementation = "pytorch_flash";
+  static void describe(Schema<HuggingFacePretrainedConfig>& s) {
+    using C = HuggingFacePretrainedConfig;
+    s.field("model_type", &C::model_type, "AutoModelForCausalLM (AutoModelForMaskedLM is not supported).")
+        .required()
+        .one_of({"AutoModelForCausalLM", "AutoModelForMaskedLM"});
+    s.field("model_name", &C::model_name,
+            "A local Hugging Face folder (config.json + model.safetensors or sharded safetensors with "
+            "model.safetensors.index.json). Hub ids are not downloaded: fetch the folder first (e.g. "
+            "`huggingface-cli download <id> --local-dir <dir>`).")
+        .required();
+    s.field("prediction_key", &C::prediction_key, "Key of the logits [B, T, V] in the output map.").required();
+    s.field("huggingface_prediction_subscription_key", &C::huggingface_prediction_subscription_key,
+            "The field of transformers' output to return; only \"logits\" exists here.")
+        .required()
+        .one_of({"logits"});
+    s.field("sample_key", &C::sample_key, "Key of the token ids [B, T] in the input map.").required();
+    s.field("model_args", &C::model_args, "Extra positional arguments of from_pretrained: must be null or empty.");
+    s.field("kwargs", &C::kwargs,
+            "Extra keyword arguments of from_pretrained: null or a table with torch_dtype/dtype (\"float32\" only: "
+            "parameters are float32 master weights; use model/mixed_precision or FSDP's mixed precision for bf16).");
+    s.field("dropout", &C::dropout,
+            "Ours: model/gpt2's dropout for the imported model (embeddings, attention probabilities in every mode, "
+            "residuals); default 0. The Hugging Face config's dropout rates are not taken over.")
+        .in_closed(0.0, 1.0);
+    s.field("sequence_length", &C::sequence_length,
+            "Ours: maximum input length; default max_position_embeddings (n_positions for GPT-2). Must not exceed "
+            "GPT-2's n_positions (its position table).")
+        .at_least(1);
+    s.field("attention_implementation", &C::attention_implementation, "Ours: manual or pytorch_flash (default).")
+        .one_of({"manual", "pytorch_flash"});
+  }
+};
+
+std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
+  if (c.model_type != "AutoModelForCausalLM")
+    throw ConfigError("model_type", "AutoModelForMaskedLM (encoder models such as BERT) is not supported: model/gpt2 "
+                                    "is a causal decoder; use AutoModelForCausalLM");
+  const std::filesystem::path folder = c.model_name;
+  if (!std::filesystem::is_directory(folder))
+    throw ConfigError("model_name",
+                      fmt::format("'{}' is not a folder. Hub ids are not downloaded here: fetch the model first "
+                                  "(e.g. `huggingface-cli download {} --local-dir <dir>`) and give the folder",
+                                  folder.string(), folder.string()));
+  hf::ImportedConfig imported = hf::read_config(folder);
+  imported.spec.dropout = c.dropout;
+  GPT2Config g = config_from_spec(imported.spec);
+  g.sample_key = c.sample_key;
+  g.prediction_key = c.prediction_key;
+  g.attention_implementation = c.attention_implementation;
+  if (c.sequence_length) {
+    if (imported.spec.absolute_positions && *c.sequence_length > g.sequence_length)
+      throw ConfigError("sequence_length", fmt::format("GPT-2's position table has {} rows (n_positions), got {}",
+                                                       g.sequence_length, *c.sequence_length));
+    if (!imported.spec.absolute_positions) g.sequence_length = *c.sequence_length;
+  }
+  auto model = std::make_shared<GPT2>(g, run_device());
+  StateDict live = model->state_dict();
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, t] : live) shapes[name] = t.sizes().vec();
+  StateDict weights = hf::to_modalities(imported, formats::read_huggingface_weights(folder), shapes, folder.string());
+  for (const auto& [name, t] : live)  // RoPE tables: model/gpt2 computes them (transformers does not store them)
+    if (name.ends_with(".inv_freq")) weights.emplace(name, t);
+  model->load_state_dict(weights, /*strict=*/true);
+  return model;
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -1452,6 +1796,11 @@ void register_components(Registrar& r) {
         // optimizer state and checkpoints loaded at build time land on that device too.
         return std::make_shared<GPT2>(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device());
       });
+  r.add<Module, HuggingFacePretrainedConfig>(
+      "huggingface_pretrained_model",
+      "A Hugging Face causal LM folder (Llama 2/3, Mistral, Qwen2, GPT-2; safetensors) loaded into model/gpt2, to "
+      "continue pre-training or to generate; its state dict, checkpoints and wrappers are model/gpt2's.",
+      load_huggingface);
   r.add<Module, Gpt2TpConfig>(
       "gpt2_tp",
       "Tensor parallelism for model/gpt2 over the mesh's tp dim: column-parallel q/k/v and MLP input, row-parallel "
