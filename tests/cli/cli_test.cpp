@@ -354,6 +354,93 @@ TEST(CliProfileTest, ProfilesTheShippedConfigIntoTheExperimentFolder) {
   EXPECT_THAT(rows.str(), HasSubstr("aten::addmm"));
 }
 
+// --- convert_pytorch_to_hf_checkpoint -------------------------------------------------------------
+
+std::string read_text(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A config as Modalities' verb takes it: a top-level checkpointed_model (here a tiny Llama loaded
+// from a Hugging Face folder of the gpt2 plugin's fixtures) and the tokenizer whose files go along.
+std::filesystem::path conversion_config(const ScratchDir& dir, const std::string& model_folder) {
+  const std::string root = MODALITIES_TEST_SOURCE_ROOT;
+  return dir.write("convert.toml", R"(
+[checkpointed_model]
+component_key = "model"
+variant_key = "huggingface_pretrained_model"
+config = { model_type = "AutoModelForCausalLM", model_name = ")" + model_folder + R"(", prediction_key = "logits", huggingface_prediction_subscription_key = "logits", sample_key = "input_ids" }
+
+[tokenizer]
+component_key = "tokenizer"
+variant_key = "pretrained_hf_tokenizer"
+config = { pretrained_model_name_or_path = ")" + root + R"(/data/tokenizer/gpt2" }
+)");
+}
+
+TEST(CliConvertTest, WritesAShardedTransformersFolderWithTheTokenizer) {
+  ScratchDir dir;
+  const std::string src = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/plugins/gpt2/tests/data/hf/import_llama";
+  const auto config = conversion_config(dir, src);
+  const auto out = dir.path() / "hf";
+  const CommandResult r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
+                                      "--output_hf_checkpoint_dir", out.string(), "--prediction_key", "logits",
+                                      "--max_shard_size", "40KB"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("Wrote LlamaForCausalLM"));
+  const std::string cfg = read_text(out / "config.json");
+  EXPECT_THAT(cfg, AllOf(HasSubstr("\"model_type\": \"llama\""), HasSubstr("\"num_key_value_heads\": 2"),
+                         HasSubstr("\"bos_token_id\": 50256"), HasSubstr("\"torch_dtype\": \"float32\"")));
+  EXPECT_THAT(read_text(out / "model.safetensors.index.json"),
+              AllOf(HasSubstr("\"total_size\": 86656"), HasSubstr("model-00001-of-0000")));
+  for (const char* f : {"generation_config.json", "tokenizer.json", "tokenizer_config.json"})
+    EXPECT_TRUE(std::filesystem::exists(out / f)) << f;
+  // The export is itself a folder the importer reads, in bf16 when asked.
+  ScratchDir dir2;
+  const auto config2 = conversion_config(dir2, out.string());
+  const CommandResult r2 = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config2.string(),
+                                       "--output_hf_checkpoint_dir", (dir2.path() / "bf16").string(), "--dtype",
+                                       "bfloat16"});
+  ASSERT_EQ(r2.exit_code, 0) << r2;
+  EXPECT_THAT(read_text(dir2.path() / "bf16" / "config.json"), HasSubstr("\"torch_dtype\": \"bfloat16\""));
+  EXPECT_EQ(std::filesystem::file_size(dir2.path() / "bf16" / "model.safetensors") < 86656 / 2 + 4096, true);
+}
+
+TEST(CliConvertTest, RefusesToOverwriteAndNamesWrongFlags) {
+  ScratchDir dir;
+  const std::string src = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/plugins/gpt2/tests/data/hf/import_gpt2";
+  const auto config = conversion_config(dir, src);
+  std::filesystem::create_directories(dir.path() / "out");
+  const auto keep = dir.write("out/keep.txt", "precious");
+  CommandResult r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
+                                "--output_hf_checkpoint_dir", (dir.path() / "out").string()});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("exists and is not an empty directory"));
+  EXPECT_EQ(read_text(keep), "precious");
+  r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
+                  "--output_hf_checkpoint_dir", (dir.path() / "o2").string(), "--prediction_key", "hidden"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("--prediction_key hidden: the model's prediction_key is 'logits'"));
+  r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
+                  "--output_hf_checkpoint_dir", (dir.path() / "o3").string(), "--max_shard_size", "5 apples"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("'5 apples' is not a size"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "o2"));
+  // A model without a transformers form.
+  const auto ln = dir.write("ln.toml", R"(
+[model]
+component_key = "layer_norm"
+variant_key = "layer_norm"
+config = { normalized_shape = 4 }
+)");
+  r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", ln.string(), "--output_hf_checkpoint_dir",
+                  (dir.path() / "o4").string()});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("not a model with a Hugging Face form"));
+}
+
 TEST(CliProfileTest, AProfilerWithoutALengthIsAClearError) {
   ScratchDir dir;
   const auto config = dir.write("p.toml", R"(

@@ -42,6 +42,17 @@ const std::filesystem::path kDir = MODALITIES_TEST_PLUGIN_SOURCE_DIR;
 const std::filesystem::path kData = kDir / "tests" / "data";
 const std::filesystem::path kExample = kDir / "configs" / "example.toml";
 
+// The example config names a Hugging Face folder relative to the repository root (as
+// `modalities plugins smoke` runs it); tests that build it run from there.
+class InSourceRoot {
+ public:
+  InSourceRoot() : old_(std::filesystem::current_path()) { std::filesystem::current_path(MODALITIES_TEST_SOURCE_ROOT); }
+  ~InSourceRoot() { std::filesystem::current_path(old_); }
+
+ private:
+  std::filesystem::path old_;
+};
+
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
@@ -792,6 +803,7 @@ TEST(Gpt2SeedTest, SeedMakesConstructionReproducible) {
 }
 
 TEST(Gpt2MixedPrecisionTest, ExampleConfigRunsBf16WithFp32MasterWeights) {
+  InSourceRoot cwd;
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
   auto raw = h.get<Module>("model_raw");
   auto m = h.get<Module>("model");
@@ -869,7 +881,7 @@ TEST(Gpt2ConfigTest, EveryValidatorNamesTheField) {
       {"attention_implementation", Value("dao_flash"),
        "m.config.attention_implementation: 'dao_flash' (the flash-attn library) is not available in this build, use "
        "'pytorch_flash'"},
-      {"activation_type", Value("relu"), "m.config.activation_type: must be one of 'gelu', 'swiglu'"},
+      {"activation_type", Value("relu"), "m.config.activation_type: must be one of 'gelu', 'gelu_tanh', 'swiglu'"},
       {"dropout", Value(-0.1), "m.config.dropout: must be in [0, 1]"},
       {"attention_norm_config.config.normalized_shape", Value(64),
        "m.config.attention_norm_config.config.normalized_shape: must equal n_embd (128), got 64"},
@@ -900,6 +912,7 @@ TEST(Gpt2ConfigTest, EveryValidatorNamesTheField) {
 // ffn_hidden != 4 n_embd is allowed (a warning, as in Modalities); layer_norm eps defaults of
 // Note [layer_norm eps default] are covered by the parity cases (tiny embeddings make eps decisive).
 TEST(Gpt2ConfigTest, ExampleConfigValidates) {
+  InSourceRoot cwd;
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
   EXPECT_EQ(h.build_error(), "");
 }
