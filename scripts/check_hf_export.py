@@ -15,6 +15,7 @@ quickstart checkpoint. Needs torch, transformers, safetensors and modalities (th
 environment, scripts/setup_bench_env.sh). Exit status 0 when the logits agree within --atol.
 """
 import argparse
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -39,9 +40,31 @@ def modalities_model(resolved: dict):
     return GPT2ModelFactory.get_gpt2_model(**{k: getattr(parsed, k) for k in type(parsed).model_fields})
 
 
+def sharded_state(folder: Path) -> dict:
+    """A format-v2 checkpoint (one file per rank; plugins/checkpointing/README.md): every tensor
+    assembled from the chunks the manifest lists."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    files = {}
+    sd = {}
+    for name, rec in manifest["tensors"].items():
+        if not name.startswith("model."):
+            continue
+        parts = []
+        for c in rec["chunks"]:
+            f = files.setdefault(c["file"], load_file(str(folder / c["file"])))
+            parts.append((c["offsets"], f[name]))
+        full = torch.empty(rec["shape"], dtype=parts[0][1].dtype)
+        for offsets, t in parts:
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+        sd[name] = full
+    return sd
+
+
 def checkpoint_state(path: Path) -> dict:
-    file = path / "app_state.safetensors" if path.is_dir() else path
-    sd = load_file(str(file))
+    if path.is_dir() and not (path / "app_state.safetensors").exists():
+        sd = sharded_state(path)
+    else:
+        sd = load_file(str(path / "app_state.safetensors" if path.is_dir() else path))
     if any(k.startswith("model.") for k in sd):
         sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
     return sd
