@@ -25,6 +25,8 @@ Commands:
                                 GPT-2; `modalities convert_pytorch_to_hf_checkpoint --help`)
   profile [distributed]         run a steppable component under a profiler (Chrome trace, operator table,
                                 CUDA memory snapshot; `modalities profile --help`)
+  benchmark <command>           sweeps: prepare_sweep_configs, list_remaining_runs, summarize
+                                (`modalities benchmark --help`)
   plugins list                  list every loaded variant with its plugin file
   plugins describe <ck>/<vk>    config schema of one variant (types, defaults, help)
   plugins smoke <file.so>       load one plugin, build its example config, run conformance checks
@@ -70,6 +72,7 @@ int main(int argc, char** argv) {
     if (verb == "dist") return modalities::cli::run_dist(args);
     if (verb == "generate_text") return modalities::cli::run_generate_text(args);
     if (verb == "profile") return modalities::cli::run_profile(args);
+    if (verb == "benchmark") return modalities::cli::run_benchmark(args);
     if (verb == "convert_pytorch_to_hf_checkpoint") return modalities::cli::run_convert_to_hf(args);
   } catch (const std::exception& e) {
     modalities::cli::print_error(e.what());

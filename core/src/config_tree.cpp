@@ -442,23 +442,23 @@ bool is_bare_key(std::string_view k) {
 
 std::string key_str(std::string_view k) { return is_bare_key(k) ? std::string(k) : toml_quote(k); }
 
-std::string inline_value(const ConfigNode& n) {
+std::string inline_value(const ConfigNode& n, bool esc) {
   return std::visit(
-      [](const auto& d) -> std::string {
+      [esc](const auto& d) -> std::string {
         using T = std::decay_t<decltype(d)>;
         if constexpr (std::is_same_v<T, std::monostate>) return "\"${null:}\"";
         else if constexpr (std::is_same_v<T, bool>) return d ? "true" : "false";
         else if constexpr (std::is_same_v<T, std::int64_t>) return fmt::format("{}", d);
         else if constexpr (std::is_same_v<T, double>) return format_float(d);
-        else if constexpr (std::is_same_v<T, std::string>) return toml_quote(d, /*escape_interpolation=*/true);
+        else if constexpr (std::is_same_v<T, std::string>) return toml_quote(d, /*escape_interpolation=*/esc);
         else if constexpr (std::is_same_v<T, ConfigNode::Array>) {
           std::string s = "[";
-          for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + inline_value(d[i]);
+          for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + inline_value(d[i], esc);
           return s + "]";
         } else {
           if (d.empty()) return "{}";
           std::string s = "{ ";
-          for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + key_str(d[i].first) + " = " + inline_value(d[i].second);
+          for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + key_str(d[i].first) + " = " + inline_value(d[i].second, esc);
           return s + " }";
         }
       },
@@ -472,23 +472,24 @@ bool is_array_of_tables(const ConfigNode& n) {
   return true;
 }
 
-void write_table(std::string& out, const std::string& header, const ConfigNode::Table& t, bool is_array_elem) {
+void write_table(std::string& out, const std::string& header, const ConfigNode::Table& t, bool is_array_elem,
+                 bool esc) {
   if (!header.empty()) out += fmt::format("\n{}{}{}\n", is_array_elem ? "[[" : "[", header, is_array_elem ? "]]" : "]");
   for (const auto& [k, v] : t)
-    if (!v.is_table() && !is_array_of_tables(v)) out += fmt::format("{} = {}\n", key_str(k), inline_value(v));
+    if (!v.is_table() && !is_array_of_tables(v)) out += fmt::format("{} = {}\n", key_str(k), inline_value(v, esc));
   for (const auto& [k, v] : t) {
     const std::string sub = header.empty() ? key_str(k) : header + "." + key_str(k);
-    if (v.is_table()) write_table(out, sub, v.as_table(), false);
+    if (v.is_table()) write_table(out, sub, v.as_table(), false, esc);
     else if (is_array_of_tables(v))
-      for (const auto& e : v.as_array()) write_table(out, sub, e.as_table(), true);
+      for (const auto& e : v.as_array()) write_table(out, sub, e.as_table(), true, esc);
   }
 }
 
 }  // namespace
 
-std::string to_toml(const ConfigNode& root) {
+std::string to_toml(const ConfigNode& root, bool escape_interpolations) {
   std::string out;
-  if (root.is_table()) write_table(out, "", root.as_table(), false);
+  if (root.is_table()) write_table(out, "", root.as_table(), false, escape_interpolations);
   if (!out.empty() && out.front() == '\n') out.erase(0, 1);
   return out;
 }

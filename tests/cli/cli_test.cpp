@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -439,6 +440,86 @@ config = { normalized_shape = 4 }
                   (dir.path() / "o4").string()});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("not a model with a Hugging Face form"));
+}
+
+// --- benchmark ---------------------------------------------------------------------------------------
+
+std::vector<std::filesystem::path> files_named(const std::filesystem::path& root, const std::string& name) {
+  std::vector<std::filesystem::path> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root))
+    if (e.path().filename() == name) out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// Modalities' sweep semantics: nested tables expand recursively, a scalar is a one-element list,
+// one folder per combination and world size; list_remaining_runs keeps the most recent folder per
+// combination and counts result lines and skipped error types; summarize tabulates.
+TEST(CliBenchmarkTest, SweepsListRemainingRunsAndSummarizes) {
+  ScratchDir dir;
+  const auto sweep = dir.write("s.toml", R"(
+[sweep]
+lr = [0.1, 0.2]
+fixed = "x"
+[sweep.model]
+layers = [1, 2, 3]
+
+[settings]
+data = "${modalities_env:config_folder_path}/data.pbin"
+lr = "${sweep.lr}"
+)");
+  const auto out = dir.path() / "sweeps";
+  CommandResult r = modalities({"benchmark", "prepare_sweep_configs", "--sweep_config_path", sweep.string(),
+                                "--output_dir", out.string(), "--world_sizes", "1,4"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("Prepared 6 combination(s) x 2 world size(s): 12 configs"));
+  const auto configs = files_named(out, "s.toml");
+  ASSERT_EQ(configs.size(), 12u);
+  const std::string first = read_text(configs.front());
+  EXPECT_THAT(first, AllOf(HasSubstr("[sweep]\n"), HasSubstr("fixed = \"x\""), HasSubstr("[sweep.model]\nlayers = "),
+                           HasSubstr("lr = \"${sweep.lr}\""),
+                           HasSubstr("data = \"" + dir.path().string() + "/data.pbin\"")));
+  EXPECT_THAT(first, Not(HasSubstr("[0.1, 0.2]")));
+  // Runs: one done (3 result lines), one out of memory (skipped type), the rest not run.
+  const auto run_dir = [&](std::size_t i) { return configs[i].parent_path(); };
+  std::ofstream(run_dir(0) / "evaluation_results.jsonl")
+      << R"({"dataloader_tag": "train", "num_train_steps_done": 5, "losses": {"train loss avg": 2.5}, "metrics": {}, "throughput_metrics": {"train samples/s": 12.5}})"
+      << "\n{}\n{}\n";
+  std::ofstream(run_dir(1) / "error_logs_host_0.log") << R"({"environment": {}, "error": {"error": "oom", "type": "OutOfMemoryError", "stacktrace": ""}})";
+  const auto todo = dir.path() / "todo.txt";
+  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", todo.string(),
+                  "--expected_steps", "3", "--skip_exception_types", "OutOfMemoryError,Foo"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_EQ(lines_of(todo).size(), 10u) << r;
+  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", todo.string(),
+                  "--expected_steps", "3", "--world_size", "4", "--create_new_folders_if_partially_done"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  const auto four = lines_of(todo);
+  EXPECT_EQ(four.size(), configs[0].string().find("/4/") != std::string::npos ? 5u : 6u);
+  {
+    r = modalities({"benchmark", "summarize", "--exp_root", out.string(), "--csv", (dir.path() / "t.csv").string()});
+    ASSERT_EQ(r.exit_code, 0) << r;
+    EXPECT_THAT(r.out, AllOf(HasSubstr("sweep.lr"), HasSubstr("sweep.model.layers"), HasSubstr("failed: OutOfMemoryError"),
+                             HasSubstr("12.5")));
+    EXPECT_EQ(lines_of(dir.path() / "t.csv").size(), 13u);
+  }
+  // Errors: no [sweep], an empty list, bad world sizes.
+  const auto bad = dir.write("bad.toml", "[sweep]\nlr = []\n");
+  r = modalities({"benchmark", "prepare_sweep_configs", "--sweep_config_path", bad.string(), "--output_dir",
+                  out.string()});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("sweep.lr"));
+  r = modalities({"benchmark", "prepare_sweep_configs", "--sweep_config_path", sweep.string(), "--output_dir",
+                  out.string(), "--world_sizes", "2,x"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_THAT(r.err, HasSubstr("--world_sizes '2,x'"));
 }
 
 TEST(CliProfileTest, AProfilerWithoutALengthIsAClearError) {

@@ -122,7 +122,9 @@ const ConfigNode* lookup(const ConfigNode& root, const ConfigPath& path);
 
 /// Renders a tree as TOML in document order (used for `config resolve` and the
 /// `<name>.toml.resolved` dump). Nulls are written as "${null:}" so the output
-/// loads back to the same tree.
-std::string to_toml(const ConfigNode& root);
+/// loads back to the same tree. A literal "${" in a string is written as "\\${" so that it stays
+/// literal; with `escape_interpolations = false` (an unresolved tree written back as a config)
+/// interpolations stay interpolations.
+std::string to_toml(const ConfigNode& root, bool escape_interpolations = true);
 
 }  // namespace modalities::core
