@@ -73,16 +73,18 @@ std::size_t count_errors(const std::vector<core::Diagnostic>& ds) {
 
 int run_config(const std::vector<std::string>& args) {
   constexpr const char* usage =
-      "usage: modalities config <validate|resolve|graph|build> <file.toml> [options]\n\n"
+      "usage: modalities config <validate|resolve|graph|build|import> <file> [options]\n\n"
       "  validate   check the config against the loaded plugins without building anything\n"
       "  resolve    print the fully interpolated config as TOML\n"
       "  graph      print the component graph in Graphviz DOT (`| dot -Tsvg > graph.svg`)\n"
-      "  build      build the component graph and print what each top-level key produced\n";
+      "  build      build the component graph and print what each top-level key produced\n"
+      "  import     convert a Modalities YAML config into TOML (`modalities config import --help`)\n";
   if (args.empty() || args[0] == "-h" || args[0] == "--help") {
     std::cout << usage;
     return args.empty() ? kUsage : kOk;
   }
   const std::string verb = args[0];
+  if (verb == "import") return run_config_import({args.begin() + 1, args.end()});
   if (verb != "validate" && verb != "resolve" && verb != "graph" && verb != "build") {
     print_error(fmt::format("unknown config command '{}'\n\n{}", verb, usage));
     return kUsage;

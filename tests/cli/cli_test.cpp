@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -520,6 +522,146 @@ lr = "${sweep.lr}"
                   out.string(), "--world_sizes", "2,x"});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("--world_sizes '2,x'"));
+}
+
+// --- config import ---------------------------------------------------------------------------------
+
+// YAML scalars get OmegaConf's types (PyYAML's YAML 1.1 resolvers plus OmegaConf's float rule);
+// quoted scalars stay strings; nulls become ${null:}; aliases expand; lists of mappings become
+// arrays of tables.
+TEST(CliImportTest, TypesScalarsAsOmegaConfDoes) {
+  ScratchDir dir;
+  const auto yaml = dir.write("c.yaml", R"(
+a: yes
+b: Off
+c: 1e-5
+d: 0x1F
+e: 010
+f: '12'
+g: ~
+h:
+i: 1_000
+j: .5
+k: ${settings.x}
+l: "${cuda_env:RANK}"
+base: &base {x: 1, y: [1, 2.5, "s"]}
+copy: *base
+list_of_tables:
+  - {name: a}
+  - {name: b}
+)");
+  const CommandResult r = modalities({"config", "import", yaml.string()});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  for (const char* line : {"a = true", "b = false", "c = 1e-05", "d = 31", "e = 8", "f = \"12\"", "g = \"${null:}\"",
+                           "h = \"${null:}\"", "i = 1000", "j = 0.5", "k = \"${settings.x}\"", "l = \"${cuda_env:RANK}\"",
+                           "[copy]\nx = 1\ny = [1, 2.5, \"s\"]", "[[list_of_tables]]\nname = \"a\"\n\n[[list_of_tables]]\nname = \"b\""})
+    EXPECT_THAT(r.out, HasSubstr(line)) << line;
+  const auto merge = dir.write("m.yaml", "a: &a {x: 1}\nb:\n  <<: *a\n  y: 2\n");
+  const CommandResult m = modalities({"config", "import", merge.string()});
+  EXPECT_EQ(m.exit_code, 1) << m;
+  EXPECT_THAT(m.err, HasSubstr("m.yaml:3: YAML merge keys (<<) are not supported"));
+  const auto broken = dir.write("b.yaml", "a: [1, 2\n");
+  EXPECT_EQ(modalities({"config", "import", broken.string()}).exit_code, 1);
+  const auto out = dir.write("exists.toml", "keep");
+  const CommandResult o = modalities({"config", "import", yaml.string(), "-o", out.string()});
+  EXPECT_EQ(o.exit_code, 1) << o;
+  EXPECT_EQ(read_text(out), "keep");
+}
+
+// Modalities' own example configs (its config_files/ and tutorials/ at the commit named in
+// tests/config/modalities_configs/README.md), imported and validated the way each is used: from
+// the folder Modalities runs it in, with the bundled lorem-ipsum data standing in for the data
+// files they name, warm-start configs with a last_checkpoint_info.json, sweep files through
+// `benchmark prepare_sweep_configs`. Every one validates except those Modalities itself rejects
+// or that name components its tutorials register from Python (docs/configs.md lists them).
+TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
+  namespace fs = std::filesystem;
+  ScratchDir dir;
+  const fs::path root = dir.path() / "modalities";
+  const fs::path src = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "tests" / "config" / "modalities_configs";
+  fs::copy(src, root, fs::copy_options::recursive);
+  const fs::path lorem = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "lorem_ipsum";
+  const auto link = [&](const fs::path& at, const std::string& file) {
+    fs::create_directories(at.parent_path());
+    fs::create_symlink(lorem / file, at);
+  };
+  for (const char* ext : {".pbin", ".idx", ".jsonl"})
+    link(root / "data" / (std::string("lorem_ipsum_long") + ext), std::string("lorem_ipsum_long") + ext);
+  link(root / "tutorials/getting_started/data/mem_map/redpajama_v2_samples_512_train.pbin", "lorem_ipsum_long.pbin");
+  link(root / "tutorials/instruction_tuning/prepared_data/smol-smoltalk_train_first_10K_2caf768/"
+              "smol-smoltalk_train_first_10K_train.2caf768.pbin",
+       "lorem_ipsum_long.pbin");
+  link(root / "tutorials/modalities_in_15_mins/data/preprocessed/fineweb_edu_num_docs_483606.pbin",
+       "lorem_ipsum_long.pbin");
+  const std::string ck = (root / "ck").string();
+  fs::create_directories(root / "ck" / "eid_prev-seen_steps_10-seen_tokens_5120-target_steps_20-target_tokens_10240");
+  std::ofstream(root / "ck" / "info.json")
+      << "{\"model_checkpoint_path\": \"" << ck
+      << "/eid_prev-model-seen_steps_10-seen_tokens_5120-target_steps_20-target_tokens_10240.bin\", "
+         "\"optimizer_checkpoint_path\": \""
+      << ck << "/eid_prev-optimizer-seen_steps_10-seen_tokens_5120-target_steps_20-target_tokens_10240.bin\", "
+      << "\"checkpoint_folder_path\": \"" << ck
+      << "/eid_prev-seen_steps_10-seen_tokens_5120-target_steps_20-target_tokens_10240\"}";
+
+  const std::map<std::string, std::string> rejected = {
+      // Modalities rejects these too: stale keys or variant names (its component configs forbid unknown keys).
+      {"config_files/data_preparation/packed_cc_en_2048.yaml", "tokenizer.config.padding: unknown key"},
+      {"config_files/training/config_lorem_ipsum_long_fsdp2_warmstart.yaml",
+       "gradient_clipper.config.device_mesh: missing required key"},
+      {"tutorials/getting_started/configs/example_text_generation_config.yaml", "model.config.attention_norm: unknown key"},
+      {"tutorials/modalities_in_15_mins/configs/pretraining_config.yaml", "unknown variant 'fsdp_wrapped'"},
+      {"tutorials/getting_started/configs/example_conversion_config_template.yaml",
+       "reference to missing top-level key 'model'"},
+      // Components registered from Python by the tutorial itself, or missing here (docs/catalogue.md).
+      {"tutorials/einsum_transformer/einsum_transformer_config.yaml", "unknown variant 'einsum_transformer'"},
+      {"tutorials/library_usage/config_lorem_ipsum.yaml", "unknown variant 'custom_gpt_2_llm_collator'"},
+      {"tutorials/profiling/configs/single_process_rms_norm_profiling.yaml", "unknown variant 'steppable_norm'"},
+      {"config_files/training/config_example_coca.yaml", "unknown variant 'coca'"},
+  };
+  const std::set<std::string> warmstart = {"config_files/training/config_lorem_ipsum_long_fsdp1_warmstart.yaml",
+                                           "config_files/training/config_lorem_ipsum_long_fsdp2_warmstart.yaml",
+                                           "tutorials/warmstart/configs/warmstart_config.yaml"};
+  std::vector<fs::path> yamls;
+  for (const auto& e : fs::recursive_directory_iterator(root))
+    if (e.path().extension() == ".yaml") yamls.push_back(e.path());
+  std::sort(yamls.begin(), yamls.end());
+  ASSERT_EQ(yamls.size(), 30u);
+  int valid = 0;
+  for (const fs::path& yaml : yamls) {
+    const std::string rel = fs::relative(yaml, root).string();
+    SCOPED_TRACE(rel);
+    const fs::path toml = fs::path(yaml).replace_extension(".toml");
+    const CommandResult imp = modalities({"config", "import", yaml.string(), "-o", toml.string()});
+    ASSERT_EQ(imp.exit_code, 0) << imp;
+    // Modalities runs config_files/ from its repository root and each tutorial from its folder.
+    const fs::path cwd = rel.starts_with("tutorials/") ? root / fs::path(rel).begin()->string() /
+                                                             std::next(fs::path(rel).begin())->string()
+                                                       : root;
+    std::vector<fs::path> configs = {toml};
+    if (rel.find("scaling_up/configs/sweep") != std::string::npos) {
+      const fs::path out = dir.path() / ("sweep_" + toml.stem().string());
+      const CommandResult p = modalities({"benchmark", "prepare_sweep_configs", "--sweep_config_path", toml.string(),
+                                          "--output_dir", out.string(), "--world_sizes", "8"});
+      ASSERT_EQ(p.exit_code, 0) << p;
+      configs = files_named(out, toml.filename().string());
+      EXPECT_GE(configs.size(), 2u);
+    }
+    for (const fs::path& config : configs) {
+      std::string cmd = "cd " + modalities::testing::shell_quote(cwd.string()) + " && exec " +
+                        modalities::testing::shell_quote(kHost) + " config validate " +
+                        modalities::testing::shell_quote(config.string());
+      if (warmstart.count(rel)) cmd += " --last_checkpoint_info_file_path " + modalities::testing::shell_quote(ck + "/info.json");
+      const CommandResult v = run_command({"sh", "-c", cmd});
+      if (const auto it = rejected.find(rel); it != rejected.end()) {
+        EXPECT_EQ(v.exit_code, 1) << v;
+        EXPECT_THAT(v.err, HasSubstr(it->second)) << v;
+      } else {
+        EXPECT_EQ(v.exit_code, 0) << v;
+        valid += v.exit_code == 0;
+      }
+    }
+  }
+  EXPECT_EQ(valid, 21 - 2 + 2 + 8);  // 21 configs, of which two sweep files give 2 and 8 configs
 }
 
 TEST(CliProfileTest, AProfilerWithoutALengthIsAClearError) {

@@ -32,6 +32,8 @@ add_library(modalities::utf8proc ALIAS PkgConfig::MODALITIES_UTF8PROC)
 add_library(modalities::sentencepiece ALIAS PkgConfig::MODALITIES_SENTENCEPIECE)
 #   OpenSSL::Crypto  SHA-256 (seed derivation of the chunking tools, docs/data.md)
 find_package(OpenSSL 3 REQUIRED COMPONENTS Crypto)
+#   yaml-cpp  reading Modalities' YAML configs (`modalities config import`)
+find_package(yaml-cpp 0.7 REQUIRED)
 #   modalities::allocator  the process-wide malloc of the `modalities` binary. A training step
 #   allocates and frees hundreds of small tensors; glibc's malloc spends ~0.3 ms per step of the
 #   quickstart model in that (scripts/bench_host_overhead.sh --perf), gperftools' tcmalloc a
