@@ -65,6 +65,8 @@ int run_profile(const std::vector<std::string>& args);
 void prepare_one_process_verb(const core::Registry& registry, const core::ConfigNode* resolved);
 /// `modalities convert_pytorch_to_hf_checkpoint` (cli_convert.cpp).
 int run_convert_to_hf(const std::vector<std::string>& args);
+/// `modalities data prepare_instruction_tuning_data` (cli_instruction.cpp).
+int run_prepare_instruction_tuning_data(const std::vector<std::string>& args);
 /// `modalities config import` (cli_import.cpp): Modalities YAML -> TOML.
 int run_config_import(const std::vector<std::string>& args);
 /// `modalities benchmark` (cli_benchmark.cpp): sweep configs, remaining runs, results table.

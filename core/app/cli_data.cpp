@@ -31,6 +31,8 @@ Commands (flags as in Modalities; `modalities data <command> --help` for details
   create_raw_index SRC.jsonl      index the lines of a JSONL file (.idx: byte offset and length per line)
   pack_encoded_data CONFIG.toml   tokenize a JSONL file into a .pbin (settings + tokenizer component)
   inspect_packed_data FILE.pbin   header, document and token counts, a document's tokens and text
+  prepare_instruction_tuning_data CONFIG.toml
+                                  chat template, train/val/test splits, .idx and .pbin per split
 )";
 
 std::string policy_help() {
@@ -241,6 +243,7 @@ int run_data(const std::vector<std::string>& args) {
   if (verb == "create_raw_index") return create_raw_index(rest);
   if (verb == "pack_encoded_data") return pack_encoded_data(rest);
   if (verb == "inspect_packed_data") return inspect_packed_data(rest);
+  if (verb == "prepare_instruction_tuning_data") return run_prepare_instruction_tuning_data(rest);
   const int r = run_data_tools(verb, rest);
   if (r >= 0) return r;
   print_error(fmt::format("unknown data command '{}'\n\n{}{}", verb, kDataUsage, kDataToolsHelp));

@@ -664,6 +664,56 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
   EXPECT_EQ(valid, 21 - 2 + 2 + 8);  // 21 configs, of which two sweep files give 2 and 8 configs
 }
 
+// --- data prepare_instruction_tuning_data ---------------------------------------------------------
+
+std::string replace_all_in(std::string s, const std::string& from, const std::string& to) {
+  for (std::size_t at = 0; (at = s.find(from, at)) != std::string::npos; at += to.size()) s.replace(at, from.size(), to);
+  return s;
+}
+
+// The bundled example (configs/instruction_tuning) gives exactly the files Modalities' own
+// prepare_instruction_tuning_data writes for it (tests/data/instruction_tuning/expected, made by
+// scripts/reference/make_instruction_tuning_reference.py with modalities 0.5.0): per split the
+// JSONL with the rendered chats, its .idx and its .pbin.
+TEST(CliInstructionTuningTest, BundledExampleMatchesModalitiesByteForByte) {
+  namespace fs = std::filesystem;
+  ScratchDir dir;
+  const std::string root = MODALITIES_TEST_SOURCE_ROOT;
+  const std::string here = "${modalities_env:config_folder_path}/../..";
+  std::string config = read_text(fs::path(root) / "configs/instruction_tuning/apply_chat_template.toml");
+  config = replace_all_in(config, here + "/out/instruction_tuning", dir.path().string() + "/out");
+  config = replace_all_in(config, here, root);
+  config = replace_all_in(config, "${modalities_env:config_folder_path}/packed_chat_dataset.toml",
+                          (dir.path() / "pack.toml").string());
+  dir.write("pack.toml", replace_all_in(read_text(fs::path(root) / "configs/instruction_tuning/packed_chat_dataset.toml"),
+                                        here, root));
+  const auto cfg = dir.write("apply.toml", config);
+  const CommandResult r = modalities({"data", "prepare_instruction_tuning_data", "--config_file_path", cfg.string()});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("Chat template applied to 48 entries: train 40 val 2 test 6"));
+  std::vector<fs::path> folders;
+  for (const auto& e : fs::directory_iterator(dir.path() / "out")) folders.push_back(e.path());
+  ASSERT_EQ(folders.size(), 1u);
+  const std::string folder = folders[0].filename().string();  // chats_<hash>
+  ASSERT_TRUE(folder.starts_with("chats_")) << folder;
+  const std::string hash = folder.substr(6);
+  const fs::path expected = fs::path(root) / "tests/data/instruction_tuning/expected";
+  for (const char* split : {"train", "val", "test"})
+    for (const char* ext : {".jsonl", ".idx", ".pbin"}) {
+      const fs::path ours = folders[0] / (std::string("chats_") + split + "." + hash + ext);
+      EXPECT_EQ(read_text(ours), read_text(expected / (std::string(split) + ext))) << ours;
+    }
+  EXPECT_TRUE(fs::exists(folders[0] / ("instruction_chat_template_config." + hash + ".toml")));
+  EXPECT_TRUE(fs::exists(folders[0] / ("pbin_config_train." + hash + ".toml")));
+  // Errors name the line and the missing role.
+  const auto bad_src = dir.write("bad.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n"
+                                              "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}\n");
+  const auto bad = dir.write("bad.toml", replace_all_in(config, root + "/data/instruction_tuning/chats.jsonl", bad_src.string()));
+  const CommandResult b = modalities({"data", "prepare_instruction_tuning_data", "--config_file_path", bad.string()});
+  EXPECT_EQ(b.exit_code, 1) << b;
+  EXPECT_THAT(b.err, HasSubstr("bad.jsonl:2: role 'robot' is not in instruction_data_transformation.role_mapping"));
+}
+
 TEST(CliProfileTest, AProfilerWithoutALengthIsAClearError) {
   ScratchDir dir;
   const auto config = dir.write("p.toml", R"(
