@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/modalities"
 FAMILIES = ["gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
             "deepseek_v3_style", "gptneox_style", "roberta_style", "bloom_style", "llama2_style", "mistral_style",
-            "gemma_style", "bert_style", "t5_style", "unigram_style", "pretok_sequences_style", "whitespace_style"]
+            "gemma_style", "bert_style", "t5_style", "t5_nmt_style", "unigram_style", "pretok_sequences_style", "whitespace_style"]
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 

@@ -25,6 +25,7 @@
 #include <modalities/sdk/error.h>
 
 #include <absl/container/flat_hash_map.h>
+#include <absl/strings/escaping.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <simdjson.h>
@@ -313,7 +314,9 @@ bool is_rust_word_char(char32_t c) { return whitespace_pretokenizer_word().conta
 // which only offsets need)
 
 struct NormalizerStep {
-  enum class Kind { kForm, kPrepend, kReplace, kStrip, kLowercase, kStripAccents, kBert, kNmt } kind = Kind::kForm;
+  enum class Kind { kForm, kPrepend, kReplace, kStrip, kLowercase, kStripAccents, kBert, kNmt, kPrecompiled } kind =
+      Kind::kForm;
+  std::shared_ptr<const PrecompiledCharsmap> charsmap;  // kPrecompiled
   int options = 0;          // kForm: utf8proc options
   std::string text;         // kPrepend: prefix; kReplace: replacement
   std::string literal;      // kReplace with a String pattern
@@ -449,6 +452,7 @@ bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_re
         if (!marks.contains(c)) r += raw;
       }, start_removed);
     }
+    case Kind::kPrecompiled: return charsmap->normalize(in, out, start_removed);
     case Kind::kNmt: {
       const CodePointSet& removed = nmt_removed();
       const CodePointSet& space = nmt_to_space();
@@ -1003,6 +1007,14 @@ void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const
     n.kind = K::kStripAccents;
   } else if (type == "Nmt") {
     n.kind = K::kNmt;
+  } else if (type == "Precompiled") {
+    n.kind = K::kPrecompiled;
+    std::string blob;
+    if (auto m = j.optional_member(el, "precompiled_charsmap")) {
+      const std::string b64 = j.string(*m, where + ".precompiled_charsmap");
+      if (!absl::Base64Unescape(b64, &blob)) fail(file, where + ".precompiled_charsmap", "not valid base64");
+    }
+    n.charsmap = std::make_shared<const PrecompiledCharsmap>(std::move(blob), fmt::format("{}: {}", file.string(), where));
   } else if (type == "BertNormalizer") {
     n.kind = K::kBert;
     n.clean_text = j.flag(el, "clean_text", true, where);
@@ -1013,8 +1025,8 @@ void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const
     top_level_bert = where == "normalizer";
   } else {
     unsupported(file, where, "normalizer", type,
-                "NFC, NFD, NFKC, NFKD, Prepend, Replace, Strip, Lowercase, StripAccents, Nmt, BertNormalizer and a "
-                "Sequence of them");
+                "NFC, NFD, NFKC, NFKD, Prepend, Replace, Strip, Lowercase, StripAccents, Nmt, BertNormalizer, "
+                "Precompiled and a Sequence of them");
   }
   normalizers.push_back(std::move(n));
 }

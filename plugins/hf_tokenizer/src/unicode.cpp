@@ -482,4 +482,114 @@ std::string utf8_lossy(std::string_view in) {
 }
 
 
+// ---- SentencePiece charsmaps ---------------------------------------------
+// The trie layout is darts-clone's (as SentencePiece writes it and spm_precompiled reads it): a
+// unit is a u32 with the label in bits 0-7 (bit 31 marks a leaf unit), has_leaf in bit 8, and an
+// offset in bits 10-31 scaled by 2^8 when bit 9 is set; a leaf unit's low 31 bits are its value,
+// here an offset into the pool.
+
+PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& where) {
+  if (blob.empty()) return;  // tokenizers: an empty charsmap changes nothing
+  const auto bad = [&](const std::string& what) {
+    return Error(fmt::format("{}: malformed precompiled_charsmap: {}", where, what));
+  };
+  if (blob.size() < 4) throw bad("shorter than its 4-byte header");
+  std::uint32_t trie_bytes = 0;
+  for (int i = 3; i >= 0; --i) trie_bytes = (trie_bytes << 8) | static_cast<unsigned char>(blob[static_cast<std::size_t>(i)]);
+  if (trie_bytes % 4 != 0 || trie_bytes > blob.size() - 4) throw bad(fmt::format("trie size {} does not fit", trie_bytes));
+  units_.resize(trie_bytes / 4);
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    std::uint32_t v = 0;
+    for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(blob[4 + u * 4 + static_cast<std::size_t>(i)]);
+    units_[u] = v;
+  }
+  pool_ = blob.substr(4 + trie_bytes);
+  if (units_.empty()) throw bad("empty trie");
+}
+
+std::optional<std::string_view> PrecompiledCharsmap::transform(std::string_view chunk) const {
+  const auto offset = [](std::uint32_t unit) -> std::size_t { return (unit >> 10) << ((unit & (1u << 9)) >> 6); };
+  std::size_t pos = 0;
+  pos ^= offset(units_[0]);
+  for (const char ch : chunk) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == 0) break;
+    pos ^= c;
+    if (pos >= units_.size()) return std::nullopt;
+    const std::uint32_t unit = units_[pos];
+    if ((unit & ((1u << 31) | 0xFFu)) != c) return std::nullopt;  // label
+    pos ^= offset(unit);
+    if (pos >= units_.size()) return std::nullopt;
+    if ((unit >> 8) & 1u) {  // has a leaf: the first (shortest) match is the result
+      const std::size_t at = units_[pos] & ((1u << 31) - 1);
+      if (at > pool_.size()) return std::nullopt;
+      const std::size_t end = pool_.find('\0', at);
+      return std::string_view(pool_).substr(at, (end == std::string::npos ? pool_.size() : end) - at);
+    }
+  }
+  return std::nullopt;
+}
+
+bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool* first_removed) const {
+  if (units_.empty() || in.empty()) return false;
+  std::string result;
+  result.reserve(in.size() + 8);
+  bool first_cluster = true;
+  const auto emit = [&](std::size_t b, std::size_t e) {
+    const std::size_t before = result.size();
+    const std::string_view g = in.substr(b, e - b);
+    bool done = false;
+    if (g.size() < 6) {
+      if (auto n = transform(g)) {
+        result += *n;
+        done = true;
+      }
+    }
+    if (!done) {
+      for (std::size_t i = 0; i < g.size();) {
+        std::size_t len;
+        (void)decode_at(g, i, &len);
+        const std::string_view part = g.substr(i, len);
+        if (auto n = transform(part)) result += *n;
+        else result += part;
+        i += len;
+      }
+    }
+    if (first_cluster && result.size() == before && first_removed != nullptr) *first_removed = true;
+    first_cluster = false;
+  };
+  utf8proc_int32_t state = 0;
+  std::size_t start = 0, prev_at = 0, prev_len = 0;
+  char32_t prev = 0;
+  for (std::size_t i = 0; i < in.size();) {
+    std::size_t len;
+    const char32_t c = decode_at(in, i, &len);
+    if (i > 0) {
+      // Unicode 15.1+ may give a code point unassigned in 15.0 a property that joins it to the
+      // cluster before (a new combining mark): with a mapped character before it in under 6 bytes,
+      // tokenizers would then replace the pair by the character's entry alone.
+      if (utf8proc_category(static_cast<utf8proc_int32_t>(c)) == UTF8PROC_CATEGORY_CN && prev_len + len < 6 &&
+          transform(in.substr(prev_at, prev_len)))
+        throw Error(fmt::format("the Precompiled normalizer cannot decide U+{:04X} after U+{:04X}: U+{:04X} is not in "
+                                "Unicode 15.0 (utf8proc), so whether it extends the grapheme cluster before it (and "
+                                "how tokenizers normalizes the pair) is unknown here",
+                                static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(prev),
+                                static_cast<std::uint32_t>(c)));
+      if (utf8proc_grapheme_break_stateful(static_cast<utf8proc_int32_t>(prev), static_cast<utf8proc_int32_t>(c),
+                                           &state)) {
+        emit(start, i);
+        start = i;
+      }
+    }
+    prev = c;
+    prev_at = i;
+    prev_len = len;
+    i += len;
+  }
+  emit(start, in.size());
+  if (result == in) return false;
+  out = std::move(result);
+  return true;
+}
+
 }  // namespace modalities::plugins::hf_tokenizer

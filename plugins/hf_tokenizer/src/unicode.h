@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -135,5 +136,33 @@ bool normalize_form(std::string_view s, int options, std::string& out);
 /// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
 /// becomes one U+FFFD.
 std::string utf8_lossy(std::string_view bytes);
+
+// ---- SentencePiece charsmaps ---------------------------------------------
+
+/// The `Precompiled` normalizer: a SentencePiece `precompiled_charsmap` (a darts-clone double-array
+/// trie over UTF-8 keys plus a pool of NUL-terminated replacements), applied the way `tokenizers`
+/// (spm_precompiled) applies it: per extended grapheme cluster, a cluster shorter than 6 bytes is
+/// replaced by the entry of its shortest key prefix if it has one; otherwise each character is
+/// replaced by its own entry or kept. Grapheme clusters come from utf8proc (UAX #29 of Unicode
+/// 15.0; tokenizers uses a newer Unicode, which differs only where a code point unassigned in
+/// 15.0 may extend a cluster: that case is refused, see normalize()).
+class PrecompiledCharsmap {
+ public:
+  /// `blob`: the decoded charsmap bytes (u32 trie size, trie units, pool). Throws
+  /// modalities::Error naming `where` when it is malformed.
+  PrecompiledCharsmap(std::string blob, const std::string& where);
+  bool empty() const { return units_.empty(); }
+  /// Normalizes `in` into `out` and returns true, or returns false when nothing changes. Sets
+  /// *first_removed when the first cluster maps to nothing. Throws modalities::Error for text
+  /// whose result could depend on the Unicode version of the grapheme rules: a code point
+  /// unassigned in Unicode 15.0 right after a character the charsmap maps, within 6 bytes.
+  bool normalize(std::string_view in, std::string& out, bool* first_removed) const;
+
+ private:
+  /// The replacement of the shortest key that is a prefix of `chunk` (stopping at a NUL byte).
+  std::optional<std::string_view> transform(std::string_view chunk) const;
+  std::vector<std::uint32_t> units_;
+  std::string pool_;
+};
 
 }  // namespace modalities::plugins::hf_tokenizer

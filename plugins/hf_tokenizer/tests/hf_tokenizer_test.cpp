@@ -278,7 +278,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values("gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
                       "deepseek_v3_style", "gptneox_style", "gptneox_bos_style", "roberta_style", "bloom_style",
                       "llama2_style", "mistral_style", "gemma_style", "bert_style", "bert_cased_style", "t5_style",
-                      "unigram_style", "pretok_sequences_style", "whitespace_style"));
+                      "t5_nmt_style", "unigram_style", "pretok_sequences_style", "whitespace_style"));
 
 
 TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
@@ -658,9 +658,24 @@ TEST(HfTokenizerTest, RejectsOtherModelTypesByName) {
   EXPECT_THAT(e, HasSubstr("model.type"));
 }
 
+// SentencePiece charsmaps (Precompiled): the t5_nmt_style family (a real nmt_nfkc charsmap) is
+// exact on the corpus (FamilyTest); here malformed charsmaps and the one refused case.
+TEST(HfTokenizerTest, PrecompiledCharsmapsLoadOrFailByName) {
+  EXPECT_EQ(engine_error(tiny_json(R"({"type":"Precompiled","precompiled_charsmap":""})")), "");  // identity
+  EXPECT_THAT(engine_error(tiny_json(R"({"type":"Precompiled","precompiled_charsmap":"!!"})")),
+              HasSubstr("normalizer.precompiled_charsmap: not valid base64"));
+  EXPECT_THAT(engine_error(tiny_json(R"({"type":"Precompiled","precompiled_charsmap":"AAAA"})")),
+              HasSubstr("shorter than its 4-byte header"));
+  EXPECT_THAT(engine_error(tiny_json(R"({"type":"Precompiled","precompiled_charsmap":"/wAAAA=="})")),
+              HasSubstr("trie size 255 does not fit"));
+  const TokenizerJson t5(kFamilies / "t5_nmt_style" / "tokenizer.json");
+  // NFKC maps NO-BREAK SPACE; U+2FFC (Unicode 15.1) right after it could join its grapheme cluster.
+  EXPECT_EQ(t5.encode("a\u00a0b"), t5.encode("a b"));
+  EXPECT_THAT([&] { (void)t5.encode("a\u00a0\u2ffc b"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("cannot decide U+2FFC after U+00A0")));
+}
+
 TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
-  EXPECT_THAT(engine_error(tiny_json(R"({"type":"Precompiled","precompiled_charsmap":""})")),
-              HasSubstr("normalizer 'Precompiled' is not supported"));
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"UnicodeScripts"})")),
               HasSubstr("pre-tokenizer 'UnicodeScripts' is not supported"));
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"Digits","individual_digits":true}]})")),
@@ -682,8 +697,6 @@ TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
   std::string bad_merge = tiny_json();
   bad_merge.replace(bad_merge.find(R"(["a b"])"), 7, R"(["a zz"])");
   EXPECT_THAT(engine_error(bad_merge), HasSubstr("merge token 'zz' is not in the vocabulary"));
-  // A real T5 export: its SentencePiece charsmap normalizer is named in the error.
-  EXPECT_THAT(build_error(kFamilies / "t5_nmt_style"), HasSubstr("normalizer 'Precompiled' is not supported"));
 }
 
 // Oniguruma's nested classes (unions) and intersections, which PCRE2 lacks.
