@@ -78,7 +78,7 @@ void BM_Encode(benchmark::State& state, const std::string& name) {
 int main(int argc, char** argv) {
   for (const char* name : {"gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
                            "deepseek_v3_style", "gptneox_style", "roberta_style", "bloom_style", "llama2_style",
-                           "mistral_style", "gemma_style", "bert_style", "t5_style", "unigram_style",
+                           "mistral_style", "gemma_style", "bert_style", "t5_style", "t5_nmt_style", "unigram_style",
                            "pretok_sequences_style", "whitespace_style"})
     benchmark::RegisterBenchmark((std::string("BM_Encode/") + name).c_str(), BM_Encode, std::string(name))
         ->Unit(benchmark::kMillisecond)
