@@ -71,6 +71,11 @@ SpecialIds special_ids(const fs::path& folder) {
       std::int64_t id = 0;
       if (!entry["content"].get_string().get(c) && c == content && !entry["id"].get_int64().get(id)) return id;
     }
+    std::int64_t id = 0;  // an ordinary vocabulary entry
+    if (!tok["model"]["vocab"][content].get_int64().get(id)) return id;
+    print_warning(fmt::format("{}: {} '{}' is not a token of tokenizer.json; config.json gets no {}_id",
+                              (folder / "tokenizer_config.json").string(), key, content,
+                              std::string_view(key).substr(0, std::string_view(key).size() - 6)));
     return std::nullopt;
   };
   ids.bos = lookup("bos_token");

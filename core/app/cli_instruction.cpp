@@ -190,6 +190,11 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
     for (std::size_t i = 0; i < partitions.size(); ++i) {
       if (weights[i] == 0) continue;
       const fs::path p = py_with_suffix(dst.parent_path() / (py_stem(dst.filename().string()) + "_" + partitions[i]), suffix);
+      for (const Out& o : outs)
+        if (o.path == p)
+          throw Error(fmt::format("settings.dst_path '{}': the {} and {} splits would both be written to {} (Modalities "
+                                  "names them from the part before the last dot; use a name without dots in its stem)",
+                                  dst_given.string(), o.partition, partitions[i], p.string()));
       outs.push_back({partitions[i], p, std::make_unique<AtomicFile>(p), 0});
     }
     core::data::CPythonRandom rng(static_cast<std::uint64_t>(seed));

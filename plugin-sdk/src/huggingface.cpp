@@ -11,6 +11,7 @@
 #include <simdjson.h>
 
 #include <cctype>
+#include <cstdint>
 #include <fstream>
 #include <random>
 #include <set>
@@ -50,14 +51,20 @@ std::uint64_t parse_byte_size(const std::string& text) {
     throw Error(fmt::format("'{}' is not a size: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, "
                             "GiB), e.g. 5GB",
                             text));
-  const std::uint64_t n = std::stoull(text.substr(0, digits)) * u->second;
+  const std::uint64_t count = std::stoull(text.substr(0, digits));
+  if (count > UINT64_MAX / u->second) throw Error(fmt::format("'{}' is too large", text));
+  const std::uint64_t n = count * u->second;
   if (n == 0) throw Error(fmt::format("'{}': the size must be positive", text));
   return n;
 }
 
-void write_huggingface_folder(const fs::path& dir, const HuggingFaceCheckpoint& checkpoint,
+void write_huggingface_folder(const fs::path& dir_given, const HuggingFaceCheckpoint& checkpoint,
                               std::uint64_t max_shard_bytes, const std::vector<fs::path>& extra_files) {
   std::error_code ec;
+  fs::path dir = dir_given.lexically_normal();  // "out/hf/" names the folder "hf"
+  if (dir.filename().empty()) dir = dir.parent_path();
+  if (dir.empty() || dir.filename() == "." || dir.filename() == "..")
+    throw Error(fmt::format("'{}' is not a folder name to write a checkpoint into", dir_given.string()));
   if (fs::exists(dir, ec) && !(fs::is_directory(dir, ec) && fs::is_empty(dir, ec)))
     throw Error(fmt::format("{} exists and is not an empty directory; choose a new output folder (nothing was written)",
                             dir.string()));

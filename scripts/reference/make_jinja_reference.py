@@ -104,6 +104,13 @@ CASES = [
                        "|{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}|{{ 'abcdef'[1:4] }}|{{ [1,2,3,4][::-1] }}"
                        "|{{ 'abc'[-1] }}|{{ messages[-1]['content'][:5] }}",
      {"s": "  a b  c ", "d": {"k": "v", "n": 2}, "messages": CHAT}),
+    ("unicode_strings", "{{ s | trim }}|{{ s.strip() }}|{{ s.split() }}|{{ s.split(None, 1) }}|{{ t[1] }}|{{ t[-1] }}"
+                        "|{{ t[:2] }}|{{ t[::-1] }}|{{ t | reverse }}|{{ t | length }}|{{ 'a b c'.split(' ', 1) }}"
+                        "|{{ 'x'.startswith(('y', 'x')) }}|{{ 'aXbXc'.replace('X', '-', 1) }}|{{ '--x--'.strip('-') }}"
+                        "|{{ 'xyx' | trim('x') }}|{{ ['b', 'A', 'a'] | sort }}|{{ ['a', 'A', 'b'] | unique | list }}"
+                        "|{{ '3.5' | float }}|{{ '12abc' | int }}|{{ ' 7 ' | int }}|{{ true is number }}"
+                        "|{{ '\\u00e9\\x41' }}|{{ 2 * 3 ~ 4 }}",
+     {"s": "\u3000 hi\u00a0 there \u3000\x1c", "t": "héllo wörld 😀"}),
     ("undefined_attribute_error", "{{ missing.attr }}", {}),
 ]
 

@@ -404,8 +404,8 @@ TEST(CliConvertTest, WritesAShardedTransformersFolderWithTheTokenizer) {
   ScratchDir dir2;
   const auto config2 = conversion_config(dir2, out.string());
   const CommandResult r2 = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config2.string(),
-                                       "--output_hf_checkpoint_dir", (dir2.path() / "bf16").string(), "--dtype",
-                                       "bfloat16"});
+                                       "--output_hf_checkpoint_dir", (dir2.path() / "bf16").string() + "/", "--dtype",
+                                       "bfloat16"});  // a trailing slash names the same folder
   ASSERT_EQ(r2.exit_code, 0) << r2;
   EXPECT_THAT(read_text(dir2.path() / "bf16" / "config.json"), HasSubstr("\"torch_dtype\": \"bfloat16\""));
   EXPECT_EQ(std::filesystem::file_size(dir2.path() / "bf16" / "model.safetensors") < 86656 / 2 + 4096, true);

@@ -43,7 +43,7 @@ TEST(JinjaTest, RendersExactlyAsJinja2) {
     }
     ++n;
   }
-  EXPECT_EQ(n, 16);
+  EXPECT_EQ(n, 17);
 }
 
 TEST(JinjaTest, PythonNumbersAndJson) {
@@ -66,6 +66,15 @@ TEST(JinjaTest, RefusesWhatItDoesNotImplement) {
               ::testing::ThrowsMessage<Error>(HasSubstr("filter 'wordwrap' is not supported")));
   EXPECT_THAT([] { Template("line1\n{% if x %}"); }, ::testing::ThrowsMessage<Error>(HasSubstr("endif")));
   EXPECT_THAT([] { Template("{{ x "); }, ::testing::ThrowsMessage<Error>(HasSubstr("template line 1")));
+  // Unknown tests, functions and methods are refused before anything renders.
+  EXPECT_THAT([] { Template("{% if x is divisibleby(3) %}{% endif %}"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("test 'divisibleby' is not supported")));
+  EXPECT_THAT([] { Template("{{ strftime_now('%Y') }}"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("function 'strftime_now' is not supported")));
+  EXPECT_THAT([] { Template("{{ x.casefold() }}"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("method 'casefold' is not supported")));
+  EXPECT_THAT([] { Template("{{ x | tojson(indent=2) }}").render({}); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("tojson with arguments")));
 }
 
 }  // namespace

@@ -153,18 +153,43 @@ std::string py_str(const Value& v) {
   }
 }
 
+// Code points Python's repr() escapes because str.isprintable() is false for them: controls, the
+// non-ASCII spaces (Zs), line/paragraph separators, the common format characters (Cf) and private
+// use. (Unassigned and rarer Cf code points are printed as they are.)
+bool py_unprintable(char32_t c) {
+  return c < 0x20 || (c >= 0x7F && c <= 0xA0) || c == 0xAD || c == 0x1680 || (c >= 0x2000 && c <= 0x200F) ||
+         (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x2064) || (c >= 0x2066 && c <= 0x206F) ||
+         c == 0x3000 || c == 0xFEFF || (c >= 0xE000 && c <= 0xF8FF) || (c >= 0xFFF9 && c <= 0xFFFB) ||
+         c >= 0xF0000;
+}
+
 std::string str_repr(const std::string& s) {
   const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
   const char q = dq ? '"' : '\'';
   std::string out(1, q);
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (ch == q || ch == '\\') out += std::string("\\") + ch;
-    else if (ch == '\n') out += "\\n";
-    else if (ch == '\r') out += "\\r";
-    else if (ch == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7f) out += fmt::format("\\x{:02x}", c);
-    else out += ch;
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c0 = static_cast<unsigned char>(s[i]);
+    const std::size_t n = std::min<std::size_t>(c0 >= 0xF0 ? 4 : c0 >= 0xE0 ? 3 : c0 >= 0xC0 ? 2 : 1, s.size() - i);
+    const std::string_view piece(s.data() + i, n);
+    const char ch = s[i];
+    char32_t c = c0;
+    if (n == 2) c = ((c0 & 0x1Fu) << 6) | (static_cast<unsigned char>(s[i + 1]) & 0x3Fu);
+    else if (n == 3)
+      c = ((c0 & 0x0Fu) << 12) | ((static_cast<unsigned char>(s[i + 1]) & 0x3Fu) << 6) |
+          (static_cast<unsigned char>(s[i + 2]) & 0x3Fu);
+    else if (n == 4)
+      c = ((c0 & 0x07u) << 18) | ((static_cast<unsigned char>(s[i + 1]) & 0x3Fu) << 12) |
+          ((static_cast<unsigned char>(s[i + 2]) & 0x3Fu) << 6) | (static_cast<unsigned char>(s[i + 3]) & 0x3Fu);
+    i += n;
+    if (n == 1 && (ch == q || ch == '\\')) out += std::string("\\") + ch;
+    else if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (py_unprintable(c))
+      out += c < 0x100 ? fmt::format("\\x{:02x}", static_cast<std::uint32_t>(c))
+             : c < 0x10000 ? fmt::format("\\u{:04x}", static_cast<std::uint32_t>(c))
+                           : fmt::format("\\U{:08x}", static_cast<std::uint32_t>(c));
+    else out += piece;
   }
   return out + q;
 }
@@ -314,6 +339,27 @@ std::vector<Token> tokenize(std::string_view s, int line) {
             case '\'': v += '\''; break;
             case '"': v += '"'; break;
             case '0': v += '\0'; break;
+            case 'x':
+            case 'u':
+            case 'U': {
+              const std::size_t n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
+              if (j + n >= s.size()) fail(line, "truncated escape in a string literal");
+              const auto cp = static_cast<char32_t>(std::stoul(std::string(s.substr(j + 1, n)), nullptr, 16));
+              j += n;
+              if (cp < 0x80) v += static_cast<char>(cp);
+              else if (cp < 0x800) { v += static_cast<char>(0xC0 | (cp >> 6)); v += static_cast<char>(0x80 | (cp & 0x3F)); }
+              else if (cp < 0x10000) {
+                v += static_cast<char>(0xE0 | (cp >> 12));
+                v += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+                v += static_cast<char>(0x80 | (cp & 0x3F));
+              } else {
+                v += static_cast<char>(0xF0 | (cp >> 18));
+                v += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+                v += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+                v += static_cast<char>(0x80 | (cp & 0x3F));
+              }
+              break;
+            }
             default: v += '\\'; v += e;
           }
         } else {
@@ -425,6 +471,51 @@ struct DictExpr : Expr {
   }
 };
 
+// Python strings index by code point: the UTF-8 pieces of `s`.
+std::vector<std::string_view> code_points(std::string_view s) {
+  std::vector<std::string_view> out;
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t n = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    n = std::min(n, s.size() - i);
+    out.push_back(s.substr(i, n));
+    i += n;
+  }
+  return out;
+}
+
+char32_t decode_piece(std::string_view p) {
+  const auto b = [&](std::size_t i) { return static_cast<char32_t>(static_cast<unsigned char>(p[i])); };
+  if (p.size() == 1) return b(0);
+  if (p.size() == 2) return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+  if (p.size() == 3) return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+  return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+}
+
+// Python's str.isspace() (what str.strip() and str.split() use).
+bool py_isspace(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+// str.strip/lstrip/rstrip: whitespace, or the code points of `chars`.
+std::string py_strip(const std::string& s, const std::optional<std::string>& chars, bool left, bool right) {
+  const auto cps = code_points(s);
+  std::vector<char32_t> set;
+  if (chars)
+    for (auto p : code_points(*chars)) set.push_back(decode_piece(p));
+  const auto strip_it = [&](std::string_view p) {
+    const char32_t c = decode_piece(p);
+    return chars ? std::find(set.begin(), set.end(), c) != set.end() : py_isspace(c);
+  };
+  std::size_t a = 0, b = cps.size();
+  while (left && a < b && strip_it(cps[a])) ++a;
+  while (right && b > a && strip_it(cps[b - 1])) --b;
+  std::string out;
+  for (std::size_t i = a; i < b; ++i) out += cps[i];
+  return out;
+}
+
 Value get_attr(const Value& obj, const std::string& name, int line) {
   if (obj.kind == Value::Kind::kUndefined) fail(line, fmt::format("'{}' is undefined: cannot read its '{}'", "value", name));
   if (obj.kind == Value::Kind::kDict || obj.kind == Value::Kind::kNamespace) {
@@ -440,11 +531,13 @@ Value get_item(const Value& obj, const Value& key, int line) {
     return Value{};
   }
   if ((obj.kind == Value::Kind::kList || obj.kind == Value::Kind::kString) && key.kind == Value::Kind::kInt) {
-    const auto n = static_cast<std::int64_t>(obj.kind == Value::Kind::kList ? obj.list->size() : obj.s.size());
+    const std::vector<std::string_view> cps =
+        obj.kind == Value::Kind::kString ? code_points(obj.s) : std::vector<std::string_view>{};
+    const auto n = static_cast<std::int64_t>(obj.kind == Value::Kind::kList ? obj.list->size() : cps.size());
     std::int64_t i = key.i < 0 ? key.i + n : key.i;
     if (i < 0 || i >= n) return Value{};
     if (obj.kind == Value::Kind::kList) return (*obj.list)[static_cast<std::size_t>(i)];
-    return Value::string(std::string(1, obj.s[static_cast<std::size_t>(i)]));
+    return Value::string(std::string(cps[static_cast<std::size_t>(i)]));
   }
   return Value{};
 }
@@ -473,7 +566,8 @@ struct Slice : Expr {
     const Value o = obj->eval(r);
     const bool is_list = o.kind == Value::Kind::kList;
     if (!is_list && o.kind != Value::Kind::kString) fail(line, "only lists and strings can be sliced");
-    const auto n = static_cast<std::int64_t>(is_list ? o.list->size() : o.s.size());
+    const std::vector<std::string_view> cps = is_list ? std::vector<std::string_view>{} : code_points(o.s);
+    const auto n = static_cast<std::int64_t>(is_list ? o.list->size() : cps.size());
     const std::int64_t st = step ? step->eval(r).i : 1;
     if (st == 0) fail(line, "slice step cannot be zero");
     const auto norm = [&](const ExprPtr& e, std::int64_t dflt) {
@@ -487,7 +581,7 @@ struct Slice : Expr {
     std::string s;
     for (std::int64_t i = a; st > 0 ? i < b : i > b; i += st) {
       if (is_list) l.push_back((*o.list)[static_cast<std::size_t>(i)]);
-      else s += o.s[static_cast<std::size_t>(i)];
+      else s += cps[static_cast<std::size_t>(i)];
     }
     return is_list ? Value::make_list(std::move(l)) : Value::string(std::move(s));
   }
@@ -606,7 +700,7 @@ struct Test : Expr {
     else if (name == "undefined") res = v.kind == Value::Kind::kUndefined;
     else if (name == "none") res = v.kind == Value::Kind::kNone;
     else if (name == "string") res = v.kind == Value::Kind::kString;
-    else if (name == "number") res = v.kind == Value::Kind::kInt || v.kind == Value::Kind::kFloat;
+    else if (name == "number") res = is_number(v);
     else if (name == "integer") res = v.kind == Value::Kind::kInt;
     else if (name == "float") res = v.kind == Value::Kind::kFloat;
     else if (name == "boolean") res = v.kind == Value::Kind::kBool;
@@ -648,12 +742,6 @@ Value to_list(const Value& v, int line) {
     case Value::Kind::kUndefined: return Value::make_list();
     default: fail(line, fmt::format("{} is not iterable", py_repr(v)));
   }
-}
-
-std::string strip(const std::string& s, const std::string& chars = " \t\n\r\x0b\x0c") {
-  const auto a = s.find_first_not_of(chars);
-  if (a == std::string::npos) return "";
-  return s.substr(a, s.find_last_not_of(chars) - a + 1);
 }
 
 std::string lower(std::string s) {
@@ -702,7 +790,12 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
     const Value* x = a.get(i, k);
     return x ? py_str(*x) : dflt;
   };
-  if (name == "trim") return Value::string(strip(py_str(v)));
+  if (name == "trim") {
+    const Value* chars = a.get(0, "chars");
+    return Value::string(py_strip(py_str(v), chars && chars->kind != Value::Kind::kNone ? std::optional(py_str(*chars))
+                                                                                      : std::nullopt,
+                                  true, true));
+  }
   if (name == "length" || name == "count") {
     if (v.kind == Value::Kind::kString) {
       std::int64_t n = 0;
@@ -715,8 +808,8 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
     fail(line, "length of a value without one");
   }
   if (name == "tojson") {
-    if (a.get(0, "indent") && a.get(0, "indent")->kind != Value::Kind::kNone)
-      fail(line, "tojson(indent=...) is not supported");
+    if (!a.pos.empty() || !a.kw.empty())
+      fail(line, "tojson with arguments (ensure_ascii, indent, separators, sort_keys) is not supported");
     return Value::string(json_dumps(v));
   }
   if (name == "upper") return Value::string(upper(py_str(v)));
@@ -728,21 +821,36 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
     return Value::string(s);
   }
   if (name == "string") return Value::string(py_str(v));
+  // int(x) / float(x) on the whole (stripped) text, else the default 0, as jinja2's filters.
+  const auto parse_number = [&](bool integer) -> std::optional<double> {
+    const std::string t = py_strip(py_str(v), std::nullopt, true, true);
+    if (t.empty()) return std::nullopt;
+    try {
+      std::size_t used = 0;
+      const double d = integer ? static_cast<double>(std::stoll(t, &used)) : std::stod(t, &used);
+      if (used == t.size()) return d;
+    } catch (const std::exception&) {
+    }
+    return std::nullopt;
+  };
   if (name == "int") {
     if (v.kind == Value::Kind::kFloat) return Value::integer(static_cast<std::int64_t>(v.f));
     if (is_number(v)) return Value::integer(as_int(v));
-    try {
-      return Value::integer(std::stoll(strip(py_str(v))));
-    } catch (const std::exception&) {
-      return Value::integer(0);
-    }
+    if (auto d = parse_number(true)) return Value::integer(static_cast<std::int64_t>(*d));
+    if (auto d = parse_number(false)) return Value::integer(static_cast<std::int64_t>(*d));
+    return Value::integer(0);
   }
-  if (name == "float") return Value::real(is_number(v) ? as_double(v) : 0.0);
+  if (name == "float") {
+    if (is_number(v)) return Value::real(as_double(v));
+    return Value::real(parse_number(false).value_or(0.0));
+  }
   if (name == "abs") return v.kind == Value::Kind::kFloat ? Value::real(std::fabs(v.f)) : Value::integer(std::llabs(as_int(v)));
   if (name == "round") {
     // Python's round(x, n): the exact binary value rounded half-to-even in decimal, as "%.nf" does.
     const std::int64_t prec = a.get(0, "precision") ? as_int(*a.get(0, "precision")) : 0;
     if (prec < 0 || prec > 17) fail(line, "round precision must be in 0..17 here");
+    if (const Value* m = a.get(1, "method"); m && py_str(*m) != "common")
+      fail(line, "round(method='floor'/'ceil') is not supported");
     return Value::real(std::stod(fmt::format("{:.{}f}", as_double(v), prec)));
   }
   if (name == "default" || name == "d") {
@@ -779,7 +887,9 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
   if (name == "last") return l.list->empty() ? Value{} : l.list->back();
   if (name == "reverse") {
     if (v.kind == Value::Kind::kString) {
-      std::string s(v.s.rbegin(), v.s.rend());
+      const auto cps = code_points(v.s);
+      std::string s;
+      for (auto it = cps.rbegin(); it != cps.rend(); ++it) s += *it;
       return Value::string(s);
     }
     List x(l.list->rbegin(), l.list->rend());
@@ -805,18 +915,26 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
     }
     return Value::make_list(std::move(x));
   }
+  // jinja2 compares strings case-insensitively here unless case_sensitive=true.
+  const bool case_sensitive = a.get(99, "case_sensitive") && truthy(*a.get(99, "case_sensitive"));
+  const auto fold = [&](const Value& x) {
+    return !case_sensitive && x.kind == Value::Kind::kString ? Value::string(lower(x.s)) : x;
+  };
   if (name == "unique") {
     List x;
     for (const Value& y : *l.list)
-      if (std::none_of(x.begin(), x.end(), [&](const Value& z) { return equal(y, z); })) x.push_back(y);
+      if (std::none_of(x.begin(), x.end(), [&](const Value& z) { return equal(fold(y), fold(z)); })) x.push_back(y);
     return Value::make_list(std::move(x));
   }
   if (name == "sort") {
     List x = *l.list;
     const bool rev = a.get(0, "reverse") && truthy(*a.get(0, "reverse"));
+    const bool cs = a.get(1, "case_sensitive") && truthy(*a.get(1, "case_sensitive"));
     const Value* attr = a.get(2, "attribute");
     std::stable_sort(x.begin(), x.end(), [&](const Value& p, const Value& q) {
-      const Value pp = attr ? get_attr(p, py_str(*attr), line) : p, qq = attr ? get_attr(q, py_str(*attr), line) : q;
+      Value pp = attr ? get_attr(p, py_str(*attr), line) : p, qq = attr ? get_attr(q, py_str(*attr), line) : q;
+      if (!cs && pp.kind == Value::Kind::kString) pp = Value::string(lower(pp.s));
+      if (!cs && qq.kind == Value::Kind::kString) qq = Value::string(lower(qq.s));
       return rev ? less(qq, pp, line) : less(pp, qq, line);
     });
     return Value::make_list(std::move(x));
@@ -916,41 +1034,62 @@ struct Call : Expr {
     const std::string& m = at->name;
     const auto s_arg = [&](std::size_t i) { return i < a.pos.size() ? py_str(a.pos[i]) : std::string(); };
     if (self.kind == Value::Kind::kString) {
-      if (m == "strip") return Value::string(a.pos.empty() ? strip(self.s) : strip(self.s, s_arg(0)));
-      if (m == "lstrip" || m == "rstrip") {
-        const std::string chars = a.pos.empty() ? " \t\n\r\x0b\x0c" : s_arg(0);
-        std::string s = self.s;
-        if (m == "lstrip") s.erase(0, std::min(s.size(), s.find_first_not_of(chars)));
-        else s.erase(s.find_last_not_of(chars) == std::string::npos ? 0 : s.find_last_not_of(chars) + 1);
-        return Value::string(s);
-      }
+      const auto opt_chars = [&]() -> std::optional<std::string> {
+        if (a.pos.empty() || a.pos[0].kind == Value::Kind::kNone) return std::nullopt;
+        return py_str(a.pos[0]);
+      };
+      if (m == "strip") return Value::string(py_strip(self.s, opt_chars(), true, true));
+      if (m == "lstrip") return Value::string(py_strip(self.s, opt_chars(), true, false));
+      if (m == "rstrip") return Value::string(py_strip(self.s, opt_chars(), false, true));
       if (m == "upper") return Value::string(upper(self.s));
       if (m == "lower") return Value::string(lower(self.s));
       if (m == "title") return Value::string(title(self.s));
-      if (m == "startswith") return Value::boolean(self.s.starts_with(s_arg(0)));
-      if (m == "endswith") return Value::boolean(self.s.ends_with(s_arg(0)));
-      if (m == "replace") return Value::string(replace_all(self.s, s_arg(0), s_arg(1)));
+      if (m == "startswith" || m == "endswith") {
+        std::vector<std::string> options;
+        if (!a.pos.empty() && a.pos[0].kind == Value::Kind::kList)
+          for (const Value& x : *a.pos[0].list) options.push_back(py_str(x));
+        else
+          options.push_back(s_arg(0));
+        if (a.pos.size() > 1) fail(line, fmt::format("{}() with start/end positions is not supported", m));
+        return Value::boolean(std::any_of(options.begin(), options.end(), [&](const std::string& o) {
+          return m == "startswith" ? self.s.starts_with(o) : self.s.ends_with(o);
+        }));
+      }
+      if (m == "replace") {
+        const std::int64_t count = a.pos.size() > 2 ? as_int(a.pos[2]) : -1;
+        return Value::string(replace_all(self.s, s_arg(0), s_arg(1), count));
+      }
       if (m == "split") {
+        const Value* sep_v = a.get(0, "sep");
+        const Value* max_v = a.get(1, "maxsplit");
+        std::int64_t maxsplit = max_v ? as_int(*max_v) : -1;
         List l;
-        if (a.pos.empty()) {
+        if (sep_v == nullptr || sep_v->kind == Value::Kind::kNone) {  // runs of whitespace
+          const auto cps = code_points(self.s);
           std::size_t i = 0;
           while (true) {
-            i = self.s.find_first_not_of(" \t\n\r\x0b\x0c", i);
-            if (i == std::string::npos) break;
-            const std::size_t j = self.s.find_first_of(" \t\n\r\x0b\x0c", i);
-            l.push_back(Value::string(self.s.substr(i, j == std::string::npos ? std::string::npos : j - i)));
-            if (j == std::string::npos) break;
-            i = j;
+            while (i < cps.size() && py_isspace(decode_piece(cps[i]))) ++i;
+            if (i >= cps.size()) break;
+            std::string word;
+            if (maxsplit == 0) {
+              for (; i < cps.size(); ++i) word += cps[i];  // the rest as is (Python keeps trailing space)
+              l.push_back(Value::string(word));
+              break;
+            }
+            for (; i < cps.size() && !py_isspace(decode_piece(cps[i])); ++i) word += cps[i];
+            l.push_back(Value::string(word));
+            if (maxsplit > 0) --maxsplit;
           }
         } else {
-          const std::string sep = s_arg(0);
+          const std::string sep = py_str(*sep_v);
           if (sep.empty()) fail(line, "empty separator");
           std::size_t i = 0;
           while (true) {
-            const std::size_t j = self.s.find(sep, i);
+            const std::size_t j = maxsplit == 0 ? std::string::npos : self.s.find(sep, i);
             l.push_back(Value::string(self.s.substr(i, j == std::string::npos ? std::string::npos : j - i)));
             if (j == std::string::npos) break;
             i = j + sep.size();
+            if (maxsplit > 0) --maxsplit;
           }
         }
         return Value::make_list(std::move(l));
@@ -1146,17 +1285,17 @@ class ExprParser {
     return compare();
   }
   ExprPtr compare() {
-    ExprPtr e = concat();
+    ExprPtr e = additive();
     while (true) {
       if (t_[p_].type == Token::kOp && (is_op("==") || is_op("!=") || is_op("<") || is_op(">") || is_op("<=") || is_op(">="))) {
         const std::string op = t_[p_++].text;
-        e = binary(op, std::move(e), concat());
+        e = binary(op, std::move(e), additive());
       } else if (is_name("in")) {
         ++p_;
-        e = binary("in", std::move(e), concat());
+        e = binary("in", std::move(e), additive());
       } else if (is_name("not") && t_[p_ + 1].type == Token::kName && t_[p_ + 1].text == "in") {
         p_ += 2;
-        e = binary("not in", std::move(e), concat());
+        e = binary("not in", std::move(e), additive());
       } else if (is_name("is")) {
         ++p_;
         auto t = make<Test>();
@@ -1166,6 +1305,11 @@ class ExprParser {
         }
         if (t_[p_].type == Token::kOp && (is_op("==") || is_op("!="))) t->name = t_[p_++].text;
         else t->name = name();
+        static const std::set<std::string> tests = {"defined", "undefined", "none",  "string", "number", "integer",
+                                                    "float",   "boolean",   "true",  "false",  "mapping", "sequence",
+                                                    "iterable", "even",     "odd",   "eq",     "equalto", "==",
+                                                    "ne",      "!="};
+        if (!tests.count(t->name)) fail(line_, fmt::format("test '{}' is not supported", t->name));
         t->x = std::move(e);
         if (is_op("(")) {
           ++p_;
@@ -1186,19 +1330,20 @@ class ExprParser {
       }
     }
   }
-  ExprPtr concat() {
-    ExprPtr e = additive();
-    while (is_op("~")) {
-      ++p_;
-      e = binary("~", std::move(e), additive());
+  // jinja2's precedence: comparisons < + - < ~ < * / // % < ** < unary.
+  ExprPtr additive() {
+    ExprPtr e = concat();
+    while (is_op("+") || is_op("-")) {
+      const std::string op = t_[p_++].text;
+      e = binary(op, std::move(e), concat());
     }
     return e;
   }
-  ExprPtr additive() {
+  ExprPtr concat() {
     ExprPtr e = multiplicative();
-    while (is_op("+") || is_op("-")) {
-      const std::string op = t_[p_++].text;
-      e = binary(op, std::move(e), multiplicative());
+    while (is_op("~")) {
+      ++p_;
+      e = binary("~", std::move(e), multiplicative());
     }
     return e;
   }
@@ -1292,6 +1437,17 @@ class ExprParser {
           e = std::move(it);
         }
       } else if (is_op("(")) {
+        // Functions and methods are checked here, so a template is refused before rendering.
+        static const std::set<std::string> functions = {"raise_exception", "namespace", "range"};
+        static const std::set<std::string> methods = {"strip", "lstrip", "rstrip", "upper",  "lower", "title",
+                                                      "startswith", "endswith", "replace", "split", "items",
+                                                      "keys", "values", "get"};
+        if (const auto* n = dynamic_cast<const Name*>(e.get()); n && !functions.count(n->name))
+          fail(line_, fmt::format("function '{}' is not supported (raise_exception, namespace and range are)", n->name));
+        if (const auto* at = dynamic_cast<const Attr*>(e.get()); at && !methods.count(at->name))
+          fail(line_, fmt::format("method '{}' is not supported", at->name));
+        if (dynamic_cast<const Name*>(e.get()) == nullptr && dynamic_cast<const Attr*>(e.get()) == nullptr)
+          fail(line_, "only functions and methods can be called");
         auto c = make<Call>();
         c->fn = std::move(e);
         c->args = call_args();

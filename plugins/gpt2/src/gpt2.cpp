@@ -1743,8 +1743,8 @@ struct HuggingFacePretrainedConfig {
             "residuals); default 0. The Hugging Face config's dropout rates are not taken over.")
         .in_closed(0.0, 1.0);
     s.field("sequence_length", &C::sequence_length,
-            "Ours: maximum input length; default max_position_embeddings (n_positions for GPT-2). Must not exceed "
-            "GPT-2's n_positions (its position table).")
+            "Ours: maximum input length of a RoPE model; default max_position_embeddings (an export writes it back "
+            "as max_position_embeddings). GPT-2's is n_positions, the size of its position table: leave it out.")
         .at_least(1);
     s.field("attention_implementation", &C::attention_implementation, "Ours: manual or pytorch_flash (default).")
         .one_of({"manual", "pytorch_flash"});
@@ -1768,10 +1768,12 @@ std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
   g.prediction_key = c.prediction_key;
   g.attention_implementation = c.attention_implementation;
   if (c.sequence_length) {
-    if (imported.spec.absolute_positions && *c.sequence_length > g.sequence_length)
-      throw ConfigError("sequence_length", fmt::format("GPT-2's position table has {} rows (n_positions), got {}",
-                                                       g.sequence_length, *c.sequence_length));
-    if (!imported.spec.absolute_positions) g.sequence_length = *c.sequence_length;
+    if (imported.spec.absolute_positions && *c.sequence_length != g.sequence_length)
+      throw ConfigError("sequence_length",
+                        fmt::format("GPT-2's position table has n_positions = {} rows, which is its maximum input "
+                                    "length; leave sequence_length out (got {})",
+                                    g.sequence_length, *c.sequence_length));
+    g.sequence_length = *c.sequence_length;
   }
   auto model = std::make_shared<GPT2>(g, run_device());
   StateDict live = model->state_dict();

@@ -42,17 +42,6 @@ const std::filesystem::path kDir = MODALITIES_TEST_PLUGIN_SOURCE_DIR;
 const std::filesystem::path kData = kDir / "tests" / "data";
 const std::filesystem::path kExample = kDir / "configs" / "example.toml";
 
-// The example config names a Hugging Face folder relative to the repository root (as
-// `modalities plugins smoke` runs it); tests that build it run from there.
-class InSourceRoot {
- public:
-  InSourceRoot() : old_(std::filesystem::current_path()) { std::filesystem::current_path(MODALITIES_TEST_SOURCE_ROOT); }
-  ~InSourceRoot() { std::filesystem::current_path(old_); }
-
- private:
-  std::filesystem::path old_;
-};
-
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
@@ -803,7 +792,6 @@ TEST(Gpt2SeedTest, SeedMakesConstructionReproducible) {
 }
 
 TEST(Gpt2MixedPrecisionTest, ExampleConfigRunsBf16WithFp32MasterWeights) {
-  InSourceRoot cwd;
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
   auto raw = h.get<Module>("model_raw");
   auto m = h.get<Module>("model");
@@ -912,7 +900,6 @@ TEST(Gpt2ConfigTest, EveryValidatorNamesTheField) {
 // ffn_hidden != 4 n_embd is allowed (a warning, as in Modalities); layer_norm eps defaults of
 // Note [layer_norm eps default] are covered by the parity cases (tiny embeddings make eps decisive).
 TEST(Gpt2ConfigTest, ExampleConfigValidates) {
-  InSourceRoot cwd;
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
   EXPECT_EQ(h.build_error(), "");
 }

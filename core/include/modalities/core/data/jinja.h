@@ -14,7 +14,9 @@
 // default, list, string, int, float, replace, selectattr, rejectattr, map, items, reverse, sort,
 // unique, round, abs, indent) and string/dict methods (strip, split, startswith, endswith, upper,
 // lower, title, replace, items, keys, values, get). Anything else (macros, blocks, includes,
-// call blocks, other filters) is refused when the template is compiled, naming it.
+// call blocks, other filters, tests, functions or methods) is refused when the template is
+// compiled, naming it; arguments a supported filter does not implement (tojson's, round's method)
+// are refused when they are evaluated. upper/lower/title/capitalize change ASCII letters only.
 #pragma once
 
 #include <cstdint>
