@@ -6,7 +6,7 @@
 # and error_logs_*.log land where list_remaining_runs and summarize look. A failing run is
 # reported and the next one starts.
 #
-#   scripts/run_sweep.sh out/sweeps/todo.txt
+#   scripts/run_sweep.sh out/sweeps/remaining_runs.txt
 set -uo pipefail
 BIN=${MODALITIES_BIN:-$(dirname "$0")/../build/bin/modalities}
 list=${1:?usage: scripts/run_sweep.sh <file list>}

@@ -30,7 +30,7 @@ import transformers
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt2_reference import fill_value  # noqa: E402  (the shared integer-hash weight formula)
+from gpt2_reference import fill_value, toml_value  # noqa: E402  (the shared weight formula and TOML writer)
 
 B, T = 2, 16
 META = {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -232,20 +232,6 @@ def fill_spec(key, shape):
     if key in ("transformer.wte.weight", "transformer.wpe.weight"):
         return 0.0, 2.0
     return 0.0, 2.0 / math.sqrt(shape[1])
-
-
-def toml_value(v):
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
-    raise TypeError(v)
 
 
 EXPECTED_KEYS = {

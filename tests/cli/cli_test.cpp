@@ -495,7 +495,7 @@ lr = "${sweep.lr}"
       << R"({"dataloader_tag": "train", "num_train_steps_done": 5, "losses": {"train loss avg": 2.5}, "metrics": {}, "throughput_metrics": {"train samples/s": 12.5}})"
       << "\n{}\n{}\n";
   std::ofstream(run_dir(1) / "error_logs_host_0.log") << R"({"environment": {}, "error": {"error": "oom", "type": "OutOfMemoryError", "stacktrace": ""}})";
-  const auto todo = dir.path() / "todo.txt";
+  const auto todo = dir.path() / "remaining_runs.txt";
   r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", todo.string(),
                   "--expected_steps", "3", "--skip_exception_types", "OutOfMemoryError,Foo"});
   ASSERT_EQ(r.exit_code, 0) << r;

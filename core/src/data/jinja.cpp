@@ -5,6 +5,7 @@
 #include <modalities/core/data/jinja.h>
 
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/formats/jsonl.h>
 
 #include <fmt/format.h>
 #include <simdjson.h>
@@ -81,25 +82,8 @@ std::string float_repr(double d) {
   return out;
 }
 
-void json_string(std::string& out, std::string_view s) {
-  out += '"';
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-        else out += ch;
-    }
-  }
-  out += '"';
-}
+// Python's json.dumps(ensure_ascii=False) escapes strings exactly as the SDK's json_quote does.
+void json_string(std::string& out, std::string_view s) { out += formats::json_quote(s); }
 
 void dumps(std::string& out, const Value& v) {
   switch (v.kind) {

@@ -7,6 +7,8 @@
 //    norm; bf16 mixed precision vs Modalities' model cast to bf16 (tolerances at the test).
 //  * Structure: FQNs and order, parameter counts (plugins/gpt2/README.md), weight-decay
 //    groups, RoPE frequencies, tying, meta device + reset_parameters, clone, errors.
+#include "hash_weights.h"
+
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
@@ -48,21 +50,6 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
 
 // ---- the reference data --------------------------------------------------------------
 
-// The weight formula of scripts/reference/gpt2_reference.py (murmur3 fmix32 of i + salt * 0x9E3779B9).
-at::Tensor hash_tensor(const std::vector<std::int64_t>& shape, std::uint32_t salt, double offset, double scale) {
-  at::Tensor t = at::empty(shape, at::kFloat);
-  float* p = t.data_ptr<float>();
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) + salt * 0x9E3779B9u;
-    h ^= h >> 16;
-    h *= 0x85EBCA6Bu;
-    h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    h ^= h >> 16;
-    p[i] = static_cast<float>((static_cast<double>(h) / 4294967296.0 - 0.5) * scale + offset);
-  }
-  return t;
-}
 
 struct RefTensor {
   std::string key;

@@ -8,6 +8,8 @@
 //    same logits and identical tensors (ours -> HF -> ours);
 //  * HF -> ours -> HF gives the very tensors of the original files;
 //  * errors name the file, key and what is supported.
+#include "hash_weights.h"
+
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/huggingface.h>
@@ -181,21 +183,6 @@ void expect_config_fields(const fs::path& actual, const fs::path& expected) {
 
 // --- export cases -----------------------------------------------------------------------------------
 
-// gpt2_reference.py's hash (murmur3 fmix32 of i + salt * 0x9E3779B9), as in gpt2_test.cpp.
-at::Tensor hash_tensor(at::IntArrayRef shape, std::uint32_t salt, double offset, double scale) {
-  at::Tensor t = at::empty(shape, at::kFloat);
-  float* p = t.data_ptr<float>();
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) + salt * 0x9E3779B9u;
-    h ^= h >> 16;
-    h *= 0x85EBCA6Bu;
-    h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    h ^= h >> 16;
-    p[i] = static_cast<float>((static_cast<double>(h) / 4294967296.0 - 0.5) * scale + offset);
-  }
-  return t;
-}
 
 void fill(Module& m, const fs::path& weights_txt) {
   std::ifstream in(weights_txt);
@@ -283,11 +270,7 @@ TEST(HuggingFaceExportTest, ImportThenExportGivesTheOriginalTensors) {
       first = false;
     }
     std::ofstream(subset) << text << "}";
-    if (std::string(family) == "gpt2") {  // n_inner null means 4 * n_embd; we write it out
-      expect_config_fields(tmp.path() / "hf" / "config.json", subset);
-    } else {
-      expect_config_fields(tmp.path() / "hf" / "config.json", subset);
-    }
+    expect_config_fields(tmp.path() / "hf" / "config.json", subset);
   }
 }
 
