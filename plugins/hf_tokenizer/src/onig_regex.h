@@ -31,7 +31,7 @@ class Regex {
     bool skip_next_empty = false;
     while (last_end <= text.size()) {
       std::size_t s, e;
-      if (!search(c, text, last_end, &s, &e)) break;
+      if (!find(c, text, last_end, &s, &e)) break;
       last_end = e;
       if (s == e) {
         last_end += last_end < text.size() ? utf8_len(static_cast<unsigned char>(text[last_end])) : 1;
@@ -48,6 +48,9 @@ class Regex {
 
   /// This pattern, always matching with the explicit Oniguruma tables (tests).
   Regex with_exact_tables() const;
+  /// This pattern without the hand-written matchers of Note [Common patterns on ASCII] (tests).
+  Regex without_ascii_fast_path() const;
+  bool has_ascii_fast_path() const { return fast_ != Fast::kNone; }
   /// The PCRE2 patterns (for tests and error messages).
   const std::string& native_pattern() const;
   const std::string& exact_pattern() const;
@@ -63,10 +66,32 @@ class Regex {
     return *exact_;
   }
   static bool search(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end);
+  bool find(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end) const {
+    if (fast_ != Fast::kNone && from < text.size()) {
+      if (const std::size_t e = ascii_match(fast_, text, from); e != 0) {
+        *start = from;
+        *end = e;
+        return true;
+      }
+    }
+    return search(c, text, from, start, end);
+  }
+  enum class Fast { kNone, kGpt2, kLlama3, kQwen2 };
+  static std::size_t ascii_match(Fast pattern, std::string_view text, std::size_t from);
 
   std::shared_ptr<const Compiled> native_, exact_;
   std::shared_ptr<const CodePointSet> delta_;
+  Fast fast_ = Fast::kNone;  // the pattern is one of those below
 };
+
+/// The pre-tokenizer pattern of GPT-2 (ByteLevel's `use_regex`), as `tokenizers` writes it.
+inline constexpr std::string_view kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+/// The `Split` pattern of Llama-3 (as in its tokenizer.json) and of Qwen2 (single digits).
+inline constexpr std::string_view kLlama3Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+inline constexpr std::string_view kQwen2Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 /// Matches of an Oniguruma `pattern` in `text` as [begin, end) byte ranges
 /// (tests of the translation). `exact` forces the pattern with explicit tables.

@@ -25,6 +25,7 @@
 #include <modalities/sdk/error.h>
 
 #include <absl/container/flat_hash_map.h>
+#include <absl/hash/hash.h>
 #include <absl/strings/escaping.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -38,6 +39,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <queue>
 
 namespace modalities::plugins::hf_tokenizer {
@@ -150,9 +152,6 @@ struct Json {
        fmt::format("{} '{}' is not supported by tokenizer/pretrained_hf_tokenizer (supported: {})", kind, type,
                    supported));
 }
-
-constexpr std::string_view kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 // ---------------------------------------------------------------------------
 // Added-token matching: a byte trie giving the longest token at a position.
@@ -282,27 +281,52 @@ class Combiner {
 
 // ---------------------------------------------------------------------------
 // Per-thread word cache. Note [Word cache]: keyed by the model input of one
-// pre-token; bounded per thread and per tokenizer instance (cleared when
-// full), so concurrent tokenize() calls never share mutable state.
-
-constexpr std::size_t kCacheCapacity = 1 << 15;
-constexpr std::size_t kCacheMaxWordBytes = 256;
+// pre-token, per thread and per tokenizer instance, so concurrent tokenize()
+// calls never share mutable state. Short words (nearly all of them) live in a
+// direct-mapped table of two-cache-line slots holding the word's bytes and ids
+// inline: a hit costs one hash and one memory access, and a frequent word that
+// was overwritten comes back on its next miss (no clearing, no allocation).
+// Longer words go to a bounded map that is cleared when full.
 
 struct WordCache {
+  static constexpr std::size_t kSlots = 1 << 15;  // 4 MiB per thread and tokenizer
+  static constexpr std::size_t kMaxWord = 54;
+  static constexpr std::size_t kMaxIds = 16;
+  struct alignas(64) Slot {
+    std::uint64_t hash;
+    std::uint8_t len;  // 0: empty (words are never empty)
+    std::uint8_t n;
+    char word[kMaxWord];
+    std::int32_t ids[kMaxIds];
+  };
+  static_assert(sizeof(Slot) == 128);
+  static constexpr std::size_t kLongCapacity = 1 << 12;
+  static constexpr std::size_t kLongMaxBytes = 256;
+
   std::uint64_t owner = 0;
-  absl::flat_hash_map<std::string, std::vector<std::int32_t>> words;
+  std::unique_ptr<Slot[]> slots;
+  absl::flat_hash_map<std::string, std::vector<std::int32_t>> long_words;
+  std::vector<std::int32_t> scratch;
 };
 
 WordCache& word_cache(std::uint64_t owner) {
-  thread_local std::array<WordCache, 4> slots;
+  thread_local std::array<WordCache, 4> caches;
   thread_local std::size_t next = 0;
-  for (auto& s : slots)
-    if (s.owner == owner) return s;
-  WordCache& s = slots[next++ % slots.size()];
-  s.owner = owner;
-  s.words.clear();
-  return s;
+  for (auto& c : caches)
+    if (c.owner == owner) return c;
+  WordCache& c = caches[next++ % caches.size()];
+  c.owner = owner;
+  if (!c.slots) c.slots = std::make_unique<WordCache::Slot[]>(WordCache::kSlots);
+  std::memset(static_cast<void*>(c.slots.get()), 0, sizeof(WordCache::Slot) * WordCache::kSlots);
+  c.long_words.clear();
+  return c;
 }
+
+// Where encoding writes its ids, with the calling thread's word cache (looked up once per text).
+struct Sink {
+  std::vector<std::int64_t>& ids;
+  WordCache& cache;
+};
 
 std::atomic<std::uint64_t> g_next_instance{1};
 
@@ -830,13 +854,13 @@ struct TokenizerJson::Impl {
   // ---- encoding ----
   bool normalize(std::string_view in, std::string& out, bool* start_removed) const;
   void encode(std::string_view text, std::vector<std::int64_t>& out) const;
-  void encode_normalizable(std::string_view segment, bool at_origin, std::vector<std::int64_t>& out) const;
+  void encode_normalizable(std::string_view segment, bool at_origin, Sink& out) const;
   template <class F>
   void split_added(std::string_view sentence, const Trie& trie, F&& on_split) const;
-  void pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin, std::vector<std::int64_t>& out) const;
-  void byte_level_stage(std::string_view piece, std::vector<std::int64_t>& out) const;
-  void model(std::string_view word, std::vector<std::int64_t>& out) const;
-  void model_piece(std::string_view word, std::vector<std::int64_t>& out) const;
+  void pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin, Sink& out) const;
+  void byte_level_stage(std::string_view piece, Sink& out) const;
+  void model(std::string_view word, Sink& out) const;
+  void model_piece(std::string_view word, Sink& out) const;
   void tokenize_word(std::string_view word, std::vector<std::int32_t>& ids) const;
   void initial_symbols(std::string_view chars, std::vector<std::int32_t>& syms) const;
   void merge(std::vector<std::int32_t>& syms) const;
@@ -1512,28 +1536,27 @@ void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t
     while (bad < text.size() && text[bad] == fixed[bad]) ++bad;
     throw Error(fmt::format("text is not valid UTF-8 (first bad byte at offset {} of {})", bad, text.size()));
   }
+  Sink sink{out, word_cache(instance_id)};
   split_added(text, raw_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
     if (index >= 0) out.push_back(added[index].first);
-    else if (e > b) encode_normalizable(text.substr(b, e - b), b == 0, out);
+    else if (e > b) encode_normalizable(text.substr(b, e - b), b == 0, sink);
   });
 }
 
-void TokenizerJson::Impl::encode_normalizable(std::string_view segment, bool at_origin,
-                                              std::vector<std::int64_t>& out) const {
+void TokenizerJson::Impl::encode_normalizable(std::string_view segment, bool at_origin, Sink& out) const {
   std::string normalized;
   std::string_view view = segment;
   bool start_removed = false;
   if (!normalizers.empty() && normalize(segment, normalized, &start_removed)) view = normalized;
   at_origin = at_origin && !start_removed;
   split_added(view, normalized_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
-    if (index >= 0) out.push_back(added[index].first);
+    if (index >= 0) out.ids.push_back(added[index].first);
     else if (e > b) pre_tokenize(view.substr(b, e - b), 0, at_origin && b == 0, out);
   });
 }
 
 // `at_origin`: the piece starts at offset 0 of the original text (Metaspace's "first" scheme).
-void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin,
-                                       std::vector<std::int64_t>& out) const {
+void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin, Sink& out) const {
   if (stage == stages.size()) {
     if (byte_level) byte_level_stage(piece, out);
     else model(piece, out);
@@ -1575,7 +1598,7 @@ void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage
   combiner.finish();
 }
 
-void TokenizerJson::Impl::byte_level_stage(std::string_view piece, std::vector<std::int64_t>& out) const {
+void TokenizerJson::Impl::byte_level_stage(std::string_view piece, Sink& out) const {
   std::string prefixed;
   std::string_view view = piece;
   if (byte_level_prefix_space && !piece.starts_with(' ')) {
@@ -1597,7 +1620,7 @@ void TokenizerJson::Impl::byte_level_stage(std::string_view piece, std::vector<s
   if (prev < view.size()) model(view.substr(prev), out);
 }
 
-void TokenizerJson::Impl::model(std::string_view word, std::vector<std::int64_t>& out) const {
+void TokenizerJson::Impl::model(std::string_view word, Sink& out) const {
   if (word.empty()) return;
   if (!split_before.empty() && word.find(split_before, 1) != std::string_view::npos) {
     // Note [Splitting SentencePiece-style words]: no merge can cross these boundaries.
@@ -1615,24 +1638,41 @@ void TokenizerJson::Impl::model(std::string_view word, std::vector<std::int64_t>
   model_piece(word, out);
 }
 
-void TokenizerJson::Impl::model_piece(std::string_view word, std::vector<std::int64_t>& out) const {
-  if (word.size() >= kCacheMaxWordBytes) {
-    thread_local std::vector<std::int32_t> ids;
+void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
+  WordCache& cache = out.cache;
+  std::vector<std::int32_t>& ids = cache.scratch;
+  if (word.size() <= WordCache::kMaxWord) {
+    const std::uint64_t h = absl::Hash<absl::string_view>{}(key(word));
+    WordCache::Slot& slot = cache.slots[h & (WordCache::kSlots - 1)];
+    if (slot.hash == h && slot.len == word.size() && std::memcmp(slot.word, word.data(), word.size()) == 0) {
+      out.ids.insert(out.ids.end(), slot.ids, slot.ids + slot.n);
+      return;
+    }
     ids.clear();
     tokenize_word(word, ids);
-    out.insert(out.end(), ids.begin(), ids.end());
+    out.ids.insert(out.ids.end(), ids.begin(), ids.end());
+    if (ids.size() <= WordCache::kMaxIds) {
+      slot.hash = h;
+      slot.len = static_cast<std::uint8_t>(word.size());
+      slot.n = static_cast<std::uint8_t>(ids.size());
+      std::memcpy(slot.word, word.data(), word.size());
+      std::copy(ids.begin(), ids.end(), slot.ids);
+    }
     return;
   }
-  WordCache& cache = word_cache(instance_id);
-  if (auto it = cache.words.find(key(word)); it != cache.words.end()) {
-    out.insert(out.end(), it->second.begin(), it->second.end());
-    return;
+  if (word.size() < WordCache::kLongMaxBytes) {
+    if (auto it = cache.long_words.find(key(word)); it != cache.long_words.end()) {
+      out.ids.insert(out.ids.end(), it->second.begin(), it->second.end());
+      return;
+    }
   }
-  std::vector<std::int32_t> ids;
+  ids.clear();
   tokenize_word(word, ids);
-  out.insert(out.end(), ids.begin(), ids.end());
-  if (cache.words.size() >= kCacheCapacity) cache.words.clear();
-  cache.words.emplace(std::string(word), std::move(ids));
+  out.ids.insert(out.ids.end(), ids.begin(), ids.end());
+  if (word.size() < WordCache::kLongMaxBytes) {
+    if (cache.long_words.size() >= WordCache::kLongCapacity) cache.long_words.clear();
+    cache.long_words.emplace(std::string(word), ids);
+  }
 }
 
 // One pre-token through the model. In byte-level mode `word` holds raw bytes;

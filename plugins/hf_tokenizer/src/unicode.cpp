@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace modalities::plugins::hf_tokenizer {
@@ -106,7 +107,13 @@ CodePointSet CodePointSet::operator^(const CodePointSet& o) const {
 }
 
 std::size_t CodePointSet::find_in(std::string_view s) const {
+  const bool no_ascii = bmp_[0] == 0 && bmp_[1] == 0;
   for (std::size_t i = 0; i < s.size();) {
+    if (no_ascii) {  // skip ASCII eight bytes at a time (most text, and Regex::pick scans every text)
+      std::uint64_t w;
+      while (i + 8 <= s.size() && (std::memcpy(&w, s.data() + i, 8), (w & 0x8080808080808080ull) == 0)) i += 8;
+      if (i == s.size()) break;
+    }
     const auto b = static_cast<unsigned char>(s[i]);
     if (b < 0x80) {
       if (contains(b)) return i;

@@ -1,6 +1,7 @@
 // Single-thread throughput of the tokenizer.json engine (tokens/s and MB/s) on
 // data/multilingual/multilingual.jsonl repeated to about 20 MB (MODALITIES_BENCH_MB
-// changes the size), for the GPT-2 fixture, the Llama-3-/Qwen2-style test tokenizers
+// changes the size; MODALITIES_BENCH_CORPUS names another JSONL with a "text" field, e.g.
+// the less repetitive corpus of scripts/make_bench_corpus.py), for the GPT-2 fixture, the Llama-3-/Qwen2-style test tokenizers
 // and every tokenizer family of tests/data/families. scripts/bench_tokenizer.py runs
 // Python `tokenizers` (and tiktoken) on the same text and this benchmark side by side.
 // Built only with -DMODALITIES_BUILD_BENCHMARKS=ON.
@@ -27,7 +28,9 @@ std::size_t target_bytes() {
 const std::vector<std::string>& corpus() {
   static const std::vector<std::string> texts = [] {
     std::vector<std::string> lines;
-    std::ifstream in(fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl");
+    const char* other = std::getenv("MODALITIES_BENCH_CORPUS");
+    std::ifstream in(other != nullptr ? fs::path(other)
+                                      : fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl");
     simdjson::dom::parser parser;
     for (std::string line; std::getline(in, line);) {
       std::string_view s;

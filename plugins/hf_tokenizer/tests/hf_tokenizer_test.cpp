@@ -787,6 +787,46 @@ std::string all_code_points(const std::vector<char32_t>& cps, std::vector<std::s
 }
 
 // The Oniguruma -> PCRE2 translation, class by class over every code point, against what
+// Note [Common patterns on ASCII]: the hand-written matchers must give PCRE2's matches. Every
+// string of up to 4 characters over an alphabet of the cases they distinguish (spaces and line
+// breaks of both kinds, contractions in both cases, letters, numbers and others, ASCII and not,
+// "ſ" that folds to "s"), then the corpora.
+TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
+  auto matches = [](const Regex& re, std::string_view text) {
+    std::vector<std::pair<std::size_t, std::size_t>> out;
+    re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
+    return out;
+  };
+  const std::vector<std::string> alphabet = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
+                                             "!", "\xc3\xa9" /* é */, "\xc5\xbf" /* ſ */, "\xd9\xa3" /* Arabic 3 */,
+                                             "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */};
+  const std::vector<std::vector<std::string>> corpora = {texts_of(kCorpus), texts_of(kFamilies / "corpus.jsonl")};
+  for (const std::string_view pattern : {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern}) {
+    const Regex fast(std::string(pattern), "<test>", "pattern");
+    ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
+    const Regex pcre = fast.without_ascii_fast_path();
+    std::size_t checked = 0;
+    std::vector<std::size_t> digits;
+    for (std::size_t len = 1; len <= 4; ++len) {
+      digits.assign(len, 0);
+      while (true) {
+        std::string text;
+        for (std::size_t d : digits) text += alphabet[d];
+        ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << " on '" << text << "'";
+        ++checked;
+        std::size_t k = 0;
+        while (k < len && ++digits[k] == alphabet.size()) digits[k++] = 0;
+        if (k == len) break;
+      }
+    }
+    EXPECT_GT(checked, 130000u);
+    for (const auto& texts : corpora)
+      for (const std::string& text : texts) ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << ": " << text;
+  }
+  // Only these patterns take the fast path.
+  EXPECT_FALSE(Regex(" ?\\p{L}+|\\s+", "<test>", "pattern").has_ascii_fast_path());
+}
+
 // Oniguruma inside `tokenizers` matches (regex_classes.json, probed by
 // make_tokenizer_reference.py): identical with the explicit tables, and identical with PCRE2's
 // own tables on every code point outside the pattern's delta.
