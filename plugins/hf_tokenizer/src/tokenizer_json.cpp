@@ -413,6 +413,121 @@ bool ascii_fast_path(const NormalizerStep& n, std::string_view in, std::string& 
   return true;
 }
 
+// Note [One-pass BertNormalizer]
+// `tokenizers` runs BertNormalizer as four passes over the text: clean-up, spaces around CJK
+// ideographs, NFD followed by removing nonspacing marks, lowercase. All but NFD work character by
+// character, and NFD is each character's canonical decomposition followed by reordering runs of
+// non-starters; once the marks are removed, the order of what is left can only change if a
+// non-starter is kept. So one pass per character gives the same text, except when a kept
+// character is a non-starter: then it gives up (std::nullopt) and the four passes run. The start
+// counts as removed (for Metaspace) as the passes report it: when the clean-up removes the first
+// character or the accent stripping the first code point of its decomposition.
+std::optional<bool> bert_one_pass(const NormalizerStep& n, std::string_view in, std::string& out, bool* start_removed) {
+  const CodePointSet& removed = bert_removed();
+  const CodePointSet& space = bert_to_space();
+  const CodePointSet& marks = bert_nonspacing_marks();
+  std::string r;
+  r.reserve(in.size() + 16);
+  auto emit = [&](char32_t d) {
+    if (d < 0x80) r += static_cast<char>(n.lowercase && d >= 'A' && d <= 'Z' ? d + 32 : d);
+    else if (n.lowercase) append_lowercase(r, d);
+    else append_utf8(r, d);
+  };
+  std::array<char32_t, 8> parts;
+  std::array<bool, 8> starter;
+  bool first_removed = false;
+  for (std::size_t i = 0; i < in.size();) {
+    std::size_t len;
+    char32_t c = decode_at(in, i, &len);
+    const bool first = i == 0;
+    i += len;
+    if (n.clean_text) {
+      if (removed.contains(c)) {
+        first_removed = first_removed || first;
+        continue;
+      }
+      if (space.contains(c)) c = ' ';
+    }
+    const bool pad = n.chinese && is_bert_chinese(c);
+    if (pad) r += ' ';
+    if (!n.strip_accents || c < 0x80) {
+      emit(c);
+    } else {
+      const std::size_t k = canonical_decomposition(c, parts, starter);
+      if (k == 0) return std::nullopt;
+      for (std::size_t j = 0; j < k; ++j) {
+        if (marks.contains(parts[j])) {
+          first_removed = first_removed || (first && j == 0 && !pad);
+          continue;
+        }
+        if (!starter[j]) return std::nullopt;
+        emit(parts[j]);
+      }
+    }
+    if (pad) r += ' ';
+  }
+  if (first_removed) *start_removed = true;
+  if (r == in) return false;
+  out = std::move(r);
+  return true;
+}
+
+// BertNormalizer as `tokenizers` runs it: four passes over the text.
+bool bert_four_passes(const NormalizerStep& n, std::string_view in, std::string& out, bool* start_removed) {
+  std::string cur(in);
+  bool changed = false;
+  std::string next;
+  if (n.clean_text) {
+    const CodePointSet& removed = bert_removed();
+    const CodePointSet& space = bert_to_space();
+    if (map_chars(cur, next, [&](char32_t c, std::string_view raw, std::string& r) {
+          if (removed.contains(c)) return;
+          if (space.contains(c)) r += ' ';
+          else r += raw;
+        }, start_removed)) {
+      cur.swap(next);
+      changed = true;
+    }
+  }
+  if (n.chinese && map_chars(cur, next, [](char32_t c, std::string_view raw, std::string& r) {
+        if (is_bert_chinese(c)) {
+          r += ' ';
+          r += raw;
+          r += ' ';
+        } else {
+          r += raw;
+        }
+      })) {
+    cur.swap(next);
+    changed = true;
+  }
+  if (n.strip_accents) {
+    std::string nfd;
+    const bool decomposed = normalize_form(cur, normalization_form_options("NFD"), nfd);
+    const CodePointSet& marks = bert_nonspacing_marks();
+    std::string_view src = decomposed ? std::string_view(nfd) : std::string_view(cur);
+    if (map_chars(src, next, [&](char32_t c, std::string_view raw, std::string& r) {
+          if (!marks.contains(c)) r += raw;
+        }, start_removed)) {
+      cur.swap(next);
+      changed = true;
+    } else if (decomposed) {
+      cur.swap(nfd);
+      changed = true;
+    }
+  }
+  if (n.lowercase && map_chars(cur, next, [](char32_t c, std::string_view, std::string& r) {
+        if (c < 0x80) r += static_cast<char>(c >= 'A' && c <= 'Z' ? c + 32 : c);
+        else append_lowercase(r, c);
+      })) {
+    cur.swap(next);
+    changed = true;
+  }
+  if (!changed) return false;
+  out = std::move(cur);
+  return true;
+}
+
 bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_removed) const {
   if ((kind == Kind::kLowercase || kind == Kind::kStripAccents || kind == Kind::kBert) && is_ascii(in))
     return ascii_fast_path(*this, in, out, start_removed);
@@ -487,58 +602,12 @@ bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_re
       }, start_removed);
     }
     case Kind::kBert: {
-      std::string cur(in);
-      bool changed = false;
-      std::string next;
-      if (clean_text) {
-        const CodePointSet& removed = bert_removed();
-        const CodePointSet& space = bert_to_space();
-        if (map_chars(cur, next, [&](char32_t c, std::string_view raw, std::string& r) {
-              if (removed.contains(c)) return;
-              if (space.contains(c)) r += ' ';
-              else r += raw;
-            }, start_removed)) {
-          cur.swap(next);
-          changed = true;
-        }
+      bool one_pass_start_removed = false;
+      if (auto changed = bert_one_pass(*this, in, out, &one_pass_start_removed)) {
+        if (one_pass_start_removed) *start_removed = true;
+        return *changed;
       }
-      if (chinese && map_chars(cur, next, [](char32_t c, std::string_view raw, std::string& r) {
-            if (is_bert_chinese(c)) {
-              r += ' ';
-              r += raw;
-              r += ' ';
-            } else {
-              r += raw;
-            }
-          })) {
-        cur.swap(next);
-        changed = true;
-      }
-      if (strip_accents) {
-        std::string nfd;
-        const bool decomposed = normalize_form(cur, normalization_form_options("NFD"), nfd);
-        const CodePointSet& marks = bert_nonspacing_marks();
-        std::string_view src = decomposed ? std::string_view(nfd) : std::string_view(cur);
-        if (map_chars(src, next, [&](char32_t c, std::string_view raw, std::string& r) {
-              if (!marks.contains(c)) r += raw;
-            }, start_removed)) {
-          cur.swap(next);
-          changed = true;
-        } else if (decomposed) {
-          cur.swap(nfd);
-          changed = true;
-        }
-      }
-      if (lowercase && map_chars(cur, next, [](char32_t c, std::string_view, std::string& r) {
-            if (c < 0x80) r += static_cast<char>(c >= 'A' && c <= 'Z' ? c + 32 : c);
-            else append_lowercase(r, c);
-          })) {
-        cur.swap(next);
-        changed = true;
-      }
-      if (!changed) return false;
-      out = std::move(cur);
-      return true;
+      return bert_four_passes(*this, in, out, start_removed);
     }
   }
   return false;
@@ -2228,6 +2297,20 @@ std::optional<std::string> TokenizerJson::unk_token() const { return impl_->unk_
 std::string unicode_normalize(std::string_view text, std::string_view form) {
   std::string out;
   return normalize_form(text, normalization_form_options(form), out) ? out : std::string(text);
+}
+
+std::string bert_normalize(std::string_view text, bool strip_accents, bool lowercase, bool one_pass,
+                           bool* start_removed) {
+  NormalizerStep n;
+  n.kind = NormalizerStep::Kind::kBert;
+  n.strip_accents = strip_accents;
+  n.lowercase = lowercase;
+  std::string out;
+  *start_removed = false;
+  std::optional<bool> changed;
+  if (one_pass) changed = bert_one_pass(n, text, out, start_removed);
+  if (!changed) changed = bert_four_passes(n, text, out, start_removed);
+  return *changed ? out : std::string(text);
 }
 
 }  // namespace modalities::plugins::hf_tokenizer

@@ -100,4 +100,10 @@ class TokenizerJson {
 /// as `tokenizers`' normalizers compute it. Exposed for tests.
 std::string unicode_normalize(std::string_view text, std::string_view form);
 
+/// BertNormalizer (clean_text and handle_chinese_chars on) of `text`, by the one-pass path of
+/// Note [One-pass BertNormalizer] when it applies and `one_pass` is set, otherwise by the four
+/// passes of `tokenizers`; the flag says whether the first character was removed. Exposed for tests.
+std::string bert_normalize(std::string_view text, bool strip_accents, bool lowercase, bool one_pass,
+                           bool* start_removed);
+
 }  // namespace modalities::plugins::hf_tokenizer

@@ -387,7 +387,9 @@ std::string utf8proc_normalize(std::string_view s, int options) {
 // they are. See Note [Normalization fast path].
 }  // namespace
 
-bool normalize_form(std::string_view s, int options, std::string& out) {
+namespace {
+
+void require_known_utf8proc() {
   // kHfNormalizationUnknown and the stability tables were checked against utf8proc 2.8 (Unicode 15),
   // whose property encoding this file also reads; another version could normalize differently.
   static const bool known_utf8proc = std::string_view(utf8proc_version()) == "2.8.0";
@@ -395,6 +397,30 @@ bool normalize_form(std::string_view s, int options, std::string& out) {
     throw Error(fmt::format("Unicode normalization: this build links utf8proc {}, but the normalizers were checked "
                             "against utf8proc 2.8.0 only (Debian 12's); rebuild with it rather than risk other ids",
                             utf8proc_version()));
+}
+
+}  // namespace
+
+std::size_t canonical_decomposition(char32_t c, std::array<char32_t, 8>& out, std::array<bool, 8>& starter) {
+  require_known_utf8proc();
+  if (hf_normalization_unknown().contains(c)) {
+    out[0] = c;
+    starter[0] = true;
+    return 1;
+  }
+  static const auto nfd = static_cast<utf8proc_option_t>(normalization_form_options("NFD"));
+  utf8proc_int32_t buf[8];
+  const utf8proc_ssize_t n = utf8proc_decompose_char(static_cast<utf8proc_int32_t>(c), buf, 8, nfd, nullptr);
+  if (n <= 0 || n > 8) return 0;
+  for (utf8proc_ssize_t i = 0; i < n; ++i) {
+    out[i] = static_cast<char32_t>(buf[i]);
+    starter[i] = utf8proc_get_property(buf[i])->combining_class == 0;
+  }
+  return static_cast<std::size_t>(n);
+}
+
+bool normalize_form(std::string_view s, int options, std::string& out) {
+  require_known_utf8proc();
   const CodePointSet& unknown = hf_normalization_unknown();
   const StableTable* table = nullptr;
   std::size_t copied = 0, last_stable = 0;

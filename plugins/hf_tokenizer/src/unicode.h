@@ -133,6 +133,13 @@ int normalization_form_options(std::string_view form);
 /// normalizer of that form gives.
 bool normalize_form(std::string_view s, int options, std::string& out);
 
+/// The canonical decomposition of one code point as `tokenizers`' NFD gives it (code points it
+/// does not know stay as they are): up to 8 code points, each flagged as a starter (combining
+/// class 0) or not. Returns how many; 0 if the decomposition does not fit (never in Unicode 15).
+/// NFD of a text is these pieces concatenated and then its non-starters reordered, so where no
+/// non-starter is kept the pieces alone give the result (Note [One-pass BertNormalizer]).
+std::size_t canonical_decomposition(char32_t c, std::array<char32_t, 8>& out, std::array<bool, 8>& starter);
+
 /// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
 /// becomes one U+FFFD.
 std::string utf8_lossy(std::string_view bytes);

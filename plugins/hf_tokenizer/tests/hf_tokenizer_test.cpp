@@ -787,6 +787,32 @@ std::string all_code_points(const std::vector<char32_t>& cps, std::vector<std::s
 }
 
 // The Oniguruma -> PCRE2 translation, class by class over every code point, against what
+// Note [One-pass BertNormalizer]: the one pass gives the text of the four passes (which FamilyTest
+// and the probes check against `tokenizers`) for every code point, alone, between letters and
+// removed marks, and before a kept non-starter, for each flag setting that changes the work.
+TEST(HfTokenizerTest, OnePassBertNormalizerEqualsTheFourPassesOnEveryCodePoint) {
+  std::size_t differences = 0;
+  for (char32_t c = 0; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    std::string alone, between = "Ab", before_kept = "a";
+    append_utf8(alone, c);
+    append_utf8(between, c);
+    between += "\xcc\x81" "c\xcc\xa7";  // U+0301, c, U+0327 (marks that are removed)
+    append_utf8(before_kept, c);
+    before_kept += "\xf0\x9d\x85\xa5";  // U+1D165 (class 216, Mc: kept), reordered after a kept class 230
+    for (const auto& [strip, lower] : {std::pair{true, true}, std::pair{false, true}, std::pair{true, false}})
+      for (const std::string& text : {alone, between, before_kept}) {
+        bool removed_one = false, removed_four = false;
+        const std::string one = bert_normalize(text, strip, lower, true, &removed_one);
+        const std::string four = bert_normalize(text, strip, lower, false, &removed_four);
+        if ((one != four || removed_one != removed_four) && differences++ < 5)
+          ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << " strip " << strip << " lower "
+                        << lower << ": '" << one << "' vs '" << four << "'";
+      }
+  }
+  EXPECT_EQ(differences, 0u);
+}
+
 // Note [Common patterns on ASCII]: the hand-written matchers must give PCRE2's matches. Every
 // string of up to 4 characters over an alphabet of the cases they distinguish (spaces and line
 // breaks of both kinds, contractions in both cases, letters, numbers and others, ASCII and not,
