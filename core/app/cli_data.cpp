@@ -170,7 +170,7 @@ int pack_encoded_data(const std::vector<std::string>& args) {
   hooks.warn = [](const std::string& m) { print_warning(m); };
   const data::PackingResult r = data::pack_encoded_data(settings, *tokenizer, hooks);
   const std::uint64_t src_bytes = std::filesystem::file_size(settings.src_path);
-  fmt::print("wrote {}: {} documents, {} tokens of {} byte(s){} in {:.2f} s ({}, {} tokens/s)\n", r.dst.lexically_normal().string(),
+  fmt::print("wrote {}: {} documents, {} tokens of {} byte(s){} in {:.3f} s ({}, {} tokens/s)\n", r.dst.lexically_normal().string(),
              r.documents, r.tokens, r.token_size, r.skipped ? fmt::format(", {} documents skipped", r.skipped) : "",
              r.seconds, mib_per_s(src_bytes, r.seconds),
              core::human_count(static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9)));

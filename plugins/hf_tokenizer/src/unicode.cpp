@@ -538,6 +538,10 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
   }
   pool_ = blob.substr(4 + trie_bytes);
   if (units_.empty()) throw bad("empty trie");
+  for (std::size_t b = 0; b < ascii_.size(); ++b) {
+    const char ch = static_cast<char>(b);
+    if (auto r = transform(std::string_view(&ch, 1))) ascii_[b] = std::string(*r);
+  }
 }
 
 std::optional<std::string_view> PrecompiledCharsmap::transform(std::string_view chunk) const {
@@ -594,7 +598,25 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
   utf8proc_int32_t state = 0;
   std::size_t start = 0, prev_at = 0, prev_len = 0;
   char32_t prev = 0;
+  const auto ascii = [&](std::size_t k) { return k >= in.size() || static_cast<unsigned char>(in[k]) < 0x80; };
   for (std::size_t i = 0; i < in.size();) {
+    // Note [Precompiled on ASCII]: an ASCII character between ASCII neighbours is a grapheme cluster
+    // of its own (unless it is half of "\r\n"), so it becomes its one-byte replacement; the
+    // grapheme state after it is that of any ASCII character, which state 0 recomputes from it.
+    if (ascii_fast_ && i > 0 && ascii(i - 1) && ascii(i) && ascii(i + 1) && !(in[i] == '\n' && in[i - 1] == '\r') &&
+        !(in[i] == '\r' && i + 1 < in.size() && in[i + 1] == '\n')) {
+      if (start < i) emit(start, i);
+      const auto b = static_cast<std::size_t>(in[i]);
+      if (ascii_[b]) result += *ascii_[b];
+      else result += in[i];
+      first_cluster = false;
+      state = 0;
+      prev = static_cast<char32_t>(in[i]);
+      prev_at = i;
+      prev_len = 1;
+      start = ++i;
+      continue;
+    }
     std::size_t len;
     const char32_t c = decode_at(in, i, &len);
     if (i > 0) {
@@ -619,7 +641,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
     prev_len = len;
     i += len;
   }
-  emit(start, in.size());
+  if (start < in.size()) emit(start, in.size());
   if (result == in) return false;
   out = std::move(result);
   return true;

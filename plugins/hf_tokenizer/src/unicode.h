@@ -164,12 +164,20 @@ class PrecompiledCharsmap {
   /// whose result could depend on the Unicode version of the grapheme rules: a code point
   /// unassigned in Unicode 15.0 right after a character the charsmap maps, within 6 bytes.
   bool normalize(std::string_view in, std::string& out, bool* first_removed) const;
+  /// This charsmap without Note [Precompiled on ASCII] (tests).
+  PrecompiledCharsmap without_ascii_fast_path() const {
+    PrecompiledCharsmap c = *this;
+    c.ascii_fast_ = false;
+    return c;
+  }
 
  private:
   /// The replacement of the shortest key that is a prefix of `chunk` (stopping at a NUL byte).
   std::optional<std::string_view> transform(std::string_view chunk) const;
   std::vector<std::uint32_t> units_;
   std::string pool_;
+  bool ascii_fast_ = true;
+  std::array<std::optional<std::string>, 128> ascii_;  // the replacement of each one-byte cluster
 };
 
 }  // namespace modalities::plugins::hf_tokenizer

@@ -14,6 +14,7 @@
 #include <modalities/sdk/schema.h>
 #include <modalities/testing/harness.h>
 
+#include <absl/strings/escaping.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <simdjson.h>
@@ -673,6 +674,51 @@ TEST(HfTokenizerTest, PrecompiledCharsmapsLoadOrFailByName) {
   EXPECT_EQ(t5.encode("a\u00a0b"), t5.encode("a b"));
   EXPECT_THAT([&] { (void)t5.encode("a\u00a0\u2ffc b"); },
               ::testing::ThrowsMessage<Error>(HasSubstr("cannot decide U+2FFC after U+00A0")));
+}
+
+// Note [Precompiled on ASCII]: with and without the ASCII shortcut, the real nmt_nfkc charsmap
+// gives the same text for every code point at the start and between ASCII neighbours (letters,
+// controls, the halves of "\r\n"), and on the corpora.
+TEST(HfTokenizerTest, PrecompiledAsciiShortcutChangesNothing) {
+  dom::parser parser;
+  dom::element root = parser.load((kFamilies / "t5_nmt_style" / "tokenizer.json").string()).value();
+  std::string_view encoded;
+  dom::element normalizer = root["normalizer"];
+  if (normalizer["type"].get_string().value() == "Sequence") {
+    for (dom::element n : normalizer["normalizers"].get_array())
+      if (n["type"].get_string().value() == "Precompiled") normalizer = n;
+  }
+  ASSERT_EQ(normalizer["precompiled_charsmap"].get_string().get(encoded), simdjson::SUCCESS);
+  std::string blob;
+  ASSERT_TRUE(absl::Base64Unescape(absl::string_view(encoded.data(), encoded.size()), &blob));
+  const PrecompiledCharsmap fast(blob, "test");
+  const PrecompiledCharsmap slow = fast.without_ascii_fast_path();
+  auto run = [](const PrecompiledCharsmap& m, const std::string& text, bool* removed) {
+    std::string out;
+    *removed = false;
+    try {
+      return m.normalize(text, out, removed) ? out : text;
+    } catch (const Error& e) {
+      return std::string("error: ") + e.what();
+    }
+  };
+  std::size_t differences = 0;
+  auto check = [&](const std::string& text) {
+    bool r1 = false, r2 = false;
+    const std::string a = run(fast, text, &r1), b = run(slow, text, &r2);
+    if ((a != b || r1 != r2) && differences++ < 5) ADD_FAILURE() << "'" << text << "': '" << a << "' vs '" << b << "'";
+  };
+  for (char32_t c = 0; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    std::string cp;
+    append_utf8(cp, c);
+    check(cp + "\x7f ");
+    check("ab" + cp + "cd");
+    check("\t\r" + cp + "\nb");
+  }
+  for (const fs::path& corpus : {kCorpus, kFamilies / "corpus.jsonl"})
+    for (const std::string& text : texts_of(corpus)) check(text);
+  EXPECT_EQ(differences, 0u);
 }
 
 TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
