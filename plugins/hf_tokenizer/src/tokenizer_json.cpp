@@ -882,6 +882,11 @@ struct TokenizerJson::Impl {
   bool byte_fast = false;                    // every byte character is in the vocabulary, no prefix/suffix
   absl::flat_hash_map<std::string, std::int32_t> raw_vocab;  // byte-level mode + ignore_merges: raw bytes -> id
   std::array<std::int32_t, 256> fallback_ids{};              // byte_fallback: id of <0xNN>, or -1
+  // BPE without subword prefix or word suffix: the id of each one-character token (-1: none), so
+  // initial_symbols looks characters up without building strings.
+  bool char_ids_ready = false;
+  std::vector<std::int32_t> bmp_char_ids;
+  absl::flat_hash_map<char32_t, std::int32_t> astral_char_ids;
   // Unigram
   std::vector<double> scores;
   double unk_score = 0;
@@ -1360,6 +1365,18 @@ void TokenizerJson::Impl::finish_model() {
   fallback_ids.fill(-1);
   for (int b = 0; b < 256; ++b)
     if (auto id = vocab_id(fmt::format("<0x{:02X}>", b))) fallback_ids[b] = *id;
+  // Single characters by code point, for initial_symbols without prefix or suffix.
+  char_ids_ready = model_kind == ModelKind::kBpe && subword_prefix.empty() && word_suffix.empty();
+  if (char_ids_ready) {
+    bmp_char_ids.assign(0x10000, -1);
+    for (const auto& [token, id] : vocab) {
+      if (token.empty() || utf8_len(static_cast<unsigned char>(token[0])) != token.size()) continue;
+      std::size_t len;
+      const char32_t c = decode_at(token, 0, &len);
+      if (c < 0x10000) bmp_char_ids[c] = id;
+      else astral_char_ids.emplace(c, id);
+    }
+  }
   if (!byte_level) return;
   const auto& abc = alphabet();
   byte_fast = model_kind == ModelKind::kBpe && subword_prefix.empty() && word_suffix.empty();
@@ -1796,14 +1813,29 @@ void TokenizerJson::Impl::initial_symbols(std::string_view w, std::vector<std::i
   std::optional<std::int32_t> unk;  // a pending unknown symbol
   std::string s;
   for (std::size_t i = 0; i < w.size();) {
-    const std::size_t len = utf8_len(static_cast<unsigned char>(w[i]));
-    const bool is_first = i == 0, is_last = i + len >= w.size();
-    s.clear();
-    if (!is_first) s += subword_prefix;
-    s.append(w.substr(i, len));
-    if (is_last) s += word_suffix;
+    std::size_t len;
+    std::optional<std::int32_t> id;
+    if (char_ids_ready) {
+      const char32_t c = decode_at(w, i, &len);
+      std::int32_t found = -1;
+      if (c < 0x10000) {
+        found = bmp_char_ids[c];
+      } else if (auto it = astral_char_ids.find(c); it != astral_char_ids.end()) {
+        found = it->second;
+      }
+      if (found >= 0) id = found;
+      else s.assign(w.substr(i, len));  // for byte fallback
+    } else {
+      len = utf8_len(static_cast<unsigned char>(w[i]));
+      const bool is_first = i == 0, is_last = i + len >= w.size();
+      s.clear();
+      if (!is_first) s += subword_prefix;
+      s.append(w.substr(i, len));
+      if (is_last) s += word_suffix;
+      id = vocab_id(s);
+    }
     i += len;
-    if (auto id = vocab_id(s)) {
+    if (id) {
       if (unk) syms.push_back(*unk);
       unk.reset();
       syms.push_back(*id);
