@@ -495,15 +495,15 @@ lr = "${sweep.lr}"
       << R"({"dataloader_tag": "train", "num_train_steps_done": 5, "losses": {"train loss avg": 2.5}, "metrics": {}, "throughput_metrics": {"train samples/s": 12.5}})"
       << "\n{}\n{}\n";
   std::ofstream(run_dir(1) / "error_logs_host_0.log") << R"({"environment": {}, "error": {"error": "oom", "type": "OutOfMemoryError", "stacktrace": ""}})";
-  const auto todo = dir.path() / "remaining_runs.txt";
-  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", todo.string(),
+  const auto remaining = dir.path() / "remaining_runs.txt";
+  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", remaining.string(),
                   "--expected_steps", "3", "--skip_exception_types", "OutOfMemoryError,Foo"});
   ASSERT_EQ(r.exit_code, 0) << r;
-  EXPECT_EQ(lines_of(todo).size(), 10u) << r;
-  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", todo.string(),
+  EXPECT_EQ(lines_of(remaining).size(), 10u) << r;
+  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", remaining.string(),
                   "--expected_steps", "3", "--world_size", "4", "--create_new_folders_if_partially_done"});
   ASSERT_EQ(r.exit_code, 0) << r;
-  const auto four = lines_of(todo);
+  const auto four = lines_of(remaining);
   EXPECT_EQ(four.size(), configs[0].string().find("/4/") != std::string::npos ? 5u : 6u);
   {
     r = modalities({"benchmark", "summarize", "--exp_root", out.string(), "--csv", (dir.path() / "t.csv").string()});

@@ -6,6 +6,7 @@
 
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/jsonl.h>
+#include <modalities/sdk/utf8.h>
 
 #include <fmt/format.h>
 #include <simdjson.h>
@@ -330,18 +331,7 @@ std::vector<Token> tokenize(std::string_view s, int line) {
               if (j + n >= s.size()) fail(line, "truncated escape in a string literal");
               const auto cp = static_cast<char32_t>(std::stoul(std::string(s.substr(j + 1, n)), nullptr, 16));
               j += n;
-              if (cp < 0x80) v += static_cast<char>(cp);
-              else if (cp < 0x800) { v += static_cast<char>(0xC0 | (cp >> 6)); v += static_cast<char>(0x80 | (cp & 0x3F)); }
-              else if (cp < 0x10000) {
-                v += static_cast<char>(0xE0 | (cp >> 12));
-                v += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-                v += static_cast<char>(0x80 | (cp & 0x3F));
-              } else {
-                v += static_cast<char>(0xF0 | (cp >> 18));
-                v += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-                v += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-                v += static_cast<char>(0x80 | (cp & 0x3F));
-              }
+              append_utf8(v, cp);
               break;
             }
             default: v += '\\'; v += e;

@@ -12,6 +12,8 @@
 // component here looks code points up in its own table.
 #pragma once
 
+#include <modalities/sdk/utf8.h>  // append_utf8
+
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -45,8 +47,6 @@ inline std::size_t last_char_start(std::string_view s) {
   while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) --i;
   return i;
 }
-
-void append_utf8(std::string& out, char32_t cp);
 
 /// Number of code points of valid UTF-8 `s`.
 std::size_t count_chars(std::string_view s);
