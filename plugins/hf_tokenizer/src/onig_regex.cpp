@@ -482,6 +482,9 @@ Regex::Regex(const std::string& onig_pattern, const std::filesystem::path& file,
   fast_ = onig_pattern == kGpt2Pattern     ? Fast::kGpt2
           : onig_pattern == kLlama3Pattern ? Fast::kLlama3
           : onig_pattern == kQwen2Pattern  ? Fast::kQwen2
+          : onig_pattern == kGpt4oPattern  ? Fast::kGpt4o
+          : onig_pattern == kTekkenPattern ? Fast::kTekken
+          : onig_pattern == kDeepSeekV3Pattern ? Fast::kDeepSeekV3
                                            : Fast::kNone;
 }
 
@@ -497,10 +500,72 @@ Regex Regex::without_ascii_fast_path() const {
   return r;
 }
 
+// DeepSeek-V3's third split (kDeepSeekV3Pattern) on ASCII; see Note [Common patterns on ASCII].
+// Digits and controls that no alternative matches are skipped, as PCRE2's search skips them.
+static std::size_t deepseek_v3_match(std::string_view text, std::size_t& from) {
+  enum : std::uint8_t { kSpace, kLetter, kPunct, kOther, kNonAscii, kEnd };  // kPunct: \p{P} or \p{S}
+  static const std::array<std::uint8_t, 128> classes = [] {
+    std::array<std::uint8_t, 128> c{};
+    const CodePointSet& space = *oniguruma_class("\\s");
+    const CodePointSet& letter = *oniguruma_class("L");
+    const CodePointSet& mark = *oniguruma_class("M");
+    const CodePointSet& punct = *oniguruma_class("P");
+    const CodePointSet& symbol = *oniguruma_class("S");
+    for (char32_t b = 0; b < 128; ++b) {
+      if (mark.contains(b)) throw Error("internal: an ASCII mark");
+      c[b] = space.contains(b) ? kSpace : letter.contains(b) ? kLetter : punct.contains(b) || symbol.contains(b) ? kPunct : kOther;
+    }
+    return c;
+  }();
+  constexpr std::string_view kLiteralPunct = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";  // the pattern's first class
+  const std::size_t n = text.size();
+  auto cls = [&](std::size_t i) -> std::uint8_t {
+    if (i >= n) return kEnd;
+    const auto b = static_cast<unsigned char>(text[i]);
+    return b < 0x80 ? classes[b] : static_cast<std::uint8_t>(kNonAscii);
+  };
+  auto run = [&](std::size_t i, std::uint8_t k) -> std::size_t {  // 0 when a non-ASCII byte ends it
+    while (cls(i) == k) ++i;
+    return cls(i) == kNonAscii ? 0 : i;
+  };
+  auto ascii_letter = [&](std::size_t i) { return i < n && ((text[i] | 0x20) >= 'a' && (text[i] | 0x20) <= 'z'); };
+  for (std::size_t at = from; at < n; ++at) {
+    const std::uint8_t k = cls(at);
+    if (k == kNonAscii) return 0;
+    const char c = text[at];
+    std::size_t end = 0;
+    if (kLiteralPunct.find(c) != std::string_view::npos && ascii_letter(at + 1)) {  // [punct][A-Za-z]+
+      end = at + 1;
+      while (ascii_letter(end)) ++end;
+    } else if (k == kLetter) {  // [\p{L}\p{M}]+
+      if ((end = run(at, kLetter)) == 0) return 0;
+    } else if (k != kPunct && c != '\r' && c != '\n' && cls(at + 1) == kLetter) {  // [^\r\n\p{L}\p{P}\p{S}] before it
+      if ((end = run(at + 1, kLetter)) == 0) return 0;
+    } else if (k != kPunct && c != '\r' && c != '\n' && cls(at + 1) == kNonAscii) {
+      return 0;  // a mark or letter could follow
+    } else if (k == kPunct || (c == ' ' && cls(at + 1) == kPunct)) {  //  ?[\p{P}\p{S}]+[\r\n]*
+      if ((end = run(k == kPunct ? at : at + 1, kPunct)) == 0) return 0;
+      while (end < n && (text[end] == '\r' || text[end] == '\n')) ++end;
+    } else if (k == kSpace) {
+      const std::size_t e = run(at, kSpace);
+      if (e == 0) return 0;
+      for (std::size_t i = e; i > at && end == 0; --i)  // \s*[\r\n]+: through the last line break of the run
+        if (text[i - 1] == '\r' || text[i - 1] == '\n') end = i;
+      if (end == 0) end = e == n || e - 1 == at ? e : e - 1;  // \s+(?!\S) | \s+
+    } else {
+      continue;  // a digit or a control that no alternative matches here
+    }
+    from = at;
+    return end;
+  }
+  return std::string_view::npos;
+}
+
 // Note [Common patterns on ASCII]
-// The pre-tokenizer patterns of GPT-2 (ByteLevel's regex), Llama-3 and Qwen2 match at every
-// position (each character is \s, a letter, a number or none of these, and some alternative
-// starts with each), so the match that a search from `from` finds starts at `from`. On ASCII its
+// The pre-tokenizer patterns of GPT-2 (ByteLevel's regex), Llama-3, Qwen2, GPT-4o and Tekken
+// match at every position (each character is \s, a letter, a number or none of these, and some
+// alternative starts with each), so the match that a search from `from` finds starts at `from`
+// (DeepSeek-V3's skips digits and controls; deepseek_v3_match skips them as PCRE2 does). On ASCII its
 // end follows from the classes of a few bytes, which the code below reads instead of calling
 // PCRE2 once per token (a third of the time of byte-level BPE on typical text). The classes are
 // Oniguruma's own table entries for ASCII. Whenever the answer depends on a byte >= 0x80 (a run
@@ -508,7 +573,7 @@ Regex Regex::without_ascii_fast_path() const {
 // whose letter could be "ſ", ...) it returns 0 and PCRE2 decides that match. Checked against
 // PCRE2 on every string of up to 4 characters over an alphabet of the distinguishing cases and on
 // the test corpora (AsciiMatchersGiveThePcreMatchesOnEveryShortString).
-std::size_t Regex::ascii_match(Fast pattern, std::string_view text, std::size_t from) {
+std::size_t Regex::ascii_match(Fast pattern, std::string_view text, std::size_t& from) {
   enum : std::uint8_t { kSpace, kLetter, kNumber, kOther, kNonAscii, kEnd };
   static const std::array<std::uint8_t, 128> classes = [] {
     std::array<std::uint8_t, 128> c{};
@@ -531,23 +596,82 @@ std::size_t Regex::ascii_match(Fast pattern, std::string_view text, std::size_t 
     return cls(i) == kNonAscii ? 0 : i;
   };
   auto lower = [](char x) { return x >= 'A' && x <= 'Z' ? static_cast<char>(x + 32) : x; };
+  if (pattern == Fast::kDeepSeekV3) return deepseek_v3_match(text, from);
   const std::uint8_t first = cls(from);
   if (first == kNonAscii) return 0;
   const char c = text[from];
   const bool gpt2 = pattern == Fast::kGpt2;
-
-  if (c == '\'' && from + 1 < n) {  // 's|'t|'re|'ve|'m|'ll|'d (case-insensitive but for GPT-2)
-    if (!gpt2 && cls(from + 1) == kNonAscii) return 0;
-    const char x = gpt2 ? text[from + 1] : lower(text[from + 1]);
-    if (x == 's' || x == 't' || x == 'm' || x == 'd') return from + 2;
-    if ((x == 'r' || x == 'v' || x == 'l') && from + 2 < n) {
-      if (!gpt2 && cls(from + 2) == kNonAscii) return 0;
-      const char y = gpt2 ? text[from + 2] : lower(text[from + 2]);
-      if ((x != 'l' && y == 'e') || (x == 'l' && y == 'l')) return from + 3;
+  const bool cased = pattern == Fast::kGpt4o || pattern == Fast::kTekken;
+  // (?i:'s|'t|'re|'ve|'m|'ll|'d) at `i`: its end, `i` when there is none, npos when a non-ASCII
+  // character decides (case-insensitive "s" also matches "ſ").
+  constexpr std::size_t kDefer = std::string_view::npos;
+  auto contraction = [&](std::size_t i) -> std::size_t {
+    if (i >= n || text[i] != '\'' || i + 1 >= n) return i;
+    if (!gpt2 && cls(i + 1) == kNonAscii) return kDefer;
+    const char x = gpt2 ? text[i + 1] : lower(text[i + 1]);
+    if (x == 's' || x == 't' || x == 'm' || x == 'd') return i + 2;
+    if ((x == 'r' || x == 'v' || x == 'l') && i + 2 < n) {
+      if (!gpt2 && cls(i + 2) == kNonAscii) return kDefer;
+      const char y = gpt2 ? text[i + 2] : lower(text[i + 2]);
+      if ((x != 'l' && y == 'e') || (x == 'l' && y == 'l')) return i + 3;
     }
+    return i;
+  };
+
+  if (cased) {
+    // GPT-4o / Tekken: [U]*[W]+ | [U]+[W]* with U = Lu|Lt|Lm|Lo|M and W = Ll|Lm|Lo|M; on ASCII
+    // U is A-Z and W is a-z (disjoint), so both alternatives end where the run of capitals and
+    // the run of small letters after it end.
+    static const std::array<std::uint8_t, 128> letter_case = [] {  // 1: in U only, 2: in W only
+      std::array<std::uint8_t, 128> k{};
+      const CodePointSet u = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
+                             *oniguruma_class("Lo") | *oniguruma_class("M");
+      const CodePointSet w = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
+                             *oniguruma_class("M");
+      for (char32_t b = 0; b < 128; ++b) {
+        k[b] = u.contains(b) ? 1 : w.contains(b) ? 2 : 0;
+        if ((u.contains(b) && w.contains(b)) || (k[b] == 0) != (classes[b] != kLetter))
+          throw Error("internal: an ASCII letter in both case classes or in none");
+      }
+      return k;
+    }();
+    auto word = [&](std::size_t i) -> std::size_t {  // the letters at `i` (one at least), then a contraction
+      while (i < n && static_cast<unsigned char>(text[i]) < 0x80 && letter_case[static_cast<unsigned char>(text[i])] == 1) ++i;
+      while (i < n && static_cast<unsigned char>(text[i]) < 0x80 && letter_case[static_cast<unsigned char>(text[i])] == 2) ++i;
+      if (cls(i) == kNonAscii) return 0;
+      if (pattern == Fast::kTekken) return i;
+      const std::size_t e = contraction(i);
+      return e == kDefer ? 0 : e;
+    };
+    if (first == kLetter) return word(from);
+    if (first == kNumber) {  // \p{N}{1,3} (GPT-4o) | \p{N} (Tekken)
+      const std::size_t most = pattern == Fast::kGpt4o ? 3 : 1;
+      std::size_t i = from;
+      while (i - from < most && cls(i) == kNumber) ++i;
+      return i - from < most && cls(i) == kNonAscii ? 0 : i;
+    }
+    if (c != '\r' && c != '\n') {  // [^\r\n\p{L}\p{N}]? before the letters
+      const std::uint8_t next = cls(from + 1);
+      if (next == kNonAscii) return 0;
+      if (next == kLetter) return word(from + 1);
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n/]*
+    const bool other = first == kOther;
+    if (other || (c == ' ' && cls(from + 1) == kOther)) {
+      std::size_t e = run(other ? from : from + 1, kOther);
+      if (e == 0) return 0;
+      while (e < n && (text[e] == '\r' || text[e] == '\n' || text[e] == '/')) ++e;
+      return e;
+    }
+  } else if (c == '\'') {  // 's|'t|'re|'ve|'m|'ll|'d (case-insensitive but for GPT-2)
+    const std::size_t e = contraction(from);
+    if (e == kDefer) return 0;
+    if (e != from) return e;
   }
 
-  if (gpt2) {
+  if (cased) {
+    // What is left starts with a space character: the line-break and space rules below.
+  } else if (gpt2) {
     if (c == ' ') {  //  ?\p{L}+ |  ?\p{N}+ |  ?[^\s\p{L}\p{N}]+
       const std::uint8_t next = cls(from + 1);
       if (next == kNonAscii) return 0;

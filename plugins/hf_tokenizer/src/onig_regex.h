@@ -68,16 +68,20 @@ class Regex {
   static bool search(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end);
   bool find(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end) const {
     if (fast_ != Fast::kNone && from < text.size()) {
-      if (const std::size_t e = ascii_match(fast_, text, from); e != 0) {
-        *start = from;
+      std::size_t s = from;
+      if (const std::size_t e = ascii_match(fast_, text, s); e != 0) {
+        if (e == std::string_view::npos) return false;
+        *start = s;
         *end = e;
         return true;
       }
     }
     return search(c, text, from, start, end);
   }
-  enum class Fast { kNone, kGpt2, kLlama3, kQwen2 };
-  static std::size_t ascii_match(Fast pattern, std::string_view text, std::size_t from);
+  enum class Fast { kNone, kGpt2, kLlama3, kQwen2, kGpt4o, kTekken, kDeepSeekV3 };
+  // The end of the match that a search from `from` finds (which moves `from` to its start), npos
+  // when there is none, or 0 when PCRE2 must decide (Note [Common patterns on ASCII]).
+  static std::size_t ascii_match(Fast pattern, std::string_view text, std::size_t& from);
 
   std::shared_ptr<const Compiled> native_, exact_;
   std::shared_ptr<const CodePointSet> delta_;
@@ -92,6 +96,20 @@ inline constexpr std::string_view kLlama3Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 inline constexpr std::string_view kQwen2Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+/// The `Split` pattern of GPT-4o's o200k encoding as Hugging Face conversions write it (cased
+/// words, contractions after a word, up to three digits) and of Mistral's Tekken (no
+/// contractions, single digits).
+inline constexpr std::string_view kGpt4oPattern =
+    R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+inline constexpr std::string_view kTekkenPattern =
+    R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+/// The third `Split` pattern of DeepSeek-V3 (after splits of \p{N}{1,3} and of kana and CJK
+/// ideographs): ASCII punctuation before ASCII letters, words with marks, punctuation and symbols.
+/// Unlike the others it does not match everywhere (digits and controls alone are left out).
+inline constexpr std::string_view kDeepSeekV3Pattern =
+    R"re([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
 
 /// Matches of an Oniguruma `pattern` in `text` as [begin, end) byte ranges
 /// (tests of the translation). `exact` forces the pattern with explicit tables.

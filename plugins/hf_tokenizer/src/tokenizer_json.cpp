@@ -472,6 +472,147 @@ std::optional<bool> bert_one_pass(const NormalizerStep& n, std::string_view in, 
   return true;
 }
 
+// Note [Fused character maps]
+// StripAccents, Lowercase and Nmt change a text one character at a time, so a run of them in a
+// Sequence is the same as passing each character through all of them in turn: one pass instead
+// of one pass (and one new string) per step. An NFD right before such a run joins it as in Note
+// [One-pass BertNormalizer]: each character's canonical decomposition goes through the maps,
+// which is NFD's result unless a non-starter (which NFD may reorder) comes out of the maps; then
+// the pass gives up and the steps run one by one. The start counts as removed exactly when one
+// of the steps, run alone, would remove the first character it sees.
+bool is_fusable_map(const NormalizerStep& n) {
+  using K = NormalizerStep::Kind;
+  return n.kind == K::kStripAccents || n.kind == K::kLowercase || n.kind == K::kNmt;
+}
+bool is_nfd(const NormalizerStep& n) {
+  return n.kind == NormalizerStep::Kind::kForm && n.options == normalization_form_options("NFD");
+}
+
+// What the maps of `steps` make of each ASCII character (they map ASCII to ASCII): the byte, or
+// kRemovedAscii.
+constexpr std::uint8_t kRemovedAscii = 0x80;
+using AsciiMaps = std::array<std::uint8_t, 128>;
+AsciiMaps ascii_maps(std::span<const NormalizerStep> steps) {
+  using K = NormalizerStep::Kind;
+  AsciiMaps t{};
+  for (char32_t b = 0; b < 128; ++b) {
+    char32_t c = b;
+    for (const NormalizerStep& m : steps) {
+      if (m.kind == K::kLowercase && c >= 'A' && c <= 'Z') c += 32;
+      if ((m.kind == K::kNmt && nmt_removed().contains(c)) || (m.kind == K::kStripAccents && strip_accents_marks().contains(c))) {
+        c = kRemovedAscii;
+        break;
+      }
+      if (m.kind == K::kNmt && nmt_to_space().contains(c)) c = ' ';
+    }
+    t[b] = static_cast<std::uint8_t>(c);
+  }
+  return t;
+}
+
+std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const AsciiMaps& ascii, std::string_view in,
+                                   std::string& out, bool* start_removed) {
+  using K = NormalizerStep::Kind;
+  const bool nfd = is_nfd(steps.front());
+  const std::span<const NormalizerStep> maps = steps.subspan(nfd ? 1 : 0);
+  constexpr std::size_t kMaxMaps = 16;
+  if (maps.empty() || maps.size() > kMaxMaps || !std::ranges::all_of(maps, is_fusable_map)) return std::nullopt;
+  std::array<bool, kMaxMaps> received{};
+  std::size_t all_received = 0;  // leading steps that have seen a character
+  bool first_removed = false;
+  std::string r;
+  r.reserve(in.size() + 16);
+  std::string lowered;
+  // Passes `c` into maps[s..]; returns whether anything came out of the last map.
+  auto feed = [&](auto& self, char32_t c, std::size_t s) -> bool {
+    for (; s < maps.size(); ++s) {
+      if (s >= all_received && !received[s]) {
+        received[s] = true;
+        if (s == all_received) ++all_received;
+        const bool removes = (maps[s].kind == K::kStripAccents && strip_accents_marks().contains(c)) ||
+                             (maps[s].kind == K::kNmt && nmt_removed().contains(c));
+        if (removes) first_removed = true;
+      }
+      switch (maps[s].kind) {
+        case K::kStripAccents:
+          if (c >= 0x80 && strip_accents_marks().contains(c)) return false;
+          break;
+        case K::kNmt:
+          if (nmt_removed().contains(c)) return false;
+          if (nmt_to_space().contains(c)) c = ' ';
+          break;
+        case K::kLowercase:
+          if (c < 0x80) {
+            if (c >= 'A' && c <= 'Z') c += 32;
+          } else {
+            lowered.clear();
+            append_lowercase(lowered, c);
+            std::size_t len;
+            const char32_t d = decode_at(lowered, 0, &len);
+            if (len != lowered.size()) {  // several characters (U+0130 becomes "i\u0307")
+              const std::string pieces = lowered;
+              bool any = false;
+              for (std::size_t i = 0; i < pieces.size(); i += len) any = self(self, decode_at(pieces, i, &len), s + 1) || any;
+              return any;
+            }
+            c = d;
+          }
+          break;
+        default: break;
+      }
+    }
+    if (c < 0x80) r += static_cast<char>(c);
+    else append_utf8(r, c);
+    return true;
+  };
+  std::array<char32_t, 8> parts;
+  std::array<bool, 8> starter;
+  for (std::size_t i = 0; i < in.size();) {
+    if (static_cast<unsigned char>(in[i]) < 0x80 && all_received == maps.size()) {
+      // The common case: a run of ASCII through the table.
+      std::size_t j = i;
+      while (j < in.size() && static_cast<unsigned char>(in[j]) < 0x80) ++j;
+      const std::size_t at = r.size();
+      r.resize(at + (j - i));
+      char* w = r.data() + at;
+      for (; i < j; ++i) {
+        const std::uint8_t o = ascii[static_cast<unsigned char>(in[i])];
+        if (o != kRemovedAscii) *w++ = static_cast<char>(o);
+      }
+      r.resize(static_cast<std::size_t>(w - r.data()));
+      continue;
+    }
+    std::size_t len;
+    const char32_t c = decode_at(in, i, &len);
+    i += len;
+    if (!nfd || c < 0x80 || nfd_inert_starter(c)) {
+      feed(feed, c, 0);
+      continue;
+    }
+    const std::size_t k = canonical_decomposition(c, parts, starter);
+    if (k == 0) return std::nullopt;
+    for (std::size_t j = 0; j < k; ++j)
+      if (feed(feed, parts[j], 0) && !starter[j]) return std::nullopt;
+  }
+  if (first_removed) *start_removed = true;
+  if (r == in) return false;
+  out = std::move(r);
+  return true;
+}
+
+// The steps one after the other (what `tokenizers` does).
+bool run_steps(std::span<const NormalizerStep> steps, std::string_view in, std::string& out, bool* start_removed) {
+  bool changed = false;
+  std::string next;
+  for (const NormalizerStep& n : steps) {
+    if (n.apply(changed ? std::string_view(out) : in, next, start_removed)) {
+      out.swap(next);
+      changed = true;
+    }
+  }
+  return changed;
+}
+
 // BertNormalizer as `tokenizers` runs it: four passes over the text.
 bool bert_four_passes(const NormalizerStep& n, std::string_view in, std::string& out, bool* start_removed) {
   std::string cur(in);
@@ -859,6 +1000,11 @@ struct TokenizerJson::Impl {
   std::uint64_t instance_id = g_next_instance.fetch_add(1);
 
   std::vector<NormalizerStep> normalizers;
+  // [begin, end) ranges of `normalizers`: single steps and runs of Note [Fused character maps].
+  std::vector<std::pair<std::size_t, std::size_t>> normalizer_plan;
+  bool fused_characters = true;  // false: the runs go step by step (tests)
+  std::vector<std::array<std::uint8_t, 128>> ascii_tables;  // per entry of normalizer_plan
+  void plan_normalizers();
   bool top_level_bert = false;  // the normalizer is one BertNormalizer (not in a Sequence)
 
   // Pre-tokenizer: stages, then (optionally, always last) ByteLevel.
@@ -1028,6 +1174,7 @@ void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<st
   parse_model(j, j.member(root, "model", "tokenizer.json"));
   check_padding_and_truncation(j, root);
   if (auto n = j.optional_member(root, "normalizer")) parse_normalizer(j, *n, "normalizer");
+  plan_normalizers();
   if (auto p = j.optional_member(root, "pre_tokenizer")) parse_pre_tokenizer(j, *p, "pre_tokenizer", true);
   finish_model();
   if (auto d = j.optional_member(root, "decoder")) {
@@ -1552,13 +1699,44 @@ void TokenizerJson::Impl::rebuild_tries() {
 bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out, bool* start_removed) const {
   bool changed = false;
   std::string next;
-  for (const NormalizerStep& n : normalizers) {
-    if (n.apply(changed ? std::string_view(out) : in, next, start_removed)) {
+  const std::span<const NormalizerStep> all(normalizers);
+  for (std::size_t k = 0; k < normalizer_plan.size(); ++k) {
+    const auto [b, e] = normalizer_plan[k];
+    const std::string_view current = changed ? std::string_view(out) : in;
+    bool step_changed;
+    if (e - b == 1 && !is_fusable_map(all[b])) {
+      step_changed = all[b].apply(current, next, start_removed);
+    } else {
+      bool removed = false;  // Note [Fused character maps]
+      std::optional<bool> fused =
+          fused_characters ? fused_one_pass(all.subspan(b, e - b), ascii_tables[k], current, next, &removed)
+                           : std::nullopt;
+      if (fused) {
+        if (removed) *start_removed = true;
+        step_changed = *fused;
+      } else {
+        step_changed = run_steps(all.subspan(b, e - b), current, next, start_removed);
+      }
+    }
+    if (step_changed) {
       out.swap(next);
       changed = true;
     }
   }
   return changed;
+}
+
+void TokenizerJson::Impl::plan_normalizers() {
+  normalizer_plan.clear();
+  ascii_tables.clear();
+  for (std::size_t b = 0; b < normalizers.size();) {
+    std::size_t e = b + 1;
+    if (is_fusable_map(normalizers[b]) || is_nfd(normalizers[b]))
+      while (e < normalizers.size() && is_fusable_map(normalizers[e])) ++e;
+    normalizer_plan.emplace_back(b, e);  // a lone NFD stays itself; lone maps take the one pass too
+    ascii_tables.push_back(ascii_maps(std::span<const NormalizerStep>(normalizers).subspan(b, e - b)));
+    b = e;
+  }
 }
 
 // AddedVocabulary::find_matches: leftmost-longest tokens, then the
@@ -2342,6 +2520,28 @@ std::string bert_normalize(std::string_view text, bool strip_accents, bool lower
   std::optional<bool> changed;
   if (one_pass) changed = bert_one_pass(n, text, out, start_removed);
   if (!changed) changed = bert_four_passes(n, text, out, start_removed);
+  return *changed ? out : std::string(text);
+}
+
+std::string normalize_steps(std::span<const std::string_view> steps, std::string_view text, bool fused,
+                            bool* start_removed, bool* one_pass) {
+  using K = NormalizerStep::Kind;
+  std::vector<NormalizerStep> list;
+  for (std::string_view name : steps) {
+    NormalizerStep n;
+    if (name == "NFD") n.options = normalization_form_options("NFD");
+    else if (name == "StripAccents") n.kind = K::kStripAccents;
+    else if (name == "Lowercase") n.kind = K::kLowercase;
+    else if (name == "Nmt") n.kind = K::kNmt;
+    else throw Error(fmt::format("normalize_steps: unknown step '{}'", name));
+    list.push_back(std::move(n));
+  }
+  std::string out;
+  *start_removed = false;
+  std::optional<bool> changed;
+  if (fused) changed = fused_one_pass(list, ascii_maps(list), text, out, start_removed);
+  if (one_pass != nullptr) *one_pass = changed.has_value();
+  if (!changed) changed = run_steps(list, text, out, start_removed);
   return *changed ? out : std::string(text);
 }
 

@@ -106,4 +106,11 @@ std::string unicode_normalize(std::string_view text, std::string_view form);
 std::string bert_normalize(std::string_view text, bool strip_accents, bool lowercase, bool one_pass,
                            bool* start_removed);
 
+/// A Sequence of the normalizers named in `steps` ("NFD", "StripAccents", "Lowercase", "Nmt") on
+/// `text`, in one pass (Note [Fused character maps]) when `fused` is set and it applies, otherwise
+/// step by step as `tokenizers` runs them; the flag says whether the first character was removed,
+/// *one_pass (if given) whether the one pass applied. Exposed for tests.
+std::string normalize_steps(std::span<const std::string_view> steps, std::string_view text, bool fused,
+                            bool* start_removed, bool* one_pass = nullptr);
+
 }  // namespace modalities::plugins::hf_tokenizer

@@ -40,6 +40,18 @@ CodePointSet CodePointSet::from_ranges(std::vector<std::pair<char32_t, char32_t>
   }
   for (const auto& [a, b] : s.ranges_)
     for (char32_t c = a; c <= std::min<char32_t>(b, 0xFFFF); ++c) s.bmp_[c >> 6] |= std::uint64_t{1} << (c & 63);
+  // The code points each UTF-8 lead byte starts: [lo, hi].
+  auto intersects = [&](char32_t lo, char32_t hi) {
+    return std::any_of(s.ranges_.begin(), s.ranges_.end(), [&](const auto& r) { return r.first <= hi && r.second >= lo; });
+  };
+  for (unsigned b = 0; b < 256; ++b) {
+    bool any = false;
+    if (b < 0x80) any = intersects(b, b);
+    else if (b >= 0xC2 && b <= 0xDF) any = intersects((b & 0x1F) << 6, ((b & 0x1F) << 6) | 0x3F);
+    else if (b >= 0xE0 && b <= 0xEF) any = intersects((b & 0x0F) << 12, ((b & 0x0F) << 12) | 0xFFF);
+    else if (b >= 0xF0 && b <= 0xF4) any = intersects((b & 0x07) << 18, ((b & 0x07) << 18) | 0x3FFFF);
+    s.lead_[b] = any;
+  }
   return s;
 }
 
@@ -97,9 +109,8 @@ std::size_t CodePointSet::find_in(std::string_view s) const {
       if (i == s.size()) break;
     }
     const auto b = static_cast<unsigned char>(s[i]);
-    if (b < 0x80) {
-      if (contains(b)) return i;
-      ++i;
+    if (!lead_[b]) {  // no code point with this lead byte is in the set
+      i += utf8_len(b);
       continue;
     }
     std::size_t len;
@@ -399,6 +410,22 @@ std::size_t canonical_decomposition(char32_t c, std::array<char32_t, 8>& out, st
     starter[i] = utf8proc_get_property(buf[i])->combining_class == 0;
   }
   return static_cast<std::size_t>(n);
+}
+
+bool nfd_inert_starter(char32_t c) {
+  static const std::vector<std::uint64_t> bmp = [] {  // one bit per BMP code point, computed once
+    std::vector<std::uint64_t> bits(1024, 0);
+    std::array<char32_t, 8> parts;
+    std::array<bool, 8> starter;
+    for (char32_t d = 0; d < 0x10000; ++d)
+      if ((d < 0xD800 || d > 0xDFFF) && canonical_decomposition(d, parts, starter) == 1 && parts[0] == d && starter[0])
+        bits[d >> 6] |= std::uint64_t{1} << (d & 63);
+    return bits;
+  }();
+  if (c < 0x10000) return (bmp[c >> 6] >> (c & 63)) & 1;
+  std::array<char32_t, 8> parts;
+  std::array<bool, 8> starter;
+  return canonical_decomposition(c, parts, starter) == 1 && parts[0] == c && starter[0];
 }
 
 bool normalize_form(std::string_view s, int options, std::string& out) {

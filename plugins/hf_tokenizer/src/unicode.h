@@ -82,6 +82,7 @@ class CodePointSet {
   bool contains_astral(char32_t c) const;
   std::vector<std::uint64_t> bmp_;
   std::vector<std::pair<char32_t, char32_t>> ranges_;
+  std::array<bool, 256> lead_{};  // UTF-8 lead bytes of code points in the set (find_in skips the others)
 };
 
 // ---- the tables of each Hugging Face component ------------------------------
@@ -139,6 +140,9 @@ bool normalize_form(std::string_view s, int options, std::string& out);
 /// NFD of a text is these pieces concatenated and then its non-starters reordered, so where no
 /// non-starter is kept the pieces alone give the result (Note [One-pass BertNormalizer]).
 std::size_t canonical_decomposition(char32_t c, std::array<char32_t, 8>& out, std::array<bool, 8>& starter);
+
+/// Whether NFD leaves `c` alone and it is a starter (canonical_decomposition gives `c` itself).
+bool nfd_inert_starter(char32_t c);
 
 /// Rust's `String::from_utf8_lossy`: each maximal ill-formed subsequence
 /// becomes one U+FFFD.

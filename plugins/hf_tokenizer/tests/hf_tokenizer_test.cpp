@@ -859,6 +859,72 @@ TEST(HfTokenizerTest, OnePassBertNormalizerEqualsTheFourPassesOnEveryCodePoint) 
   EXPECT_EQ(differences, 0u);
 }
 
+// Note [Fused character maps]: the one pass gives the text and start flag of the steps run one by
+// one (which FamilyTest checks against `tokenizers`) for every code point, alone, between letters
+// and removed marks, after a removed first character, and before a kept non-starter.
+TEST(HfTokenizerTest, FusedCharacterMapsEqualTheStepsOnEveryCodePoint) {
+  using Steps = std::vector<std::string_view>;
+  const std::vector<Steps> chains = {{"NFD", "StripAccents", "Lowercase"}, {"Lowercase", "StripAccents"},
+                                     {"Nmt", "Lowercase"}, {"NFD", "Nmt", "StripAccents"}, {"NFD", "Lowercase"},
+                                     {"Lowercase"}};
+  std::size_t differences = 0, fused = 0;
+  for (char32_t c = 0; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    std::string alone, between = "Ab", after_removed = "\xcc\x81\x01", before_kept = "a";
+    append_utf8(alone, c);
+    append_utf8(between, c);
+    between += "\xcc\x81" "c\xcc\xa7";  // U+0301, c, U+0327 (marks that StripAccents removes)
+    append_utf8(after_removed, c);      // U+0301 and U+0001 first: StripAccents and Nmt remove them
+    append_utf8(before_kept, c);
+    before_kept += "\xf0\x9d\x85\xa5";  // U+1D165 (class 216, Mc: kept), reordered after a kept class 230
+    for (const Steps& chain : chains)
+      for (const std::string& text : {alone, between, after_removed, before_kept}) {
+        bool removed_one = false, removed_steps = false;
+        bool one_pass = false;
+        const std::string one = normalize_steps(chain, text, true, &removed_one, &one_pass);
+        const std::string steps = normalize_steps(chain, text, false, &removed_steps);
+        if ((one != steps || removed_one != removed_steps) && differences++ < 5)
+          ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << " " << chain.front() << "+"
+                        << chain.size() - 1 << ": '" << one << "' (" << removed_one << ") vs '" << steps << "' ("
+                        << removed_steps << ")";
+        fused += one_pass;
+      }
+  }
+  EXPECT_EQ(differences, 0u);
+  EXPECT_GT(fused, 23000000u) << fused;  // of 6 x 4 x 1.1M (23.3M): it gives up only on kept non-starters
+}
+
+// CodePointSet::find_in skips ASCII words and lead bytes of blocks outside the set: the first
+// code point in the set as a plain scan finds it, for sets in each UTF-8 length, on every text of
+// the corpora and on a text of every code point.
+TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
+  std::vector<char32_t> cps;
+  for (char32_t c = 1; c < 0x110000; ++c)
+    if (c < 0xD800 || c > 0xDFFF) cps.push_back(c);
+  std::vector<std::size_t> offsets;
+  std::vector<std::string> texts = texts_of(kCorpus);
+  for (const std::string& t : texts_of(kFamilies / "corpus.jsonl")) texts.push_back(t);
+  texts.push_back(all_code_points(cps, offsets));
+  const Regex gpt4o(std::string(kGpt4oPattern), "<test>", "pattern");
+  const std::vector<CodePointSet> sets = {
+      gpt4o.delta(), *oniguruma_class("Lo"), CodePointSet::from_ranges({{'x', 'x'}}),
+      CodePointSet::from_ranges({{0xE9, 0xE9}}), CodePointSet::from_ranges({{0x4E2D, 0x4E2D}}),
+      CodePointSet::from_ranges({{0x1F600, 0x1F64F}}), CodePointSet::from_ranges({{0x10FFFF, 0x10FFFF}})};
+  std::size_t found = 0;
+  for (const CodePointSet& set : sets)
+    for (const std::string& text : texts) {
+      std::size_t scan = std::string_view::npos;
+      for (std::size_t i = 0, len; i < text.size(); i += len)
+        if (set.contains(decode_at(text, i, &len))) {
+          scan = i;
+          break;
+        }
+      ASSERT_EQ(set.find_in(text), scan) << text.substr(0, 80);
+      found += scan != std::string_view::npos;
+    }
+  EXPECT_GT(found, 500u);
+}
+
 // Note [Common patterns on ASCII]: the hand-written matchers must give PCRE2's matches. Every
 // string of up to 4 characters over an alphabet of the cases they distinguish (spaces and line
 // breaks of both kinds, contractions in both cases, letters, numbers and others, ASCII and not,
@@ -871,9 +937,11 @@ TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
   };
   const std::vector<std::string> alphabet = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
                                              "!", "\xc3\xa9" /* é */, "\xc5\xbf" /* ſ */, "\xd9\xa3" /* Arabic 3 */,
-                                             "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */};
+                                             "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */,
+                                             "/", "\xc3\x89" /* É */, "\xcc\x81" /* combining acute */, "\x01"};
   const std::vector<std::vector<std::string>> corpora = {texts_of(kCorpus), texts_of(kFamilies / "corpus.jsonl")};
-  for (const std::string_view pattern : {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern}) {
+  for (const std::string_view pattern : {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern, kGpt4oPattern, kTekkenPattern,
+                                          kDeepSeekV3Pattern}) {
     const Regex fast(std::string(pattern), "<test>", "pattern");
     ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
     const Regex pcre = fast.without_ascii_fast_path();
@@ -895,8 +963,18 @@ TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
     for (const auto& texts : corpora)
       for (const std::string& text : texts) ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << ": " << text;
   }
-  // Only these patterns take the fast path.
+  // Only these patterns take the fast path, and the family fixtures use them as real exports write them.
   EXPECT_FALSE(Regex(" ?\\p{L}+|\\s+", "<test>", "pattern").has_ascii_fast_path());
+  for (const auto& [family, split, pattern] : {std::tuple{"gpt4o_style", 0, kGpt4oPattern},
+                                               std::tuple{"tekken_style", 0, kTekkenPattern},
+                                               std::tuple{"deepseek_v3_style", 2, kDeepSeekV3Pattern}}) {
+    dom::parser parser;
+    std::string_view regex;
+    ASSERT_EQ(parser.load((kFamilies / family / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"].at(split)
+                  ["pattern"]["Regex"].get(regex),
+              simdjson::SUCCESS) << family;
+    EXPECT_EQ(regex, pattern) << family;
+  }
 }
 
 // Oniguruma inside `tokenizers` matches (regex_classes.json, probed by
