@@ -32,6 +32,7 @@
 #include <simdjson.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -830,6 +831,86 @@ struct Stage {
   }
 };
 
+// One stage on `piece`: calls emit(begin, end) for each piece it leaves (what `tokenizers`' split
+// with the stage's behaviour gives).
+template <class Emit>
+void split_one_stage(const Stage& st, std::string_view piece, Emit&& emit) {
+  Combiner<std::remove_reference_t<Emit>> combiner(st.behavior, emit);
+  st.segments(piece, [&](std::size_t b, std::size_t e, bool m) { combiner.push(b, e, m); });
+  combiner.finish();
+}
+
+// Note [One pass for character splits]
+// WhitespaceSplit, Punctuation, Digits, CharDelimiterSplit and BertPreTokenizer cut a piece at the
+// characters of one class, which they remove (Removed), keep alone (Isolated) or keep in runs
+// (Contiguous). Whether such a stage cuts between two neighbours depends on those two characters
+// alone (Isolated: either is in the class; Contiguous: exactly one is), and a removed character
+// always cuts. So a run of these stages in a Sequence leaves the pieces of one pass that cuts
+// wherever any of them would and drops what any Removed stage matches, instead of one pass (and
+// one call per piece) per stage. Checked against the stages one by one on every code point.
+struct CharSplitRun {
+  std::size_t end = 0;                   // the stage after the run
+  std::array<std::uint32_t, 128> ascii{};  // bit k: stage k of the run matches the ASCII character
+  std::uint32_t removed = 0, isolated = 0, contiguous = 0;  // stages by behaviour
+  std::vector<const Stage*> stages;
+};
+
+bool is_char_split(const Stage& s) {
+  return s.kind == Stage::Kind::kChars &&
+         (s.behavior == Behavior::kRemoved || s.behavior == Behavior::kIsolated || s.behavior == Behavior::kContiguous);
+}
+
+bool stage_matches(const Stage& s, char32_t c) { return s.chars != nullptr ? s.chars->contains(c) : c == s.delimiter; }
+
+CharSplitRun char_split_run(std::span<const Stage> stages, std::size_t begin) {
+  CharSplitRun r;
+  r.end = begin;
+  while (r.end < stages.size() && is_char_split(stages[r.end]) && r.end - begin < 32) {
+    const Stage& s = stages[r.end];
+    const std::uint32_t bit = std::uint32_t{1} << (r.end - begin);
+    if (s.behavior == Behavior::kRemoved) r.removed |= bit;
+    if (s.behavior == Behavior::kIsolated) r.isolated |= bit;
+    if (s.behavior == Behavior::kContiguous) r.contiguous |= bit;
+    for (char32_t c = 0; c < 128; ++c)
+      if (stage_matches(s, c)) r.ascii[c] |= bit;
+    r.stages.push_back(&s);
+    ++r.end;
+  }
+  return r;
+}
+
+template <class Emit>
+void split_chars_one_pass(const CharSplitRun& run, std::string_view piece, Emit&& emit) {
+  constexpr std::size_t kNone = std::string_view::npos;
+  std::size_t start = kNone;
+  std::uint32_t prev = 0;
+  for (std::size_t i = 0; i < piece.size();) {
+    const auto b = static_cast<unsigned char>(piece[i]);
+    std::size_t len = 1;
+    std::uint32_t m;
+    if (b < 0x80) {
+      m = run.ascii[b];
+    } else {
+      const char32_t c = decode_at(piece, i, &len);
+      m = 0;
+      for (std::size_t k = 0; k < run.stages.size(); ++k)
+        if (stage_matches(*run.stages[k], c)) m |= std::uint32_t{1} << k;
+    }
+    if (m & run.removed) {
+      if (start != kNone) emit(start, i);
+      start = kNone;
+    } else if (start == kNone) {
+      start = i;
+    } else if (((m | prev) & run.isolated) != 0 || ((m ^ prev) & run.contiguous) != 0) {
+      emit(start, i);
+      start = i;
+    }
+    prev = m;
+    i += len;
+  }
+  if (start != kNone) emit(start, piece.size());
+}
+
 // Note [Unigram scores are parsed as serde_json parses them]
 // `tokenizers` reads tokenizer.json with serde_json without its float_roundtrip
 // feature: a number's decimal digits are collected into a u64 (digits beyond
@@ -1009,6 +1090,8 @@ struct TokenizerJson::Impl {
 
   // Pre-tokenizer: stages, then (optionally, always last) ByteLevel.
   std::vector<Stage> stages;
+  std::vector<CharSplitRun> split_runs;  // per stage: the run of Note [One pass for character splits] it starts
+  bool fused_splits = true;              // false: stage by stage (tests)
   bool byte_level = false;
   bool byte_level_prefix_space = false;
   bool byte_level_use_regex = true;
@@ -1176,6 +1259,7 @@ void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<st
   if (auto n = j.optional_member(root, "normalizer")) parse_normalizer(j, *n, "normalizer");
   plan_normalizers();
   if (auto p = j.optional_member(root, "pre_tokenizer")) parse_pre_tokenizer(j, *p, "pre_tokenizer", true);
+  for (std::size_t k = 0; k <= stages.size(); ++k) split_runs.push_back(char_split_run(stages, k));
   finish_model();
   if (auto d = j.optional_member(root, "decoder")) {
     has_decoder = true;
@@ -1856,10 +1940,16 @@ void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage
     combiner.finish();
     return;
   }
-  auto emit = [&](std::size_t b, std::size_t e) { pre_tokenize(piece.substr(b, e - b), stage + 1, at_origin && b == 0, out); };
-  Combiner<decltype(emit)> combiner(st.behavior, emit);
-  st.segments(piece, [&](std::size_t b, std::size_t e, bool m) { combiner.push(b, e, m); });
-  combiner.finish();
+  if (fused_splits && split_runs[stage].end > stage) {  // Note [One pass for character splits]
+    const CharSplitRun& run = split_runs[stage];
+    split_chars_one_pass(run, piece, [&](std::size_t b, std::size_t e) {
+      pre_tokenize(piece.substr(b, e - b), run.end, at_origin && b == 0, out);
+    });
+    return;
+  }
+  split_one_stage(st, piece, [&](std::size_t b, std::size_t e) {
+    pre_tokenize(piece.substr(b, e - b), stage + 1, at_origin && b == 0, out);
+  });
 }
 
 void TokenizerJson::Impl::byte_level_stage(std::string_view piece, Sink& out) const {
@@ -2543,6 +2633,49 @@ std::string normalize_steps(std::span<const std::string_view> steps, std::string
   if (one_pass != nullptr) *one_pass = changed.has_value();
   if (!changed) changed = run_steps(list, text, out, start_removed);
   return *changed ? out : std::string(text);
+}
+
+std::vector<std::string> split_characters(std::span<const std::string_view> stages, std::string_view text,
+                                          bool one_pass) {
+  std::vector<Stage> list;
+  for (std::string_view name : stages) {
+    Stage s;
+    s.kind = Stage::Kind::kChars;
+    if (name == "WhitespaceSplit") {
+      s.chars = &rust_whitespace();
+      s.behavior = Behavior::kRemoved;
+    } else if (name.starts_with("Punctuation")) {
+      s.chars = &bert_punctuation();
+      s.behavior = name.ends_with("Removed") ? Behavior::kRemoved : name.ends_with("Contiguous") ? Behavior::kContiguous
+                                                                                                  : Behavior::kIsolated;
+    } else if (name.starts_with("Digits")) {
+      s.chars = &rust_numeric();
+      s.behavior = name.ends_with("Individual") ? Behavior::kIsolated : Behavior::kContiguous;
+    } else if (name.starts_with("CharDelimiterSplit:")) {
+      std::size_t len;
+      s.delimiter = decode_at(name, name.find(':') + 1, &len);
+      s.behavior = Behavior::kRemoved;
+    } else {
+      throw Error(fmt::format("split_characters: unknown stage '{}'", name));
+    }
+    list.push_back(s);
+  }
+  std::vector<std::string> pieces;
+  if (one_pass) {
+    const CharSplitRun run = char_split_run(list, 0);
+    if (run.end != list.size()) throw Error("split_characters: not one run");
+    split_chars_one_pass(run, text, [&](std::size_t b, std::size_t e) { pieces.emplace_back(text.substr(b, e - b)); });
+    return pieces;
+  }
+  auto stage_by_stage = [&](auto& self, std::string_view piece, std::size_t k) -> void {
+    if (k == list.size()) {
+      pieces.emplace_back(piece);
+      return;
+    }
+    split_one_stage(list[k], piece, [&](std::size_t b, std::size_t e) { self(self, piece.substr(b, e - b), k + 1); });
+  };
+  stage_by_stage(stage_by_stage, text, 0);
+  return pieces;
 }
 
 }  // namespace modalities::plugins::hf_tokenizer

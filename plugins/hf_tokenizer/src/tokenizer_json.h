@@ -113,4 +113,11 @@ std::string bert_normalize(std::string_view text, bool strip_accents, bool lower
 std::string normalize_steps(std::span<const std::string_view> steps, std::string_view text, bool fused,
                             bool* start_removed, bool* one_pass = nullptr);
 
+/// The pieces that a Sequence of character-class pre-tokenizers ("WhitespaceSplit",
+/// "Punctuation" (Isolated), "PunctuationContiguous", "PunctuationRemoved", "Digits",
+/// "DigitsIndividual", "CharDelimiterSplit:<c>") leaves of `text`, in one pass (Note [One pass for
+/// character splits]) or stage by stage as `tokenizers` runs them. Exposed for tests.
+std::vector<std::string> split_characters(std::span<const std::string_view> stages, std::string_view text,
+                                          bool one_pass);
+
 }  // namespace modalities::plugins::hf_tokenizer

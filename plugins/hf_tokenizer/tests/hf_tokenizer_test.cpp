@@ -894,6 +894,38 @@ TEST(HfTokenizerTest, FusedCharacterMapsEqualTheStepsOnEveryCodePoint) {
   EXPECT_GT(fused, 23000000u) << fused;  // of 6 x 4 x 1.1M (23.3M): it gives up only on kept non-starters
 }
 
+// Note [One pass for character splits]: the one pass leaves the pieces of the stages run one by one
+// (which FamilyTest checks against `tokenizers`) for every code point, alone and next to a letter,
+// a digit, punctuation, a space and itself, for sequences of every behaviour.
+TEST(HfTokenizerTest, OnePassCharacterSplitsEqualTheStagesOnEveryCodePoint) {
+  using Stages = std::vector<std::string_view>;
+  const std::vector<Stages> sequences = {{"WhitespaceSplit", "Punctuation", "Digits"},
+                                         {"WhitespaceSplit", "Punctuation"},
+                                         {"DigitsIndividual", "PunctuationContiguous"},
+                                         {"PunctuationRemoved", "WhitespaceSplit", "DigitsIndividual"},
+                                         {"CharDelimiterSplit:-", "Digits"}};
+  std::size_t differences = 0;
+  for (char32_t c = 0; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    std::string alone, mixed = "a";
+    append_utf8(alone, c);
+    for (const char* next : {"1", ".", " ", "-", "", "b"}) {
+      append_utf8(mixed, c);
+      mixed += next;
+    }
+    for (const Stages& stages : sequences)
+      for (const std::string& text : {alone, mixed}) {
+        const auto one = split_characters(stages, text, true), each = split_characters(stages, text, false);
+        if (one != each && differences++ < 5)
+          ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << " " << stages.front() << "+"
+                        << stages.size() - 1 << ": " << one.size() << " vs " << each.size() << " pieces";
+      }
+  }
+  EXPECT_EQ(differences, 0u);
+  EXPECT_EQ(split_characters({{"WhitespaceSplit", "Punctuation", "Digits"}}, "ab  c.d12x", true),
+            (std::vector<std::string>{"ab", "c", ".", "d", "12", "x"}));
+}
+
 // CodePointSet::find_in skips ASCII words and lead bytes of blocks outside the set: the first
 // code point in the set as a plain scan finds it, for sets in each UTF-8 length, on every text of
 // the corpora and on a text of every code point.
