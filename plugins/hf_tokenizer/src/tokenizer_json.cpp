@@ -1914,10 +1914,12 @@ void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage
   if (st.kind == Stage::Kind::kMetaspace) {
     // Spaces become the replacement, which is prepended by the scheme; then split before each replacement.
     std::string replaced;
-    replaced.reserve(piece.size() + 8);
-    for (char c : piece) {
-      if (c == ' ') replaced += st.replacement;
-      else replaced += c;
+    replaced.reserve(piece.size() + piece.size() / 4 + 8);
+    for (std::size_t at = 0; at < piece.size();) {  // chunk by chunk between spaces
+      const std::size_t space = std::min(piece.find(' ', at), piece.size());
+      replaced.append(piece, at, space - at);
+      if (space < piece.size()) replaced += st.replacement;
+      at = space + 1;
     }
     const bool starts = replaced.starts_with(st.replacement);
     if (!starts && (st.prepend == PrependScheme::kAlways || (st.prepend == PrependScheme::kFirst && at_origin)))
