@@ -486,6 +486,20 @@ Regex::Regex(const std::string& onig_pattern, const std::filesystem::path& file,
           : onig_pattern == kTekkenPattern ? Fast::kTekken
           : onig_pattern == kDeepSeekV3Pattern ? Fast::kDeepSeekV3
                                            : Fast::kNone;
+  // Note [Runs of one class]
+  // A pattern that is a single class repeated (DeepSeek-V3's first two splits: numbers in threes,
+  // runs of kana and CJK ideographs) matches runs of that class: with Oniguruma's own table for the
+  // class, scanning the text gives exactly its matches, which is cheaper than asking PCRE2 for each
+  // and checking every text for the code points whose class differs between the two libraries.
+  constexpr std::size_t kUnbounded = std::string_view::npos;
+  if (onig_pattern == R"(\p{N}{1,3})" || onig_pattern == R"(\p{N})" || onig_pattern == R"(\p{N}+)") {
+    run_class_ = std::make_shared<const CodePointSet>(*oniguruma_class("N"));
+    run_max_ = onig_pattern.ends_with("{1,3}") ? 3 : onig_pattern.ends_with("+") ? kUnbounded : 1;
+  } else if (onig_pattern == "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+") {
+    run_class_ = std::make_shared<const CodePointSet>(
+        CodePointSet::from_ranges({{0x4E00, 0x9FA5}, {0x3040, 0x309F}, {0x30A0, 0x30FF}}));
+    run_max_ = kUnbounded;
+  }
 }
 
 Regex Regex::with_exact_tables() const {
@@ -497,6 +511,7 @@ Regex Regex::with_exact_tables() const {
 Regex Regex::without_ascii_fast_path() const {
   Regex r = *this;
   r.fast_ = Fast::kNone;
+  r.run_class_.reset();
   return r;
 }
 

@@ -26,6 +26,10 @@ class Regex {
   /// character, and an empty match right after a non-empty one is skipped.
   template <class F>
   void for_each_match(std::string_view text, F&& on_match) const {
+    if (run_class_) {  // Note [Runs of one class]
+      class_runs(text, on_match);
+      return;
+    }
     const Compiled& c = pick(text);
     std::size_t last_end = 0;
     bool skip_next_empty = false;
@@ -48,9 +52,10 @@ class Regex {
 
   /// This pattern, always matching with the explicit Oniguruma tables (tests).
   Regex with_exact_tables() const;
-  /// This pattern without the hand-written matchers of Note [Common patterns on ASCII] (tests).
+  /// This pattern without the hand-written matchers of Note [Common patterns on ASCII] and Note
+  /// [Runs of one class]: PCRE2 alone (tests).
   Regex without_ascii_fast_path() const;
-  bool has_ascii_fast_path() const { return fast_ != Fast::kNone; }
+  bool has_ascii_fast_path() const { return fast_ != Fast::kNone || run_class_ != nullptr; }
   /// The PCRE2 patterns (for tests and error messages).
   const std::string& native_pattern() const;
   const std::string& exact_pattern() const;
@@ -82,6 +87,29 @@ class Regex {
   // The end of the match that a search from `from` finds (which moves `from` to its start), npos
   // when there is none, or 0 when PCRE2 must decide (Note [Common patterns on ASCII]).
   static std::size_t ascii_match(Fast pattern, std::string_view text, std::size_t& from);
+
+  // Note [Runs of one class]: a pattern that is one Oniguruma class with `+` or {1,n} matches
+  // maximal runs of at most run_max_ characters of that class (no PCRE2, no delta check).
+  template <class F>
+  void class_runs(std::string_view text, F&& on_match) const {
+    const CodePointSet& set = *run_class_;
+    for (std::size_t i = 0; i < text.size();) {
+      std::size_t len;
+      if (!set.contains(decode_at(text, i, &len))) {
+        i += len;
+        continue;
+      }
+      const std::size_t start = i;
+      std::size_t count = 0;
+      while (i < text.size() && count < run_max_ && set.contains(decode_at(text, i, &len))) {
+        i += len;
+        ++count;
+      }
+      on_match(start, i);
+    }
+  }
+  std::shared_ptr<const CodePointSet> run_class_;
+  std::size_t run_max_ = 0;
 
   std::shared_ptr<const Compiled> native_, exact_;
   std::shared_ptr<const CodePointSet> delta_;

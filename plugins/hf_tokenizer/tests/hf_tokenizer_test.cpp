@@ -1009,6 +1009,53 @@ TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
   }
 }
 
+// Note [Runs of one class]: DeepSeek-V3's first two splits (and single-class number splits) scanned
+// with Oniguruma's table give PCRE2's matches on every short string over their distinguishing
+// characters, on a text of every code point and on the corpora.
+TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
+  auto matches = [](const Regex& re, std::string_view text) {
+    std::vector<std::pair<std::size_t, std::size_t>> out;
+    re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
+    return out;
+  };
+  std::vector<char32_t> cps;
+  for (char32_t c = 1; c < 0x110000; ++c)
+    if (c < 0xD800 || c > 0xDFFF) cps.push_back(c);
+  std::vector<std::size_t> offsets;
+  std::vector<std::string> texts = texts_of(kCorpus);
+  for (const std::string& t : texts_of(kFamilies / "corpus.jsonl")) texts.push_back(t);
+  texts.push_back(all_code_points(cps, offsets));
+  const std::vector<std::string> alphabet = {"7", "\xd9\xa3" /* Arabic 3 */, "\xe2\x85\xa0" /* Roman numeral I */, "a",
+                                             "\xe4\xb8\xad" /* U+4E2D */, "\xe3\x82\xa2" /* katakana a */,
+                                             "\xe9\xbe\xa6" /* U+9FA6, after the range */, " "};
+  for (const std::string pattern : {"\\p{N}{1,3}", "\\p{N}", "\\p{N}+", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"}) {
+    const Regex fast(pattern, "<test>", "pattern");
+    ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
+    const Regex pcre = fast.without_ascii_fast_path();
+    for (const std::string& text : texts) ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern;
+    std::vector<std::size_t> digits;
+    for (std::size_t len = 1; len <= 5; ++len) {
+      digits.assign(len, 0);
+      while (true) {
+        std::string text;
+        for (std::size_t d : digits) text += alphabet[d];
+        ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << " on '" << text << "'";
+        std::size_t k = 0;
+        while (k < len && ++digits[k] == alphabet.size()) digits[k++] = 0;
+        if (k == len) break;
+      }
+    }
+  }
+  // The DeepSeek-V3 family fixture uses these two patterns as its first splits.
+  dom::parser parser;
+  std::string_view first, second;
+  dom::element splits = parser.load((kFamilies / "deepseek_v3_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"];
+  ASSERT_EQ(splits.at(0)["pattern"]["Regex"].get(first), simdjson::SUCCESS);
+  ASSERT_EQ(splits.at(1)["pattern"]["Regex"].get(second), simdjson::SUCCESS);
+  EXPECT_TRUE(Regex(std::string(first), "<test>", "pattern").has_ascii_fast_path()) << first;
+  EXPECT_TRUE(Regex(std::string(second), "<test>", "pattern").has_ascii_fast_path()) << second;
+}
+
 // Oniguruma inside `tokenizers` matches (regex_classes.json, probed by
 // make_tokenizer_reference.py): identical with the explicit tables, and identical with PCRE2's
 // own tables on every code point outside the pattern's delta.
