@@ -522,7 +522,6 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
   std::size_t all_received = 0;  // leading steps that have seen a character
   bool first_removed = false;
   std::string r;
-  r.reserve(in.size() + 16);
   std::string lowered;
   // Passes `c` into maps[s..]; returns whether anything came out of the last map.
   auto feed = [&](auto& self, char32_t c, std::size_t s) -> bool {
@@ -566,9 +565,38 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
     else append_utf8(r, c);
     return true;
   };
+  // Copy on the first change: the characters that every step keeps as they are (most text, for
+  // Nmt or StripAccents) are skipped until one is not. Such a character reaches every step.
+  auto keeps = [&](char32_t c) {  // non-ASCII `c` comes out of every step as it is
+    if (nfd && !nfd_inert_starter(c)) return false;
+    for (const NormalizerStep& m : maps)
+      if (m.kind == K::kStripAccents ? strip_accents_marks().contains(c)
+          : m.kind == K::kNmt        ? nmt_removed().contains(c) || nmt_to_space().contains(c)
+                                     : lowercase_changes().contains(c))
+        return false;
+    return true;
+  };
+  std::size_t i = 0;
+  while (i < in.size()) {
+    const auto b = static_cast<unsigned char>(in[i]);
+    if (b < 0x80) {
+      if (ascii[b] != b) break;
+      ++i;
+      continue;
+    }
+    std::size_t len;
+    if (!keeps(decode_at(in, i, &len))) break;
+    i += len;
+  }
+  if (i == in.size()) return false;
+  r.reserve(in.size() + 16);
+  if (i > 0) {
+    all_received = maps.size();
+    r.assign(in.substr(0, i));
+  }
   std::array<char32_t, 8> parts;
   std::array<bool, 8> starter;
-  for (std::size_t i = 0; i < in.size();) {
+  while (i < in.size()) {
     if (static_cast<unsigned char>(in[i]) < 0x80 && all_received == maps.size()) {
       // The common case: a run of ASCII through the table.
       std::size_t j = i;
@@ -585,6 +613,12 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
     }
     std::size_t len;
     const char32_t c = decode_at(in, i, &len);
+    if (c >= 0x80 && keeps(c)) {
+      all_received = maps.size();
+      r.append(in, i, len);
+      i += len;
+      continue;
+    }
     i += len;
     if (!nfd || c < 0x80 || nfd_inert_starter(c)) {
       feed(feed, c, 0);

@@ -263,17 +263,22 @@ const CodePointSet& nmt_to_space() {
   return s;
 }
 
+const CodePointSet& lowercase_changes() {
+  static const CodePointSet* mapped = [] {
+    std::vector<std::pair<char32_t, char32_t>> r;
+    for (const auto& e : tables::kRustLowercase) r.emplace_back(e.cp, e.cp);
+    return new CodePointSet(CodePointSet::from_ranges(std::move(r)));
+  }();
+  return *mapped;
+}
+
 void append_lowercase(std::string& out, char32_t c) {
   static const auto* table = [] {
     auto* m = new std::vector<std::pair<char32_t, std::array<char32_t, 3>>>();
     for (const auto& e : tables::kRustLowercase) m->push_back({e.cp, {e.lower[0], e.lower[1], e.lower[2]}});
     return m;
   }();
-  static const CodePointSet* mapped = [] {
-    std::vector<std::pair<char32_t, char32_t>> r;
-    for (const auto& e : *table) r.emplace_back(e.first, e.first);
-    return new CodePointSet(CodePointSet::from_ranges(std::move(r)));
-  }();
+  const CodePointSet* mapped = &lowercase_changes();
   if (!mapped->contains(c)) {
     append_utf8(out, c);
     return;

@@ -102,6 +102,8 @@ const CodePointSet& rust_whitespace();
 /// `tokenizers`' `Lowercase` (Rust `char::to_lowercase`, per character): appends the
 /// lowercase of `c` to `out`.
 void append_lowercase(std::string& out, char32_t c);
+/// The code points that `tokenizers`' `Lowercase` maps to something else (the others it keeps).
+const CodePointSet& lowercase_changes();
 /// `is_punc` of `Punctuation` and `BertPreTokenizer` (ASCII punctuation or the
 /// `unicode_categories` crate's P*).
 const CodePointSet& bert_punctuation();
