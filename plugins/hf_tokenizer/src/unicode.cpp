@@ -594,6 +594,9 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       if (auto n = transform(g)) {
         result += *n;
         done = true;
+      } else if (std::size_t len; (void)decode_at(g, 0, &len), len == g.size()) {
+        result += g;  // one character without an entry: the loop below would look it up again
+        done = true;
       }
     }
     if (!done) {
@@ -637,7 +640,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       // Unicode 15.1+ may give a code point unassigned in 15.0 a property that joins it to the
       // cluster before (a new combining mark): with a mapped character before it in under 6 bytes,
       // tokenizers would then replace the pair by the character's entry alone.
-      if (utf8proc_category(static_cast<utf8proc_int32_t>(c)) == UTF8PROC_CATEGORY_CN && prev_len + len < 6 &&
+      if (prev_len + len < 6 && utf8proc_category(static_cast<utf8proc_int32_t>(c)) == UTF8PROC_CATEGORY_CN &&
           transform(in.substr(prev_at, prev_len)))
         throw Error(fmt::format("the Precompiled normalizer cannot decide U+{:04X} after U+{:04X}: U+{:04X} is not in "
                                 "Unicode 15.0 (utf8proc), so whether it extends the grapheme cluster before it (and "
