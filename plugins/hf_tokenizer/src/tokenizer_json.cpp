@@ -516,19 +516,18 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
   using K = NormalizerStep::Kind;
   const bool nfd = is_nfd(steps.front());
   const std::span<const NormalizerStep> maps = steps.subspan(nfd ? 1 : 0);
-  constexpr std::size_t kMaxMaps = 16;
-  if (maps.empty() || maps.size() > kMaxMaps || !std::ranges::all_of(maps, is_fusable_map)) return std::nullopt;
-  std::array<bool, kMaxMaps> received{};
-  std::size_t all_received = 0;  // leading steps that have seen a character
+  if (maps.empty() || !std::ranges::all_of(maps, is_fusable_map)) return std::nullopt;
+  // Steps that have seen a character: always a prefix of `maps`, since a step sees one only after
+  // every step before it passed one on.
+  std::size_t all_received = 0;
   bool first_removed = false;
   std::string r;
   std::string lowered;
   // Passes `c` into maps[s..]; returns whether anything came out of the last map.
   auto feed = [&](auto& self, char32_t c, std::size_t s) -> bool {
     for (; s < maps.size(); ++s) {
-      if (s >= all_received && !received[s]) {
-        received[s] = true;
-        if (s == all_received) ++all_received;
+      if (s == all_received) {  // the first character this step sees
+        ++all_received;
         const bool removes = (maps[s].kind == K::kStripAccents && strip_accents_marks().contains(c)) ||
                              (maps[s].kind == K::kNmt && nmt_removed().contains(c));
         if (removes) first_removed = true;

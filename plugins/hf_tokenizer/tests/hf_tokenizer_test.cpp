@@ -832,6 +832,44 @@ std::string all_code_points(const std::vector<char32_t>& cps, std::vector<std::s
   return text;
 }
 
+// Every text of both corpora, then one text of every code point (surrogates and NUL excluded).
+std::vector<std::string> corpora_and_every_code_point() {
+  std::vector<std::string> texts = texts_of(kCorpus);
+  for (std::string& t : texts_of(kFamilies / "corpus.jsonl")) texts.push_back(std::move(t));
+  std::vector<char32_t> cps;
+  for (char32_t c = 1; c < 0x110000; ++c)
+    if (c < 0xD800 || c > 0xDFFF) cps.push_back(c);
+  std::vector<std::size_t> offsets;
+  texts.push_back(all_code_points(cps, offsets));
+  return texts;
+}
+
+std::vector<std::pair<std::size_t, std::size_t>> matches_of(const Regex& re, std::string_view text) {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
+  return out;
+}
+
+// Calls check(text) for every string of 1 to max_len pieces of `alphabet`; returns how many.
+template <class F>
+std::size_t for_each_short_string(const std::vector<std::string>& alphabet, std::size_t max_len, F&& check) {
+  std::size_t count = 0;
+  std::vector<std::size_t> digits;
+  for (std::size_t len = 1; len <= max_len; ++len) {
+    digits.assign(len, 0);
+    while (true) {
+      std::string text;
+      for (std::size_t d : digits) text += alphabet[d];
+      check(text);
+      ++count;
+      std::size_t k = 0;
+      while (k < len && ++digits[k] == alphabet.size()) digits[k++] = 0;
+      if (k == len) break;
+    }
+  }
+  return count;
+}
+
 // The Oniguruma -> PCRE2 translation, class by class over every code point, against what
 // Note [One-pass BertNormalizer]: the one pass gives the text of the four passes (which FamilyTest
 // and the probes check against `tokenizers`) for every code point, alone, between letters and
@@ -930,13 +968,7 @@ TEST(HfTokenizerTest, OnePassCharacterSplitsEqualTheStagesOnEveryCodePoint) {
 // code point in the set as a plain scan finds it, for sets in each UTF-8 length, on every text of
 // the corpora and on a text of every code point.
 TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
-  std::vector<char32_t> cps;
-  for (char32_t c = 1; c < 0x110000; ++c)
-    if (c < 0xD800 || c > 0xDFFF) cps.push_back(c);
-  std::vector<std::size_t> offsets;
-  std::vector<std::string> texts = texts_of(kCorpus);
-  for (const std::string& t : texts_of(kFamilies / "corpus.jsonl")) texts.push_back(t);
-  texts.push_back(all_code_points(cps, offsets));
+  const std::vector<std::string> texts = corpora_and_every_code_point();
   const Regex gpt4o(std::string(kGpt4oPattern), "<test>", "pattern");
   const std::vector<CodePointSet> sets = {
       gpt4o.delta(), *oniguruma_class("Lo"), CodePointSet::from_ranges({{'x', 'x'}}),
@@ -962,11 +994,6 @@ TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
 // breaks of both kinds, contractions in both cases, letters, numbers and others, ASCII and not,
 // "ſ" that folds to "s"), then the corpora.
 TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
-  auto matches = [](const Regex& re, std::string_view text) {
-    std::vector<std::pair<std::size_t, std::size_t>> out;
-    re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
-    return out;
-  };
   const std::vector<std::string> alphabet = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
                                              "!", "\xc3\xa9" /* é */, "\xc5\xbf" /* ſ */, "\xd9\xa3" /* Arabic 3 */,
                                              "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */,
@@ -977,23 +1004,13 @@ TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
     const Regex fast(std::string(pattern), "<test>", "pattern");
     ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
     const Regex pcre = fast.without_ascii_fast_path();
-    std::size_t checked = 0;
-    std::vector<std::size_t> digits;
-    for (std::size_t len = 1; len <= 4; ++len) {
-      digits.assign(len, 0);
-      while (true) {
-        std::string text;
-        for (std::size_t d : digits) text += alphabet[d];
-        ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << " on '" << text << "'";
-        ++checked;
-        std::size_t k = 0;
-        while (k < len && ++digits[k] == alphabet.size()) digits[k++] = 0;
-        if (k == len) break;
-      }
-    }
+    const std::size_t checked = for_each_short_string(alphabet, 4, [&](const std::string& text) {
+      ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << " on '" << text << "'";
+    });
     EXPECT_GT(checked, 130000u);
     for (const auto& texts : corpora)
-      for (const std::string& text : texts) ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << ": " << text;
+      for (const std::string& text : texts)
+        ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << ": " << text;
   }
   // Only these patterns take the fast path, and the family fixtures use them as real exports write them.
   EXPECT_FALSE(Regex(" ?\\p{L}+|\\s+", "<test>", "pattern").has_ascii_fast_path());
@@ -1013,18 +1030,7 @@ TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
 // with Oniguruma's table give PCRE2's matches on every short string over their distinguishing
 // characters, on a text of every code point and on the corpora.
 TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
-  auto matches = [](const Regex& re, std::string_view text) {
-    std::vector<std::pair<std::size_t, std::size_t>> out;
-    re.for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
-    return out;
-  };
-  std::vector<char32_t> cps;
-  for (char32_t c = 1; c < 0x110000; ++c)
-    if (c < 0xD800 || c > 0xDFFF) cps.push_back(c);
-  std::vector<std::size_t> offsets;
-  std::vector<std::string> texts = texts_of(kCorpus);
-  for (const std::string& t : texts_of(kFamilies / "corpus.jsonl")) texts.push_back(t);
-  texts.push_back(all_code_points(cps, offsets));
+  const std::vector<std::string> texts = corpora_and_every_code_point();
   const std::vector<std::string> alphabet = {"7", "\xd9\xa3" /* Arabic 3 */, "\xe2\x85\xa0" /* Roman numeral I */, "a",
                                              "\xe4\xb8\xad" /* U+4E2D */, "\xe3\x82\xa2" /* katakana a */,
                                              "\xe9\xbe\xa6" /* U+9FA6, after the range */, " "};
@@ -1032,19 +1038,10 @@ TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
     const Regex fast(pattern, "<test>", "pattern");
     ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
     const Regex pcre = fast.without_ascii_fast_path();
-    for (const std::string& text : texts) ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern;
-    std::vector<std::size_t> digits;
-    for (std::size_t len = 1; len <= 5; ++len) {
-      digits.assign(len, 0);
-      while (true) {
-        std::string text;
-        for (std::size_t d : digits) text += alphabet[d];
-        ASSERT_EQ(matches(fast, text), matches(pcre, text)) << pattern << " on '" << text << "'";
-        std::size_t k = 0;
-        while (k < len && ++digits[k] == alphabet.size()) digits[k++] = 0;
-        if (k == len) break;
-      }
-    }
+    for (const std::string& text : texts) ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern;
+    for_each_short_string(alphabet, 5, [&](const std::string& text) {
+      ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << " on '" << text << "'";
+    });
   }
   // The DeepSeek-V3 family fixture uses these two patterns as its first splits.
   dom::parser parser;
