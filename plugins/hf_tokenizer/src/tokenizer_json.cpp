@@ -40,6 +40,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <queue>
 
@@ -489,13 +490,33 @@ bool is_nfd(const NormalizerStep& n) {
   return n.kind == NormalizerStep::Kind::kForm && n.options == normalization_form_options("NFD");
 }
 
-// What the maps of `steps` make of each ASCII character (they map ASCII to ASCII): the byte, or
-// kRemovedAscii.
-constexpr std::uint8_t kRemovedAscii = 0x80;
-using AsciiMaps = std::array<std::uint8_t, 128>;
-AsciiMaps ascii_maps(std::span<const NormalizerStep> steps) {
+// A non-ASCII `c` that comes out of every step of `steps` as it is (and, after an NFD, is its own
+// decomposition and a starter): the characters the pass copies without looking further.
+bool keeps_unchanged(std::span<const NormalizerStep> steps, char32_t c) {
   using K = NormalizerStep::Kind;
-  AsciiMaps t{};
+  for (const NormalizerStep& m : steps) {
+    if (is_nfd(m)) {
+      if (!nfd_inert_starter(c)) return false;
+    } else if (m.kind == K::kStripAccents ? strip_accents_marks().contains(c)
+               : m.kind == K::kNmt        ? nmt_removed().contains(c) || nmt_to_space().contains(c)
+                                          : lowercase_changes().contains(c)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// What the maps of `steps` make of each ASCII character (they map ASCII to ASCII): the byte, or
+// kRemovedAscii; and keeps_unchanged for each BMP character, one bit each (computed once per
+// tokenizer, so the pass looks a character up with one load).
+constexpr std::uint8_t kRemovedAscii = 0x80;
+struct FusedMaps {
+  std::array<std::uint8_t, 128> ascii{};
+  std::vector<std::uint64_t> keeps_bmp = std::vector<std::uint64_t>(1024, 0);
+};
+FusedMaps fused_maps(std::span<const NormalizerStep> steps) {
+  using K = NormalizerStep::Kind;
+  FusedMaps t;
   for (char32_t b = 0; b < 128; ++b) {
     char32_t c = b;
     for (const NormalizerStep& m : steps) {
@@ -506,13 +527,17 @@ AsciiMaps ascii_maps(std::span<const NormalizerStep> steps) {
       }
       if (m.kind == K::kNmt && nmt_to_space().contains(c)) c = ' ';
     }
-    t[b] = static_cast<std::uint8_t>(c);
+    t.ascii[b] = static_cast<std::uint8_t>(c);
   }
+  if (!std::ranges::all_of(steps, [](const NormalizerStep& m) { return is_fusable_map(m) || is_nfd(m); })) return t;
+  for (char32_t c = 0x80; c < 0x10000; ++c)
+    if ((c < 0xD800 || c > 0xDFFF) && keeps_unchanged(steps, c)) t.keeps_bmp[c >> 6] |= std::uint64_t{1} << (c & 63);
   return t;
 }
 
-std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const AsciiMaps& ascii, std::string_view in,
+std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const FusedMaps& tables, std::string_view in,
                                    std::string& out, bool* start_removed) {
+  const std::array<std::uint8_t, 128>& ascii = tables.ascii;
   using K = NormalizerStep::Kind;
   const bool nfd = is_nfd(steps.front());
   const std::span<const NormalizerStep> maps = steps.subspan(nfd ? 1 : 0);
@@ -567,13 +592,8 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
   // Copy on the first change: the characters that every step keeps as they are (most text, for
   // Nmt or StripAccents) are skipped until one is not. Such a character reaches every step.
   auto keeps = [&](char32_t c) {  // non-ASCII `c` comes out of every step as it is
-    if (nfd && !nfd_inert_starter(c)) return false;
-    for (const NormalizerStep& m : maps)
-      if (m.kind == K::kStripAccents ? strip_accents_marks().contains(c)
-          : m.kind == K::kNmt        ? nmt_removed().contains(c) || nmt_to_space().contains(c)
-                                     : lowercase_changes().contains(c))
-        return false;
-    return true;
+    if (c < 0x10000) return ((tables.keeps_bmp[c >> 6] >> (c & 63)) & 1) != 0;
+    return keeps_unchanged(steps, c);
   };
   std::size_t i = 0;
   while (i < in.size()) {
@@ -610,14 +630,15 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
       r.resize(static_cast<std::size_t>(w - r.data()));
       continue;
     }
-    std::size_t len;
-    const char32_t c = decode_at(in, i, &len);
-    if (c >= 0x80 && keeps(c)) {
+    std::size_t j = i, len;  // a run of non-ASCII characters that every step keeps, copied at once
+    while (j < in.size() && static_cast<unsigned char>(in[j]) >= 0x80 && keeps(decode_at(in, j, &len))) j += len;
+    if (j > i) {
       all_received = maps.size();
-      r.append(in, i, len);
-      i += len;
+      r.append(in, i, j - i);
+      i = j;
       continue;
     }
+    const char32_t c = decode_at(in, i, &len);
     i += len;
     if (!nfd || c < 0x80 || nfd_inert_starter(c)) {
       feed(feed, c, 0);
@@ -1117,7 +1138,7 @@ struct TokenizerJson::Impl {
   // [begin, end) ranges of `normalizers`: single steps and runs of Note [Fused character maps].
   std::vector<std::pair<std::size_t, std::size_t>> normalizer_plan;
   bool fused_characters = true;  // false: the runs go step by step (tests)
-  std::vector<std::array<std::uint8_t, 128>> ascii_tables;  // per entry of normalizer_plan
+  std::vector<FusedMaps> fused_tables;  // per entry of normalizer_plan
   void plan_normalizers();
   bool top_level_bert = false;  // the normalizer is one BertNormalizer (not in a Sequence)
 
@@ -1826,7 +1847,7 @@ bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out, bool*
     } else {
       bool removed = false;  // Note [Fused character maps]
       std::optional<bool> fused =
-          fused_characters ? fused_one_pass(all.subspan(b, e - b), ascii_tables[k], current, next, &removed)
+          fused_characters ? fused_one_pass(all.subspan(b, e - b), fused_tables[k], current, next, &removed)
                            : std::nullopt;
       if (fused) {
         if (removed) *start_removed = true;
@@ -1845,13 +1866,13 @@ bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out, bool*
 
 void TokenizerJson::Impl::plan_normalizers() {
   normalizer_plan.clear();
-  ascii_tables.clear();
+  fused_tables.clear();
   for (std::size_t b = 0; b < normalizers.size();) {
     std::size_t e = b + 1;
     if (is_fusable_map(normalizers[b]) || is_nfd(normalizers[b]))
       while (e < normalizers.size() && is_fusable_map(normalizers[e])) ++e;
     normalizer_plan.emplace_back(b, e);  // a lone NFD stays itself; lone maps take the one pass too
-    ascii_tables.push_back(ascii_maps(std::span<const NormalizerStep>(normalizers).subspan(b, e - b)));
+    fused_tables.push_back(fused_maps(std::span<const NormalizerStep>(normalizers).subspan(b, e - b)));
     b = e;
   }
 }
@@ -2664,7 +2685,14 @@ std::string normalize_steps(std::span<const std::string_view> steps, std::string
   std::string out;
   *start_removed = false;
   std::optional<bool> changed;
-  if (fused) changed = fused_one_pass(list, ascii_maps(list), text, out, start_removed);
+  if (fused) {
+    thread_local std::map<std::string, FusedMaps> tables;  // tests call this millions of times per chain
+    std::string name;
+    for (std::string_view step : steps) (name += step) += '+';
+    auto it = tables.find(name);
+    if (it == tables.end()) it = tables.emplace(name, fused_maps(list)).first;
+    changed = fused_one_pass(list, it->second, text, out, start_removed);
+  }
   if (one_pass != nullptr) *one_pass = changed.has_value();
   if (!changed) changed = run_steps(list, text, out, start_removed);
   return *changed ? out : std::string(text);

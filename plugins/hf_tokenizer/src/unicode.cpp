@@ -323,15 +323,29 @@ bool stable_by_properties(char32_t c, bool compose) {
   return !(compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000);
 }
 
+// What a character is to the fast path of one form.
+enum class Stability : std::uint8_t {
+  kUnstable,  // may change or interact with its neighbours: goes through utf8proc
+  kStable,    // unchanged, and a boundary before it is safe
+  kInert,     // unknown to tokenizers' tables (hf_normalization_unknown): left alone, a boundary after it
+};
+
+// One byte per BMP code point and form (64 KiB each, computed once with utf8proc), so the scan
+// classifies a character with one load.
 class StableTable {
  public:
-  explicit StableTable(int options) : bits_(0x10000, false) {
-    const bool compose = (options & UTF8PROC_COMPOSE) != 0;
+  explicit StableTable(int options) : compose_((options & UTF8PROC_COMPOSE) != 0), cls_(0x10000, Stability::kUnstable) {
+    const CodePointSet& unknown = hf_normalization_unknown();
+    for (char32_t c = 0; c < 0x80; ++c) cls_[c] = Stability::kStable;
     for (char32_t c = 0x80; c < 0x10000; ++c) {
       if (c >= 0xD800 && c <= 0xDFFF) continue;
+      if (unknown.contains(c)) {
+        cls_[c] = Stability::kInert;
+        continue;
+      }
       const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
       if (p->combining_class != 0 || is_hangul_jamo(c)) continue;
-      if (compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
+      if (compose_ && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
       std::string one;
       append_utf8(one, c);
       utf8proc_uint8_t* dst = nullptr;
@@ -339,14 +353,19 @@ class StableTable {
                                               static_cast<utf8proc_ssize_t>(one.size()), &dst,
                                               static_cast<utf8proc_option_t>(options));
       if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one)
-        bits_[c] = true;
+        cls_[c] = Stability::kStable;
       std::free(dst);
     }
   }
-  bool stable(char32_t c) const { return bits_[c]; }
+  Stability of(char32_t c) const {
+    if (c < 0x10000) return cls_[c];
+    if (hf_normalization_unknown().contains(c)) return Stability::kInert;
+    return stable_by_properties(c, compose_) ? Stability::kStable : Stability::kUnstable;
+  }
 
  private:
-  std::vector<bool> bits_;
+  bool compose_;
+  std::vector<Stability> cls_;
 };
 
 const StableTable& stable_table(int options) {
@@ -356,13 +375,6 @@ const StableTable& stable_table(int options) {
   static const StableTable nfkd(UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
   if (options & UTF8PROC_COMPAT) return (options & UTF8PROC_COMPOSE) ? nfkc : nfkd;
   return (options & UTF8PROC_COMPOSE) ? nfc : nfd;
-}
-
-// Whether `c` is unchanged by the form and cannot interact with its neighbours.
-bool is_stable(char32_t c, int options, const StableTable*& table) {
-  if (c >= 0x10000) return stable_by_properties(c, (options & UTF8PROC_COMPOSE) != 0);
-  if (table == nullptr) table = &stable_table(options);
-  return table->stable(c);
 }
 
 std::string utf8proc_normalize(std::string_view s, int options) {
@@ -435,34 +447,33 @@ bool nfd_inert_starter(char32_t c) {
 
 bool normalize_form(std::string_view s, int options, std::string& out) {
   require_known_utf8proc();
-  const CodePointSet& unknown = hf_normalization_unknown();
-  const StableTable* table = nullptr;
+  const StableTable& table = stable_table(options);
+  const std::size_t n = s.size();
   std::size_t copied = 0, last_stable = 0;
   bool changed = false;
-  for (std::size_t i = 0; i < s.size();) {
-    if (static_cast<unsigned char>(s[i]) < 0x80) {
+  for (std::size_t i = 0; i < n;) {
+    if (static_cast<unsigned char>(s[i]) < 0x80) {  // a run of ASCII: all stable
+      while (i + 1 < n && static_cast<unsigned char>(s[i + 1]) < 0x80) ++i;
       last_stable = i++;
       continue;
     }
     std::size_t len;
-    const char32_t c = decode_at(s, i, &len);
-    if (unknown.contains(c)) {  // inert for tokenizers: never part of a utf8proc region
+    const Stability st = table.of(decode_at(s, i, &len));
+    if (st == Stability::kInert) {  // never part of a utf8proc region
       last_stable = i + len;
       i += len;
       continue;
     }
-    if (is_stable(c, options, table)) {
+    if (st == Stability::kStable) {
       last_stable = i;
       i += len;
       continue;
     }
     const std::size_t region = std::max(copied, last_stable);
     std::size_t j = i + len;
-    while (j < s.size()) {
-      if (static_cast<unsigned char>(s[j]) < 0x80) break;
+    while (j < n && static_cast<unsigned char>(s[j]) >= 0x80) {
       std::size_t l;
-      const char32_t d = decode_at(s, j, &l);
-      if (unknown.contains(d) || is_stable(d, options, table)) break;
+      if (table.of(decode_at(s, j, &l)) != Stability::kUnstable) break;
       j += l;
     }
     const std::string normalized = utf8proc_normalize(s.substr(region, j - region), options);
@@ -472,6 +483,7 @@ bool normalize_form(std::string_view s, int options, std::string& out) {
     }
     if (!changed) {
       out.clear();
+      out.reserve(n + n / 8);
       changed = true;
     }
     out.append(s, copied, region - copied);
