@@ -547,6 +547,32 @@ std::string utf8_lossy(std::string_view in) {
 // offset in bits 10-31 scaled by 2^8 when bit 9 is set; a leaf unit's low 31 bits are its value,
 // here an offset into the pool.
 
+namespace {
+
+// Note [Lone grapheme clusters]
+// A character of grapheme break class Other is a cluster of its own between neighbours that are
+// ASCII or of class Other too: utf8proc 2.8 (Unicode 15.0 rules, what the slow path asks) breaks
+// before a character of class Other unless the one before is a Prepend, and after it unless the
+// next is an Extend, ZWJ or SpacingMark; and its state after such a character is "Other", which
+// state 0 recomputes from it. Most non-ASCII text (CJK, Cyrillic, precomposed Latin) is such
+// characters, so the normalizer maps them one by one without asking utf8proc where clusters end.
+// Unassigned code points are left out (the slow path checks them, see normalize).
+bool lone_other(char32_t c) {
+  static const std::vector<std::uint64_t> bmp = [] {  // one bit per BMP code point, computed once
+    std::vector<std::uint64_t> bits(1024, 0);
+    for (char32_t d = 0x80; d < 0x10000; ++d) {
+      const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(d));
+      if (p->boundclass == UTF8PROC_BOUNDCLASS_OTHER && p->category != UTF8PROC_CATEGORY_CN &&
+          p->category != UTF8PROC_CATEGORY_CS)
+        bits[d >> 6] |= std::uint64_t{1} << (d & 63);
+    }
+    return bits;
+  }();
+  return c < 0x10000 && ((bmp[c >> 6] >> (c & 63)) & 1) != 0;
+}
+
+}  // namespace
+
 PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& where) {
   if (blob.empty()) return;  // tokenizers: an empty charsmap changes nothing
   const auto bad = [&](const std::string& what) {
@@ -567,6 +593,13 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
   for (std::size_t b = 0; b < ascii_.size(); ++b) {
     const char ch = static_cast<char>(b);
     if (auto r = transform(std::string_view(&ch, 1))) ascii_[b] = std::string(*r);
+  }
+  same_.assign(1024, 0);
+  for (char32_t c = 0; c < 0x10000; ++c) {
+    if (c == '\r' || c == '\n' || (c >= 0x80 && !lone_other(c))) continue;
+    std::string one;
+    append_utf8(one, c);
+    if (auto r = transform(one); !r || *r == one) same_[c >> 6] |= std::uint64_t{1} << (c & 63);
   }
 }
 
@@ -628,11 +661,38 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
   std::size_t start = 0, prev_at = 0, prev_len = 0;
   char32_t prev = 0;
   const auto ascii = [&](std::size_t k) { return k >= in.size() || static_cast<unsigned char>(in[k]) < 0x80; };
+  const auto simple_at = [&](std::size_t k) {
+    std::size_t l;
+    return static_cast<unsigned char>(in[k]) < 0x80 || lone_other(decode_at(in, k, &l));
+  };
+  bool prev_simple = false;  // the character before `i` is ASCII or lone_other
+  const auto same = [&](char32_t c) { return c < 0x10000 && ((same_[c >> 6] >> (c & 63)) & 1) != 0; };
   for (std::size_t i = 0; i < in.size();) {
+    if (fast_ && i > 0 && prev_simple) {
+      // Note [Lone grapheme clusters]: a run of characters that are clusters of their own and map
+      // to themselves is copied at once.
+      std::size_t j = i, len;
+      while (j < in.size()) {
+        const char32_t c = decode_at(in, j, &len);
+        if (!same(c) || (j + len < in.size() && !simple_at(j + len))) break;
+        prev = c;
+        prev_at = j;
+        prev_len = len;
+        j += len;
+      }
+      if (j > i) {
+        if (start < i) emit(start, i);
+        result.append(in, i, j - i);
+        first_cluster = false;
+        state = 0;
+        start = i = j;
+        continue;
+      }
+    }
     // Note [Precompiled on ASCII]: an ASCII character between ASCII neighbours is a grapheme cluster
     // of its own (unless it is half of "\r\n"), so it becomes its one-byte replacement; the
     // grapheme state after it is that of any ASCII character, which state 0 recomputes from it.
-    if (ascii_fast_ && i > 0 && ascii(i - 1) && ascii(i) && ascii(i + 1) && !(in[i] == '\n' && in[i - 1] == '\r') &&
+    if (fast_ && i > 0 && ascii(i - 1) && ascii(i) && ascii(i + 1) && !(in[i] == '\n' && in[i - 1] == '\r') &&
         !(in[i] == '\r' && i + 1 < in.size() && in[i + 1] == '\n')) {
       if (start < i) emit(start, i);
       const auto b = static_cast<std::size_t>(in[i]);
@@ -640,6 +700,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       else result += in[i];
       first_cluster = false;
       state = 0;
+      prev_simple = true;
       prev = static_cast<char32_t>(in[i]);
       prev_at = i;
       prev_len = 1;
@@ -648,6 +709,17 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
     }
     std::size_t len;
     const char32_t c = decode_at(in, i, &len);
+    if (fast_ && i > 0 && prev_simple && lone_other(c) && (i + len == in.size() || simple_at(i + len))) {
+      if (start < i) emit(start, i);  // Note [Lone grapheme clusters]
+      emit(i, i + len);
+      state = 0;
+      prev = c;
+      prev_at = i;
+      prev_len = len;
+      start = i += len;
+      continue;
+    }
+    prev_simple = c < 0x80 || lone_other(c);
     if (i > 0) {
       // Unicode 15.1+ may give a code point unassigned in 15.0 a property that joins it to the
       // cluster before (a new combining mark): with a mapped character before it in under 6 bytes,

@@ -170,10 +170,10 @@ class PrecompiledCharsmap {
   /// whose result could depend on the Unicode version of the grapheme rules: a code point
   /// unassigned in Unicode 15.0 right after a character the charsmap maps, within 6 bytes.
   bool normalize(std::string_view in, std::string& out, bool* first_removed) const;
-  /// This charsmap without Note [Precompiled on ASCII] (tests).
-  PrecompiledCharsmap without_ascii_fast_path() const {
+  /// This charsmap without Note [Precompiled on ASCII] and Note [Lone grapheme clusters] (tests).
+  PrecompiledCharsmap without_fast_paths() const {
     PrecompiledCharsmap c = *this;
-    c.ascii_fast_ = false;
+    c.fast_ = false;
     return c;
   }
 
@@ -182,8 +182,11 @@ class PrecompiledCharsmap {
   std::optional<std::string_view> transform(std::string_view chunk) const;
   std::vector<std::uint32_t> units_;
   std::string pool_;
-  bool ascii_fast_ = true;
+  bool fast_ = true;
   std::array<std::optional<std::string>, 128> ascii_;  // the replacement of each one-byte cluster
+  // One bit per BMP code point: a cluster of its own between simple neighbours (Note [Lone grapheme
+  // clusters]; ASCII but '\r' and '\n') that this charsmap leaves as it is.
+  std::vector<std::uint64_t> same_;
 };
 
 }  // namespace modalities::plugins::hf_tokenizer
