@@ -1071,23 +1071,35 @@ std::vector<std::string> unigram_score_texts(const std::filesystem::path& file) 
 
 class PrefixTrie {
  public:
-  PrefixTrie() : nodes_(1) {}
+  PrefixTrie() : building_(1) {}
   void insert(std::string_view s, std::int32_t id) {
     std::uint32_t n = 0;
     for (char ch : s) {
       const auto b = static_cast<unsigned char>(ch);
-      auto& next = nodes_[n].next;
+      auto& next = building_[n].next;
       auto it = std::lower_bound(next.begin(), next.end(), b, [](const auto& e, unsigned char v) { return e.first < v; });
       if (it == next.end() || it->first != b) {
-        const auto child = static_cast<std::uint32_t>(nodes_.size());
+        const auto child = static_cast<std::uint32_t>(building_.size());
         it = next.insert(it, {b, child});
-        nodes_.emplace_back();
+        building_.emplace_back();
         n = child;
       } else {
         n = it->second;
       }
     }
-    nodes_[n].id = id;
+    building_[n].id = id;
+  }
+  // Lays the trie out flat for prefixes(): per node its id and a run of (byte, child) edges in one
+  // array, so a step reads two contiguous places instead of chasing a vector per node.
+  void freeze() {
+    nodes_.clear();
+    edges_.clear();
+    for (const Building& b : building_) {
+      nodes_.push_back({static_cast<std::uint32_t>(edges_.size()), static_cast<std::uint32_t>(b.next.size()), b.id});
+      for (const auto& [byte, child] : b.next) edges_.push_back({byte, child});
+    }
+    building_.clear();
+    building_.shrink_to_fit();
   }
   // Calls f(length, id) for every piece that is a prefix of text[pos..], shortest first.
   template <class F>
@@ -1095,20 +1107,32 @@ class PrefixTrie {
     std::uint32_t n = 0;
     for (std::size_t i = pos; i < text.size(); ++i) {
       const auto b = static_cast<unsigned char>(text[i]);
-      const auto& next = nodes_[n].next;
-      auto it = std::lower_bound(next.begin(), next.end(), b, [](const auto& e, unsigned char v) { return e.first < v; });
-      if (it == next.end() || it->first != b) return;
-      n = it->second;
+      const Node& node = nodes_[n];
+      const Edge* first = edges_.data() + node.first_edge;
+      const Edge* last = first + node.edges;
+      const Edge* it = std::lower_bound(first, last, b, [](const Edge& e, unsigned char v) { return e.byte < v; });
+      if (it == last || it->byte != b) return;
+      n = it->child;
       if (nodes_[n].id >= 0) f(i + 1 - pos, nodes_[n].id);
     }
   }
 
  private:
-  struct Node {
+  struct Building {
     std::vector<std::pair<unsigned char, std::uint32_t>> next;
     std::int32_t id = -1;
   };
-  std::vector<Node> nodes_;
+  struct Node {
+    std::uint32_t first_edge, edges;
+    std::int32_t id;
+  };
+  struct Edge {
+    unsigned char byte;
+    std::uint32_t child;
+  };
+  std::vector<Building> building_;
+  std::vector<Node> nodes_ = {{0, 0, -1}};
+  std::vector<Edge> edges_;
 };
 
 // ---------------------------------------------------------------------------
@@ -1571,6 +1595,7 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
       unk_token = vocab_r[v];
     }
     unk_score = min_score - 10.0;  // tokenizers' K_UNK_PENALTY
+    pieces.freeze();
     return;
   }
   if (type != "BPE")
@@ -2275,7 +2300,8 @@ void TokenizerJson::Impl::unigram(std::string_view w, std::vector<std::int32_t>&
     std::int64_t starts_at = -1;
   };
   const std::size_t n = w.size();
-  std::vector<Node> best(n + 1);
+  thread_local std::vector<Node> best;  // scratch, reused across words
+  best.assign(n + 1, Node{});
   for (std::size_t at = 0; at < n;) {
     const double till_here = best[at].score;
     const std::size_t mblen = utf8_len(static_cast<unsigned char>(w[at]));
@@ -2303,9 +2329,12 @@ void TokenizerJson::Impl::unigram(std::string_view w, std::vector<std::int32_t>&
     }
     at += mblen;
   }
-  // Backtrack; consecutive unknown nodes fuse into one string of their characters.
-  std::vector<std::string_view> strings;
-  std::vector<bool> is_piece;
+  // Backtrack; consecutive unknown nodes fuse into one string of their characters. Pieces as
+  // (text, id): id < 0 for a run of unknown characters, whose string goes through the vocabulary
+  // (and byte fallback) as tokenizers does; a piece's id is its trie id, which is the vocabulary's
+  // id of its text (both keep the last of duplicate pieces).
+  thread_local std::vector<std::pair<std::string_view, std::int32_t>> strings;
+  strings.clear();
   std::size_t unk_end = 0;
   bool in_unk = false;
   for (std::size_t end = n; end > 0;) {
@@ -2316,21 +2345,20 @@ void TokenizerJson::Impl::unigram(std::string_view w, std::vector<std::int32_t>&
       in_unk = true;
     } else {
       if (in_unk) {
-        strings.push_back(w.substr(end, unk_end - end));
-        is_piece.push_back(false);
+        strings.emplace_back(w.substr(end, unk_end - end), -1);
         in_unk = false;
       }
-      strings.push_back(vocab_r[node.id]);
-      is_piece.push_back(true);
+      strings.emplace_back(std::string_view(), node.id);
     }
     end = start;
   }
-  if (in_unk) {
-    strings.push_back(w.substr(0, unk_end));
-    is_piece.push_back(false);
-  }
+  if (in_unk) strings.emplace_back(w.substr(0, unk_end), -1);
   for (std::size_t k = strings.size(); k-- > 0;) {
-    const std::string_view s = strings[k];
+    const auto [s, piece] = strings[k];
+    if (piece >= 0) {
+      ids.push_back(piece);
+      continue;
+    }
     if (auto id = vocab_id(s)) {
       ids.push_back(*id);
       continue;

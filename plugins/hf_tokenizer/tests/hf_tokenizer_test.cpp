@@ -597,6 +597,22 @@ TEST(HfTokenizerTest, PaddingAndTruncationBlocksHaveTheShapeTokenizersRequires) 
   EXPECT_THAT(with("truncation", "true"), HasSubstr("truncation: expected null or an object"));
 }
 
+// A piece listed twice: tokenizers keeps the last id (and its score) for both the lattice and the
+// id; expected ids from tokenizers 0.22.2.
+TEST(HfTokenizerTest, UnigramDuplicatePiecesTakeTheLastId) {
+  TempDir dir;
+  dir.write("tokenizer.json",
+            R"({"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,)"
+            R"("pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"Unigram","unk_id":0,)"
+            R"("byte_fallback":false,"vocab":[["<unk>",0.0],["a",-2.0],["b",-2.0],["ab",-1.0],["c",-2.0],)"
+            R"(["ab",-1.5],["c",-3.0]]}})");
+  const TokenizerJson t(dir.path() / "tokenizer.json");
+  EXPECT_EQ(t.encode("ab"), (std::vector<std::int64_t>{5}));
+  EXPECT_EQ(t.encode("abc"), (std::vector<std::int64_t>{5, 6}));
+  EXPECT_EQ(t.encode("cab"), (std::vector<std::int64_t>{6, 5}));
+  EXPECT_EQ(t.encode("xab"), (std::vector<std::int64_t>{0, 5}));
+}
+
 TEST(HfTokenizerTest, TinyJsonLoadsAndMerges) {
   TempDir dir;
   dir.write("tokenizer.json", tiny_json());
