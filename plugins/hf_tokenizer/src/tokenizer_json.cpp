@@ -965,6 +965,78 @@ void split_chars_one_pass(const CharSplitRun& run, std::string_view piece, Emit&
   if (start != kNone) emit(start, piece.size());
 }
 
+// Metaspace: spaces become the replacement, which the scheme prepends unless the text starts
+// with it; with split, the text is cut before every replacement. Calls emit(word, first) for
+// each word in order (`first`: it starts the text).
+template <class Emit>
+void metaspace_by_replacing(const Stage& st, std::string_view piece, bool at_origin, Emit&& emit) {
+  std::string replaced;
+  replaced.reserve(piece.size() + piece.size() / 4 + 8);
+  for (std::size_t at = 0; at < piece.size();) {  // chunk by chunk between spaces
+    const std::size_t space = std::min(piece.find(' ', at), piece.size());
+    replaced.append(piece, at, space - at);
+    if (space < piece.size()) replaced += st.replacement;
+    at = space + 1;
+  }
+  const bool starts = replaced.starts_with(st.replacement);
+  if (!starts && (st.prepend == PrependScheme::kAlways || (st.prepend == PrependScheme::kFirst && at_origin)))
+    replaced.insert(0, st.replacement);
+  if (!st.split) {
+    emit(std::string_view(replaced), true);
+    return;
+  }
+  const std::string_view view = replaced;
+  auto out = [&](std::size_t b, std::size_t e) { emit(view.substr(b, e - b), b == 0); };
+  Combiner<decltype(out)> combiner(Behavior::kMergedWithNext, out);
+  std::size_t prev = 0;
+  for (std::size_t pos = view.find(st.replacement); pos != std::string_view::npos;
+       pos = view.find(st.replacement, pos + st.replacement.size())) {
+    if (prev != pos) combiner.push(prev, pos, false);
+    combiner.push(pos, pos + st.replacement.size(), true);
+    prev = pos + st.replacement.size();
+  }
+  if (prev != view.size()) combiner.push(prev, view.size(), false);
+  combiner.finish();
+}
+
+// Note [Metaspace without a copy]
+// With split and a replacement of one character other than the space, the words are the text cut
+// before each space and each replacement character already in it (UTF-8 cannot match a character
+// inside another), each starting with a replacement: a word that starts with a space gets it in
+// place of the space, the first one if the scheme prepends it, the others start with it already.
+// So only words that start with a space are copied (into one buffer), not the whole text.
+bool metaspace_in_place(const Stage& st) {
+  std::size_t len = 0;
+  return st.split && !st.replacement.empty() && st.replacement != " " &&
+         (decode_at(st.replacement, 0, &len), len == st.replacement.size());
+}
+
+template <class Emit>
+void metaspace_in_place(const Stage& st, std::string_view piece, bool at_origin, Emit&& emit) {
+  const std::string_view r = st.replacement;
+  const auto boundary = [&](std::size_t i) -> std::size_t {  // length of a space or `r` at i, else 0
+    if (piece[i] == ' ') return 1;
+    return piece[i] == r[0] && piece.compare(i, r.size(), r) == 0 ? r.size() : 0;
+  };
+  const bool prepend = st.prepend == PrependScheme::kAlways || (st.prepend == PrependScheme::kFirst && at_origin);
+  std::string word;
+  std::size_t b = 0, from = boundary(0);
+  while (true) {
+    std::size_t e = from;
+    while (e < piece.size() && boundary(e) == 0) ++e;
+    if (piece[b] == ' ' || (b == 0 && from == 0 && prepend)) {
+      word.assign(r);
+      word.append(piece, piece[b] == ' ' ? b + 1 : b, e - (piece[b] == ' ' ? b + 1 : b));
+      emit(std::string_view(word), b == 0);
+    } else {
+      emit(piece.substr(b, e - b), b == 0);
+    }
+    if (e == piece.size()) return;
+    b = e;
+    from = e + boundary(e);
+  }
+}
+
 // Note [Unigram scores are parsed as serde_json parses them]
 // `tokenizers` reads tokenizer.json with serde_json without its float_roundtrip
 // feature: a number's decimal digits are collected into a u64 (digits beyond
@@ -1991,34 +2063,9 @@ void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage
   }
   const Stage& st = stages[stage];
   if (st.kind == Stage::Kind::kMetaspace) {
-    // Spaces become the replacement, which is prepended by the scheme; then split before each replacement.
-    std::string replaced;
-    replaced.reserve(piece.size() + piece.size() / 4 + 8);
-    for (std::size_t at = 0; at < piece.size();) {  // chunk by chunk between spaces
-      const std::size_t space = std::min(piece.find(' ', at), piece.size());
-      replaced.append(piece, at, space - at);
-      if (space < piece.size()) replaced += st.replacement;
-      at = space + 1;
-    }
-    const bool starts = replaced.starts_with(st.replacement);
-    if (!starts && (st.prepend == PrependScheme::kAlways || (st.prepend == PrependScheme::kFirst && at_origin)))
-      replaced.insert(0, st.replacement);
-    if (!st.split) {
-      pre_tokenize(replaced, stage + 1, at_origin, out);
-      return;
-    }
-    std::string_view view = replaced;
-    auto emit = [&](std::size_t b, std::size_t e) { pre_tokenize(view.substr(b, e - b), stage + 1, at_origin && b == 0, out); };
-    Combiner<decltype(emit)> combiner(Behavior::kMergedWithNext, emit);
-    std::size_t prev = 0;
-    for (std::size_t pos = view.find(st.replacement); pos != std::string_view::npos;
-         pos = view.find(st.replacement, pos + st.replacement.size())) {
-      if (prev != pos) combiner.push(prev, pos, false);
-      combiner.push(pos, pos + st.replacement.size(), true);
-      prev = pos + st.replacement.size();
-    }
-    if (prev != view.size()) combiner.push(prev, view.size(), false);
-    combiner.finish();
+    auto next = [&](std::string_view word, bool first) { pre_tokenize(word, stage + 1, at_origin && first, out); };
+    if (fused_splits && !piece.empty() && metaspace_in_place(st)) metaspace_in_place(st, piece, at_origin, next);  // Note [Metaspace without a copy]
+    else metaspace_by_replacing(st, piece, at_origin, next);
     return;
   }
   if (fused_splits && split_runs[stage].end > stage) {  // Note [One pass for character splits]
@@ -2724,6 +2771,21 @@ std::string normalize_steps(std::span<const std::string_view> steps, std::string
   if (one_pass != nullptr) *one_pass = changed.has_value();
   if (!changed) changed = run_steps(list, text, out, start_removed);
   return *changed ? out : std::string(text);
+}
+
+std::vector<std::pair<std::string, bool>> metaspace_words(std::string_view text, std::string_view replacement,
+                                                          std::string_view scheme, bool split, bool at_origin,
+                                                          bool in_place) {
+  Stage st;
+  st.kind = Stage::Kind::kMetaspace;
+  st.replacement = std::string(replacement);
+  st.prepend = scheme == "always" ? PrependScheme::kAlways : scheme == "first" ? PrependScheme::kFirst : PrependScheme::kNever;
+  st.split = split;
+  std::vector<std::pair<std::string, bool>> words;
+  auto emit = [&](std::string_view w, bool first) { words.emplace_back(std::string(w), first); };
+  if (in_place && !text.empty() && metaspace_in_place(st)) metaspace_in_place(st, text, at_origin, emit);
+  else metaspace_by_replacing(st, text, at_origin, emit);
+  return words;
 }
 
 std::vector<std::string> split_characters(std::span<const std::string_view> stages, std::string_view text,

@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace modalities::plugins::hf_tokenizer {
@@ -119,5 +120,13 @@ std::string normalize_steps(std::span<const std::string_view> steps, std::string
 /// character splits]) or stage by stage as `tokenizers` runs them. Exposed for tests.
 std::vector<std::string> split_characters(std::span<const std::string_view> stages, std::string_view text,
                                           bool one_pass);
+
+/// The words (and whether each starts the text) that a Metaspace pre-tokenizer with `replacement`,
+/// prepend scheme `scheme` ("always", "first", "never") and `split` makes of `text`, without a copy
+/// of the text where Note [Metaspace without a copy] applies and `in_place` is set, otherwise as
+/// `tokenizers` does it (replace, prepend, split). Exposed for tests.
+std::vector<std::pair<std::string, bool>> metaspace_words(std::string_view text, std::string_view replacement,
+                                                          std::string_view scheme, bool split, bool at_origin,
+                                                          bool in_place);
 
 }  // namespace modalities::plugins::hf_tokenizer

@@ -1019,6 +1019,30 @@ TEST(HfTokenizerTest, OnePassCharacterSplitsEqualTheStagesOnEveryCodePoint) {
             (std::vector<std::string>{"ab", "c", ".", "d", "12", "x"}));
 }
 
+// Note [Metaspace without a copy]: the words (and their "starts the text" flags) equal those of
+// replacing, prepending and splitting (FamilyTest checks that path against `tokenizers`) on every
+// string of up to 6 characters over spaces, both replacements, a letter and a multi-byte letter
+// whose encoding shares the replacement's lead byte, for every scheme, with and without the origin.
+TEST(HfTokenizerTest, MetaspaceInPlaceEqualsReplacingAndSplitting) {
+  std::size_t differences = 0, strings = 0;
+  for (const std::string_view replacement : {"\u2581", "_"})
+    for (const std::string_view scheme : {"always", "first", "never"})
+      for (const bool at_origin : {true, false})
+        strings += for_each_short_string({" ", "\u2581", "_", "a", "\u2580", "\u4e2d"}, 6, [&](const std::string& text) {
+          const auto in_place = metaspace_words(text, replacement, scheme, true, at_origin, true);
+          const auto replacing = metaspace_words(text, replacement, scheme, true, at_origin, false);
+          if (in_place != replacing && differences++ < 5)
+            ADD_FAILURE() << "'" << text << "' " << replacement << " " << scheme << " " << at_origin << ": "
+                          << in_place.size() << " vs " << replacing.size() << " words";
+        });
+  EXPECT_EQ(differences, 0u) << "of " << strings;
+  EXPECT_EQ(metaspace_words(" a\u2581b  c", "\u2581", "always", true, true, true),
+            (std::vector<std::pair<std::string, bool>>{
+                {"\u2581a", true}, {"\u2581b", false}, {"\u2581", false}, {"\u2581c", false}}));
+  EXPECT_EQ(metaspace_words("a b", "\u2581", "first", true, false, true),
+            (std::vector<std::pair<std::string, bool>>{{"a", true}, {"\u2581b", false}}));
+}
+
 // CodePointSet::find_in skips ASCII words and lead bytes of blocks outside the set: the first
 // code point in the set as a plain scan finds it, for sets in each UTF-8 length, on every text of
 // the corpora and on a text of every code point.
