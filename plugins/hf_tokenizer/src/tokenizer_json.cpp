@@ -481,7 +481,9 @@ std::optional<bool> bert_one_pass(const NormalizerStep& n, std::string_view in, 
 // [One-pass BertNormalizer]: each character's canonical decomposition goes through the maps,
 // which is NFD's result unless a non-starter (which NFD may reorder) comes out of the maps; then
 // the pass gives up and the steps run one by one. The start counts as removed exactly when one
-// of the steps, run alone, would remove the first character it sees.
+// of the steps, run alone, would remove the first character it sees. What the steps make of a BMP
+// character depends on that character alone, so the pass computes it once per tokenizer and then
+// looks it up wherever every step has already seen a character (FusedMaps).
 bool is_fusable_map(const NormalizerStep& n) {
   using K = NormalizerStep::Kind;
   return n.kind == K::kStripAccents || n.kind == K::kLowercase || n.kind == K::kNmt;
@@ -513,7 +515,15 @@ constexpr std::uint8_t kRemovedAscii = 0x80;
 struct FusedMaps {
   std::array<std::uint8_t, 128> ascii{};
   std::vector<std::uint64_t> keeps_bmp = std::vector<std::uint64_t>(1024, 0);
+  // Per BMP code point that is not kept, the text the steps make of it once every step has seen a
+  // character (what the pass would compute; it depends on the character alone): (offset in
+  // `pool` << 8) | length, or kNotTabulated where the pass gives up or the text is long.
+  static constexpr std::uint32_t kNotTabulated = 0xFF;
+  std::vector<std::uint32_t> mapped;
+  std::string pool;
 };
+std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const FusedMaps& tables, std::string_view in,
+                                   std::string& out, bool* start_removed);
 FusedMaps fused_maps(std::span<const NormalizerStep> steps) {
   using K = NormalizerStep::Kind;
   FusedMaps t;
@@ -532,6 +542,22 @@ FusedMaps fused_maps(std::span<const NormalizerStep> steps) {
   if (!std::ranges::all_of(steps, [](const NormalizerStep& m) { return is_fusable_map(m) || is_nfd(m); })) return t;
   for (char32_t c = 0x80; c < 0x10000; ++c)
     if ((c < 0xD800 || c > 0xDFFF) && keeps_unchanged(steps, c)) t.keeps_bmp[c >> 6] |= std::uint64_t{1} << (c & 63);
+  // Tabulate the others with the pass itself (`mapped` still empty, so it computes each).
+  std::vector<std::uint32_t> mapped(0x10000, FusedMaps::kNotTabulated);
+  std::string one, text;
+  for (char32_t c = 0x80; c < 0x10000; ++c) {
+    if ((c >= 0xD800 && c <= 0xDFFF) || ((t.keeps_bmp[c >> 6] >> (c & 63)) & 1)) continue;
+    one.clear();
+    append_utf8(one, c);
+    bool removed = false;
+    const std::optional<bool> changed = fused_one_pass(steps, t, one, text, &removed);
+    if (!changed) continue;
+    const std::string_view result = *changed ? std::string_view(text) : std::string_view(one);
+    if (result.size() >= FusedMaps::kNotTabulated) continue;
+    mapped[c] = static_cast<std::uint32_t>(t.pool.size() << 8) | static_cast<std::uint32_t>(result.size());
+    t.pool += result;
+  }
+  t.mapped = std::move(mapped);
   return t;
 }
 
@@ -639,6 +665,13 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
       continue;
     }
     const char32_t c = decode_at(in, i, &len);
+    if (c >= 0x80 && c < 0x10000 && all_received == maps.size() && !tables.mapped.empty()) {
+      if (const std::uint32_t m = tables.mapped[c]; m != FusedMaps::kNotTabulated) {  // computed once, above
+        r.append(tables.pool, m >> 8, m & 0xFF);
+        i += len;
+        continue;
+      }
+    }
     i += len;
     if (!nfd || c < 0x80 || nfd_inert_starter(c)) {
       feed(feed, c, 0);
