@@ -350,6 +350,7 @@ struct NormalizerStep {
   bool left = false, right = false;  // kStrip
   bool clean_text = true, chinese = true, strip_accents = false, lowercase = true;  // kBert
   std::optional<bool> strip_accents_given;  // kBert: null follows lowercase
+  std::shared_ptr<const struct CharTable> bert_table;  // kBert: Note [One-pass BertNormalizer]
 
   // Applies the step to `in`; returns false (leaving `out` alone) when nothing changes. Sets
   // *start_removed when the first character was deleted (the result then starts at a later
@@ -424,7 +425,48 @@ bool ascii_fast_path(const NormalizerStep& n, std::string_view in, std::string& 
 // character is a non-starter: then it gives up (std::nullopt) and the four passes run. The start
 // counts as removed (for Metaspace) as the passes report it: when the clean-up removes the first
 // character or the accent stripping the first code point of its decomposition.
+//
+// What the pass makes of a BMP character depends on that character alone once it is not the first,
+// so it is computed once per normalizer (by the pass itself, bert_char_table) and looked up.
+
+// Per BMP code point, the text a character-by-character pass makes of it: (offset in `pool` << 8)
+// | length, or kNotTabulated (the pass gives up on it, or the text is long).
+struct CharTable {
+  static constexpr std::uint32_t kNotTabulated = 0xFF;
+  std::vector<std::uint32_t> mapped;
+  std::string pool;
+  bool lookup(char32_t c, std::string& r) const {
+    if (c >= 0x10000) return false;
+    const std::uint32_t m = mapped[c];
+    if (m == kNotTabulated) return false;
+    r.append(pool, m >> 8, m & 0xFF);
+    return true;
+  }
+};
+
+// The table of `pass` (a one-pass normalizer: text in, false / true with the new text in `out` /
+// std::nullopt when it gives up) on each BMP code point from `from` on that `skip` does not exclude.
+template <class Pass, class Skip>
+CharTable tabulate(char32_t from, Pass&& pass, Skip&& skip) {
+  CharTable t;
+  t.mapped.assign(0x10000, CharTable::kNotTabulated);
+  std::string one, text;
+  for (char32_t c = from; c < 0x10000; ++c) {
+    if ((c >= 0xD800 && c <= 0xDFFF) || skip(c)) continue;
+    one.clear();
+    append_utf8(one, c);
+    const std::optional<bool> changed = pass(std::string_view(one), text);
+    if (!changed) continue;
+    const std::string_view result = *changed ? std::string_view(text) : std::string_view(one);
+    if (result.size() >= CharTable::kNotTabulated) continue;
+    t.mapped[c] = static_cast<std::uint32_t>(t.pool.size() << 8) | static_cast<std::uint32_t>(result.size());
+    t.pool += result;
+  }
+  return t;
+}
+
 std::optional<bool> bert_one_pass(const NormalizerStep& n, std::string_view in, std::string& out, bool* start_removed) {
+  const CharTable* table = n.bert_table.get();
   const CodePointSet& removed = bert_removed();
   const CodePointSet& space = bert_to_space();
   const CodePointSet& marks = bert_nonspacing_marks();
@@ -443,6 +485,7 @@ std::optional<bool> bert_one_pass(const NormalizerStep& n, std::string_view in, 
     char32_t c = decode_at(in, i, &len);
     const bool first = i == 0;
     i += len;
+    if (!first && table != nullptr && table->lookup(c, r)) continue;
     if (n.clean_text) {
       if (removed.contains(c)) {
         first_removed = first_removed || first;
@@ -472,6 +515,15 @@ std::optional<bool> bert_one_pass(const NormalizerStep& n, std::string_view in, 
   if (r == in) return false;
   out = std::move(r);
   return true;
+}
+
+std::shared_ptr<const CharTable> bert_char_table(const NormalizerStep& n) {
+  NormalizerStep plain = n;
+  plain.bert_table = nullptr;
+  bool removed = false;
+  return std::make_shared<const CharTable>(tabulate(
+      0, [&](std::string_view one, std::string& out) { return bert_one_pass(plain, one, out, &removed); },
+      [](char32_t) { return false; }));
 }
 
 // Note [Fused character maps]
@@ -515,12 +567,8 @@ constexpr std::uint8_t kRemovedAscii = 0x80;
 struct FusedMaps {
   std::array<std::uint8_t, 128> ascii{};
   std::vector<std::uint64_t> keeps_bmp = std::vector<std::uint64_t>(1024, 0);
-  // Per BMP code point that is not kept, the text the steps make of it once every step has seen a
-  // character (what the pass would compute; it depends on the character alone): (offset in
-  // `pool` << 8) | length, or kNotTabulated where the pass gives up or the text is long.
-  static constexpr std::uint32_t kNotTabulated = 0xFF;
-  std::vector<std::uint32_t> mapped;
-  std::string pool;
+  // What the steps make of each BMP character that is not kept once every step has seen one.
+  CharTable chars;
 };
 std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const FusedMaps& tables, std::string_view in,
                                    std::string& out, bool* start_removed);
@@ -542,22 +590,12 @@ FusedMaps fused_maps(std::span<const NormalizerStep> steps) {
   if (!std::ranges::all_of(steps, [](const NormalizerStep& m) { return is_fusable_map(m) || is_nfd(m); })) return t;
   for (char32_t c = 0x80; c < 0x10000; ++c)
     if ((c < 0xD800 || c > 0xDFFF) && keeps_unchanged(steps, c)) t.keeps_bmp[c >> 6] |= std::uint64_t{1} << (c & 63);
-  // Tabulate the others with the pass itself (`mapped` still empty, so it computes each).
-  std::vector<std::uint32_t> mapped(0x10000, FusedMaps::kNotTabulated);
-  std::string one, text;
-  for (char32_t c = 0x80; c < 0x10000; ++c) {
-    if ((c >= 0xD800 && c <= 0xDFFF) || ((t.keeps_bmp[c >> 6] >> (c & 63)) & 1)) continue;
-    one.clear();
-    append_utf8(one, c);
-    bool removed = false;
-    const std::optional<bool> changed = fused_one_pass(steps, t, one, text, &removed);
-    if (!changed) continue;
-    const std::string_view result = *changed ? std::string_view(text) : std::string_view(one);
-    if (result.size() >= FusedMaps::kNotTabulated) continue;
-    mapped[c] = static_cast<std::uint32_t>(t.pool.size() << 8) | static_cast<std::uint32_t>(result.size());
-    t.pool += result;
-  }
-  t.mapped = std::move(mapped);
+  // The others through the pass itself (`chars` is still empty, so it computes each).
+  bool removed = false;
+  CharTable chars = tabulate(
+      0x80, [&](std::string_view one, std::string& out) { return fused_one_pass(steps, t, one, out, &removed); },
+      [&](char32_t c) { return ((t.keeps_bmp[c >> 6] >> (c & 63)) & 1) != 0; });
+  t.chars = std::move(chars);
   return t;
 }
 
@@ -665,12 +703,9 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
       continue;
     }
     const char32_t c = decode_at(in, i, &len);
-    if (c >= 0x80 && c < 0x10000 && all_received == maps.size() && !tables.mapped.empty()) {
-      if (const std::uint32_t m = tables.mapped[c]; m != FusedMaps::kNotTabulated) {  // computed once, above
-        r.append(tables.pool, m >> 8, m & 0xFF);
-        i += len;
-        continue;
-      }
+    if (c >= 0x80 && all_received == maps.size() && !tables.chars.mapped.empty() && tables.chars.lookup(c, r)) {
+      i += len;  // computed once, by fused_maps
+      continue;
     }
     i += len;
     if (!nfd || c < 0x80 || nfd_inert_starter(c)) {
@@ -1534,6 +1569,7 @@ void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const
     n.lowercase = j.flag(el, "lowercase", true, where);
     if (auto v = j.optional_member(el, "strip_accents")) n.strip_accents_given = j.boolean(*v, where + ".strip_accents");
     n.strip_accents = n.strip_accents_given.value_or(n.lowercase);
+    n.bert_table = bert_char_table(n);
     top_level_bert = where == "normalizer";
   } else {
     unsupported(file, where, "normalizer", type,
@@ -2769,6 +2805,10 @@ std::string bert_normalize(std::string_view text, bool strip_accents, bool lower
   n.kind = NormalizerStep::Kind::kBert;
   n.strip_accents = strip_accents;
   n.lowercase = lowercase;
+  thread_local std::map<std::pair<bool, bool>, std::shared_ptr<const CharTable>> tables;  // tests call this often
+  auto& table = tables[{strip_accents, lowercase}];
+  if (!table) table = bert_char_table(n);
+  n.bert_table = table;
   std::string out;
   *start_removed = false;
   std::optional<bool> changed;
