@@ -1238,14 +1238,19 @@ class PrefixTrie {
       nodes_.push_back({static_cast<std::uint32_t>(edges_.size()), static_cast<std::uint32_t>(b.next.size()), b.id});
       for (const auto& [byte, child] : b.next) edges_.push_back({byte, child});
     }
+    root_.fill(0);
+    for (const auto& [byte, child] : building_[0].next) root_[byte] = child;
     building_.clear();
     building_.shrink_to_fit();
   }
   // Calls f(length, id) for every piece that is a prefix of text[pos..], shortest first.
   template <class F>
   void prefixes(std::string_view text, std::size_t pos, F&& f) const {
-    std::uint32_t n = 0;
-    for (std::size_t i = pos; i < text.size(); ++i) {
+    if (pos >= text.size()) return;
+    std::uint32_t n = root_[static_cast<unsigned char>(text[pos])];  // the root's children by byte
+    if (n == 0) return;
+    if (nodes_[n].id >= 0) f(1, nodes_[n].id);
+    for (std::size_t i = pos + 1; i < text.size(); ++i) {
       const auto b = static_cast<unsigned char>(text[i]);
       const Node& node = nodes_[n];
       const Edge* first = edges_.data() + node.first_edge;
@@ -1273,6 +1278,7 @@ class PrefixTrie {
   std::vector<Building> building_;
   std::vector<Node> nodes_ = {{0, 0, -1}};
   std::vector<Edge> edges_;
+  std::array<std::uint32_t, 256> root_{};  // 0: no piece starts with the byte (node 0 is the root)
 };
 
 // ---------------------------------------------------------------------------
