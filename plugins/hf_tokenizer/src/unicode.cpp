@@ -308,9 +308,10 @@ namespace {
 // already normalized. A segment is left alone when every character is known to
 // be unchanged by the form and unable to interact with its neighbours: for BMP
 // characters a per-form table computed once with utf8proc (NF(c) == c, combining
-// class 0, not the second element of any composition, not a Hangul jamo), for
-// astral ones the property check (no decomposition at all, class 0, not a
-// second element). Anything else takes the full utf8proc path.
+// class 0, not the second element of any composition, not a Hangul jamo; the same
+// byte marks the code points tokenizers does not know), for astral ones the
+// property check (no decomposition at all, class 0, not a second element).
+// Anything else takes the full utf8proc path.
 constexpr utf8proc_uint16_t kNoIndex = 0xFFFF;
 
 bool is_hangul_jamo(char32_t c) {
