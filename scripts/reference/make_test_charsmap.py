@@ -9,6 +9,7 @@ Needs sentencepiece and protobuf (the versions of scripts/bench-requirements.txt
 
     .deps/bench/bin/python scripts/reference/make_test_charsmap.py
 """
+import argparse
 import base64
 import pathlib
 import tempfile
@@ -20,6 +21,7 @@ RULES = "600\t58\n200D\t5A\n41 301\tC1\n"  # source code points (hex) TAB target
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = pathlib.Path(tmp)
         (d / "rules.tsv").write_text(RULES)

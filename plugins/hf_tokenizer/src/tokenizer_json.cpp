@@ -435,8 +435,8 @@ struct CharTable {
   static constexpr std::uint32_t kNotTabulated = 0xFF;
   std::vector<std::uint32_t> mapped;
   std::string pool;
-  bool lookup(char32_t c, std::string& r) const {
-    if (c >= 0x10000) return false;
+  bool lookup(char32_t c, std::string& r) const {  // false when `c` is not in the table (or it is empty)
+    if (c >= 0x10000 || mapped.empty()) return false;
     const std::uint32_t m = mapped[c];
     if (m == kNotTabulated) return false;
     r.append(pool, m >> 8, m & 0xFF);
@@ -566,7 +566,7 @@ bool keeps_unchanged(std::span<const NormalizerStep> steps, char32_t c) {
 constexpr std::uint8_t kRemovedAscii = 0x80;
 struct FusedMaps {
   std::array<std::uint8_t, 128> ascii{};
-  std::vector<std::uint64_t> keeps_bmp = std::vector<std::uint64_t>(1024, 0);
+  BmpBits keeps;  // keeps_unchanged of each BMP character
   // What the steps make of each BMP character that is not kept once every step has seen one.
   CharTable chars;
 };
@@ -588,13 +588,12 @@ FusedMaps fused_maps(std::span<const NormalizerStep> steps) {
     t.ascii[b] = static_cast<std::uint8_t>(c);
   }
   if (!std::ranges::all_of(steps, [](const NormalizerStep& m) { return is_fusable_map(m) || is_nfd(m); })) return t;
-  for (char32_t c = 0x80; c < 0x10000; ++c)
-    if ((c < 0xD800 || c > 0xDFFF) && keeps_unchanged(steps, c)) t.keeps_bmp[c >> 6] |= std::uint64_t{1} << (c & 63);
+  t.keeps = BmpBits::where(0x80, [&](char32_t c) { return keeps_unchanged(steps, c); });
   // The others through the pass itself (`chars` is still empty, so it computes each).
   bool removed = false;
   CharTable chars = tabulate(
       0x80, [&](std::string_view one, std::string& out) { return fused_one_pass(steps, t, one, out, &removed); },
-      [&](char32_t c) { return ((t.keeps_bmp[c >> 6] >> (c & 63)) & 1) != 0; });
+      [&](char32_t c) { return t.keeps.contains(c); });
   t.chars = std::move(chars);
   return t;
 }
@@ -656,7 +655,7 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
   // Copy on the first change: the characters that every step keeps as they are (most text, for
   // Nmt or StripAccents) are skipped until one is not. Such a character reaches every step.
   auto keeps = [&](char32_t c) {  // non-ASCII `c` comes out of every step as it is
-    if (c < 0x10000) return ((tables.keeps_bmp[c >> 6] >> (c & 63)) & 1) != 0;
+    if (c < 0x10000) return tables.keeps.contains(c);
     return keeps_unchanged(steps, c);
   };
   std::size_t i = 0;
@@ -703,7 +702,7 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
       continue;
     }
     const char32_t c = decode_at(in, i, &len);
-    if (c >= 0x80 && all_received == maps.size() && !tables.chars.mapped.empty() && tables.chars.lookup(c, r)) {
+    if (c >= 0x80 && all_received == maps.size() && tables.chars.lookup(c, r)) {
       i += len;  // computed once, by fused_maps
       continue;
     }

@@ -431,16 +431,12 @@ std::size_t canonical_decomposition(char32_t c, std::array<char32_t, 8>& out, st
 }
 
 bool nfd_inert_starter(char32_t c) {
-  static const std::vector<std::uint64_t> bmp = [] {  // one bit per BMP code point, computed once
-    std::vector<std::uint64_t> bits(1024, 0);
+  static const BmpBits bmp = BmpBits::where(0, [](char32_t d) {
     std::array<char32_t, 8> parts;
     std::array<bool, 8> starter;
-    for (char32_t d = 0; d < 0x10000; ++d)
-      if ((d < 0xD800 || d > 0xDFFF) && canonical_decomposition(d, parts, starter) == 1 && parts[0] == d && starter[0])
-        bits[d >> 6] |= std::uint64_t{1} << (d & 63);
-    return bits;
-  }();
-  if (c < 0x10000) return (bmp[c >> 6] >> (c & 63)) & 1;
+    return canonical_decomposition(d, parts, starter) == 1 && parts[0] == d && starter[0];
+  });
+  if (c < 0x10000) return bmp.contains(c);
   std::array<char32_t, 8> parts;
   std::array<bool, 8> starter;
   return canonical_decomposition(c, parts, starter) == 1 && parts[0] == c && starter[0];
@@ -559,17 +555,12 @@ namespace {
 // characters, so the normalizer maps them one by one without asking utf8proc where clusters end.
 // Unassigned code points are left out (the slow path checks them, see normalize).
 bool lone_other(char32_t c) {
-  static const std::vector<std::uint64_t> bmp = [] {  // one bit per BMP code point, computed once
-    std::vector<std::uint64_t> bits(1024, 0);
-    for (char32_t d = 0x80; d < 0x10000; ++d) {
-      const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(d));
-      if (p->boundclass == UTF8PROC_BOUNDCLASS_OTHER && p->category != UTF8PROC_CATEGORY_CN &&
-          p->category != UTF8PROC_CATEGORY_CS)
-        bits[d >> 6] |= std::uint64_t{1} << (d & 63);
-    }
-    return bits;
-  }();
-  return c < 0x10000 && ((bmp[c >> 6] >> (c & 63)) & 1) != 0;
+  static const BmpBits bmp = BmpBits::where(0x80, [](char32_t d) {
+    const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(d));
+    return p->boundclass == UTF8PROC_BOUNDCLASS_OTHER && p->category != UTF8PROC_CATEGORY_CN &&
+           p->category != UTF8PROC_CATEGORY_CS;
+  });
+  return bmp.contains(c);
 }
 
 }  // namespace
@@ -595,13 +586,13 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
     const char ch = static_cast<char>(b);
     if (auto r = transform(std::string_view(&ch, 1))) ascii_[b] = std::string(*r);
   }
-  same_.assign(1024, 0);
-  for (char32_t c = 0; c < 0x10000; ++c) {
-    if (c == '\r' || c == '\n' || (c >= 0x80 && !lone_other(c))) continue;
+  same_ = BmpBits::where(0, [&](char32_t c) {
+    if (c == '\r' || c == '\n' || (c >= 0x80 && !lone_other(c))) return false;
     std::string one;
     append_utf8(one, c);
-    if (auto r = transform(one); !r || *r == one) same_[c >> 6] |= std::uint64_t{1} << (c & 63);
-  }
+    const std::optional<std::string_view> r = transform(one);
+    return !r || *r == one;
+  });
 }
 
 std::optional<std::string_view> PrecompiledCharsmap::transform(std::string_view chunk) const {
@@ -667,7 +658,6 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
     return static_cast<unsigned char>(in[k]) < 0x80 || lone_other(decode_at(in, k, &l));
   };
   bool prev_simple = false;  // the character before `i` is ASCII or lone_other
-  const auto same = [&](char32_t c) { return c < 0x10000 && ((same_[c >> 6] >> (c & 63)) & 1) != 0; };
   for (std::size_t i = 0; i < in.size();) {
     if (fast_ && i > 0 && prev_simple) {
       // Note [Lone grapheme clusters]: a run of characters that are clusters of their own and map
@@ -675,7 +665,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       std::size_t j = i, len;
       while (j < in.size()) {
         const char32_t c = decode_at(in, j, &len);
-        if (!same(c) || (j + len < in.size() && !simple_at(j + len))) break;
+        if (!same_.contains(c) || (j + len < in.size() && !simple_at(j + len))) break;
         prev = c;
         prev_at = j;
         prev_len = len;

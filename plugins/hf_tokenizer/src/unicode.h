@@ -28,6 +28,25 @@ namespace modalities::plugins::hf_tokenizer {
 
 // ---- UTF-8 ----------------------------------------------------------------
 
+/// One bit per BMP code point (8 KiB): a per-character answer computed once, for the fast paths.
+class BmpBits {
+ public:
+  BmpBits() = default;
+  /// The BMP code points from `from` on (surrogates aside) for which `pred` holds.
+  template <class Pred>
+  static BmpBits where(char32_t from, Pred&& pred) {
+    BmpBits b;
+    for (char32_t c = from; c < 0x10000; ++c)
+      if ((c < 0xD800 || c > 0xDFFF) && pred(c)) b.words_[c >> 6] |= std::uint64_t{1} << (c & 63);
+    return b;
+  }
+  /// False for every code point above the BMP.
+  bool contains(char32_t c) const { return c < 0x10000 && ((words_[c >> 6] >> (c & 63)) & 1) != 0; }
+
+ private:
+  std::vector<std::uint64_t> words_ = std::vector<std::uint64_t>(1024, 0);
+};
+
 inline std::size_t utf8_len(unsigned char lead) { return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
 
 /// Code point at s[i] of valid UTF-8; sets *len to its byte length.
@@ -186,7 +205,7 @@ class PrecompiledCharsmap {
   std::array<std::optional<std::string>, 128> ascii_;  // the replacement of each one-byte cluster
   // One bit per BMP code point: a cluster of its own between simple neighbours (Note [Lone grapheme
   // clusters]; ASCII but '\r' and '\n') that this charsmap leaves as it is.
-  std::vector<std::uint64_t> same_;
+  BmpBits same_;
 };
 
 }  // namespace modalities::plugins::hf_tokenizer
