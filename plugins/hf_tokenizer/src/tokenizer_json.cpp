@@ -288,7 +288,9 @@ class Combiner {
 // direct-mapped table of two-cache-line slots holding the word's bytes and ids
 // inline: a hit costs one hash and one memory access, and a frequent word that
 // was overwritten comes back on its next miss (no clearing, no allocation).
-// Longer words go to a bounded map that is cleared when full.
+// Longer words, and short ones with more ids than a slot holds (a CJK run with a
+// small vocabulary), go to a bounded map that is cleared when full. Like
+// `tokenizers`, words of 256 bytes or more are not cached.
 
 struct WordCache {
   static constexpr std::size_t kSlots = 1 << 15;  // 4 MiB per thread and tokenizer
@@ -2196,36 +2198,36 @@ void TokenizerJson::Impl::model(std::string_view word, Sink& out) const {
 
 void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   WordCache& cache = out.cache;
-  std::vector<std::int32_t>& ids = cache.scratch;
+  WordCache::Slot* slot = nullptr;
+  std::uint64_t h = 0;
   if (word.size() <= WordCache::kMaxWord) {
-    const std::uint64_t h = absl::Hash<absl::string_view>{}(key(word));
-    WordCache::Slot& slot = cache.slots[h & (WordCache::kSlots - 1)];
-    if (slot.hash == h && slot.len == word.size() && std::memcmp(slot.word, word.data(), word.size()) == 0) {
-      out.ids.insert(out.ids.end(), slot.ids, slot.ids + slot.n);
+    h = absl::Hash<absl::string_view>{}(key(word));
+    slot = &cache.slots[h & (WordCache::kSlots - 1)];
+    if (slot->hash == h && slot->len == word.size() && std::memcmp(slot->word, word.data(), word.size()) == 0) {
+      out.ids.insert(out.ids.end(), slot->ids, slot->ids + slot->n);
       return;
     }
-    ids.clear();
-    tokenize_word(word, ids);
-    out.ids.insert(out.ids.end(), ids.begin(), ids.end());
-    if (ids.size() <= WordCache::kMaxIds) {
-      slot.hash = h;
-      slot.len = static_cast<std::uint8_t>(word.size());
-      slot.n = static_cast<std::uint8_t>(ids.size());
-      std::memcpy(slot.word, word.data(), word.size());
-      std::copy(ids.begin(), ids.end(), slot.ids);
-    }
-    return;
   }
-  if (word.size() < WordCache::kLongMaxBytes) {
+  // A word too long for a slot, or whose ids are (a short word of many characters, e.g. CJK
+  // with a small vocabulary: `tokenizers` caches every word under 256 bytes).
+  const bool cacheable = word.size() < WordCache::kLongMaxBytes;
+  if (cacheable && !cache.long_words.empty()) {
     if (auto it = cache.long_words.find(key(word)); it != cache.long_words.end()) {
       out.ids.insert(out.ids.end(), it->second.begin(), it->second.end());
       return;
     }
   }
+  std::vector<std::int32_t>& ids = cache.scratch;
   ids.clear();
   tokenize_word(word, ids);
   out.ids.insert(out.ids.end(), ids.begin(), ids.end());
-  if (word.size() < WordCache::kLongMaxBytes) {
+  if (slot != nullptr && ids.size() <= WordCache::kMaxIds) {
+    slot->hash = h;
+    slot->len = static_cast<std::uint8_t>(word.size());
+    slot->n = static_cast<std::uint8_t>(ids.size());
+    std::memcpy(slot->word, word.data(), word.size());
+    std::copy(ids.begin(), ids.end(), slot->ids);
+  } else if (cacheable) {
     if (cache.long_words.size() >= WordCache::kLongCapacity) cache.long_words.clear();
     cache.long_words.emplace(std::string(word), ids);
   }
