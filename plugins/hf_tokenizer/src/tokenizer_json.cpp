@@ -2369,47 +2369,64 @@ void TokenizerJson::Impl::merge(std::vector<std::int32_t>& syms) const {
 }
 
 void TokenizerJson::Impl::merge_heap(std::vector<std::int32_t>& syms) const {
+  // Symbols as a linked list (id -1: merged into its left neighbour); candidates keyed by
+  // rank << 32 | position, so the heap pops the lowest rank, leftmost first. A candidate remembers
+  // the pair it was made for: while both ids are unchanged it is still valid without a lookup;
+  // otherwise it is valid when the pair there now merges into the same id, as in Word::merge_all.
   struct Sym {
-    std::int32_t id;
-    std::int64_t prev, next;
-    bool alive;
+    std::int32_t id, prev, next;
   };
   struct Cand {
-    std::uint32_t rank;
-    std::size_t pos;
-    std::int32_t new_id;
-    bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    std::uint64_t key;
+    std::int32_t new_id, left, right;
   };
-  const std::size_t n = syms.size();
-  std::vector<Sym> s(n);
-  for (std::size_t i = 0; i < n; ++i)
-    s[i] = {syms[i], static_cast<std::int64_t>(i) - 1, i + 1 < n ? static_cast<std::int64_t>(i + 1) : -1, true};
-  std::priority_queue<Cand, std::vector<Cand>, std::greater<>> queue;
-  auto push = [&](std::size_t pos) {
-    if (s[pos].next < 0) return;
-    auto it = merges.find((static_cast<std::uint64_t>(s[pos].id) << 32) | static_cast<std::uint32_t>(s[s[pos].next].id));
-    if (it != merges.end())
-      queue.push({static_cast<std::uint32_t>(it->second >> 32), pos, static_cast<std::int32_t>(it->second & 0xFFFFFFFFu)});
+  auto later = [](const Cand& a, const Cand& b) { return a.key > b.key; };
+  thread_local std::vector<Sym> s;  // scratch, reused across words
+  thread_local std::vector<Cand> heap;
+  const auto n = static_cast<std::int32_t>(syms.size());
+  s.resize(syms.size());
+  for (std::int32_t i = 0; i < n; ++i) s[i] = {syms[i], i - 1, i + 1 < n ? i + 1 : -1};
+  auto candidate = [&](std::int32_t pos, Cand& c) {
+    const std::int32_t left = s[pos].id, right = s[s[pos].next].id;
+    auto it = merges.find((static_cast<std::uint64_t>(left) << 32) | static_cast<std::uint32_t>(right));
+    if (it == merges.end()) return false;
+    c = {(it->second >> 32) << 32 | static_cast<std::uint32_t>(pos), static_cast<std::int32_t>(it->second & 0xFFFFFFFFu),
+         left, right};
+    return true;
   };
-  for (std::size_t i = 0; i + 1 < n; ++i) push(i);
-  while (!queue.empty()) {
-    const Cand top = queue.top();
-    queue.pop();
-    Sym& left = s[top.pos];
-    if (!left.alive || left.next < 0) continue;
+  heap.clear();
+  Cand c;
+  for (std::int32_t i = 0; i + 1 < n; ++i)
+    if (candidate(i, c)) heap.push_back(c);
+  std::make_heap(heap.begin(), heap.end(), later);
+  auto push = [&](std::int32_t pos) {
+    if (s[pos].next >= 0 && candidate(pos, c)) {
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  };
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Cand top = heap.back();
+    heap.pop_back();
+    const auto pos = static_cast<std::int32_t>(top.key & 0xFFFFFFFFu);
+    Sym& left = s[pos];
+    if (left.id < 0 || left.next < 0) continue;
     Sym& right = s[left.next];
-    auto it = merges.find((static_cast<std::uint64_t>(left.id) << 32) | static_cast<std::uint32_t>(right.id));
-    if (it == merges.end() || static_cast<std::int32_t>(it->second & 0xFFFFFFFFu) != top.new_id) continue;  // stale
+    if (left.id != top.left || right.id != top.right) {
+      auto it = merges.find((static_cast<std::uint64_t>(left.id) << 32) | static_cast<std::uint32_t>(right.id));
+      if (it == merges.end() || static_cast<std::int32_t>(it->second & 0xFFFFFFFFu) != top.new_id) continue;  // stale
+    }
     left.id = top.new_id;
-    right.alive = false;
+    right.id = -1;
     left.next = right.next;
-    if (right.next >= 0) s[right.next].prev = static_cast<std::int64_t>(top.pos);
-    if (left.prev >= 0) push(static_cast<std::size_t>(left.prev));
-    push(top.pos);
+    if (right.next >= 0) s[right.next].prev = pos;
+    if (left.prev >= 0) push(left.prev);
+    push(pos);
   }
   syms.clear();
-  for (const Sym& x : s)
-    if (x.alive) syms.push_back(x.id);
+  for (std::int32_t i = 0; i < n; ++i)
+    if (s[i].id >= 0) syms.push_back(s[i].id);
 }
 
 // Unigram::encode (the Viterbi search of `encode_optimized`) and tokenize:
