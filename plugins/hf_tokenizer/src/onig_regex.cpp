@@ -508,16 +508,20 @@ Regex Regex::with_exact_tables() const {
   return r;
 }
 
-Regex Regex::without_ascii_fast_path() const {
+Regex Regex::without_hand_written_matchers() const {
   Regex r = *this;
   r.fast_ = Fast::kNone;
   r.run_class_.reset();
   return r;
 }
 
-// DeepSeek-V3's third split (kDeepSeekV3Pattern) on ASCII; see Note [Common patterns on ASCII].
-// Digits and controls that no alternative matches are skipped, as PCRE2's search skips them.
-static std::size_t deepseek_v3_match(std::string_view text, std::size_t& from) {
+// DeepSeek-V3's third split (kDeepSeekV3Pattern) on ASCII. Unlike the patterns of Note [Common
+// patterns on every code point] it does not match everywhere: digits and controls that no
+// alternative matches are skipped, as PCRE2's search skips them. Whenever the answer depends on a
+// byte >= 0x80 (a run of letters reaching "é", a space before a non-ASCII character, ...) it
+// returns 0 and PCRE2 decides that match. Checked against PCRE2 on every string of up to 4
+// characters over an alphabet of the distinguishing cases and on the test corpora.
+std::size_t Regex::deepseek_v3_match(std::string_view text, std::size_t& from) {
   enum : std::uint8_t { kSpace, kLetter, kPunct, kOther, kNonAscii, kEnd };  // kPunct: \p{P} or \p{S}
   static const std::array<std::uint8_t, 128> classes = [] {
     std::array<std::uint8_t, 128> c{};
@@ -576,155 +580,190 @@ static std::size_t deepseek_v3_match(std::string_view text, std::size_t& from) {
   return std::string_view::npos;
 }
 
-// Note [Common patterns on ASCII]
+// Note [Common patterns on every code point]
 // The pre-tokenizer patterns of GPT-2 (ByteLevel's regex), Llama-3, Qwen2, GPT-4o and Tekken
 // match at every position (each character is \s, a letter, a number or none of these, and some
-// alternative starts with each), so the match that a search from `from` finds starts at `from`
-// (DeepSeek-V3's skips digits and controls; deepseek_v3_match skips them as PCRE2 does). On ASCII its
-// end follows from the classes of a few bytes, which the code below reads instead of calling
-// PCRE2 once per token (a third of the time of byte-level BPE on typical text). The classes are
-// Oniguruma's own table entries for ASCII. Whenever the answer depends on a byte >= 0x80 (a run
-// of letters reaching "é", a space before a non-ASCII character, a case-insensitive contraction
-// whose letter could be "ſ", ...) it returns 0 and PCRE2 decides that match. Checked against
-// PCRE2 on every string of up to 4 characters over an alphabet of the distinguishing cases and on
-// the test corpora (AsciiMatchersGiveThePcreMatchesOnEveryShortString).
-std::size_t Regex::ascii_match(Fast pattern, std::string_view text, std::size_t& from) {
-  enum : std::uint8_t { kSpace, kLetter, kNumber, kOther, kNonAscii, kEnd };
-  static const std::array<std::uint8_t, 128> classes = [] {
-    std::array<std::uint8_t, 128> c{};
-    const CodePointSet& space = *oniguruma_class("\\s");
-    const CodePointSet& letter = *oniguruma_class("L");
-    const CodePointSet& number = *oniguruma_class("N");
-    for (char32_t b = 0; b < 128; ++b)
-      c[b] = space.contains(b) ? kSpace : letter.contains(b) ? kLetter : number.contains(b) ? kNumber : kOther;
-    return c;
+// alternative starts with each), so the matches tile the text and each ends where a few
+// character classes say. Asking PCRE2 for each token (and first scanning every text for the code
+// points where PCRE2's Unicode tables differ from Oniguruma's) is most of the time of byte-level
+// BPE on cached words, so word_match reads the classes itself from one table built from
+// Oniguruma's own sets, and PCRE2 is not used for these patterns. Each branch below is one
+// alternative of the pattern, in the pattern's order, with its backtracking spelled out:
+//   * \s+(?!\S) gives the run of spaces less its last character when a non-space follows;
+//   * \s*[\r\n]+ ends after the last line break of the run of spaces;
+//   * GPT-4o's [U]*[W]+ (U = Lu Lt Lm Lo M, W = Ll Lm Lo M, which overlap) takes the whole run of
+//     U, then a run of W after it; when no W follows, U* gives back characters until the last one
+//     that is also in W, which W+ then matches (no such character: the alternative fails);
+//   * the optional [^\r\n\p{L}\p{N}] before a word is tried first, then the word at the character
+//     itself (a mark is both);
+//   * case-insensitive contractions also match "ſ" for "s" (its only non-ASCII case fold).
+// Checked against PCRE2 on every string of up to 4 characters over an alphabet of representatives
+// of every class combination, on the corpora and on a text of every code point
+// (WordMatchersGiveThePcreMatches); the table against the sets on every code point.
+// DeepSeek-V3's pattern does not match everywhere; deepseek_v3_match reads ASCII and returns 0 for
+// PCRE2 to decide when the answer depends on a byte >= 0x80.
+
+namespace {
+
+enum : std::uint8_t { kInL = 1, kInN = 2, kInSpace = 4, kInU = 8, kInW = 16, kAtEnd = 32 };
+
+std::uint8_t word_classes_of(char32_t c) {
+  static const CodePointSet& letter = *oniguruma_class("L");
+  static const CodePointSet& number = *oniguruma_class("N");
+  static const CodePointSet& space = *oniguruma_class("\\s");
+  static const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
+                                    *oniguruma_class("Lo") | *oniguruma_class("M");
+  static const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
+                                    *oniguruma_class("M");
+  return static_cast<std::uint8_t>((letter.contains(c) ? kInL : 0) | (number.contains(c) ? kInN : 0) |
+                                   (space.contains(c) ? kInSpace : 0) | (upper.contains(c) ? kInU : 0) |
+                                   (lower.contains(c) ? kInW : 0));
+}
+
+// word_classes_of for every code point, as a two-stage table: blocks of 256 code points, each
+// block stored once (most of Unicode is a few distinct blocks), so that a lookup is two loads.
+struct WordClassTable {
+  std::vector<std::uint16_t> block_of = std::vector<std::uint16_t>(0x110000 >> 8);
+  std::vector<std::uint8_t> blocks;
+  std::uint8_t operator()(char32_t c) const { return blocks[std::size_t{block_of[c >> 8]} << 8 | (c & 0xFF)]; }
+};
+
+const WordClassTable& word_class_table() {
+  static const WordClassTable table = [] {
+    WordClassTable t;
+    std::map<std::array<std::uint8_t, 256>, std::uint16_t> seen;
+    for (char32_t hi = 0; hi < (0x110000 >> 8); ++hi) {
+      std::array<std::uint8_t, 256> block{};
+      for (char32_t lo = 0; lo < 256; ++lo) {
+        const char32_t c = hi << 8 | lo;
+        block[lo] = c >= 0xD800 && c <= 0xDFFF ? 0 : word_classes_of(c);
+      }
+      auto [it, added] = seen.emplace(block, static_cast<std::uint16_t>(seen.size()));
+      if (added) t.blocks.insert(t.blocks.end(), block.begin(), block.end());
+      t.block_of[hi] = it->second;
+    }
+    return t;
   }();
+  return table;
+}
+
+}  // namespace
+
+std::uint8_t word_match_classes(char32_t c) { return word_class_table()(c); }
+
+std::size_t Regex::word_match(Fast pattern, std::string_view text, std::size_t from) {
   const std::size_t n = text.size();
-  auto cls = [&](std::size_t i) -> std::uint8_t {
-    if (i >= n) return kEnd;
+  const WordClassTable& table = word_class_table();
+  // The classes of the code point at text[i] (kAtEnd past the end) and its length.
+  auto word_classes_at = [&table, n](std::string_view text, std::size_t i, std::size_t* len) -> std::uint8_t {
+    if (i >= n) {
+      *len = 0;
+      return kAtEnd;
+    }
     const auto b = static_cast<unsigned char>(text[i]);
-    return b < 0x80 ? classes[b] : static_cast<std::uint8_t>(kNonAscii);
+    if (b < 0x80) {
+      *len = 1;
+      return table.blocks[b];  // block 0 is stored first
+    }
+    return table(decode_at(text, i, len));
   };
-  // End of the run of class `k` starting at `i`, or 0 when a non-ASCII byte ends it.
-  auto run = [&](std::size_t i, std::uint8_t k) -> std::size_t {
-    while (cls(i) == k) ++i;
-    return cls(i) == kNonAscii ? 0 : i;
-  };
-  auto lower = [](char x) { return x >= 'A' && x <= 'Z' ? static_cast<char>(x + 32) : x; };
-  if (pattern == Fast::kDeepSeekV3) return deepseek_v3_match(text, from);
-  const std::uint8_t first = cls(from);
-  if (first == kNonAscii) return 0;
+  std::size_t len0, len;
+  const std::uint8_t b0 = word_classes_at(text, from, &len0);
+  const std::uint8_t b1 = word_classes_at(text, from + len0, &len);
   const char c = text[from];
-  const bool gpt2 = pattern == Fast::kGpt2;
-  const bool cased = pattern == Fast::kGpt4o || pattern == Fast::kTekken;
-  // (?i:'s|'t|'re|'ve|'m|'ll|'d) at `i`: its end, `i` when there is none, npos when a non-ASCII
-  // character decides (case-insensitive "s" also matches "ſ").
-  constexpr std::size_t kDefer = std::string_view::npos;
-  auto contraction = [&](std::size_t i) -> std::size_t {
-    if (i >= n || text[i] != '\'' || i + 1 >= n) return i;
-    if (!gpt2 && cls(i + 1) == kNonAscii) return kDefer;
-    const char x = gpt2 ? text[i + 1] : lower(text[i + 1]);
-    if (x == 's' || x == 't' || x == 'm' || x == 'd') return i + 2;
-    if ((x == 'r' || x == 'v' || x == 'l') && i + 2 < n) {
-      if (!gpt2 && cls(i + 2) == kNonAscii) return kDefer;
-      const char y = gpt2 ? text[i + 2] : lower(text[i + 2]);
-      if ((x != 'l' && y == 'e') || (x == 'l' && y == 'l')) return i + 3;
+  auto other = [](std::uint8_t b) { return (b & (kInL | kInN | kInSpace | kAtEnd)) == 0; };  // [^\s\p{L}\p{N}]
+  auto run = [&](std::size_t i, auto&& in) {
+    while (in(word_classes_at(text, i, &len))) i += len;
+    return i;
+  };
+  auto run_of = [&](std::size_t i, std::uint8_t k) { return run(i, [k](std::uint8_t b) { return (b & k) != 0; }); };
+  auto numbers = [&](std::size_t most) {  // \p{N}{1,most}
+    std::size_t i = from;
+    for (std::size_t count = 0; count < most && (word_classes_at(text, i, &len) & kInN) != 0; ++count) i += len;
+    return i;
+  };
+  auto line_breaks = [&](std::size_t i, bool slash) {  // [\r\n]* or [\r\n/]*
+    while (i < n && (text[i] == '\r' || text[i] == '\n' || (slash && text[i] == '/'))) ++i;
+    return i;
+  };
+  // 's|'t|'re|'ve|'m|'ll|'d at `i`, case-insensitive or not: its end, or `i` when there is none.
+  auto contraction = [&](std::size_t i, bool caseless) {
+    auto letter = [&](std::size_t j, std::size_t* l) -> char {  // lower-cased ASCII letter, 's' for "ſ"
+      if (j >= n) return 0;
+      const auto x = static_cast<unsigned char>(text[j]);
+      *l = 1;
+      if (x < 0x80) return caseless && x >= 'A' && x <= 'Z' ? static_cast<char>(x + 32) : static_cast<char>(x);
+      *l = 2;
+      return caseless && x == 0xC5 && j + 1 < n && static_cast<unsigned char>(text[j + 1]) == 0xBF ? 's' : 0;
+    };
+    if (i >= n || text[i] != '\'') return i;
+    std::size_t l1, l2;
+    const char x = letter(i + 1, &l1);
+    if (x == 's' || x == 't' || x == 'm' || x == 'd') return i + 1 + l1;
+    if (x == 'r' || x == 'v' || x == 'l') {
+      const char y = letter(i + 1 + l1, &l2);
+      if ((x != 'l' && y == 'e') || (x == 'l' && y == 'l')) return i + 1 + l1 + l2;
     }
     return i;
   };
+  // \s+(?!\S)|\s+, after \s*[\r\n]+ for all but GPT-2.
+  auto spaces = [&](bool breaks) {
+    const std::size_t end = run_of(from, kInSpace);
+    if (breaks)
+      for (std::size_t i = end; i > from; --i)
+        if (text[i - 1] == '\r' || text[i - 1] == '\n') return i;
+    if (end == n) return end;
+    const std::size_t last = last_char_start(text.substr(0, end));
+    return last == from ? end : last;
+  };
 
-  if (cased) {
-    // GPT-4o / Tekken: [U]*[W]+ | [U]+[W]* with U = Lu|Lt|Lm|Lo|M and W = Ll|Lm|Lo|M; on ASCII
-    // U is A-Z and W is a-z (disjoint), so both alternatives end where the run of capitals and
-    // the run of small letters after it end.
-    static const std::array<std::uint8_t, 128> letter_case = [] {  // 1: in U only, 2: in W only
-      std::array<std::uint8_t, 128> k{};
-      const CodePointSet u = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
-                             *oniguruma_class("Lo") | *oniguruma_class("M");
-      const CodePointSet w = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
-                             *oniguruma_class("M");
-      for (char32_t b = 0; b < 128; ++b) {
-        k[b] = u.contains(b) ? 1 : w.contains(b) ? 2 : 0;
-        if ((u.contains(b) && w.contains(b)) || (k[b] == 0) != (classes[b] != kLetter))
-          throw Error("internal: an ASCII letter in both case classes or in none");
-      }
-      return k;
-    }();
-    auto word = [&](std::size_t i) -> std::size_t {  // the letters at `i` (one at least), then a contraction
-      while (i < n && static_cast<unsigned char>(text[i]) < 0x80 && letter_case[static_cast<unsigned char>(text[i])] == 1) ++i;
-      while (i < n && static_cast<unsigned char>(text[i]) < 0x80 && letter_case[static_cast<unsigned char>(text[i])] == 2) ++i;
-      if (cls(i) == kNonAscii) return 0;
-      if (pattern == Fast::kTekken) return i;
-      const std::size_t e = contraction(i);
-      return e == kDefer ? 0 : e;
-    };
-    if (first == kLetter) return word(from);
-    if (first == kNumber) {  // \p{N}{1,3} (GPT-4o) | \p{N} (Tekken)
-      const std::size_t most = pattern == Fast::kGpt4o ? 3 : 1;
-      std::size_t i = from;
-      while (i - from < most && cls(i) == kNumber) ++i;
-      return i - from < most && cls(i) == kNonAscii ? 0 : i;
-    }
-    if (c != '\r' && c != '\n') {  // [^\r\n\p{L}\p{N}]? before the letters
-      const std::uint8_t next = cls(from + 1);
-      if (next == kNonAscii) return 0;
-      if (next == kLetter) return word(from + 1);
-    }
-    //  ?[^\s\p{L}\p{N}]+[\r\n/]*
-    const bool other = first == kOther;
-    if (other || (c == ' ' && cls(from + 1) == kOther)) {
-      std::size_t e = run(other ? from : from + 1, kOther);
-      if (e == 0) return 0;
-      while (e < n && (text[e] == '\r' || text[e] == '\n' || text[e] == '/')) ++e;
-      return e;
-    }
-  } else if (c == '\'') {  // 's|'t|'re|'ve|'m|'ll|'d (case-insensitive but for GPT-2)
-    const std::size_t e = contraction(from);
-    if (e == kDefer) return 0;
-    if (e != from) return e;
-  }
-
-  if (cased) {
-    // What is left starts with a space character: the line-break and space rules below.
-  } else if (gpt2) {
+  if (pattern == Fast::kGpt2) {
+    if (c == '\'')
+      if (const std::size_t e = contraction(from, false); e != from) return e;
     if (c == ' ') {  //  ?\p{L}+ |  ?\p{N}+ |  ?[^\s\p{L}\p{N}]+
-      const std::uint8_t next = cls(from + 1);
-      if (next == kNonAscii) return 0;
-      if (next == kLetter || next == kNumber || next == kOther) return run(from + 1, next);
-    } else if (first != kSpace) {
-      return run(from, first);
+      if (b1 & kInL) return run_of(from + 1, kInL);
+      if (b1 & kInN) return run_of(from + 1, kInN);
+      if (other(b1)) return run(from + 1, other);
     }
-  } else {
-    if (first == kLetter) return run(from, kLetter);  // \p{L}+
-    if (first == kNumber) {                              // \p{N}{1,3} (Llama-3) | \p{N} (Qwen2)
-      const std::size_t most = pattern == Fast::kLlama3 ? 3 : 1;
-      std::size_t i = from;
-      while (i - from < most && cls(i) == kNumber) ++i;
-      return i - from < most && cls(i) == kNonAscii ? 0 : i;
-    }
-    if (c != '\r' && c != '\n') {  // [^\r\n\p{L}\p{N}]?\p{L}+
-      const std::uint8_t next = cls(from + 1);
-      if (next == kNonAscii) return 0;
-      if (next == kLetter) return run(from + 1, kLetter);
-    }
-    //  ?[^\s\p{L}\p{N}]+[\r\n]*
-    const bool other = first == kOther;
-    if (other || (c == ' ' && cls(from + 1) == kOther)) {
-      std::size_t e = run(other ? from : from + 1, kOther);
-      if (e == 0) return 0;
-      while (e < n && (text[e] == '\r' || text[e] == '\n')) ++e;
-      return e;
-    }
+    if (b0 & kInL) return run_of(from, kInL);
+    if (b0 & kInN) return run_of(from, kInN);
+    if (other(b0)) return run(from, other);
+    return spaces(false);
   }
-  // What is left starts with a space character.
-  const std::size_t end = run(from, kSpace);
-  if (end == 0) return 0;
-  if (!gpt2)  // \s*[\r\n]+: through the last line break of the run
-    for (std::size_t i = end; i > from; --i)
-      if (text[i - 1] == '\r' || text[i - 1] == '\n') return i;
-  // \s+(?!\S) | \s+: the run, less its last character when a non-space follows (if that leaves any).
-  if (end == n || end - 1 == from) return end;
-  return end - 1;
+
+  const bool before_word = (b0 & (kInL | kInN)) == 0 && c != '\r' && c != '\n';  // [^\r\n\p{L}\p{N}]
+  if (pattern == Fast::kLlama3 || pattern == Fast::kQwen2) {
+    if (c == '\'')
+      if (const std::size_t e = contraction(from, true); e != from) return e;
+    if (b0 & kInL) return run_of(from, kInL);                      // \p{L}+
+    if (b0 & kInN) return numbers(pattern == Fast::kLlama3 ? 3 : 1);  // \p{N}{1,3} | \p{N}
+    if (before_word && (b1 & kInL)) return run_of(from + len0, kInL);
+  } else {  // GPT-4o, Tekken
+    auto tail = [&](std::size_t e) { return pattern == Fast::kGpt4o ? contraction(e, true) : e; };
+    auto upper_then_lower = [&](std::size_t p) -> std::size_t {  // [U]*[W]+: its end, or 0
+      std::size_t i = p, last_lower = 0;
+      std::uint8_t b;
+      while (((b = word_classes_at(text, i, &len)) & kInU) != 0) {
+        i += len;
+        if (b & kInW) last_lower = i;
+      }
+      return (b & kInW) != 0 ? run_of(i, kInW) : last_lower;
+    };
+    auto upper_and_lower = [&](std::size_t p) -> std::size_t {  // [U]+[W]*: its end, or 0
+      if ((word_classes_at(text, p, &len) & kInU) == 0) return 0;
+      return run_of(run_of(p, kInU), kInW);
+    };
+    std::size_t e = 0;
+    if ((before_word && (e = upper_then_lower(from + len0)) != 0) || (e = upper_then_lower(from)) != 0 ||
+        (before_word && (e = upper_and_lower(from + len0)) != 0) || (e = upper_and_lower(from)) != 0)
+      return tail(e);
+    if (b0 & kInN) return numbers(pattern == Fast::kGpt4o ? 3 : 1);
+  }
+  //  ?[^\s\p{L}\p{N}]+[\r\n]*  (GPT-4o and Tekken: [\r\n/]*)
+  const bool slash = pattern == Fast::kGpt4o || pattern == Fast::kTekken;
+  if (other(b0)) return line_breaks(run(from, other), slash);
+  if (c == ' ' && other(b1)) return line_breaks(run(from + 1, other), slash);
+  return spaces(true);
 }
 
 const std::string& Regex::native_pattern() const { return native_->pattern; }

@@ -6,6 +6,7 @@
 #include "unicode.h"
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -30,6 +31,14 @@ class Regex {
       class_runs(text, on_match);
       return;
     }
+    if (tiles()) {  // Note [Common patterns on every code point]
+      for (std::size_t i = 0; i < text.size();) {
+        const std::size_t e = word_match(fast_, text, i);
+        on_match(i, e);
+        i = e;
+      }
+      return;
+    }
     const Compiled& c = pick(text);
     std::size_t last_end = 0;
     bool skip_next_empty = false;
@@ -52,10 +61,10 @@ class Regex {
 
   /// This pattern, always matching with the explicit Oniguruma tables (tests).
   Regex with_exact_tables() const;
-  /// This pattern without the hand-written matchers of Note [Common patterns on ASCII] and Note
-  /// [Runs of one class]: PCRE2 alone (tests).
-  Regex without_ascii_fast_path() const;
-  bool has_ascii_fast_path() const { return fast_ != Fast::kNone || run_class_ != nullptr; }
+  /// This pattern without the hand-written matchers of Note [Common patterns on every code point],
+  /// deepseek_v3_match and Note [Runs of one class]: PCRE2 alone (tests).
+  Regex without_hand_written_matchers() const;
+  bool has_hand_written_matcher() const { return fast_ != Fast::kNone || run_class_ != nullptr; }
   /// The PCRE2 patterns (for tests and error messages).
   const std::string& native_pattern() const;
   const std::string& exact_pattern() const;
@@ -72,9 +81,9 @@ class Regex {
   }
   static bool search(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end);
   bool find(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end) const {
-    if (fast_ != Fast::kNone && from < text.size()) {
+    if (fast_ == Fast::kDeepSeekV3 && from < text.size()) {
       std::size_t s = from;
-      if (const std::size_t e = ascii_match(fast_, text, s); e != 0) {
+      if (const std::size_t e = deepseek_v3_match(text, s); e != 0) {
         if (e == std::string_view::npos) return false;
         *start = s;
         *end = e;
@@ -84,9 +93,14 @@ class Regex {
     return search(c, text, from, start, end);
   }
   enum class Fast { kNone, kGpt2, kLlama3, kQwen2, kGpt4o, kTekken, kDeepSeekV3 };
-  // The end of the match that a search from `from` finds (which moves `from` to its start), npos
-  // when there is none, or 0 when PCRE2 must decide (Note [Common patterns on ASCII]).
-  static std::size_t ascii_match(Fast pattern, std::string_view text, std::size_t& from);
+  // The pattern matches at every position, so its matches tile the text (word_match).
+  bool tiles() const { return fast_ != Fast::kNone && fast_ != Fast::kDeepSeekV3; }
+  // The end of the match at `from` < text.size() of one of the tiling patterns (Note [Common
+  // patterns on every code point]).
+  static std::size_t word_match(Fast pattern, std::string_view text, std::size_t from);
+  // DeepSeek-V3's third split on ASCII: the end of the match that a search from `from` finds
+  // (which moves `from` to its start), npos when there is none, or 0 when PCRE2 must decide.
+  static std::size_t deepseek_v3_match(std::string_view text, std::size_t& from);
 
   // Note [Runs of one class]: a pattern that is one Oniguruma class with `+` or {1,n} matches
   // maximal runs of at most run_max_ characters of that class (no PCRE2, no delta check).
@@ -138,6 +152,10 @@ inline constexpr std::string_view kTekkenPattern =
 /// Unlike the others it does not match everywhere (digits and controls alone are left out).
 inline constexpr std::string_view kDeepSeekV3Pattern =
     R"re([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
+
+/// The classes that Note [Common patterns on every code point] reads for `c`: bit 0 \p{L}, 1 \p{N},
+/// 2 \s, 3 Lu|Lt|Lm|Lo|M, 4 Ll|Lm|Lo|M (tests).
+std::uint8_t word_match_classes(char32_t c);
 
 /// Matches of an Oniguruma `pattern` in `text` as [begin, end) byte ranges
 /// (tests of the translation). `exact` forces the pattern with explicit tables.

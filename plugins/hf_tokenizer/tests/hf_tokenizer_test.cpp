@@ -1077,31 +1077,55 @@ TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
   EXPECT_GT(found, 500u);
 }
 
-// Note [Common patterns on ASCII]: the hand-written matchers must give PCRE2's matches. Every
-// string of up to 4 characters over an alphabet of the cases they distinguish (spaces and line
-// breaks of both kinds, contractions in both cases, letters, numbers and others, ASCII and not,
-// "ſ" that folds to "s"), then the corpora.
-TEST(HfTokenizerTest, AsciiMatchersGiveThePcreMatchesOnEveryShortString) {
-  const std::vector<std::string> alphabet = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
-                                             "!", "\xc3\xa9" /* é */, "\xc5\xbf" /* ſ */, "\xd9\xa3" /* Arabic 3 */,
-                                             "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */,
-                                             "/", "\xc3\x89" /* É */, "\xcc\x81" /* combining acute */, "\x01"};
-  const std::vector<std::vector<std::string>> corpora = {texts_of(kCorpus), texts_of(kFamilies / "corpus.jsonl")};
+// Note [Common patterns on every code point]: the hand-written matchers (and deepseek_v3_match)
+// must give PCRE2's matches. Every string of up to 4 characters over an alphabet of the cases
+// the ASCII logic distinguishes (spaces and line breaks of both kinds, contractions in both cases,
+// letters, numbers and others, ASCII and not, "ſ" that folds to "s"), and over one of a
+// representative of every class combination the matchers read (Lu, Ll, Lt, Lm, Lo, Mn, Mc, Nd,
+// Nl, spaces, astral letters and symbols, a symbol newer than PCRE2's tables); then the corpora
+// and, for the patterns that tile the text, a text of every code point.
+TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
+  const std::vector<std::string> ascii_cases = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
+                                                "!", "\xc3\xa9" /* é */, "\xc5\xbf" /* ſ */, "\xd9\xa3" /* Arabic 3 */,
+                                                "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */,
+                                                "/", "\xc3\x89" /* É */, "\xcc\x81" /* combining acute */, "\x01"};
+  const std::vector<std::string> classes = {
+      " ", "\n", "'", "S", "a", "\xc7\x85" /* ǅ Lt */, "\xca\xb0" /* ʰ Lm */, "\xe4\xb8\xad" /* 中 Lo */,
+      "\xcc\x81" /* Mn */, "\xe0\xa4\x83" /* U+0903 Mc */, "\xe2\x85\xa0" /* Ⅰ Nl */, "\xe3\x80\x80" /* U+3000 */,
+      "\xf0\x9d\x90\x80" /* U+1D400 Lu */, "\xf0\x9f\x98\x80" /* U+1F600 So */, "\xf0\x9f\xab\xa8" /* U+1FAE8 */,
+      "\xc5\xbf" /* ſ */, "/", "7"};
+  const std::vector<std::string> every = corpora_and_every_code_point();
   for (const std::string_view pattern : {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern, kGpt4oPattern, kTekkenPattern,
                                           kDeepSeekV3Pattern}) {
     const Regex fast(std::string(pattern), "<test>", "pattern");
-    ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
-    const Regex pcre = fast.without_ascii_fast_path();
-    const std::size_t checked = for_each_short_string(alphabet, 4, [&](const std::string& text) {
-      ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << " on '" << text << "'";
-    });
-    EXPECT_GT(checked, 130000u);
-    for (const auto& texts : corpora)
-      for (const std::string& text : texts)
-        ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << ": " << text;
+    ASSERT_TRUE(fast.has_hand_written_matcher()) << pattern;
+    const Regex pcre = fast.without_hand_written_matchers();
+    for (const auto* alphabet : {&ascii_cases, &classes}) {
+      const std::size_t checked = for_each_short_string(*alphabet, 4, [&](const std::string& text) {
+        ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << " on '" << text << "'";
+      });
+      EXPECT_GT(checked, 100000u);
+    }
+    for (const std::string& text : every)
+      ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << ": " << text.substr(0, 200);
   }
+  // The classes the matchers read, on every code point, against Oniguruma's sets.
+  const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
+                             *oniguruma_class("Lo") | *oniguruma_class("M");
+  const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
+                             *oniguruma_class("M");
+  std::size_t wrong = 0;
+  for (char32_t c = 0; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    const int want = (oniguruma_class("L")->contains(c) ? 1 : 0) | (oniguruma_class("N")->contains(c) ? 2 : 0) |
+                     (oniguruma_class("\\s")->contains(c) ? 4 : 0) | (upper.contains(c) ? 8 : 0) |
+                     (lower.contains(c) ? 16 : 0);
+    if (word_match_classes(c) != want && wrong++ < 5)
+      ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << ": " << int{word_match_classes(c)} << " vs " << want;
+  }
+  EXPECT_EQ(wrong, 0u);
   // Only these patterns take the fast path, and the family fixtures use them as real exports write them.
-  EXPECT_FALSE(Regex(" ?\\p{L}+|\\s+", "<test>", "pattern").has_ascii_fast_path());
+  EXPECT_FALSE(Regex(" ?\\p{L}+|\\s+", "<test>", "pattern").has_hand_written_matcher());
   for (const auto& [family, split, pattern] : {std::tuple{"gpt4o_style", 0, kGpt4oPattern},
                                                std::tuple{"tekken_style", 0, kTekkenPattern},
                                                std::tuple{"deepseek_v3_style", 2, kDeepSeekV3Pattern}}) {
@@ -1124,8 +1148,8 @@ TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
                                              "\xe9\xbe\xa6" /* U+9FA6, after the range */, " "};
   for (const std::string pattern : {"\\p{N}{1,3}", "\\p{N}", "\\p{N}+", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"}) {
     const Regex fast(pattern, "<test>", "pattern");
-    ASSERT_TRUE(fast.has_ascii_fast_path()) << pattern;
-    const Regex pcre = fast.without_ascii_fast_path();
+    ASSERT_TRUE(fast.has_hand_written_matcher()) << pattern;
+    const Regex pcre = fast.without_hand_written_matchers();
     for (const std::string& text : texts) ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern;
     for_each_short_string(alphabet, 5, [&](const std::string& text) {
       ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << " on '" << text << "'";
@@ -1137,8 +1161,8 @@ TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
   dom::element splits = parser.load((kFamilies / "deepseek_v3_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"];
   ASSERT_EQ(splits.at(0)["pattern"]["Regex"].get(first), simdjson::SUCCESS);
   ASSERT_EQ(splits.at(1)["pattern"]["Regex"].get(second), simdjson::SUCCESS);
-  EXPECT_TRUE(Regex(std::string(first), "<test>", "pattern").has_ascii_fast_path()) << first;
-  EXPECT_TRUE(Regex(std::string(second), "<test>", "pattern").has_ascii_fast_path()) << second;
+  EXPECT_TRUE(Regex(std::string(first), "<test>", "pattern").has_hand_written_matcher()) << first;
+  EXPECT_TRUE(Regex(std::string(second), "<test>", "pattern").has_hand_written_matcher()) << second;
 }
 
 // Oniguruma inside `tokenizers` matches (regex_classes.json, probed by
