@@ -313,6 +313,30 @@ struct WordCache {
   std::vector<std::int32_t> scratch;
 };
 
+// Whether the n <= 64 bytes at a and b are equal: 8-byte loads (the last one overlapping) instead
+// of a libc call for every cached word.
+inline bool same_short(const char* a, const char* b, std::size_t n) {
+  auto load8 = [](const char* p) {
+    std::uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+  };
+  auto load4 = [](const char* p) {
+    std::uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
+  if (n >= 8) {
+    for (std::size_t i = 0; i + 8 < n; i += 8)
+      if (load8(a + i) != load8(b + i)) return false;
+    return load8(a + n - 8) == load8(b + n - 8);
+  }
+  if (n >= 4) return load4(a) == load4(b) && load4(a + n - 4) == load4(b + n - 4);
+  for (std::size_t i = 0; i < n; ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
 WordCache& word_cache(std::uint64_t owner) {
   thread_local std::array<WordCache, 4> caches;
   thread_local std::size_t next = 0;
@@ -2203,7 +2227,7 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   if (word.size() <= WordCache::kMaxWord) {
     h = absl::Hash<absl::string_view>{}(key(word));
     slot = &cache.slots[h & (WordCache::kSlots - 1)];
-    if (slot->hash == h && slot->len == word.size() && std::memcmp(slot->word, word.data(), word.size()) == 0) {
+    if (slot->hash == h && slot->len == word.size() && same_short(slot->word, word.data(), word.size())) {
       out.ids.insert(out.ids.end(), slot->ids, slot->ids + slot->n);
       return;
     }
