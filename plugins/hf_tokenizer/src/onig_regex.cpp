@@ -515,71 +515,6 @@ Regex Regex::without_hand_written_matchers() const {
   return r;
 }
 
-// DeepSeek-V3's third split (kDeepSeekV3Pattern) on ASCII. Unlike the patterns of Note [Common
-// patterns on every code point] it does not match everywhere: digits and controls that no
-// alternative matches are skipped, as PCRE2's search skips them. Whenever the answer depends on a
-// byte >= 0x80 (a run of letters reaching "é", a space before a non-ASCII character, ...) it
-// returns 0 and PCRE2 decides that match. Checked against PCRE2 on every string of up to 4
-// characters over an alphabet of the distinguishing cases and on the test corpora.
-std::size_t Regex::deepseek_v3_match(std::string_view text, std::size_t& from) {
-  enum : std::uint8_t { kSpace, kLetter, kPunct, kOther, kNonAscii, kEnd };  // kPunct: \p{P} or \p{S}
-  static const std::array<std::uint8_t, 128> classes = [] {
-    std::array<std::uint8_t, 128> c{};
-    const CodePointSet& space = *oniguruma_class("\\s");
-    const CodePointSet& letter = *oniguruma_class("L");
-    const CodePointSet& mark = *oniguruma_class("M");
-    const CodePointSet& punct = *oniguruma_class("P");
-    const CodePointSet& symbol = *oniguruma_class("S");
-    for (char32_t b = 0; b < 128; ++b) {
-      if (mark.contains(b)) throw Error("internal: an ASCII mark");
-      c[b] = space.contains(b) ? kSpace : letter.contains(b) ? kLetter : punct.contains(b) || symbol.contains(b) ? kPunct : kOther;
-    }
-    return c;
-  }();
-  constexpr std::string_view kLiteralPunct = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";  // the pattern's first class
-  const std::size_t n = text.size();
-  auto cls = [&](std::size_t i) -> std::uint8_t {
-    if (i >= n) return kEnd;
-    const auto b = static_cast<unsigned char>(text[i]);
-    return b < 0x80 ? classes[b] : static_cast<std::uint8_t>(kNonAscii);
-  };
-  auto run = [&](std::size_t i, std::uint8_t k) -> std::size_t {  // 0 when a non-ASCII byte ends it
-    while (cls(i) == k) ++i;
-    return cls(i) == kNonAscii ? 0 : i;
-  };
-  auto ascii_letter = [&](std::size_t i) { return i < n && ((text[i] | 0x20) >= 'a' && (text[i] | 0x20) <= 'z'); };
-  for (std::size_t at = from; at < n; ++at) {
-    const std::uint8_t k = cls(at);
-    if (k == kNonAscii) return 0;
-    const char c = text[at];
-    std::size_t end = 0;
-    if (kLiteralPunct.find(c) != std::string_view::npos && ascii_letter(at + 1)) {  // [punct][A-Za-z]+
-      end = at + 1;
-      while (ascii_letter(end)) ++end;
-    } else if (k == kLetter) {  // [\p{L}\p{M}]+
-      if ((end = run(at, kLetter)) == 0) return 0;
-    } else if (k != kPunct && c != '\r' && c != '\n' && cls(at + 1) == kLetter) {  // [^\r\n\p{L}\p{P}\p{S}] before it
-      if ((end = run(at + 1, kLetter)) == 0) return 0;
-    } else if (k != kPunct && c != '\r' && c != '\n' && cls(at + 1) == kNonAscii) {
-      return 0;  // a mark or letter could follow
-    } else if (k == kPunct || (c == ' ' && cls(at + 1) == kPunct)) {  //  ?[\p{P}\p{S}]+[\r\n]*
-      if ((end = run(k == kPunct ? at : at + 1, kPunct)) == 0) return 0;
-      while (end < n && (text[end] == '\r' || text[end] == '\n')) ++end;
-    } else if (k == kSpace) {
-      const std::size_t e = run(at, kSpace);
-      if (e == 0) return 0;
-      for (std::size_t i = e; i > at && end == 0; --i)  // \s*[\r\n]+: through the last line break of the run
-        if (text[i - 1] == '\r' || text[i - 1] == '\n') end = i;
-      if (end == 0) end = e == n || e - 1 == at ? e : e - 1;  // \s+(?!\S) | \s+
-    } else {
-      continue;  // a digit or a control that no alternative matches here
-    }
-    from = at;
-    return end;
-  }
-  return std::string_view::npos;
-}
-
 // Note [Common patterns on every code point]
 // The pre-tokenizer patterns of GPT-2 (ByteLevel's regex), Llama-3, Qwen2, GPT-4o and Tekken
 // match at every position (each character is \s, a letter, a number or none of these, and some
@@ -600,12 +535,13 @@ std::size_t Regex::deepseek_v3_match(std::string_view text, std::size_t& from) {
 // Checked against PCRE2 on every string of up to 4 characters over an alphabet of representatives
 // of every class combination, on the corpora and on a text of every code point
 // (WordMatchersGiveThePcreMatches); the table against the sets on every code point.
-// DeepSeek-V3's pattern does not match everywhere; deepseek_v3_match reads ASCII and returns 0 for
-// PCRE2 to decide when the answer depends on a byte >= 0x80.
+// DeepSeek-V3's third pattern does not match everywhere (a digit or a control that no alternative
+// takes is skipped, as a search skips it); deepseek_v3_match reads the same classes.
 
 namespace {
 
-enum : std::uint8_t { kInL = 1, kInN = 2, kInSpace = 4, kInU = 8, kInW = 16, kAtEnd = 32 };
+// kAtEnd is never in the table: the reader returns it past the end of the text.
+enum : std::uint8_t { kInL = 1, kInN = 2, kInSpace = 4, kInU = 8, kInW = 16, kAtEnd = 32, kInM = 64, kInPS = 128 };
 
 std::uint8_t word_classes_of(char32_t c) {
   static const CodePointSet& letter = *oniguruma_class("L");
@@ -615,9 +551,12 @@ std::uint8_t word_classes_of(char32_t c) {
                                     *oniguruma_class("Lo") | *oniguruma_class("M");
   static const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
                                     *oniguruma_class("M");
+  static const CodePointSet& mark = *oniguruma_class("M");
+  static const CodePointSet punct_or_symbol = *oniguruma_class("P") | *oniguruma_class("S");
   return static_cast<std::uint8_t>((letter.contains(c) ? kInL : 0) | (number.contains(c) ? kInN : 0) |
                                    (space.contains(c) ? kInSpace : 0) | (upper.contains(c) ? kInU : 0) |
-                                   (lower.contains(c) ? kInW : 0));
+                                   (lower.contains(c) ? kInW : 0) | (mark.contains(c) ? kInM : 0) |
+                                   (punct_or_symbol.contains(c) ? kInPS : 0));
 }
 
 // word_classes_of for every code point, as a two-stage table: blocks of 256 code points, each
@@ -647,39 +586,83 @@ const WordClassTable& word_class_table() {
   return table;
 }
 
+// The classes of the code point at text[i] (kAtEnd past the end) and its length.
+struct ClassReader {
+  explicit ClassReader(std::string_view text) : s(text.data()), n(text.size()) {
+    const WordClassTable& t = word_class_table();
+    blocks = t.blocks.data();
+    block_of = t.block_of.data();
+  }
+  struct At {
+    std::uint8_t classes, len;
+  };
+  [[gnu::always_inline]] At at(std::size_t i) const {
+    if (i >= n) return {kAtEnd, 0};
+    const auto b0 = static_cast<unsigned char>(s[i]);
+    if (b0 < 0x80) return {blocks[b0], 1};  // block 0 is stored first
+    auto cont = [&](std::size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[i + k]) & 0x3F); };
+    char32_t c;
+    std::uint8_t len;
+    if (b0 < 0xE0) {
+      c = (b0 & 0x1F) << 6 | cont(1);
+      len = 2;
+    } else if (b0 < 0xF0) {
+      c = (b0 & 0x0F) << 12 | cont(1) << 6 | cont(2);
+      len = 3;
+    } else {
+      c = (b0 & 0x07) << 18 | cont(1) << 12 | cont(2) << 6 | cont(3);
+      len = 4;
+    }
+    return {blocks[std::size_t{block_of[c >> 8]} << 8 | (c & 0xFF)], len};
+  }
+  [[gnu::always_inline]] std::uint8_t operator()(std::size_t i, std::size_t* len) const {
+    const At a = at(i);
+    *len = a.len;
+    return a.classes;
+  }
+  // The end of the run from `i` of code points whose classes satisfy `in` (false for kAtEnd).
+  template <class In>
+  [[gnu::always_inline]] std::size_t run(std::size_t i, In&& in) const {
+    for (At a = at(i); in(a.classes); a = at(i)) i += a.len;
+    return i;
+  }
+  [[gnu::always_inline]] std::size_t run_of(std::size_t i, std::uint8_t k) const {
+    return run(i, [k](std::uint8_t b) { return (b & k) != 0; });
+  }
+  // \s+(?!\S)|\s+ at `from`, after \s*[\r\n]+ when `breaks`.
+  [[gnu::always_inline]] std::size_t spaces(std::size_t from, bool breaks) const {
+    const std::size_t end = run_of(from, kInSpace);
+    if (breaks)
+      for (std::size_t i = end; i > from; --i)
+        if (s[i - 1] == '\r' || s[i - 1] == '\n') return i;
+    if (end == n) return end;
+    const std::size_t last = last_char_start(std::string_view(s, end));
+    return last == from ? end : last;
+  }
+
+  const char* s;
+  std::size_t n;
+  const std::uint8_t* blocks;
+  const std::uint16_t* block_of;
+};
+
 }  // namespace
 
 std::uint8_t word_match_classes(char32_t c) { return word_class_table()(c); }
 
 std::size_t Regex::word_match(Fast pattern, std::string_view text, std::size_t from) {
   const std::size_t n = text.size();
-  const WordClassTable& table = word_class_table();
-  // The classes of the code point at text[i] (kAtEnd past the end) and its length.
-  auto word_classes_at = [&table, n](std::string_view text, std::size_t i, std::size_t* len) -> std::uint8_t {
-    if (i >= n) {
-      *len = 0;
-      return kAtEnd;
-    }
-    const auto b = static_cast<unsigned char>(text[i]);
-    if (b < 0x80) {
-      *len = 1;
-      return table.blocks[b];  // block 0 is stored first
-    }
-    return table(decode_at(text, i, len));
-  };
+  const ClassReader classes(text);
   std::size_t len0, len;
-  const std::uint8_t b0 = word_classes_at(text, from, &len0);
-  const std::uint8_t b1 = word_classes_at(text, from + len0, &len);
+  const std::uint8_t b0 = classes(from, &len0);
+  const std::uint8_t b1 = classes(from + len0, &len);
   const char c = text[from];
   auto other = [](std::uint8_t b) { return (b & (kInL | kInN | kInSpace | kAtEnd)) == 0; };  // [^\s\p{L}\p{N}]
-  auto run = [&](std::size_t i, auto&& in) {
-    while (in(word_classes_at(text, i, &len))) i += len;
-    return i;
-  };
-  auto run_of = [&](std::size_t i, std::uint8_t k) { return run(i, [k](std::uint8_t b) { return (b & k) != 0; }); };
+  auto run = [&](std::size_t i, auto&& in) { return classes.run(i, in); };
+  auto run_of = [&](std::size_t i, std::uint8_t k) { return classes.run_of(i, k); };
   auto numbers = [&](std::size_t most) {  // \p{N}{1,most}
     std::size_t i = from;
-    for (std::size_t count = 0; count < most && (word_classes_at(text, i, &len) & kInN) != 0; ++count) i += len;
+    for (std::size_t count = 0; count < most && (classes(i, &len) & kInN) != 0; ++count) i += len;
     return i;
   };
   auto line_breaks = [&](std::size_t i, bool slash) {  // [\r\n]* or [\r\n/]*
@@ -706,16 +689,7 @@ std::size_t Regex::word_match(Fast pattern, std::string_view text, std::size_t f
     }
     return i;
   };
-  // \s+(?!\S)|\s+, after \s*[\r\n]+ for all but GPT-2.
-  auto spaces = [&](bool breaks) {
-    const std::size_t end = run_of(from, kInSpace);
-    if (breaks)
-      for (std::size_t i = end; i > from; --i)
-        if (text[i - 1] == '\r' || text[i - 1] == '\n') return i;
-    if (end == n) return end;
-    const std::size_t last = last_char_start(text.substr(0, end));
-    return last == from ? end : last;
-  };
+  auto spaces = [&](bool breaks) { return classes.spaces(from, breaks); };  // after \s*[\r\n]+ for all but GPT-2
 
   if (pattern == Fast::kGpt2) {
     if (c == '\'')
@@ -743,14 +717,14 @@ std::size_t Regex::word_match(Fast pattern, std::string_view text, std::size_t f
     auto upper_then_lower = [&](std::size_t p) -> std::size_t {  // [U]*[W]+: its end, or 0
       std::size_t i = p, last_lower = 0;
       std::uint8_t b;
-      while (((b = word_classes_at(text, i, &len)) & kInU) != 0) {
+      while (((b = classes(i, &len)) & kInU) != 0) {
         i += len;
         if (b & kInW) last_lower = i;
       }
       return (b & kInW) != 0 ? run_of(i, kInW) : last_lower;
     };
     auto upper_and_lower = [&](std::size_t p) -> std::size_t {  // [U]+[W]*: its end, or 0
-      if ((word_classes_at(text, p, &len) & kInU) == 0) return 0;
+      if ((classes(p, &len) & kInU) == 0) return 0;
       return run_of(run_of(p, kInU), kInW);
     };
     std::size_t e = 0;
@@ -764,6 +738,48 @@ std::size_t Regex::word_match(Fast pattern, std::string_view text, std::size_t f
   if (other(b0)) return line_breaks(run(from, other), slash);
   if (c == ' ' && other(b1)) return line_breaks(run(from + 1, other), slash);
   return spaces(true);
+}
+
+// DeepSeek-V3's third split (kDeepSeekV3Pattern), searching from `from`; see Note [Common patterns
+// on every code point]. Its alternatives in order: ASCII punctuation before ASCII letters, a word
+// of letters and marks (after one character that is none of \r \n \p{L} \p{P} \p{S}), punctuation
+// and symbols (after an optional space) with the line breaks after them, and the space rules.
+std::size_t Regex::deepseek_v3_match(std::string_view text, std::size_t& from) {
+  constexpr std::string_view kLiteralPunct = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";  // the pattern's first class
+  const std::size_t n = text.size();
+  const ClassReader classes(text);
+  auto ascii_letter = [&](std::size_t i) { return i < n && ((text[i] | 0x20) >= 'a' && (text[i] | 0x20) <= 'z'); };
+  auto line_breaks = [&](std::size_t i) {
+    while (i < n && (text[i] == '\r' || text[i] == '\n')) ++i;
+    return i;
+  };
+  for (std::size_t at = from; at < n;) {
+    std::size_t len0, len1;
+    const std::uint8_t b0 = classes(at, &len0);
+    const std::uint8_t b1 = classes(at + len0, &len1);
+    const char c = text[at];
+    std::size_t end = 0;
+    if (kLiteralPunct.find(c) != std::string_view::npos && ascii_letter(at + 1)) {  // [punct][A-Za-z]+
+      end = at + 1;
+      while (ascii_letter(end)) ++end;
+    } else if ((b0 & (kInL | kInPS)) == 0 && c != '\r' && c != '\n' && (b1 & (kInL | kInM)) != 0) {
+      end = classes.run_of(at + len0, kInL | kInM);  // [^\r\n\p{L}\p{P}\p{S}][\p{L}\p{M}]+
+    } else if ((b0 & (kInL | kInM)) != 0) {
+      end = classes.run_of(at, kInL | kInM);  // [\p{L}\p{M}]+
+    } else if ((b0 & kInPS) != 0) {  //  ?[\p{P}\p{S}]+[\r\n]*
+      end = line_breaks(classes.run_of(at, kInPS));
+    } else if (c == ' ' && (b1 & kInPS) != 0) {
+      end = line_breaks(classes.run_of(at + 1, kInPS));
+    } else if ((b0 & kInSpace) != 0) {
+      end = classes.spaces(at, true);
+    } else {
+      at += len0;  // no alternative matches here
+      continue;
+    }
+    from = at;
+    return end;
+  }
+  return std::string_view::npos;
 }
 
 const std::string& Regex::native_pattern() const { return native_->pattern; }

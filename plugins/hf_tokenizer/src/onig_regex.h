@@ -31,11 +31,13 @@ class Regex {
       class_runs(text, on_match);
       return;
     }
-    if (tiles()) {  // Note [Common patterns on every code point]
+    if (fast_ != Fast::kNone) {  // Note [Common patterns on every code point]
       for (std::size_t i = 0; i < text.size();) {
-        const std::size_t e = word_match(fast_, text, i);
-        on_match(i, e);
-        i = e;
+        std::size_t start = i;
+        const std::size_t end = fast_ == Fast::kDeepSeekV3 ? deepseek_v3_match(text, start) : word_match(fast_, text, i);
+        if (end == std::string_view::npos) break;
+        on_match(start, end);
+        i = end;
       }
       return;
     }
@@ -44,7 +46,7 @@ class Regex {
     bool skip_next_empty = false;
     while (last_end <= text.size()) {
       std::size_t s, e;
-      if (!find(c, text, last_end, &s, &e)) break;
+      if (!search(c, text, last_end, &s, &e)) break;
       last_end = e;
       if (s == e) {
         last_end += last_end < text.size() ? utf8_len(static_cast<unsigned char>(text[last_end])) : 1;
@@ -80,26 +82,12 @@ class Regex {
     return *exact_;
   }
   static bool search(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end);
-  bool find(const Compiled& c, std::string_view text, std::size_t from, std::size_t* start, std::size_t* end) const {
-    if (fast_ == Fast::kDeepSeekV3 && from < text.size()) {
-      std::size_t s = from;
-      if (const std::size_t e = deepseek_v3_match(text, s); e != 0) {
-        if (e == std::string_view::npos) return false;
-        *start = s;
-        *end = e;
-        return true;
-      }
-    }
-    return search(c, text, from, start, end);
-  }
   enum class Fast { kNone, kGpt2, kLlama3, kQwen2, kGpt4o, kTekken, kDeepSeekV3 };
-  // The pattern matches at every position, so its matches tile the text (word_match).
-  bool tiles() const { return fast_ != Fast::kNone && fast_ != Fast::kDeepSeekV3; }
   // The end of the match at `from` < text.size() of one of the tiling patterns (Note [Common
   // patterns on every code point]).
   static std::size_t word_match(Fast pattern, std::string_view text, std::size_t from);
-  // DeepSeek-V3's third split on ASCII: the end of the match that a search from `from` finds
-  // (which moves `from` to its start), npos when there is none, or 0 when PCRE2 must decide.
+  // DeepSeek-V3's third split: the end of the match that a search from `from` finds (which moves
+  // `from` to its start), or npos when there is none.
   static std::size_t deepseek_v3_match(std::string_view text, std::size_t& from);
 
   // Note [Runs of one class]: a pattern that is one Oniguruma class with `+` or {1,n} matches
@@ -108,13 +96,11 @@ class Regex {
   void class_runs(std::string_view text, F&& on_match) const {
     const CodePointSet& set = *run_class_;
     for (std::size_t i = 0; i < text.size();) {
-      std::size_t len;
-      if (!set.contains(decode_at(text, i, &len))) {
-        i += len;
-        continue;
-      }
+      const std::size_t next = set.find_in(text.substr(i));  // skips ASCII and foreign lead bytes quickly
+      if (next == std::string_view::npos) return;
+      i += next;
       const std::size_t start = i;
-      std::size_t count = 0;
+      std::size_t count = 0, len;
       while (i < text.size() && count < run_max_ && set.contains(decode_at(text, i, &len))) {
         i += len;
         ++count;
@@ -154,7 +140,7 @@ inline constexpr std::string_view kDeepSeekV3Pattern =
     R"re([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
 
 /// The classes that Note [Common patterns on every code point] reads for `c`: bit 0 \p{L}, 1 \p{N},
-/// 2 \s, 3 Lu|Lt|Lm|Lo|M, 4 Ll|Lm|Lo|M (tests).
+/// 2 \s, 3 Lu|Lt|Lm|Lo|M, 4 Ll|Lm|Lo|M, 6 M, 7 P|S (tests).
 std::uint8_t word_match_classes(char32_t c);
 
 /// Matches of an Oniguruma `pattern` in `text` as [begin, end) byte ranges

@@ -1082,7 +1082,7 @@ TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
 // the ASCII logic distinguishes (spaces and line breaks of both kinds, contractions in both cases,
 // letters, numbers and others, ASCII and not, "ſ" that folds to "s"), and over one of a
 // representative of every class combination the matchers read (Lu, Ll, Lt, Lm, Lo, Mn, Mc, Nd,
-// Nl, spaces, astral letters and symbols, a symbol newer than PCRE2's tables); then the corpora
+// Nl, Po, Cc, spaces, astral letters and symbols, a symbol newer than PCRE2's tables); then the corpora
 // and, for the patterns that tile the text, a text of every code point.
 TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
   const std::vector<std::string> ascii_cases = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
@@ -1093,7 +1093,7 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
       " ", "\n", "'", "S", "a", "\xc7\x85" /* ǅ Lt */, "\xca\xb0" /* ʰ Lm */, "\xe4\xb8\xad" /* 中 Lo */,
       "\xcc\x81" /* Mn */, "\xe0\xa4\x83" /* U+0903 Mc */, "\xe2\x85\xa0" /* Ⅰ Nl */, "\xe3\x80\x80" /* U+3000 */,
       "\xf0\x9d\x90\x80" /* U+1D400 Lu */, "\xf0\x9f\x98\x80" /* U+1F600 So */, "\xf0\x9f\xab\xa8" /* U+1FAE8 */,
-      "\xc5\xbf" /* ſ */, "/", "7"};
+      "\xc5\xbf" /* ſ */, "/", "7", "\xe3\x80\x81" /* 、 Po */, "\x01"};
   const std::vector<std::string> every = corpora_and_every_code_point();
   for (const std::string_view pattern : {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern, kGpt4oPattern, kTekkenPattern,
                                           kDeepSeekV3Pattern}) {
@@ -1119,7 +1119,8 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
     if (c >= 0xD800 && c <= 0xDFFF) continue;
     const int want = (oniguruma_class("L")->contains(c) ? 1 : 0) | (oniguruma_class("N")->contains(c) ? 2 : 0) |
                      (oniguruma_class("\\s")->contains(c) ? 4 : 0) | (upper.contains(c) ? 8 : 0) |
-                     (lower.contains(c) ? 16 : 0);
+                     (lower.contains(c) ? 16 : 0) | (oniguruma_class("M")->contains(c) ? 64 : 0) |
+                     (oniguruma_class("P")->contains(c) || oniguruma_class("S")->contains(c) ? 128 : 0);
     if (word_match_classes(c) != want && wrong++ < 5)
       ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << ": " << int{word_match_classes(c)} << " vs " << want;
   }
