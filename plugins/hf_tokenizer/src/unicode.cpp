@@ -586,6 +586,7 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
     const char ch = static_cast<char>(b);
     if (auto r = transform(std::string_view(&ch, 1))) ascii_[b] = std::string(*r);
   }
+  simple_ = BmpBits::where(0, [](char32_t c) { return c < 0x80 || lone_other(c); });
   same_ = BmpBits::where(0, [&](char32_t c) {
     if (c == '\r' || c == '\n' || (c >= 0x80 && !lone_other(c))) return false;
     std::string one;
@@ -655,21 +656,27 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
   const auto ascii = [&](std::size_t k) { return k >= in.size() || static_cast<unsigned char>(in[k]) < 0x80; };
   const auto simple_at = [&](std::size_t k) {
     std::size_t l;
-    return static_cast<unsigned char>(in[k]) < 0x80 || lone_other(decode_at(in, k, &l));
+    return simple_.contains(decode_at(in, k, &l));
   };
   bool prev_simple = false;  // the character before `i` is ASCII or lone_other
   for (std::size_t i = 0; i < in.size();) {
     if (fast_ && i > 0 && prev_simple) {
       // Note [Lone grapheme clusters]: a run of characters that are clusters of their own and map
-      // to themselves is copied at once.
+      // to themselves is copied at once (each character decoded once: it is the next one first).
       std::size_t j = i, len;
-      while (j < in.size()) {
-        const char32_t c = decode_at(in, j, &len);
-        if (!same_.contains(c) || (j + len < in.size() && !simple_at(j + len))) break;
+      char32_t c = decode_at(in, j, &len);
+      while (same_.contains(c)) {
+        const std::size_t next = j + len;
+        std::size_t next_len = 0;
+        char32_t d = 0;
+        if (next < in.size() && !simple_.contains(d = decode_at(in, next, &next_len))) break;
         prev = c;
         prev_at = j;
         prev_len = len;
-        j += len;
+        j = next;
+        if (j == in.size()) break;
+        c = d;
+        len = next_len;
       }
       if (j > i) {
         if (start < i) emit(start, i);
@@ -700,7 +707,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
     }
     std::size_t len;
     const char32_t c = decode_at(in, i, &len);
-    if (fast_ && i > 0 && prev_simple && lone_other(c) && (i + len == in.size() || simple_at(i + len))) {
+    if (fast_ && i > 0 && prev_simple && c >= 0x80 && simple_.contains(c) && (i + len == in.size() || simple_at(i + len))) {
       if (start < i) emit(start, i);  // Note [Lone grapheme clusters]
       emit(i, i + len);
       state = 0;
@@ -710,7 +717,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       start = i += len;
       continue;
     }
-    prev_simple = c < 0x80 || lone_other(c);
+    prev_simple = simple_.contains(c);
     if (i > 0) {
       // Unicode 15.1+ may give a code point unassigned in 15.0 a property that joins it to the
       // cluster before (a new combining mark): with a mapped character before it in under 6 bytes,

@@ -206,6 +206,7 @@ class PrecompiledCharsmap {
   // One bit per BMP code point: a cluster of its own between simple neighbours (Note [Lone grapheme
   // clusters]; ASCII but '\r' and '\n') that this charsmap leaves as it is.
   BmpBits same_;
+  BmpBits simple_;  // ASCII or lone_other: a character that a lone cluster may stand beside
 };
 
 }  // namespace modalities::plugins::hf_tokenizer
