@@ -324,18 +324,28 @@ bool stable_by_properties(char32_t c, bool compose) {
   return !(compose && p->comb_index != kNoIndex && p->comb_index >= 0x8000);
 }
 
+// Note [Marks in order]
+// A combining mark that the form leaves unchanged and that is in no composition (neither first nor
+// second element) changes nothing but the order of marks: canonical ordering sorts each run of
+// non-starters by combining class, stably. So a run of such marks whose classes do not decrease is
+// already in order and left alone (Thai tone marks, Hebrew points, Arabic harakat, Devanagari
+// signs). A mark out of order starts a utf8proc region at the stable character before the run,
+// which takes the whole run of marks and unstable characters after it.
+
 // What a character is to the fast path of one form.
 enum class Stability : std::uint8_t {
   kUnstable,  // may change or interact with its neighbours: goes through utf8proc
   kStable,    // unchanged, and a boundary before it is safe
   kInert,     // unknown to tokenizers' tables (hf_normalization_unknown): left alone, a boundary after it
+  kMark,      // combining class > 0, unchanged, in no composition: unstable only by its order (Note [Marks in order])
 };
 
 // One byte per BMP code point and form (64 KiB each, computed once with utf8proc), so the scan
 // classifies a character with one load.
 class StableTable {
  public:
-  explicit StableTable(int options) : compose_((options & UTF8PROC_COMPOSE) != 0), cls_(0x10000, Stability::kUnstable) {
+  explicit StableTable(int options)
+      : compose_((options & UTF8PROC_COMPOSE) != 0), cls_(0x10000, Stability::kUnstable), ccc_(0x10000, 0) {
     const CodePointSet& unknown = hf_normalization_unknown();
     for (char32_t c = 0; c < 0x80; ++c) cls_[c] = Stability::kStable;
     for (char32_t c = 0x80; c < 0x10000; ++c) {
@@ -345,16 +355,20 @@ class StableTable {
         continue;
       }
       const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(c));
-      if (p->combining_class != 0 || is_hangul_jamo(c)) continue;
-      if (compose_ && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
+      if (is_hangul_jamo(c)) continue;
+      const bool mark = p->combining_class != 0;
+      if (mark && p->comb_index != kNoIndex) continue;  // first or second of a composition
+      if (!mark && compose_ && p->comb_index != kNoIndex && p->comb_index >= 0x8000) continue;
       std::string one;
       append_utf8(one, c);
       utf8proc_uint8_t* dst = nullptr;
       const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(one.data()),
                                               static_cast<utf8proc_ssize_t>(one.size()), &dst,
                                               static_cast<utf8proc_option_t>(options));
-      if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one)
-        cls_[c] = Stability::kStable;
+      if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one) {
+        cls_[c] = mark ? Stability::kMark : Stability::kStable;
+        ccc_[c] = static_cast<std::uint8_t>(p->combining_class);
+      }
       std::free(dst);
     }
   }
@@ -363,10 +377,13 @@ class StableTable {
     if (hf_normalization_unknown().contains(c)) return Stability::kInert;
     return stable_by_properties(c, compose_) ? Stability::kStable : Stability::kUnstable;
   }
+  /// The combining class of a kMark character.
+  std::uint8_t ccc(char32_t c) const { return ccc_[c]; }
 
  private:
   bool compose_;
   std::vector<Stability> cls_;
+  std::vector<std::uint8_t> ccc_;
 };
 
 const StableTable& stable_table(int options) {
@@ -447,30 +464,44 @@ bool normalize_form(std::string_view s, int options, std::string& out) {
   const StableTable& table = stable_table(options);
   const std::size_t n = s.size();
   std::size_t copied = 0, last_stable = 0;
+  std::uint8_t last_ccc = 0;  // of the character before `i` when it is a kMark passed in order, else 0
   bool changed = false;
   for (std::size_t i = 0; i < n;) {
     if (static_cast<unsigned char>(s[i]) < 0x80) {  // a run of ASCII: all stable
       while (i + 1 < n && static_cast<unsigned char>(s[i + 1]) < 0x80) ++i;
       last_stable = i++;
+      last_ccc = 0;
       continue;
     }
     std::size_t len;
-    const Stability st = table.of(decode_at(s, i, &len));
+    const char32_t c = decode_at(s, i, &len);
+    const Stability st = table.of(c);
     if (st == Stability::kInert) {  // never part of a utf8proc region
       last_stable = i + len;
+      last_ccc = 0;
       i += len;
       continue;
     }
     if (st == Stability::kStable) {
       last_stable = i;
+      last_ccc = 0;
       i += len;
       continue;
     }
+    if (st == Stability::kMark && table.ccc(c) >= last_ccc) {  // Note [Marks in order]
+      last_ccc = table.ccc(c);
+      i += len;
+      continue;
+    }
+    // A region from the last stable character (before any marks passed in order) through the
+    // unstable characters and marks after `i`; the character after it is stable, inert or ASCII.
     const std::size_t region = std::max(copied, last_stable);
+    last_ccc = 0;
     std::size_t j = i + len;
     while (j < n && static_cast<unsigned char>(s[j]) >= 0x80) {
       std::size_t l;
-      if (table.of(decode_at(s, j, &l)) != Stability::kUnstable) break;
+      const Stability next = table.of(decode_at(s, j, &l));
+      if (next != Stability::kUnstable && next != Stability::kMark) break;
       j += l;
     }
     const std::string normalized = utf8proc_normalize(s.substr(region, j - region), options);

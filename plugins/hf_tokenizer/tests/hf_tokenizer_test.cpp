@@ -1306,7 +1306,26 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
   // Random mixtures of characters that compose, decompose, reorder or combine across neighbours.
   const std::vector<char32_t> pool = {'a', 'e', 'A', ' ', 0x00E9, 0x0301, 0x0300, 0x0323, 0x0345, 0x0327, 0x1100,
                                       0x1161, 0x11A8, 0xAC00, 0xAC01, 0x0B47, 0x0B3E, 0x0B57, 0x212B, 0x2126, 0xFB01,
-                                      0x00C5, 0x030A, 0x3099, 0x304B, 0x00A0, 0x1E9B, 0x0F73, 0x0344, 0x00BD, 0x1F600};
+                                      0x00C5, 0x030A, 0x3099, 0x304B, 0x00A0, 0x1E9B, 0x0F73, 0x0344, 0x00BD, 0x1F600,
+                                      0x0E01, 0x0E48, 0x0E38, 0x05D0, 0x05B0, 0x05B8, 0x0628, 0x064E, 0x0651, 0x093C};
+  // Note [Marks in order]: every run of up to three marks after a base, marks that only reorder
+  // (Thai, Hebrew, Arabic, Devanagari, Tibetan) mixed with marks that compose or decompose.
+  const std::vector<char32_t> marks = {0x0E48, 0x0E38, 0x05B0, 0x05B8, 0x064E, 0x0651, 0x093C,
+                                       0x0301, 0x0323, 0x0345, 0x0F71, 0x0F72, 0x0344};
+  for (const auto& [form, options] : forms)
+    for (const char32_t base : {char32_t{'a'}, char32_t{0x0E01}, char32_t{0x05D0}, char32_t{0x0628}, char32_t{0x0915}})
+      for (std::size_t k = 0; k < marks.size() * marks.size() * (marks.size() + 1); ++k) {
+        std::string text = utf8(base) + utf8(marks[k % marks.size()]) + utf8(marks[k / marks.size() % marks.size()]);
+        if (k / marks.size() / marks.size() > 0) text += utf8(marks[k / marks.size() / marks.size() - 1]);
+        text += "b";
+        utf8proc_uint8_t* dst = nullptr;
+        const auto len = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                      static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
+        const std::string want(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(len));
+        std::free(dst);
+        if (unicode_normalize(text, form) != want && mismatches++ < 10) ADD_FAILURE() << form << " '" << text << "'";
+        ++checked;
+      }
   std::uint64_t state = 12345;
   for (const auto& [form, options] : forms)
     for (int k = 0; k < 20000; ++k) {
