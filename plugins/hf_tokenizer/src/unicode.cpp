@@ -578,18 +578,20 @@ std::string utf8_lossy(std::string_view in) {
 namespace {
 
 // Note [Lone grapheme clusters]
-// A character of grapheme break class Other is a cluster of its own between neighbours that are
-// ASCII or of class Other too: utf8proc 2.8 (Unicode 15.0 rules, what the slow path asks) breaks
-// before a character of class Other unless the one before is a Prepend, and after it unless the
-// next is an Extend, ZWJ or SpacingMark; and its state after such a character is "Other", which
-// state 0 recomputes from it. Most non-ASCII text (CJK, Cyrillic, precomposed Latin) is such
+// A character of grapheme break class Other, LV or LVT (a Hangul syllable) is a cluster of its own
+// between neighbours that are ASCII or of these classes too: utf8proc 2.8 (Unicode 15.0 rules,
+// what the slow path asks) breaks between any two of them (the Hangul rules join syllables only to
+// L, V and T jamo; GB9-9b need an Extend, ZWJ, SpacingMark or Prepend; GB11-13 an emoji, ZWJ or
+// regional indicator), and its state after such a character is the character's class, which state
+// 0 recomputes from it. Most non-ASCII text (CJK, Cyrillic, Korean, precomposed Latin) is such
 // characters, so the normalizer maps them one by one without asking utf8proc where clusters end.
 // Unassigned code points are left out (the slow path checks them, see normalize).
 bool lone_other(char32_t c) {
   static const BmpBits bmp = BmpBits::where(0x80, [](char32_t d) {
     const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(d));
-    return p->boundclass == UTF8PROC_BOUNDCLASS_OTHER && p->category != UTF8PROC_CATEGORY_CN &&
-           p->category != UTF8PROC_CATEGORY_CS;
+    const bool own_cluster = p->boundclass == UTF8PROC_BOUNDCLASS_OTHER || p->boundclass == UTF8PROC_BOUNDCLASS_LV ||
+                             p->boundclass == UTF8PROC_BOUNDCLASS_LVT;
+    return own_cluster && p->category != UTF8PROC_CATEGORY_CN && p->category != UTF8PROC_CATEGORY_CS;
   });
   return bmp.contains(c);
 }

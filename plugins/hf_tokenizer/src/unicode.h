@@ -50,7 +50,7 @@ class BmpBits {
 inline std::size_t utf8_len(unsigned char lead) { return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
 
 /// Code point at s[i] of valid UTF-8; sets *len to its byte length.
-inline char32_t decode_at(std::string_view s, std::size_t i, std::size_t* len) {
+[[gnu::always_inline]] inline char32_t decode_at(std::string_view s, std::size_t i, std::size_t* len) {
   const auto b0 = static_cast<unsigned char>(s[i]);
   const std::size_t n = utf8_len(b0);
   *len = n;

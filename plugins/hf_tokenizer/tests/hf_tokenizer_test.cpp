@@ -773,6 +773,8 @@ TEST(HfTokenizerTest, PrecompiledShortcutsChangeNothing) {
       check("\u200d" + cp + "\u00c5\u200d");
       check("\U0001F1E6" + cp + "\uFF21\U0001F1E6");
       check("\u1100" + cp + "\u00e9");
+      check("\uac00" + cp + "\uac01");        // Hangul syllables LV and LVT around c
+      check("\uac01" + cp + "\u1161\u11a8");  // c before V and T jamo
     }
     for (const fs::path& corpus : {kCorpus, kFamilies / "corpus.jsonl"})
       for (const std::string& text : texts_of(corpus)) check(text);
