@@ -543,24 +543,9 @@ namespace {
 // kAtEnd is never in the table: the reader returns it past the end of the text.
 enum : std::uint8_t { kInL = 1, kInN = 2, kInSpace = 4, kInU = 8, kInW = 16, kAtEnd = 32, kInM = 64, kInPS = 128 };
 
-std::uint8_t word_classes_of(char32_t c) {
-  static const CodePointSet& letter = *oniguruma_class("L");
-  static const CodePointSet& number = *oniguruma_class("N");
-  static const CodePointSet& space = *oniguruma_class("\\s");
-  static const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
-                                    *oniguruma_class("Lo") | *oniguruma_class("M");
-  static const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
-                                    *oniguruma_class("M");
-  static const CodePointSet& mark = *oniguruma_class("M");
-  static const CodePointSet punct_or_symbol = *oniguruma_class("P") | *oniguruma_class("S");
-  return static_cast<std::uint8_t>((letter.contains(c) ? kInL : 0) | (number.contains(c) ? kInN : 0) |
-                                   (space.contains(c) ? kInSpace : 0) | (upper.contains(c) ? kInU : 0) |
-                                   (lower.contains(c) ? kInW : 0) | (mark.contains(c) ? kInM : 0) |
-                                   (punct_or_symbol.contains(c) ? kInPS : 0));
-}
-
-// word_classes_of for every code point, as a two-stage table: blocks of 256 code points, each
-// block stored once (most of Unicode is a few distinct blocks), so that a lookup is two loads.
+// The classes of every code point (bits kInL ... kInPS, from Oniguruma's sets), as a two-stage
+// table: blocks of 256 code points, each block stored once (most of Unicode is a few distinct
+// blocks), so that a lookup is two loads.
 struct WordClassTable {
   std::vector<std::uint16_t> block_of = std::vector<std::uint16_t>(0x110000 >> 8);
   std::vector<std::uint8_t> blocks;
@@ -569,14 +554,24 @@ struct WordClassTable {
 
 const WordClassTable& word_class_table() {
   static const WordClassTable table = [] {
+    const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
+                               *oniguruma_class("Lo") | *oniguruma_class("M");
+    const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
+                               *oniguruma_class("M");
+    const CodePointSet punct_or_symbol = *oniguruma_class("P") | *oniguruma_class("S");
+    const std::pair<const CodePointSet*, std::uint8_t> sets[] = {
+        {oniguruma_class("L"), kInL}, {oniguruma_class("N"), kInN}, {oniguruma_class("\\s"), kInSpace},
+        {&upper, kInU},           {&lower, kInW},           {oniguruma_class("M"), kInM},
+        {&punct_or_symbol, kInPS}};
+    std::vector<std::uint8_t> all(0x110000, 0);  // set by range, not by a lookup per code point
+    for (const auto& [set, bit] : sets)
+      for (const auto& [first, last] : set->ranges())
+        for (char32_t c = first; c <= last; ++c) all[c] |= bit;
     WordClassTable t;
     std::map<std::array<std::uint8_t, 256>, std::uint16_t> seen;
     for (char32_t hi = 0; hi < (0x110000 >> 8); ++hi) {
       std::array<std::uint8_t, 256> block{};
-      for (char32_t lo = 0; lo < 256; ++lo) {
-        const char32_t c = hi << 8 | lo;
-        block[lo] = c >= 0xD800 && c <= 0xDFFF ? 0 : word_classes_of(c);
-      }
+      std::copy_n(all.begin() + (hi << 8), 256, block.begin());
       auto [it, added] = seen.emplace(block, static_cast<std::uint16_t>(seen.size()));
       if (added) t.blocks.insert(t.blocks.end(), block.begin(), block.end());
       t.block_of[hi] = it->second;
