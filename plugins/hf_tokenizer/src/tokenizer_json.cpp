@@ -1839,7 +1839,7 @@ void TokenizerJson::Impl::find_split_character() {
   for (const auto& [token, id] : vocab)
     for (std::size_t pos = token.find(mark, 1); pos != std::string::npos; pos = token.find(mark, pos + 1))
       if (token.compare(last_char_start(std::string_view(token).substr(0, pos)), mark.size(), mark) != 0) return;
-  split_before = mark;
+  split_before = mark;  // model() looks for exactly these three bytes
 }
 
 void TokenizerJson::Impl::finish_model() {
@@ -2204,12 +2204,24 @@ void TokenizerJson::Impl::byte_level_stage(std::string_view piece, Sink& out) co
 
 void TokenizerJson::Impl::model(std::string_view word, Sink& out) const {
   if (word.empty()) return;
-  if (!split_before.empty() && word.find(split_before, 1) != std::string_view::npos) {
-    // Note [Splitting SentencePiece-style words]: no merge can cross these boundaries.
+  if (!split_before.empty()) {
+    // Note [Splitting SentencePiece-style words]: no merge can cross these boundaries. The mark is
+    // always U+2581 (E2 96 81): found by its first byte, without a general substring search.
+    const char* p = word.data();
+    const std::size_t n = word.size();
+    auto next_mark = [&](std::size_t from) -> std::size_t {
+      while (from + 3 <= n) {
+        const void* hit = std::memchr(p + from, '\xE2', n - from - 2);
+        if (hit == nullptr) return std::string_view::npos;
+        const auto at = static_cast<std::size_t>(static_cast<const char*>(hit) - p);
+        if (p[at + 1] == '\x96' && p[at + 2] == '\x81') return at;
+        from = at + 1;
+      }
+      return std::string_view::npos;
+    };
     std::size_t start = 0;
-    for (std::size_t pos = word.find(split_before, 1); pos != std::string_view::npos;
-         pos = word.find(split_before, pos + split_before.size())) {
-      if (word.compare(last_char_start(word.substr(0, pos)), split_before.size(), split_before) == 0)
+    for (std::size_t pos = next_mark(1); pos != std::string_view::npos; pos = next_mark(pos + 3)) {
+      if (pos >= 3 && p[pos - 3] == '\xE2' && p[pos - 2] == '\x96' && p[pos - 1] == '\x81')
         continue;  // inside a run of replacement characters
       model_piece(word.substr(start, pos - start), out);
       start = pos;
