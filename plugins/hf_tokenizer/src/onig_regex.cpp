@@ -627,6 +627,8 @@ struct ClassReader {
   // \s+(?!\S)|\s+ at `from`, after \s*[\r\n]+ when `breaks`.
   [[gnu::always_inline]] std::size_t spaces(std::size_t from, bool breaks) const {
     const std::size_t end = run_of(from, kInSpace);
+    // Every other class was taken by an alternative before; a match must move on.
+    if (end == from) throw Error("internal: a hand-written pre-tokenizer matcher reached a character of no class");
     if (breaks)
       for (std::size_t i = end; i > from; --i)
         if (s[i - 1] == '\r' || s[i - 1] == '\n') return i;

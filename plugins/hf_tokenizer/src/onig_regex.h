@@ -61,7 +61,8 @@ class Regex {
     }
   }
 
-  /// This pattern, always matching with the explicit Oniguruma tables (tests).
+  /// This pattern with the explicit Oniguruma tables wherever PCRE2 matches it (tests; the
+  /// hand-written matchers already read Oniguruma's tables).
   Regex with_exact_tables() const;
   /// This pattern without the hand-written matchers of Note [Common patterns on every code point],
   /// deepseek_v3_match and Note [Runs of one class]: PCRE2 alone (tests).

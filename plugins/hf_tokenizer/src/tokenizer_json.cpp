@@ -42,7 +42,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <queue>
 
 namespace modalities::plugins::hf_tokenizer {
 namespace {
@@ -313,7 +312,7 @@ struct WordCache {
   std::vector<std::int32_t> scratch;
 };
 
-// Whether the n <= 64 bytes at a and b are equal: 8-byte loads (the last one overlapping) instead
+// Whether the n <= kMaxWord bytes at a and b are equal: 8-byte loads (the last one overlapping) instead
 // of a libc call for every cached word.
 inline bool same_short(const char* a, const char* b, std::size_t n) {
   auto load8 = [](const char* p) {
@@ -1373,8 +1372,8 @@ struct TokenizerJson::Impl {
   // WordPiece
   std::size_t max_input_chars_per_word = 100;
   // BPE without a pre-tokenizer (SentencePiece style): words may be split before "▁"; see
-  // Note [Splitting SentencePiece-style words]. Empty when that is not safe.
-  std::string split_before;
+  // Note [Splitting SentencePiece-style words]. False when that is not safe.
+  bool split_at_mark = false;
 
   // Added vocabulary.
   std::vector<std::pair<std::int64_t, AddedToken>> added;
@@ -1839,7 +1838,7 @@ void TokenizerJson::Impl::find_split_character() {
   for (const auto& [token, id] : vocab)
     for (std::size_t pos = token.find(mark, 1); pos != std::string::npos; pos = token.find(mark, pos + 1))
       if (token.compare(last_char_start(std::string_view(token).substr(0, pos)), mark.size(), mark) != 0) return;
-  split_before = mark;  // model() looks for exactly these three bytes
+  split_at_mark = true;  // model() looks for exactly these three bytes
 }
 
 void TokenizerJson::Impl::finish_model() {
@@ -2204,7 +2203,7 @@ void TokenizerJson::Impl::byte_level_stage(std::string_view piece, Sink& out) co
 
 void TokenizerJson::Impl::model(std::string_view word, Sink& out) const {
   if (word.empty()) return;
-  if (!split_before.empty()) {
+  if (split_at_mark) {
     // Note [Splitting SentencePiece-style words]: no merge can cross these boundaries. The mark is
     // always U+2581 (E2 96 81): found by its first byte, without a general substring search.
     const char* p = word.data();
@@ -2419,6 +2418,8 @@ void TokenizerJson::Impl::merge_heap(std::vector<std::int32_t>& syms) const {
   auto later = [](const Cand& a, const Cand& b) { return a.key > b.key; };
   thread_local std::vector<Sym> s;  // scratch, reused across words
   thread_local std::vector<Cand> heap;
+  if (syms.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+    throw Error(fmt::format("a pre-token of {} symbols is too long to merge", syms.size()));
   const auto n = static_cast<std::int32_t>(syms.size());
   s.resize(syms.size());
   for (std::int32_t i = 0; i < n; ++i) s[i] = {syms[i], i - 1, i + 1 < n ? i + 1 : -1};
@@ -2463,6 +2464,10 @@ void TokenizerJson::Impl::merge_heap(std::vector<std::int32_t>& syms) const {
   syms.clear();
   for (std::int32_t i = 0; i < n; ++i)
     if (s[i].id >= 0) syms.push_back(s[i].id);
+  if (n > (1 << 20)) {  // do not keep the buffers of a huge word for the thread's lifetime
+    std::vector<Sym>().swap(s);
+    std::vector<Cand>().swap(heap);
+  }
 }
 
 // Unigram::encode (the Viterbi search of `encode_optimized`) and tokenize:

@@ -309,7 +309,8 @@ namespace {
 // be unchanged by the form and unable to interact with its neighbours: for BMP
 // characters a per-form table computed once with utf8proc (NF(c) == c, combining
 // class 0, not the second element of any composition, not a Hangul jamo; the same
-// byte marks the code points tokenizers does not know), for astral ones the
+// byte marks the code points tokenizers does not know, and the marks of Note [Marks
+// in order], whose combining class is kept beside it), for astral ones the
 // property check (no decomposition at all, class 0, not a second element).
 // Anything else takes the full utf8proc path.
 constexpr utf8proc_uint16_t kNoIndex = 0xFFFF;
@@ -341,7 +342,7 @@ enum class Stability : std::uint8_t {
 };
 
 // One byte per BMP code point and form (64 KiB each, computed once with utf8proc), so the scan
-// classifies a character with one load.
+// classifies a character with one load; and the combining class of the kMark ones (64 KiB more).
 class StableTable {
  public:
   explicit StableTable(int options)

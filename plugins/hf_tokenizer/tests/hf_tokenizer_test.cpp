@@ -1110,6 +1110,15 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
     }
     for (const std::string& text : every)
       ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << ": " << text.substr(0, 200);
+    // Every contraction in every case (and "ſ" for "s"), after nothing, a word or a space, before
+    // a letter, a space or the end.
+    for (const std::string c : {"s", "t", "re", "ve", "m", "ll", "d", "S", "T", "RE", "Re", "rE", "VE", "Ve", "vE", "M",
+                                "LL", "Ll", "lL", "D", "\xc5\xbf", "r", "v", "l", "x"})
+      for (const std::string before : {"", "ab", "AB", " "})
+        for (const std::string after : {"", "a", " ", "'"}) {
+          const std::string text = before + "'" + c + after;
+          ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << " on '" << text << "'";
+        }
   }
   // The classes the matchers read, on every code point, against Oniguruma's sets.
   const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
@@ -1310,12 +1319,13 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
                                       0x1161, 0x11A8, 0xAC00, 0xAC01, 0x0B47, 0x0B3E, 0x0B57, 0x212B, 0x2126, 0xFB01,
                                       0x00C5, 0x030A, 0x3099, 0x304B, 0x00A0, 0x1E9B, 0x0F73, 0x0344, 0x00BD, 0x1F600,
                                       0x0E01, 0x0E48, 0x0E38, 0x05D0, 0x05B0, 0x05B8, 0x0628, 0x064E, 0x0651, 0x093C};
-  // Note [Marks in order]: every run of up to three marks after a base, marks that only reorder
+  // Note [Marks in order]: every run of up to three marks after a base (precomposed ones too), marks that only reorder
   // (Thai, Hebrew, Arabic, Devanagari, Tibetan) mixed with marks that compose or decompose.
   const std::vector<char32_t> marks = {0x0E48, 0x0E38, 0x05B0, 0x05B8, 0x064E, 0x0651, 0x093C,
                                        0x0301, 0x0323, 0x0345, 0x0F71, 0x0F72, 0x0344};
   for (const auto& [form, options] : forms)
-    for (const char32_t base : {char32_t{'a'}, char32_t{0x0E01}, char32_t{0x05D0}, char32_t{0x0628}, char32_t{0x0915}})
+    for (const char32_t base : {char32_t{'a'}, char32_t{0x0E01}, char32_t{0x05D0}, char32_t{0x0628}, char32_t{0x0915},
+                                char32_t{0x00E9}, char32_t{0x1E0D}, char32_t{0x1E4D}})
       for (std::size_t k = 0; k < marks.size() * marks.size() * (marks.size() + 1); ++k) {
         std::string text = utf8(base) + utf8(marks[k % marks.size()]) + utf8(marks[k / marks.size() % marks.size()]);
         if (k / marks.size() / marks.size() > 0) text += utf8(marks[k / marks.size() / marks.size() - 1]);
