@@ -1276,6 +1276,14 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
     const auto n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(c), buf);
     return std::string(reinterpret_cast<const char*>(buf), static_cast<std::size_t>(n));
   };
+  auto utf8proc_form = [](const std::string& text, int options) {  // the reference
+    utf8proc_uint8_t* dst = nullptr;
+    const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
+    std::string out(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
+    std::free(dst);
+    return out;
+  };
   const std::pair<const char*, int> forms[] = {
       {"NFC", UTF8PROC_STABLE | UTF8PROC_COMPOSE},
       {"NFD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE},
@@ -1293,12 +1301,7 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
         for (const auto& a : after) {
           if ((c & 0xFF) != 0x41 && b.size() + a.size() > 0 && !(b.empty() || a.empty())) continue;  // sample pairs
           const std::string text = b + utf8(c) + a;
-          utf8proc_uint8_t* dst = nullptr;
-          const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                      static_cast<utf8proc_ssize_t>(text.size()), &dst,
-                                      static_cast<utf8proc_option_t>(options));
-          const std::string want(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
-          std::free(dst);
+          const std::string want = utf8proc_form(text, options);
           if (unicode_normalize(text, form) != want && mismatches++ < 5)
             ADD_FAILURE() << form << " U+" << std::hex << static_cast<std::uint32_t>(c) << " in '" << text << "'";
           ++checked;
@@ -1306,12 +1309,8 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
     }
     for (const char32_t c : {0x1F600u, 0x1F44Du, 0x1D400u, 0x2F800u, 0x1F3FBu, 0x20000u, 0x1D15Eu, 0x11099u}) {
       const std::string text = "a" + utf8(c) + utf8(0x0301);
-      utf8proc_uint8_t* dst = nullptr;
-      const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                  static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
-      EXPECT_EQ(unicode_normalize(text, form), std::string(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)))
+      EXPECT_EQ(unicode_normalize(text, form), utf8proc_form(text, options))
           << form << " U+" << std::hex << static_cast<std::uint32_t>(c);
-      std::free(dst);
     }
   }
   // Random mixtures of characters that compose, decompose, reorder or combine across neighbours.
@@ -1330,11 +1329,7 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
         std::string text = utf8(base) + utf8(marks[k % marks.size()]) + utf8(marks[k / marks.size() % marks.size()]);
         if (k / marks.size() / marks.size() > 0) text += utf8(marks[k / marks.size() / marks.size() - 1]);
         text += "b";
-        utf8proc_uint8_t* dst = nullptr;
-        const auto len = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                      static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
-        const std::string want(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(len));
-        std::free(dst);
+        const std::string want = utf8proc_form(text, options);
         if (unicode_normalize(text, form) != want && mismatches++ < 10) ADD_FAILURE() << form << " '" << text << "'";
         ++checked;
       }
@@ -1348,11 +1343,7 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
         state = state * 6364136223846793005ULL + 1442695040888963407ULL;
         text += utf8(pool[(state >> 33) % pool.size()]);
       }
-      utf8proc_uint8_t* dst = nullptr;
-      const auto len = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                    static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
-      const std::string want(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(len));
-      std::free(dst);
+      const std::string want = utf8proc_form(text, options);
       if (unicode_normalize(text, form) != want && mismatches++ < 10) ADD_FAILURE() << form << " '" << text << "'";
       ++checked;
     }
