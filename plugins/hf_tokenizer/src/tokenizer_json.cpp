@@ -162,6 +162,7 @@ class Trie {
   void clear() {
     nodes_.assign(1, Node{});
     first_.fill(false);
+    starts_.clear();
   }
   void insert(std::string_view s, std::int32_t value) {
     if (nodes_.empty()) clear();
@@ -179,10 +180,48 @@ class Trie {
       }
     }
     nodes_[n].value = value;
-    first_[static_cast<unsigned char>(s[0])] = true;
+    const auto first = static_cast<unsigned char>(s[0]);
+    if (!first_[first]) starts_.push_back(first);
+    first_[first] = true;
   }
   bool empty() const { return nodes_.size() <= 1; }
-  bool can_start(unsigned char b) const { return first_[b]; }
+  // Finds the positions in one text where a token may start. Added tokens of real tokenizers begin
+  // with one to four distinct bytes ('<', '[', ...), so the text is searched for each with memchr
+  // (the next hit of each byte is kept until passed) instead of testing every byte.
+  class StartFinder {
+   public:
+    static constexpr std::size_t kMaxBytes = 4;
+    StartFinder(const Trie& trie, std::string_view text) : trie_(trie), text_(text) {
+      if (trie.starts_.size() <= kMaxBytes)
+        for (std::size_t k = 0; k < trie.starts_.size(); ++k) search(k, 0);
+    }
+    // The first position from `pos` on whose byte starts a token, or npos.
+    std::size_t find(std::size_t pos) {
+      const std::size_t n = trie_.starts_.size();
+      if (n > kMaxBytes) {
+        while (pos < text_.size() && !trie_.first_[static_cast<unsigned char>(text_[pos])]) ++pos;
+        return pos < text_.size() ? pos : std::string_view::npos;
+      }
+      std::size_t best = std::string_view::npos;
+      for (std::size_t k = 0; k < n; ++k) {
+        if (next_[k] < pos) search(k, pos);
+        best = std::min(best, next_[k]);
+      }
+      return best;
+    }
+
+   private:
+    void search(std::size_t k, std::size_t pos) {
+      const void* hit =
+          pos < text_.size() ? std::memchr(text_.data() + pos, trie_.starts_[k], text_.size() - pos) : nullptr;
+      next_[k] = hit == nullptr ? std::string_view::npos
+                                : static_cast<std::size_t>(static_cast<const char*>(hit) - text_.data());
+    }
+
+    const Trie& trie_;
+    std::string_view text_;
+    std::array<std::size_t, kMaxBytes> next_{};
+  };
   // Longest token starting at `pos`: its length and value, or length 0.
   std::size_t longest(std::string_view text, std::size_t pos, std::int32_t* value) const {
     std::uint32_t n = 0;
@@ -208,6 +247,7 @@ class Trie {
   };
   std::vector<Node> nodes_;
   std::array<bool, 256> first_{};
+  std::vector<unsigned char> starts_;  // the distinct bytes of first_, in insertion order
 };
 
 // ---------------------------------------------------------------------------
@@ -2083,11 +2123,8 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
     return;
   }
   std::size_t start_offset = 0;
-  for (std::size_t pos = 0; pos < s.size();) {
-    if (!trie.can_start(static_cast<unsigned char>(s[pos]))) {
-      ++pos;
-      continue;
-    }
+  Trie::StartFinder starts(trie, s);
+  for (std::size_t pos = 0; (pos = starts.find(pos)) != std::string_view::npos;) {
     std::int32_t index = -1;
     const std::size_t len = trie.longest(s, pos, &index);
     if (len == 0) {

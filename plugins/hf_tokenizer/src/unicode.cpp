@@ -628,6 +628,7 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
     const std::optional<std::string_view> r = transform(one);
     return !r || *r == one;
   });
+  for (char32_t b = 0; b < 128; ++b) ascii_same_[b] = same_.contains(b);
 }
 
 std::optional<std::string_view> PrecompiledCharsmap::transform(std::string_view chunk) const {
@@ -698,6 +699,15 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       // Note [Lone grapheme clusters]: a run of characters that are clusters of their own and map
       // to themselves is copied at once (each character decoded once: it is the next one first).
       std::size_t j = i, len;
+      // ASCII characters that map to themselves and are followed by ASCII, byte by byte first.
+      while (j + 1 < in.size() && static_cast<unsigned char>(in[j + 1]) < 0x80 &&
+             static_cast<unsigned char>(in[j]) < 0x80 && ascii_same_[static_cast<unsigned char>(in[j])])
+        ++j;
+      if (j > i) {
+        prev = static_cast<unsigned char>(in[j - 1]);
+        prev_at = j - 1;
+        prev_len = 1;
+      }
       char32_t c = decode_at(in, j, &len);
       while (same_.contains(c)) {
         const std::size_t next = j + len;

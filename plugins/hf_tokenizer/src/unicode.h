@@ -206,6 +206,7 @@ class PrecompiledCharsmap {
   // One bit per BMP code point: a cluster of its own between simple neighbours (Note [Lone grapheme
   // clusters]; ASCII but '\r' and '\n') that this charsmap leaves as it is.
   BmpBits same_;
+  std::array<bool, 128> ascii_same_{};  // same_ of the ASCII characters
   BmpBits simple_;  // ASCII or lone_other: a character that a lone cluster may stand beside
 };
 

@@ -622,6 +622,42 @@ TEST(HfTokenizerTest, UnigramDuplicatePiecesTakeTheLastId) {
   EXPECT_EQ(t.encode("xab"), (std::vector<std::int64_t>{0, 5}));
 }
 
+// Added tokens are found by searching the text for each of their first bytes (memchr) when they
+// have at most four, and byte by byte otherwise. Tokens that never occur cannot change the ids, so
+// two, four and six first bytes (the last taking the byte-by-byte path) must give the same ids;
+// a token of each path must be found wherever it occurs.
+TEST(HfTokenizerTest, AddedTokensAreFoundWithAnyNumberOfFirstBytes) {
+  const fs::path file = kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json";
+  auto with = [&](std::vector<std::string> contents) {
+    auto t = std::make_unique<TokenizerJson>(file);
+    std::vector<AddedToken> tokens;
+    for (auto& c : contents) tokens.push_back(AddedToken{.content = c, .normalized = false, .special = true});
+    t->add_tokens(tokens);
+    return t;
+  };
+  const auto two = with({"<a>", "[b]"});
+  const auto four = with({"<a>", "[b]", "#zz#", "%y%"});
+  const auto six = with({"<a>", "[b]", "#zz#", "%y%", "~w~", "\x01q"});
+  const std::vector<std::string> texts = {
+      "<a>", "x<a>y [b]<a><a", "<<a>[[b]] <a [b", "<a>[b]<a>", "no tokens here", "<", "[", "[b", "tail <a>",
+      "\xC3\xA9<a>\xE2\x96\x81[b]\xF0\x9F\x98\x80<a>"};
+  const std::int64_t a = two->encode("<a>").at(0), b = two->encode("[b]").at(0);
+  EXPECT_EQ(two->encode("x<a>y"), (std::vector<std::int64_t>{two->encode("x").at(0), a, two->encode("y").at(0)}));
+  EXPECT_EQ(two->encode("[b]<a>"), (std::vector<std::int64_t>{b, a}));
+  for (const std::string& text : texts) {
+    const auto want = two->encode(text);
+    EXPECT_EQ(four->encode(text), want) << text;
+    EXPECT_EQ(six->encode(text), want) << text;
+  }
+  for (const auto* t : {four.get(), six.get()}) {
+    const std::int64_t zz = t->encode("#zz#").at(0), y = t->encode("%y%").at(0);
+    EXPECT_EQ(t->encode("#zz#%y%<a>"), (std::vector<std::int64_t>{zz, y, a}));
+  }
+  const std::int64_t w = six->encode("~w~").at(0), q = six->encode("\x01q").at(0);
+  EXPECT_EQ(six->encode("~w~<a>\x01q[b]"), (std::vector<std::int64_t>{w, a, q, b}));
+  EXPECT_EQ(six->encode("~w~"), (std::vector<std::int64_t>{w}));
+}
+
 TEST(HfTokenizerTest, TinyJsonLoadsAndMerges) {
   TempDir dir;
   dir.write("tokenizer.json", tiny_json());
