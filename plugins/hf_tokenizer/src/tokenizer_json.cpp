@@ -343,11 +343,13 @@ struct WordCache {
     std::int32_t ids[kMaxIds];
   };
   static_assert(sizeof(Slot) == 128);
+  static constexpr std::size_t kChunkSlots = 1 << 13;  // 1 MiB, only for pipelines of Note [Cached chunks]
   static constexpr std::size_t kLongCapacity = 1 << 12;
   static constexpr std::size_t kLongMaxBytes = 256;
 
   std::uint64_t owner = 0;
   std::unique_ptr<Slot[]> slots;
+  std::unique_ptr<Slot[]> chunks;  // Note [Cached chunks]: raw chunks (made on first use)
   absl::flat_hash_map<std::string, std::vector<std::int32_t>> long_words;
   std::vector<std::int32_t> scratch;
 };
@@ -385,6 +387,7 @@ WordCache& word_cache(std::uint64_t owner) {
   c.owner = owner;
   if (!c.slots) c.slots = std::make_unique<WordCache::Slot[]>(WordCache::kSlots);
   std::memset(static_cast<void*>(c.slots.get()), 0, sizeof(WordCache::Slot) * WordCache::kSlots);
+  if (c.chunks) std::memset(static_cast<void*>(c.chunks.get()), 0, sizeof(WordCache::Slot) * WordCache::kChunkSlots);
   c.long_words.clear();
   return c;
 }
@@ -412,6 +415,7 @@ struct NormalizerStep {
   std::string text;         // kPrepend: prefix; kReplace: replacement
   std::string literal;      // kReplace with a String pattern
   Regex regex;              // kReplace with a Regex pattern
+  std::string regex_source; // ... as written
   bool left = false, right = false;  // kStrip
   bool clean_text = true, chinese = true, strip_accents = false, lowercase = true;  // kBert
   std::optional<bool> strip_accents_given;  // kBert: null follows lowercase
@@ -1354,6 +1358,7 @@ struct DecoderStep {
   std::string content;      // kStrip: the character; kReplace: replacement; kMetaspace: replacement
   std::string literal;      // kReplace with a String pattern
   Regex regex;              // kReplace with a Regex pattern
+  std::string regex_source; // ... as written
   std::size_t start = 0, stop = 0;  // kStrip
   PrependScheme prepend = PrependScheme::kAlways;  // kMetaspace
   std::string prefix;       // kWordPiece prefix, kBpe suffix
@@ -1414,6 +1419,13 @@ struct TokenizerJson::Impl {
   // BPE without a pre-tokenizer (SentencePiece style): words may be split before "▁"; see
   // Note [Splitting SentencePiece-style words]. False when that is not safe.
   bool split_at_mark = false;
+  // Note [Cached chunks]
+  bool chunk_cuts = false;   // the pipeline allows them
+  BmpBits chunk_neutral;     // the neutral non-ASCII characters
+  bool chunking = true;      // false: whole segments (tests)
+  void plan_chunks();
+  void encode_chunked(std::string_view segment, bool at_origin, Sink& out) const;
+  void cached_chunk(std::string_view chunk, Sink& out) const;
 
   // Added vocabulary.
   std::vector<std::pair<std::int64_t, AddedToken>> added;
@@ -1613,6 +1625,7 @@ void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const
   } else if (type == "Replace") {
     n.kind = K::kReplace;
     n.regex = parse_pattern(j, j.member(el, "pattern", where), where + ".pattern", n.literal, true);
+    if (auto r = j.optional_member(j.member(el, "pattern", where), "Regex")) n.regex_source = j.string(*r, where + ".pattern.Regex");
     n.text = j.string(j.member(el, "content", where), where + ".content");
   } else if (type == "Strip") {
     n.kind = K::kStrip;
@@ -2064,6 +2077,7 @@ void TokenizerJson::Impl::rebuild_tries() {
       raw_trie.insert(t.content, static_cast<std::int32_t>(i));
     }
   }
+  plan_chunks();
 }
 
 // ---------------------------------------------------------------------------
@@ -2164,6 +2178,139 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
   if (start_offset != s.size()) on_split(start_offset, s.size(), -1);
 }
 
+// Note [Cached chunks]
+// Most of the work for a word is the same every time it occurs: normalizing it, replacing its
+// space, finding its pieces. For pipelines where it is safe, a segment (the text between added
+// tokens) is cut before some of its spaces, and each chunk after the first (a space and what
+// follows up to the next cut: " word") is looked up in a per-thread cache of raw chunks before
+// anything else is done. A cut is made before a space U+0020 at p when the characters at p-2 and
+// p+2 (where they exist) are "neutral", and those at p-1 and p+1 are neutral and not whitespace.
+// Neutral (chunk_neutral, per tokenizer): printable ASCII, or a BMP character that every step of
+// the normalizer leaves as it is (Nmt, Lowercase, StripAccents, the charsmap: unchanged; each
+// normalization form: unchanged, combining class 0, second in no composition) and that is a
+// grapheme cluster of its own beside such characters (Note [Lone grapheme clusters]). ASCII
+// letters are neutral under Lowercase too: it maps them to letters, one by one. Then the
+// segment's ids are the ids of its chunks, each encoded alone (the first one at the segment's
+// origin, the others not), because the five characters stay where they are at every step and:
+//  - Nmt, Lowercase, StripAccents map one character at a time.
+//  - NFC/NFD/NFKC/NFKD: no character around the space is changed, reordered or composed with
+//    what is on the other side (the space and its neighbours are starters, second in no
+//    composition), so normalizing the two sides apart gives the same text.
+//  - Precompiled (only if it maps printable ASCII to itself): p-1, p and p+1 are clusters of
+//    their own (their neighbours are neutral), so the clusters on each side are the same.
+//  - Strip with strip_left false: the chunk before a cut ends with p-1, not whitespace; only the
+//    segment's last chunk can end with whitespace, as the segment does.
+//  - Replace with the regex " {2,}" (T5, SentencePiece exports): the space at a cut stands alone.
+//  - Metaspace with split: the space becomes the replacement, before which Metaspace splits;
+//    a chunk that starts with it gets nothing prepended under any scheme (at_origin is false).
+//  - no added token is matched in normalized text (it could span a cut), and the model sees the
+//    same words.
+// Anything else (Prepend, Bert, other Replace or pre-tokenizer stages, byte-level) keeps whole
+// segments. The family tests run with chunks; CachedChunksChangeNothing compares chunked and
+// whole segments on random text around spaces.
+void TokenizerJson::Impl::plan_chunks() {
+  using K = NormalizerStep::Kind;
+  chunk_cuts = false;
+  if (byte_level || stages.size() != 1 || stages[0].kind != Stage::Kind::kMetaspace || !stages[0].split) return;
+  if (!normalized_trie.empty()) return;
+  for (const NormalizerStep& n : normalizers) {
+    switch (n.kind) {
+      case K::kNmt:
+      case K::kLowercase:
+      case K::kStripAccents:
+      case K::kForm: break;
+      case K::kPrecompiled:
+        if (!n.charsmap->keeps_printable_ascii()) return;
+        break;
+      case K::kStrip:
+        if (n.left) return;
+        break;
+      case K::kReplace:
+        if (!n.literal.empty() || n.regex_source != " {2,}") return;
+        break;
+      default: return;
+    }
+  }
+  chunk_neutral = BmpBits::where(0x80, [&](char32_t c) {
+    if (!lone_grapheme(c)) return false;
+    for (const NormalizerStep& n : normalizers) {
+      const bool kept = n.kind == K::kNmt           ? !nmt_removed().contains(c) && !nmt_to_space().contains(c)
+                        : n.kind == K::kLowercase   ? !lowercase_changes().contains(c)
+                        : n.kind == K::kStripAccents ? !strip_accents_marks().contains(c)
+                        : n.kind == K::kForm        ? form_stable(c, n.options)
+                        : n.kind == K::kPrecompiled ? n.charsmap->keeps(c)
+                                                    : true;
+      if (!kept) return false;
+    }
+    return true;
+  });
+  chunk_cuts = true;
+}
+
+void TokenizerJson::Impl::encode_chunked(std::string_view segment, bool at_origin, Sink& out) const {
+  const std::size_t n = segment.size();
+  const CodePointSet& space = rust_whitespace();
+  // Neutral (the characters two away from the space), and also not whitespace (next to it).
+  const auto neutral = [&](char32_t c) { return c < 0x80 ? c >= 0x20 && c < 0x7F : chunk_neutral.contains(c); };
+  const auto inner = [&](char32_t c) { return c != ' ' && neutral(c) && (c < 0x80 || !space.contains(c)); };
+  std::size_t start = 0;
+  bool first = true;
+  const auto chunk = [&](std::size_t b, std::size_t e) {
+    if (first) encode_normalizable(segment.substr(b, e - b), at_origin, out);
+    else cached_chunk(segment.substr(b, e - b), out);
+    first = false;
+  };
+  for (std::size_t pos = 1; pos + 1 < n;) {
+    const void* hit = std::memchr(segment.data() + pos, ' ', n - 1 - pos);
+    if (hit == nullptr) break;
+    pos = static_cast<std::size_t>(static_cast<const char*>(hit) - segment.data());
+    std::size_t len;
+    const std::size_t before = last_char_start(segment.substr(0, pos));
+    bool cut = inner(decode_at(segment, before, &len)) &&
+               (before == 0 || neutral(decode_at(segment, last_char_start(segment.substr(0, before)), &len)));
+    if (cut) {
+      const char32_t next = decode_at(segment, pos + 1, &len);
+      cut = inner(next) && (pos + 1 + len == n || neutral(decode_at(segment, pos + 1 + len, &len)));
+    }
+    if (cut) {
+      chunk(start, pos);
+      start = pos;
+    }
+    ++pos;
+  }
+  chunk(start, n);
+}
+
+// A chunk after a cut: from the cache, or encoded and kept when it fits a slot.
+void TokenizerJson::Impl::cached_chunk(std::string_view chunk, Sink& out) const {
+  WordCache& cache = out.cache;
+  if (chunk.size() > WordCache::kMaxWord) {
+    encode_normalizable(chunk, false, out);
+    return;
+  }
+  if (!cache.chunks) {
+    cache.chunks = std::make_unique<WordCache::Slot[]>(WordCache::kChunkSlots);
+    std::memset(static_cast<void*>(cache.chunks.get()), 0, sizeof(WordCache::Slot) * WordCache::kChunkSlots);
+  }
+  const std::uint64_t h = absl::Hash<absl::string_view>{}(key(chunk));
+  WordCache::Slot& slot = cache.chunks[h & (WordCache::kChunkSlots - 1)];
+  if (slot.hash == h && slot.len == chunk.size() && same_short(slot.word, chunk.data(), chunk.size())) {
+    // push_back, not insert: a second user of insert of int32 ranges makes the compiler stop
+    // inlining it into model_piece's hit path (several percent on every tokenizer).
+    for (std::size_t k = 0; k < slot.n; ++k) out.ids.push_back(slot.ids[k]);
+    return;
+  }
+  const std::size_t before = out.ids.size();
+  encode_normalizable(chunk, false, out);
+  const std::size_t n = out.ids.size() - before;
+  if (n > WordCache::kMaxIds) return;
+  slot.hash = h;
+  slot.len = static_cast<std::uint8_t>(chunk.size());
+  slot.n = static_cast<std::uint8_t>(n);
+  std::memcpy(slot.word, chunk.data(), chunk.size());
+  for (std::size_t k = 0; k < n; ++k) slot.ids[k] = static_cast<std::int32_t>(out.ids[before + k]);
+}
+
 void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t>& out) const {
   if (!simdjson::validate_utf8(text.data(), text.size())) {
     const std::string fixed = utf8_lossy(text);
@@ -2174,6 +2321,7 @@ void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t
   Sink sink{out, word_cache(instance_id)};
   split_added(text, raw_trie, [&](std::size_t b, std::size_t e, std::int32_t index) {
     if (index >= 0) out.push_back(added[index].first);
+    else if (e > b && chunk_cuts && chunking) encode_chunked(text.substr(b, e - b), b == 0, sink);
     else if (e > b) encode_normalizable(text.substr(b, e - b), b == 0, sink);
   });
 }
@@ -2839,6 +2987,9 @@ bool TokenizerJson::configure_bert_normalizer(bool lowercase, std::optional<bool
   impl_->rebuild_tries();  // normalized added tokens are matched in their normalized form
   return true;
 }
+
+bool TokenizerJson::chunked() const { return impl_->chunk_cuts && impl_->chunking; }
+void TokenizerJson::set_chunked(bool on) { impl_->chunking = on; }
 
 void TokenizerJson::set_template(std::vector<std::int64_t> prefix, std::vector<std::int64_t> suffix) {
   prefix_ = std::move(prefix);

@@ -61,6 +61,10 @@ class TokenizerJson {
   /// Replaces the template tokens around a single sequence (what transformers'
   /// classes do when they rebuild the post-processor, e.g. from add_bos_token).
   void set_template(std::vector<std::int64_t> prefix, std::vector<std::int64_t> suffix);
+  /// Note [Cached chunks]: whether this pipeline encodes text in chunks cut at safe spaces (with a
+  /// per-thread cache of chunks), and switching that off (tests compare both). Exposed for tests.
+  bool chunked() const;
+  void set_chunked(bool on);
 
   // ---- Queries (thread-safe) ---------------------------------------------
 

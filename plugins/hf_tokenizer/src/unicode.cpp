@@ -416,6 +416,8 @@ std::string utf8proc_normalize(std::string_view s, int options) {
 // they are. See Note [Normalization fast path].
 }  // namespace
 
+bool form_stable(char32_t c, int options) { return c < 0x10000 && stable_table(options).of(c) == Stability::kStable; }
+
 namespace {
 
 void require_known_utf8proc() {
@@ -598,6 +600,8 @@ bool lone_other(char32_t c) {
 }
 
 }  // namespace
+
+bool lone_grapheme(char32_t c) { return c < 0x80 ? c != '\r' && c != '\n' : lone_other(c); }
 
 PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& where) {
   if (blob.empty()) return;  // tokenizers: an empty charsmap changes nothing

@@ -154,6 +154,12 @@ int normalization_form_options(std::string_view form);
 /// alone) when `s` is already normalized; the result is what `tokenizers`'
 /// normalizer of that form gives.
 bool normalize_form(std::string_view s, int options, std::string& out);
+/// Whether BMP `c` is unchanged by the form of `options`, has combining class 0 and is the second
+/// element of no composition (Note [Normalization fast path]: a boundary before it is safe).
+bool form_stable(char32_t c, int options);
+/// Whether BMP `c` is a grapheme cluster of its own between neighbours that are ASCII (but '\r',
+/// '\n') or such characters too (Note [Lone grapheme clusters]).
+bool lone_grapheme(char32_t c);
 
 /// The canonical decomposition of one code point as `tokenizers`' NFD gives it (code points it
 /// does not know stay as they are): up to 8 code points, each flagged as a starter (combining
@@ -184,6 +190,14 @@ class PrecompiledCharsmap {
   /// modalities::Error naming `where` when it is malformed.
   PrecompiledCharsmap(std::string blob, const std::string& where);
   bool empty() const { return units_.empty(); }
+  /// Whether BMP `c`, a cluster of its own (lone_grapheme), maps to itself.
+  bool keeps(char32_t c) const { return same_.contains(c); }
+  /// Whether every printable ASCII character (0x20-0x7E), as a cluster of its own, maps to itself.
+  bool keeps_printable_ascii() const {
+    for (std::size_t b = 0x20; b < 0x7F; ++b)
+      if (ascii_[b] && *ascii_[b] != std::string(1, static_cast<char>(b))) return false;
+    return true;
+  }
   /// Normalizes `in` into `out` and returns true, or returns false when nothing changes. Sets
   /// *first_removed when the first cluster maps to nothing. Throws modalities::Error for text
   /// whose result could depend on the Unicode version of the grapheme rules: a code point

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <thread>
 
 #include <unistd.h>
@@ -762,6 +763,126 @@ constexpr std::string_view kPrependCharsmap =
 // characters of class Other (which the second shortcut maps alone) and next to those that join
 // clusters (Prepend U+0600, Extend U+0301, SpacingMark U+0903, ZWJ, a regional indicator, a Hangul
 // L jamo), and on the corpora.
+// `json` with the value of its top-level "key" (an object or null) replaced by `value`.
+std::string with_json_value(std::string json, const std::string& key, const std::string& value) {
+  const std::size_t at = json.find("\"" + key + "\":");
+  if (at == std::string::npos) throw std::runtime_error("no " + key);
+  const std::size_t begin = at + key.size() + 3;
+  std::size_t end = begin;
+  if (json.compare(begin, 4, "null") == 0) {
+    end = begin + 4;
+  } else {
+    int depth = 0;
+    bool in_string = false;
+    for (; end < json.size(); ++end) {
+      const char c = json[end];
+      if (in_string) {
+        if (c == '\\') ++end;
+        else if (c == '"') in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        ++depth;
+      } else if ((c == '}' || c == ']') && --depth == 0) {
+        ++end;
+        break;
+      }
+    }
+  }
+  return json.replace(begin, end - begin, value);
+}
+
+// Note [Cached chunks]: the ids of a text cut into chunks at safe spaces (each chunk after the
+// first from the per-thread cache) equal those of whole segments, for every pipeline that allows
+// the cuts, on random text made of spaces and of characters that are neutral or just not: case,
+// marks that compose or not, Prepend, jamo, ZWJ, emoji, regional indicators, controls that Nmt
+// removes or turns into spaces, ideographic and no-break spaces, the replacement character, and
+// characters that NFKC or the charsmap change. Pipelines that do not allow cuts must say so.
+TEST(HfTokenizerTest, CachedChunksChangeNothing) {
+  const auto read = [](const fs::path& f) {
+    std::ifstream in(f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string unigram = read(kData / "families" / "unigram_style" / "tokenizer.json");
+  const std::string metaspace = R"({"type":"Metaspace","replacement":"\u2581","prepend_scheme":"%s","split":%s})";
+  const auto meta = [&](const std::string& scheme, bool split) {
+    std::string m = metaspace;
+    m.replace(m.find("%s"), 2, scheme);
+    m.replace(m.find("%s"), 2, split ? "true" : "false");
+    return m;
+  };
+  const auto seq = [](const std::string& items) { return R"({"type":"Sequence","normalizers":[)" + items + "]}"; };
+  struct Variant {
+    std::string name, json;
+    bool chunked;
+  };
+  std::vector<Variant> variants = {
+      {"unigram_style", unigram, true},
+      {"t5_nmt_style", read(kData / "families" / "t5_nmt_style" / "tokenizer.json"), true},
+      {"t5_style", read(kData / "families" / "t5_style" / "tokenizer.json"), true},
+      {"nfd_strip_lower_first",
+       with_json_value(with_json_value(unigram, "normalizer", seq(R"({"type":"NFD"},{"type":"StripAccents"},{"type":"Lowercase"})")),
+                       "pre_tokenizer", meta("first", true)),
+       true},
+      {"nfc_lower_strip_right_never",
+       with_json_value(with_json_value(unigram, "normalizer",
+                                       seq(R"({"type":"NFC"},{"type":"Lowercase"},{"type":"Strip","strip_left":false,"strip_right":true})")),
+                       "pre_tokenizer", meta("never", true)),
+       true},
+      {"nfkd_no_normalizer_split", with_json_value(unigram, "normalizer", R"({"type":"NFKD"})"), true},
+      {"none", with_json_value(unigram, "normalizer", "null"), true},
+      {"strip_left", with_json_value(unigram, "normalizer", R"({"type":"Strip","strip_left":true,"strip_right":false})"), false},
+      {"replace_space", with_json_value(unigram, "normalizer", R"({"type":"Replace","pattern":{"String":" "},"content":"_"})"), false},
+      {"replace_other_regex", with_json_value(unigram, "normalizer", R"({"type":"Replace","pattern":{"Regex":" +"},"content":" "})"), false},
+      {"prepend", with_json_value(unigram, "normalizer", R"({"type":"Prepend","prepend":"_"})"), false},
+      {"bert", with_json_value(unigram, "normalizer", R"({"type":"BertNormalizer","clean_text":true,"handle_chinese_chars":true,"strip_accents":null,"lowercase":true})"), false},
+      {"no_split", with_json_value(unigram, "pre_tokenizer", meta("always", false)), false},
+      {"whitespace_split", with_json_value(unigram, "pre_tokenizer", R"({"type":"WhitespaceSplit"})"), false},
+  };
+  const std::vector<std::string> alphabet = {
+      " ", " ", " ", " ", "a", "B", "z", "Q", "7", ",", ".", "'", "-", "\t", "\n", "\r", "\x01", "\x7F",
+      "\u00A0", "\u3000", "\u2581", "\u200B", "\u200D", "\u0301", "\u0306", "\u0308", "\u093E", "\u0600",
+      "\u0915", "\u093C", "\u1100", "\u1161", "\u11A8", "\uAC00", "\u00E9", "\u00C9", "\uFB01", "\u2460",
+      "\u0419", "\u0438", "\u0436", "\u0416", "\u05D0", "\u0627", "\u0E01", "\u0E33", "\u4E2D", "\u3042",
+      "\U0001F600", "\U0001F1E9", "\U0001F1EA", "\uFF21", "\u00B4", "\u0130", "\u03A3", "\u1E9E"};
+  std::mt19937 rng(1234);
+  for (const Variant& v : variants) {
+    TempDir dir;
+    dir.write("tokenizer.json", v.json);
+    TokenizerJson chunked(dir.path() / "tokenizer.json");
+    TokenizerJson whole(dir.path() / "tokenizer.json");
+    whole.set_chunked(false);
+    ASSERT_EQ(chunked.chunked(), v.chunked) << v.name;
+    if (!v.chunked) continue;
+    std::size_t mismatches = 0;
+    for (int i = 0; i < 40000; ++i) {
+      std::string text;
+      const int n = 2 + static_cast<int>(rng() % 10);
+      for (int k = 0; k < n; ++k) text += alphabet[rng() % alphabet.size()];
+      // Words that recur, so that chunks come back from the cache.
+      if (i % 3 == 0) text += " word Za \u0436\u0438\u0442\u044C";
+      const auto want = whole.encode(text);
+      const auto got = chunked.encode(text);
+      if (got != want && mismatches++ < 3)
+        ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want) << "\n  chunked: " << show(got);
+    }
+    // Every pair of characters before and after a space, from the characters that could matter.
+    const std::vector<std::string> around = {"a", "Z", "7", ".", " ", "\u0600", "\u0301", "\u1100", "\uAC00",
+                                             "\u00B4", "\u3000", "\x01", "\u0436", "\U0001F600", "\u200D"};
+    for (const auto& x2 : around)
+      for (const auto& x1 : around)
+        for (const auto& y1 : around)
+          for (const auto& y2 : around) {
+            const std::string text = "w" + x2 + x1 + " " + y1 + y2 + " w";
+            const auto want = whole.encode(text);
+            const auto got = chunked.encode(text);
+            if (got != want && mismatches++ < 3)
+              ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want) << "\n  chunked: " << show(got);
+          }
+    EXPECT_EQ(mismatches, 0u) << v.name;
+  }
+}
+
 TEST(HfTokenizerTest, PrecompiledShortcutsChangeNothing) {
   dom::parser parser;
   dom::element root = parser.load((kFamilies / "t5_nmt_style" / "tokenizer.json").string()).value();
