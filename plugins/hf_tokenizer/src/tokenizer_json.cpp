@@ -2179,7 +2179,7 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 }
 
 // Note [Cached chunks]
-// Most of the work for a word is the same every time it occurs: normalizing it, replacing its
+// Most of the work for a word is the same every time it occurs: normalizing it, splitting at its
 // space, finding its pieces. For pipelines where it is safe, a segment (the text between added
 // tokens) is cut before some of its spaces, and each chunk after the first (a space and what
 // follows up to the next cut: " word") is looked up in a per-thread cache of raw chunks before
@@ -2198,21 +2198,29 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 //    composition), so normalizing the two sides apart gives the same text.
 //  - Precompiled (only if it maps printable ASCII to itself): p-1, p and p+1 are clusters of
 //    their own (their neighbours are neutral), so the clusters on each side are the same.
-//  - Strip with strip_left false: the chunk before a cut ends with p-1, not whitespace; only the
-//    segment's last chunk can end with whitespace, as the segment does.
+//  - Strip: the chunk before a cut ends with p-1, not whitespace, so only the segment's last
+//    chunk can end with whitespace, as the segment does. Stripping the left side would remove the
+//    space that starts a chunk: allowed only when the first pre-tokenizer drops it anyway.
 //  - Replace with the regex " {2,}" (T5, SentencePiece exports): the space at a cut stands alone.
-//  - Metaspace with split: the space becomes the replacement, before which Metaspace splits;
-//    a chunk that starts with it gets nothing prepended under any scheme (at_origin is false).
-//  - no added token is matched in normalized text (it could span a cut), and the model sees the
+//  - The first pre-tokenizer splits at the space: Metaspace with split (the space becomes the
+//    replacement, before which it splits; a chunk that starts with it gets nothing prepended
+//    under any scheme, since at_origin is false), or Whitespace / WhitespaceSplit /
+//    BertPreTokenizer, which drop it. Later stages see the same pieces either way.
+//  - No added token is matched in normalized text (it could span a cut), and the model sees the
 //    same words.
-// Anything else (Prepend, Bert, other Replace or pre-tokenizer stages, byte-level) keeps whole
-// segments. The family tests run with chunks; CachedChunksChangeNothing compares chunked and
+// Anything else (Prepend, Bert, other Replace patterns, other first stages, ByteLevel) keeps
+// whole segments. The family tests run with chunks; CachedChunksChangeNothing compares chunked and
 // whole segments on random text around spaces.
 void TokenizerJson::Impl::plan_chunks() {
   using K = NormalizerStep::Kind;
   chunk_cuts = false;
-  if (byte_level || stages.size() != 1 || stages[0].kind != Stage::Kind::kMetaspace || !stages[0].split) return;
-  if (!normalized_trie.empty()) return;
+  if (byte_level || stages.empty() || !normalized_trie.empty()) return;
+  const Stage& s0 = stages.front();
+  const bool metaspace = s0.kind == Stage::Kind::kMetaspace && s0.split;
+  const bool drops_spaces = s0.behavior == Behavior::kRemoved &&
+                            (s0.kind == Stage::Kind::kWhitespace ||
+                             (s0.kind == Stage::Kind::kChars && s0.chars == &rust_whitespace()));
+  if (!metaspace && !drops_spaces) return;
   for (const NormalizerStep& n : normalizers) {
     switch (n.kind) {
       case K::kNmt:
@@ -2223,7 +2231,7 @@ void TokenizerJson::Impl::plan_chunks() {
         if (!n.charsmap->keeps_printable_ascii()) return;
         break;
       case K::kStrip:
-        if (n.left) return;
+        if (n.left && !drops_spaces) return;
         break;
       case K::kReplace:
         if (!n.literal.empty() || n.regex_source != " {2,}") return;
