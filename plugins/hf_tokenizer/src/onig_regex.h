@@ -68,6 +68,10 @@ class Regex {
   /// deepseek_v3_match and Note [Runs of one class]: PCRE2 alone (tests).
   Regex without_hand_written_matchers() const;
   bool has_hand_written_matcher() const { return fast_ != Fast::kNone || run_class_ != nullptr; }
+  /// One of the tiling patterns of GPT-2, Llama-3, Qwen2, GPT-4o and Tekken: no lookbehind, and no
+  /// match goes past a space that follows a character other than whitespace, so a space between
+  /// two such characters always starts a match (Note [Cached chunks]).
+  bool splits_before_lone_spaces() const { return fast_ != Fast::kNone && fast_ != Fast::kDeepSeekV3; }
   /// The PCRE2 patterns (for tests and error messages).
   const std::string& native_pattern() const;
   const std::string& exact_pattern() const;

@@ -2204,23 +2204,34 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 //  - Replace with the regex " {2,}" (T5, SentencePiece exports): the space at a cut stands alone.
 //  - The first pre-tokenizer splits at the space: Metaspace with split (the space becomes the
 //    replacement, before which it splits; a chunk that starts with it gets nothing prepended
-//    under any scheme, since at_origin is false), or Whitespace / WhitespaceSplit /
-//    BertPreTokenizer, which drop it. Later stages see the same pieces either way.
-//  - No added token is matched in normalized text (it could span a cut), and the model sees the
-//    same words.
-// Anything else (Prepend, Bert, other Replace patterns, other first stages, ByteLevel) keeps
-// whole segments. The family tests run with chunks; CachedChunksChangeNothing compares chunked and
+//    under any scheme, since at_origin is false), Whitespace / WhitespaceSplit /
+//    BertPreTokenizer, which drop it, or an Isolated Split (or ByteLevel's own regex) with one
+//    of the patterns of Regex::splits_before_lone_spaces, where a match starts there (GPT-2,
+//    Llama-3, Qwen2, GPT-4o, Tekken). Later stages see the same pieces either way; ByteLevel
+//    adds its prefix space only to a piece that does not start with one.
+//  - No added token matched in normalized text contains a space, so none spans a cut, and none
+//    strips the whitespace beside it (rstrip would take the space of the next chunk); the model
+//    sees the same words.
+// Anything else (Prepend, Bert, other Replace patterns, other first stages) keeps whole
+// segments. The family tests run with chunks; CachedChunksChangeNothing compares chunked and
 // whole segments on random text around spaces.
 void TokenizerJson::Impl::plan_chunks() {
   using K = NormalizerStep::Kind;
   chunk_cuts = false;
-  if (byte_level || stages.empty() || !normalized_trie.empty()) return;
-  const Stage& s0 = stages.front();
-  const bool metaspace = s0.kind == Stage::Kind::kMetaspace && s0.split;
-  const bool drops_spaces = s0.behavior == Behavior::kRemoved &&
-                            (s0.kind == Stage::Kind::kWhitespace ||
-                             (s0.kind == Stage::Kind::kChars && s0.chars == &rust_whitespace()));
-  if (!metaspace && !drops_spaces) return;
+  for (std::size_t i = 0; i < added.size(); ++i) {
+    const AddedToken& t = added[i].second;
+    if (t.normalized && (normalized_patterns[i].find(' ') != std::string::npos || t.lstrip || t.rstrip)) return;
+  }
+  // What splits at the space first.
+  const Stage* s0 = stages.empty() ? nullptr : &stages.front();
+  const bool metaspace = s0 != nullptr && s0->kind == Stage::Kind::kMetaspace && s0->split;
+  const bool drops_spaces = s0 != nullptr && s0->behavior == Behavior::kRemoved &&
+                            (s0->kind == Stage::Kind::kWhitespace ||
+                             (s0->kind == Stage::Kind::kChars && s0->chars == &rust_whitespace()));
+  const bool regex = s0 != nullptr ? s0->kind == Stage::Kind::kRegex && s0->behavior == Behavior::kIsolated &&
+                                         !s0->invert && s0->regex.splits_before_lone_spaces()
+                                   : byte_level && byte_level_use_regex && gpt2_regex.splits_before_lone_spaces();
+  if (!metaspace && !drops_spaces && !regex) return;
   for (const NormalizerStep& n : normalizers) {
     switch (n.kind) {
       case K::kNmt:

@@ -841,6 +841,20 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
                                                        "pre_tokenizer", R"({"type":"BertPreTokenizer"})"),
        true},
       {"metaspace_then_digits", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[)" + meta("always", true) + R"(,{"type":"Digits","individual_digits":true}]})"), true},
+      {"gpt2", read(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json"), true},
+      {"llama3_style", read(folder_of("llama3_style") / "tokenizer.json"), true},
+      {"qwen2_style", read(folder_of("qwen2_style") / "tokenizer.json"), true},
+      {"gpt4o_style", read(kData / "families" / "gpt4o_style" / "tokenizer.json"), true},
+      {"tekken_style", read(kData / "families" / "tekken_style" / "tokenizer.json"), true},
+      {"roberta_style", read(kData / "families" / "roberta_style" / "tokenizer.json"), true},
+      {"deepseek_v3_style", read(kData / "families" / "deepseek_v3_style" / "tokenizer.json"), false},
+      {"bloom_style", read(kData / "families" / "bloom_style" / "tokenizer.json"), false},
+      {"gptneox_style", read(kData / "families" / "gptneox_style" / "tokenizer.json"), false},  // tokens of spaces
+      {"gpt2_rstrip_token", [&] {
+         std::string j = read(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json");
+         j.replace(j.find("false", j.find("\"rstrip\"")), 5, "true");
+         return j;
+       }(), false},
       {"strip_left", with_json_value(unigram, "normalizer", R"({"type":"Strip","strip_left":true,"strip_right":false})"), false},
       {"split_space_first", with_json_value(unigram, "pre_tokenizer", R"({"type":"Split","pattern":{"String":" "},"behavior":"Removed","invert":false})"), false},
       {"punctuation_first", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[{"type":"Punctuation","behavior":"Isolated"},{"type":"WhitespaceSplit"}]})"), false},
@@ -852,7 +866,8 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
       {"whitespace_split", with_json_value(unigram, "pre_tokenizer", R"({"type":"WhitespaceSplit"})"), true},
   };
   const std::vector<std::string> alphabet = {
-      " ", " ", " ", " ", "a", "B", "z", "Q", "7", ",", ".", "'", "-", "\t", "\n", "\r", "\x01", "\x7F",
+      " ", " ", " ", " ", "a", "B", "z", "Q", "s", "t", "7", "12", ",", ".", "'", "-", "/", "\t", "\n", "\r",
+      "\x01", "\x0B", "\x7F", "\u0085", "\u2028", "\u180E", "\u02B0", "<|endoftext|>", "\u00F1", "n\u0303",
       "\u00A0", "\u3000", "\u2581", "\u200B", "\u200D", "\u0301", "\u0306", "\u0308", "\u093E", "\u0600",
       "\u0915", "\u093C", "\u1100", "\u1161", "\u11A8", "\uAC00", "\u00E9", "\u00C9", "\uFB01", "\u2460",
       "\u0419", "\u0438", "\u0436", "\u0416", "\u05D0", "\u0627", "\u0E01", "\u0E33", "\u4E2D", "\u3042",
