@@ -841,18 +841,18 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
                                                        "pre_tokenizer", R"({"type":"BertPreTokenizer"})"),
        true},
       {"metaspace_then_digits", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[)" + meta("always", true) + R"(,{"type":"Digits","individual_digits":true}]})"), true},
-      {"gpt2", read(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json"), true},
+      {"gpt2", read(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json"), false},  // ByteLevel's regex
       {"llama3_style", read(folder_of("llama3_style") / "tokenizer.json"), true},
       {"qwen2_style", read(folder_of("qwen2_style") / "tokenizer.json"), true},
       {"gpt4o_style", read(kData / "families" / "gpt4o_style" / "tokenizer.json"), true},
       {"tekken_style", read(kData / "families" / "tekken_style" / "tokenizer.json"), true},
-      {"roberta_style", read(kData / "families" / "roberta_style" / "tokenizer.json"), true},
+      {"roberta_style", read(kData / "families" / "roberta_style" / "tokenizer.json"), false},
       {"deepseek_v3_style", read(kData / "families" / "deepseek_v3_style" / "tokenizer.json"), false},
       {"bloom_style", read(kData / "families" / "bloom_style" / "tokenizer.json"), false},
       {"gptneox_style", read(kData / "families" / "gptneox_style" / "tokenizer.json"), false},  // tokens of spaces
-      {"gpt2_rstrip_token", [&] {
-         std::string j = read(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json");
-         j.replace(j.find("false", j.find("\"rstrip\"")), 5, "true");
+      {"qwen2_rstrip_token", [&] {
+         std::string j = read(folder_of("qwen2_style") / "tokenizer.json");
+         j.replace(j.find("false", j.find("\"rstrip\"")), 5, "true");  // of the normalized token "ñ"
          return j;
        }(), false},
       {"strip_left", with_json_value(unigram, "normalizer", R"({"type":"Strip","strip_left":true,"strip_right":false})"), false},
