@@ -2217,6 +2217,9 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 // whole segments on random text around spaces.
 void TokenizerJson::Impl::plan_chunks() {
   using K = NormalizerStep::Kind;
+  // A new identity, so no thread reuses its cached chunks: their ids depend on the added tokens
+  // and the normalizer, which are what just changed.
+  instance_id = g_next_instance.fetch_add(1);
   chunk_cuts = false;
   for (std::size_t i = 0; i < added.size(); ++i) {
     const AddedToken& t = added[i].second;

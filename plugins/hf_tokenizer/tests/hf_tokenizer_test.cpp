@@ -908,6 +908,17 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
           }
     EXPECT_EQ(mismatches, 0u) << v.name;
   }
+  // A token added after encoding is found in chunks that were cached before it existed.
+  TempDir dir;
+  dir.write("tokenizer.json", unigram);
+  TokenizerJson late(dir.path() / "tokenizer.json"), early(dir.path() / "tokenizer.json");
+  const std::vector<AddedToken> token = {AddedToken{.content = "word"}};
+  early.add_tokens(token);
+  const std::string text = "one word and another word";
+  const auto before = late.encode(text);
+  late.add_tokens(token);
+  EXPECT_NE(late.encode(text), before);
+  EXPECT_EQ(late.encode(text), early.encode(text));
 }
 
 TEST(HfTokenizerTest, PrecompiledShortcutsChangeNothing) {
