@@ -341,6 +341,18 @@ struct WordCache {
     std::uint8_t n;
     char word[kMaxWord];
     std::int32_t ids[kMaxIds];
+
+    // Whether this slot holds `w` (of at most kMaxWord bytes) under hash `h`.
+    bool holds(std::uint64_t h, std::string_view w) const;
+    // Keeps `w` and its n <= kMaxIds ids.
+    template <class Id>
+    void keep(std::uint64_t h, std::string_view w, const Id* word_ids, std::size_t count) {
+      hash = h;
+      len = static_cast<std::uint8_t>(w.size());
+      n = static_cast<std::uint8_t>(count);
+      std::memcpy(word, w.data(), w.size());
+      for (std::size_t k = 0; k < count; ++k) ids[k] = static_cast<std::int32_t>(word_ids[k]);
+    }
   };
   static_assert(sizeof(Slot) == 128);
   static constexpr std::size_t kChunkSlots = 1 << 13;  // 1 MiB, only for pipelines of Note [Cached chunks]
@@ -376,6 +388,10 @@ inline bool same_short(const char* a, const char* b, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i)
     if (a[i] != b[i]) return false;
   return true;
+}
+
+inline bool WordCache::Slot::holds(std::uint64_t h, std::string_view w) const {
+  return hash == h && len == w.size() && same_short(word, w.data(), w.size());
 }
 
 WordCache& word_cache(std::uint64_t owner) {
@@ -1358,7 +1374,6 @@ struct DecoderStep {
   std::string content;      // kStrip: the character; kReplace: replacement; kMetaspace: replacement
   std::string literal;      // kReplace with a String pattern
   Regex regex;              // kReplace with a Regex pattern
-  std::string regex_source; // ... as written
   std::size_t start = 0, stop = 0;  // kStrip
   PrependScheme prepend = PrependScheme::kAlways;  // kMetaspace
   std::string prefix;       // kWordPiece prefix, kBpe suffix
@@ -2077,6 +2092,9 @@ void TokenizerJson::Impl::rebuild_tries() {
       raw_trie.insert(t.content, static_cast<std::int32_t>(i));
     }
   }
+  // A new identity, so no thread reuses its cached chunks (Note [Cached chunks]): their ids
+  // depend on the added tokens and the normalizer, which are what just changed.
+  instance_id = g_next_instance.fetch_add(1);
   plan_chunks();
 }
 
@@ -2217,9 +2235,6 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 // whole segments on random text around spaces.
 void TokenizerJson::Impl::plan_chunks() {
   using K = NormalizerStep::Kind;
-  // A new identity, so no thread reuses its cached chunks: their ids depend on the added tokens
-  // and the normalizer, which are what just changed.
-  instance_id = g_next_instance.fetch_add(1);
   chunk_cuts = false;
   for (std::size_t i = 0; i < added.size(); ++i) {
     const AddedToken& t = added[i].second;
@@ -2317,7 +2332,7 @@ void TokenizerJson::Impl::cached_chunk(std::string_view chunk, Sink& out) const 
   }
   const std::uint64_t h = absl::Hash<absl::string_view>{}(key(chunk));
   WordCache::Slot& slot = cache.chunks[h & (WordCache::kChunkSlots - 1)];
-  if (slot.hash == h && slot.len == chunk.size() && same_short(slot.word, chunk.data(), chunk.size())) {
+  if (slot.holds(h, chunk)) {
     // push_back, not insert: a second user of insert of int32 ranges makes the compiler stop
     // inlining it into model_piece's hit path (several percent on every tokenizer).
     for (std::size_t k = 0; k < slot.n; ++k) out.ids.push_back(slot.ids[k]);
@@ -2326,12 +2341,7 @@ void TokenizerJson::Impl::cached_chunk(std::string_view chunk, Sink& out) const 
   const std::size_t before = out.ids.size();
   encode_normalizable(chunk, false, out);
   const std::size_t n = out.ids.size() - before;
-  if (n > WordCache::kMaxIds) return;
-  slot.hash = h;
-  slot.len = static_cast<std::uint8_t>(chunk.size());
-  slot.n = static_cast<std::uint8_t>(n);
-  std::memcpy(slot.word, chunk.data(), chunk.size());
-  for (std::size_t k = 0; k < n; ++k) slot.ids[k] = static_cast<std::int32_t>(out.ids[before + k]);
+  if (n <= WordCache::kMaxIds) slot.keep(h, chunk, out.ids.data() + before, n);
 }
 
 void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t>& out) const {
@@ -2446,7 +2456,7 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   if (word.size() <= WordCache::kMaxWord) {
     h = absl::Hash<absl::string_view>{}(key(word));
     slot = &cache.slots[h & (WordCache::kSlots - 1)];
-    if (slot->hash == h && slot->len == word.size() && same_short(slot->word, word.data(), word.size())) {
+    if (slot->holds(h, word)) {
       out.ids.insert(out.ids.end(), slot->ids, slot->ids + slot->n);
       return;
     }
@@ -2465,11 +2475,7 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   tokenize_word(word, ids);
   out.ids.insert(out.ids.end(), ids.begin(), ids.end());
   if (slot != nullptr && ids.size() <= WordCache::kMaxIds) {
-    slot->hash = h;
-    slot->len = static_cast<std::uint8_t>(word.size());
-    slot->n = static_cast<std::uint8_t>(ids.size());
-    std::memcpy(slot->word, word.data(), word.size());
-    std::copy(ids.begin(), ids.end(), slot->ids);
+    slot->keep(h, word, ids.data(), ids.size());
   } else if (cacheable) {
     if (cache.long_words.size() >= WordCache::kLongCapacity) cache.long_words.clear();
     cache.long_words.emplace(std::string(word), ids);

@@ -632,7 +632,6 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
     const std::optional<std::string_view> r = transform(one);
     return !r || *r == one;
   });
-  for (char32_t b = 0; b < 128; ++b) ascii_same_[b] = same_.contains(b);
 }
 
 std::optional<std::string_view> PrecompiledCharsmap::transform(std::string_view chunk) const {
@@ -705,7 +704,7 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       std::size_t j = i, len;
       // ASCII characters that map to themselves and are followed by ASCII, byte by byte first.
       while (j + 1 < in.size() && static_cast<unsigned char>(in[j + 1]) < 0x80 &&
-             static_cast<unsigned char>(in[j]) < 0x80 && ascii_same_[static_cast<unsigned char>(in[j])])
+             static_cast<unsigned char>(in[j]) < 0x80 && same_.contains(static_cast<unsigned char>(in[j])))
         ++j;
       if (j > i) {
         prev = static_cast<unsigned char>(in[j - 1]);

@@ -194,8 +194,8 @@ class PrecompiledCharsmap {
   bool keeps(char32_t c) const { return same_.contains(c); }
   /// Whether every printable ASCII character (0x20-0x7E), as a cluster of its own, maps to itself.
   bool keeps_printable_ascii() const {
-    for (std::size_t b = 0x20; b < 0x7F; ++b)
-      if (ascii_[b] && *ascii_[b] != std::string(1, static_cast<char>(b))) return false;
+    for (char32_t b = 0x20; b < 0x7F; ++b)
+      if (!keeps(b)) return false;
     return true;
   }
   /// Normalizes `in` into `out` and returns true, or returns false when nothing changes. Sets
@@ -220,7 +220,6 @@ class PrecompiledCharsmap {
   // One bit per BMP code point: a cluster of its own between simple neighbours (Note [Lone grapheme
   // clusters]; ASCII but '\r' and '\n') that this charsmap leaves as it is.
   BmpBits same_;
-  std::array<bool, 128> ascii_same_{};  // same_ of the ASCII characters
   BmpBits simple_;  // ASCII or lone_other: a character that a lone cluster may stand beside
 };
 
