@@ -118,6 +118,8 @@ def main():
     args = ap.parse_args()
     texts, size = corpus(int(args.mb * (1 << 20)))
     names = [n for n in args.only.split(",") if n]
+    if unknown := [n for n in names if n not in FAMILIES]:
+        ap.error(f"--only: unknown tokenizer(s) {', '.join(unknown)}; expected some of {', '.join(FAMILIES)}")
     print(f"{len(texts)} texts, {size / 1e6:.1f} MB, one thread")
     have_ours = args.ours.exists()
     if not have_ours:
@@ -137,7 +139,8 @@ def main():
         row = {"name": name, "tokenizers_tps": n / seconds, "tokens": n}
         if b is not None:
             tps = b["best_pass_tokens/s"]
-            row.update(ours_tps=tps, ours_MBps=tps * size / n / 1e6, same_count=int(b["tokens"]) == n)
+            ours_n = int(b["tokens"])
+            row.update(ours_tps=tps, ours_MBps=tps * size / ours_n / 1e6, same_count=ours_n == n)
             report(f"ours {name}", n / tps, n, size)
         rows.append(row)
     if have_ours:

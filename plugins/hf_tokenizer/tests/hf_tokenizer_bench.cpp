@@ -97,8 +97,9 @@ int main(int argc, char** argv) {
                   ->Unit(benchmark::kMillisecond);
     // MODALITIES_BENCH_PASSES: exactly that many passes (scripts/bench_tokenizer.py gives both engines
     // the same number); otherwise as many as fit in a second.
-    if (const char* passes = std::getenv("MODALITIES_BENCH_PASSES"); passes != nullptr && std::atoi(passes) > 0)
-      b->Iterations(std::atoi(passes));
+    const char* passes = std::getenv("MODALITIES_BENCH_PASSES");
+    if (const int n = passes != nullptr ? std::atoi(passes) : 0; n > 0)
+      b->Iterations(n);
     else
       b->MinTime(1.0);
   }
