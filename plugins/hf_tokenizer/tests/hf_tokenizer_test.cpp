@@ -1229,6 +1229,49 @@ TEST(HfTokenizerTest, OnePassCharacterSplitsEqualTheStagesOnEveryCodePoint) {
 // replacing, prepending and splitting (FamilyTest checks that path against `tokenizers`) on every
 // string of up to 6 characters over spaces, both replacements, a letter and a multi-byte letter
 // whose encoding shares the replacement's lead byte, for every scheme, with and without the origin.
+// Note [Replace by hand]: a one-byte String pattern and the Regex " {2,}" are replaced in one pass
+// over the bytes; the same replacement through the general regex path (" " and "  +" as regexes)
+// gives the same ids on every short string of spaces, the pattern byte, U+2581 and other
+// characters, including replacements by nothing at the start (Metaspace's "first" scheme).
+TEST(HfTokenizerTest, ReplaceByHandEqualsTheRegexPath) {
+  const auto read = [](const fs::path& f) {
+    std::ifstream in(f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string unigram = with_json_value(read(kData / "families" / "unigram_style" / "tokenizer.json"), "pre_tokenizer",
+                                              R"({"type":"Metaspace","replacement":"\u2581","prepend_scheme":"first","split":true})");
+  const std::string gemma = read(kData / "families" / "gemma_style" / "tokenizer.json");
+  const auto replace = [](const std::string& kind, const std::string& pattern, const std::string& content) {
+    return R"({"type":"Replace","pattern":{")" + kind + R"(":")" + pattern + R"("},"content":")" + content + R"("})";
+  };
+  struct Pair {
+    std::string base, by_hand, general;
+  };
+  const std::vector<Pair> pairs = {
+      {gemma, replace("String", " ", "\u2581"), replace("Regex", " ", "\u2581")},
+      {unigram, replace("String", " ", "\u2581"), replace("Regex", " ", "\u2581")},
+      {unigram, replace("String", " ", ""), replace("Regex", " ", "")},
+      {unigram, replace("String", "a", "xyz"), replace("Regex", "a", "xyz")},
+      {unigram, replace("Regex", " {2,}", " "), replace("Regex", "  +", " ")},
+      {unigram, replace("Regex", " {2,}", ""), replace("Regex", "  +", "")},
+      {gemma, replace("Regex", " {2,}", "\u2581"), replace("Regex", "  +", "\u2581")},
+  };
+  std::size_t differences = 0, strings = 0;
+  for (const Pair& p : pairs) {
+    TempDir dir;
+    dir.write("hand.json", with_json_value(p.base, "normalizer", p.by_hand));
+    dir.write("general.json", with_json_value(p.base, "normalizer", p.general));
+    TokenizerJson by_hand(dir.path() / "hand.json"), general(dir.path() / "general.json");
+    strings += for_each_short_string({" ", "a", "b", "\u2581", "\u4e2d"}, 6, [&](const std::string& text) {
+      const auto want = general.encode(text);
+      const auto got = by_hand.encode(text);
+      if (got != want && differences++ < 5)
+        ADD_FAILURE() << p.by_hand << " on '" << text << "'\n  general: " << show(want) << "\n  by hand: " << show(got);
+    });
+  }
+  EXPECT_EQ(differences, 0u) << "of " << strings;
+}
+
 TEST(HfTokenizerTest, MetaspaceInPlaceEqualsReplacingAndSplitting) {
   std::size_t differences = 0, strings = 0;
   for (const std::string_view replacement : {"\u2581", "_"})
