@@ -337,18 +337,20 @@ struct WordCache {
   static constexpr std::size_t kMaxIds = 16;
   struct alignas(64) Slot {
     std::uint64_t hash;
-    std::uint8_t len;  // 0: empty (words are never empty)
+    std::uint8_t len;  // 0: empty (words are never empty); | kAtOrigin for a chunk encoded at the text's origin
     std::uint8_t n;
     char word[kMaxWord];
     std::int32_t ids[kMaxIds];
 
-    // Whether this slot holds `w` (of at most kMaxWord bytes) under hash `h`.
-    bool holds(std::uint64_t h, std::string_view w) const;
+    static constexpr std::uint8_t kAtOrigin = 0x80;  // (kMaxWord < 0x80)
+
+    // Whether this slot holds `w` (of at most kMaxWord bytes) under hash `h` (and origin flag).
+    bool holds(std::uint64_t h, std::string_view w, std::uint8_t origin = 0) const;
     // Keeps `w` and its n <= kMaxIds ids.
     template <class Id>
-    void keep(std::uint64_t h, std::string_view w, const Id* word_ids, std::size_t count) {
+    void keep(std::uint64_t h, std::string_view w, const Id* word_ids, std::size_t count, std::uint8_t origin = 0) {
       hash = h;
-      len = static_cast<std::uint8_t>(w.size());
+      len = static_cast<std::uint8_t>(w.size() | origin);
       n = static_cast<std::uint8_t>(count);
       std::memcpy(word, w.data(), w.size());
       for (std::size_t k = 0; k < count; ++k) ids[k] = static_cast<std::int32_t>(word_ids[k]);
@@ -390,8 +392,8 @@ inline bool same_short(const char* a, const char* b, std::size_t n) {
   return true;
 }
 
-inline bool WordCache::Slot::holds(std::uint64_t h, std::string_view w) const {
-  return hash == h && len == w.size() && same_short(word, w.data(), w.size());
+inline bool WordCache::Slot::holds(std::uint64_t h, std::string_view w, std::uint8_t origin) const {
+  return hash == h && len == (w.size() | origin) && same_short(word, w.data(), w.size());
 }
 
 WordCache& word_cache(std::uint64_t owner) {
@@ -1495,7 +1497,7 @@ struct TokenizerJson::Impl {
   bool chunking = true;      // false: whole segments (tests)
   void plan_chunks();
   void encode_chunked(std::string_view segment, bool at_origin, Sink& out) const;
-  void cached_chunk(std::string_view chunk, Sink& out) const;
+  void cached_chunk(std::string_view chunk, bool at_origin, Sink& out) const;
 
   // Added vocabulary.
   std::vector<std::pair<std::int64_t, AddedToken>> added;
@@ -2254,9 +2256,9 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 // Note [Cached chunks]
 // Most of the work for a word is the same every time it occurs: normalizing it, splitting at its
 // space, finding its pieces. For pipelines where it is safe, a segment (the text between added
-// tokens) is cut before some of its spaces, and each chunk after the first (a space and what
+// tokens) is cut before some of its spaces, and each chunk (the first one, then a space and what
 // follows up to the next cut: " word") is looked up in a per-thread cache of raw chunks before
-// anything else is done. A cut is made before a space U+0020 at p when the characters at p-2 and
+// anything else is done; the text's first chunk is cached apart, as it is encoded at the origin. A cut is made before a space U+0020 at p when the characters at p-2 and
 // p+2 (where they exist) are "neutral", and those at p-1 and p+1 are neutral and not whitespace.
 // Neutral (chunk_neutral, per tokenizer): printable ASCII, or a BMP character that every step of
 // the normalizer leaves as it is (Nmt, Lowercase, StripAccents, the charsmap: unchanged; each
@@ -2349,8 +2351,7 @@ void TokenizerJson::Impl::encode_chunked(std::string_view segment, bool at_origi
   std::size_t start = 0;
   bool first = true;
   const auto chunk = [&](std::size_t b, std::size_t e) {
-    if (first) encode_normalizable(segment.substr(b, e - b), at_origin, out);
-    else cached_chunk(segment.substr(b, e - b), out);
+    cached_chunk(segment.substr(b, e - b), first && at_origin, out);
     first = false;
   };
   for (std::size_t pos = 1; pos + 1 < n;) {
@@ -2374,11 +2375,13 @@ void TokenizerJson::Impl::encode_chunked(std::string_view segment, bool at_origi
   chunk(start, n);
 }
 
-// A chunk after a cut: from the cache, or encoded and kept when it fits a slot.
-void TokenizerJson::Impl::cached_chunk(std::string_view chunk, Sink& out) const {
+// A chunk: from the cache, or encoded and kept when it fits a slot. The first chunk of the text
+// (`at_origin`: Metaspace's "first" scheme and a removed first character depend on it) is kept
+// apart from the same bytes elsewhere.
+void TokenizerJson::Impl::cached_chunk(std::string_view chunk, bool at_origin, Sink& out) const {
   WordCache& cache = out.cache;
   if (chunk.size() > WordCache::kMaxWord) {
-    encode_normalizable(chunk, false, out);
+    encode_normalizable(chunk, at_origin, out);
     return;
   }
   if (!cache.chunks) {
@@ -2387,16 +2390,17 @@ void TokenizerJson::Impl::cached_chunk(std::string_view chunk, Sink& out) const 
   }
   const std::uint64_t h = absl::Hash<absl::string_view>{}(key(chunk));
   WordCache::Slot& slot = cache.chunks[h & (WordCache::kChunkSlots - 1)];
-  if (slot.holds(h, chunk)) {
+  const std::uint8_t origin = at_origin ? WordCache::Slot::kAtOrigin : 0;
+  if (slot.holds(h, chunk, origin)) {
     // push_back, not insert: a second user of insert of int32 ranges makes the compiler stop
     // inlining it into model_piece's hit path (several percent on every tokenizer).
     for (std::size_t k = 0; k < slot.n; ++k) out.ids.push_back(slot.ids[k]);
     return;
   }
   const std::size_t before = out.ids.size();
-  encode_normalizable(chunk, false, out);
+  encode_normalizable(chunk, at_origin, out);
   const std::size_t n = out.ids.size() - before;
-  if (n <= WordCache::kMaxIds) slot.keep(h, chunk, out.ids.data() + before, n);
+  if (n <= WordCache::kMaxIds) slot.keep(h, chunk, out.ids.data() + before, n, origin);
 }
 
 void TokenizerJson::Impl::encode(std::string_view text, std::vector<std::int64_t>& out) const {

@@ -906,6 +906,19 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
             if (got != want && mismatches++ < 3)
               ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want) << "\n  chunked: " << show(got);
           }
+    // The same bytes as the text's first chunk and as the first chunk of a later segment (after an
+    // added token: not at the origin, where Metaspace's "first" scheme prepends nothing) or after a
+    // cut, in turn: the cache keeps the text's first chunk apart.
+    const std::vector<AddedToken> sep = {AddedToken{.content = "<sep>", .normalized = false, .special = true}};
+    chunked.add_tokens(sep);
+    whole.add_tokens(sep);
+    for (const std::string& text : {"word", "<sep>word", "word", " word", "<sep> word", " word", "a word",
+                                    "<sep>a word", "\u2581word", "<sep>\u2581word", "\u2581word"}) {
+      const auto want = whole.encode(text);
+      const auto got = chunked.encode(text);
+      if (got != want && mismatches++ < 3)
+        ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want) << "\n  chunked: " << show(got);
+    }
     EXPECT_EQ(mismatches, 0u) << v.name;
   }
   // A token added after encoding is found in chunks that were cached before it existed.
