@@ -328,8 +328,9 @@ class Combiner {
 // inline: a hit costs one hash and one memory access, and a frequent word that
 // was overwritten comes back on its next miss (no clearing, no allocation).
 // Longer words, and short ones with more ids than a slot holds (a CJK run with a
-// small vocabulary), go to a bounded map that is cleared when full. Like
-// `tokenizers`, words of 256 bytes or more are not cached.
+// small vocabulary), go to a bounded map that takes no new words once full and
+// is emptied after four full maps' worth of misses. Like `tokenizers`, words of
+// 256 bytes or more are not cached.
 
 struct WordCache {
   static constexpr std::size_t kSlots = 1 << 15;  // 4 MiB per thread and tokenizer
@@ -365,6 +366,7 @@ struct WordCache {
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<Slot[]> chunks;  // Note [Cached chunks]: raw chunks (made on first use)
   absl::flat_hash_map<std::string, std::vector<std::int32_t>> long_words;
+  std::size_t long_misses_when_full = 0;
   std::vector<std::int32_t> scratch;
 };
 
@@ -407,6 +409,7 @@ WordCache& word_cache(std::uint64_t owner) {
   std::memset(static_cast<void*>(c.slots.get()), 0, sizeof(WordCache::Slot) * WordCache::kSlots);
   if (c.chunks) std::memset(static_cast<void*>(c.chunks.get()), 0, sizeof(WordCache::Slot) * WordCache::kChunkSlots);
   c.long_words.clear();
+  c.long_misses_when_full = 0;
   return c;
 }
 
@@ -2536,7 +2539,14 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   if (slot != nullptr && ids.size() <= WordCache::kMaxIds) {
     slot->keep(h, word, ids.data(), ids.size());
   } else if (cacheable) {
-    if (cache.long_words.size() >= WordCache::kLongCapacity) cache.long_words.clear();
+    // Like `tokenizers`' cache, a full map takes no new words (on text whose long words do not
+    // recur, inserting every one cost 9-27%); unlike it, it is emptied after as many misses again
+    // as four full maps, so that the long words of later text get in.
+    if (cache.long_words.size() >= WordCache::kLongCapacity) {
+      if (++cache.long_misses_when_full < 4 * WordCache::kLongCapacity) return;
+      cache.long_words.clear();
+      cache.long_misses_when_full = 0;
+    }
     cache.long_words.emplace(std::string(word), ids);
   }
 }

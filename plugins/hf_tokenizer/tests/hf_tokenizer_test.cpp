@@ -1242,6 +1242,40 @@ TEST(HfTokenizerTest, OnePassCharacterSplitsEqualTheStagesOnEveryCodePoint) {
 // replacing, prepending and splitting (FamilyTest checks that path against `tokenizers`) on every
 // string of up to 6 characters over spaces, both replacements, a letter and a multi-byte letter
 // whose encoding shares the replacement's lead byte, for every scheme, with and without the origin.
+// Long words (over a word-cache slot, under 256 bytes) go to a bounded map that, once full, takes no
+// new words until four full maps' worth of misses later, when it is emptied: through that whole
+// cycle every word keeps the ids it got the first time it was seen, from a tokenizer that met
+// each word once.
+TEST(HfTokenizerTest, LongWordCacheKeepsIdsThroughFillingAndEmptying) {
+  const fs::path file = kData / "families" / "gemma_style" / "tokenizer.json";
+  TokenizerJson cached(file), once(file);
+  std::mt19937 rng(99);
+  std::vector<std::string> words;
+  for (std::size_t k = 0; k < 5 * 4096 + 300; ++k) {
+    std::string w;
+    for (int c = 0; c < 20; ++c) {  // 20 CJK characters: 60 bytes, one word (no U+2581 inside)
+      const char32_t cp = 0x4E00 + rng() % 0x5000;
+      w += static_cast<char>(0xE0 | (cp >> 12));
+      w += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      w += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    words.push_back(std::move(w));
+  }
+  std::vector<std::vector<std::int64_t>> want;
+  for (const std::string& w : words) want.push_back(once.encode(w));
+  std::size_t mismatches = 0, checked = 0;
+  const auto check = [&](std::size_t k) {
+    ++checked;
+    if (cached.encode(words[k]) != want[k] && mismatches++ < 3) ADD_FAILURE() << "word " << k;
+  };
+  for (std::size_t k = 0; k < words.size(); ++k) {
+    check(k);
+    if (k % 7 == 0) check(k / 2);  // earlier words again, in the map or not
+  }
+  for (std::size_t k = words.size() - 300; k < words.size(); ++k) check(k);  // the map's words after emptying
+  EXPECT_EQ(mismatches, 0u) << "of " << checked;
+}
+
 // Note [Replace by hand]: a one-byte String pattern and the Regex " {2,}" are replaced in one pass
 // over the bytes; the same replacement through the general regex path (" " and "  +" as regexes)
 // gives the same ids on every short string of spaces, the pattern byte, U+2581 and other
