@@ -332,6 +332,55 @@ class Combiner {
 // is emptied after four full maps' worth of misses. Like `tokenizers`, words of
 // 256 bytes or more are not cached.
 
+// Words (or chunks) too long for a slot, under 256 bytes, with their ids. Like `tokenizers`' cache,
+// it takes no new entries once full (on text whose long words never recur, inserting every one
+// cost 9-27%). Unlike it, it is emptied after four full maps' worth of misses, so that the long
+// words of later text get in; and if by then fewer than one lookup in 16 since it was last emptied
+// was a hit, it rests instead: no lookups and no entries for the next 16 maps' worth of long words
+// (with a full map of such text, the lookups alone cost 4-8%). Hits and misses give the same ids.
+class LongCache {
+ public:
+  static constexpr std::size_t kCapacity = 1 << 12;
+  static constexpr std::size_t kMaxBytes = 256;
+
+  const std::vector<std::int32_t>* find(std::string_view k) {
+    if (resting_ > 0) {
+      if (--resting_ == 0) clear();
+      return nullptr;
+    }
+    if (map_.empty()) return nullptr;
+    ++lookups_;
+    const auto it = map_.find(key(k));
+    if (it == map_.end()) return nullptr;
+    ++hits_;
+    return &it->second;
+  }
+  // After a miss: keeps `k` (of under kMaxBytes) and its ids if there is room.
+  template <class Id>
+  void offer(std::string_view k, const Id* ids, std::size_t n) {
+    if (resting_ > 0) return;
+    if (map_.size() >= kCapacity) {
+      if (++misses_when_full_ < 4 * kCapacity) return;
+      const bool useful = hits_ * 16 >= lookups_;
+      clear();
+      if (!useful) {
+        resting_ = 16 * kCapacity;
+        return;
+      }
+    }
+    map_.emplace(std::string(k), std::vector<std::int32_t>(ids, ids + n));
+  }
+  void clear() {
+    map_.clear();
+    misses_when_full_ = lookups_ = hits_ = 0;
+    resting_ = 0;
+  }
+
+ private:
+  absl::flat_hash_map<std::string, std::vector<std::int32_t>> map_;
+  std::size_t misses_when_full_ = 0, lookups_ = 0, hits_ = 0, resting_ = 0;
+};
+
 struct WordCache {
   static constexpr std::size_t kSlots = 1 << 15;  // 4 MiB per thread and tokenizer
   static constexpr std::size_t kMaxWord = 54;
@@ -359,14 +408,12 @@ struct WordCache {
   };
   static_assert(sizeof(Slot) == 128);
   static constexpr std::size_t kChunkSlots = 1 << 13;  // 1 MiB, only for pipelines of Note [Cached chunks]
-  static constexpr std::size_t kLongCapacity = 1 << 12;
-  static constexpr std::size_t kLongMaxBytes = 256;
 
   std::uint64_t owner = 0;
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<Slot[]> chunks;  // Note [Cached chunks]: raw chunks (made on first use)
-  absl::flat_hash_map<std::string, std::vector<std::int32_t>> long_words;
-  std::size_t long_misses_when_full = 0;
+  LongCache long_words;
+  LongCache long_chunks;  // Note [Cached chunks]: chunks too long for a slot
   std::vector<std::int32_t> scratch;
 };
 
@@ -409,7 +456,7 @@ WordCache& word_cache(std::uint64_t owner) {
   std::memset(static_cast<void*>(c.slots.get()), 0, sizeof(WordCache::Slot) * WordCache::kSlots);
   if (c.chunks) std::memset(static_cast<void*>(c.chunks.get()), 0, sizeof(WordCache::Slot) * WordCache::kChunkSlots);
   c.long_words.clear();
-  c.long_misses_when_full = 0;
+  c.long_chunks.clear();
   return c;
 }
 
@@ -2384,7 +2431,18 @@ void TokenizerJson::Impl::encode_chunked(std::string_view segment, bool at_origi
 void TokenizerJson::Impl::cached_chunk(std::string_view chunk, bool at_origin, Sink& out) const {
   WordCache& cache = out.cache;
   if (chunk.size() > WordCache::kMaxWord) {
-    encode_normalizable(chunk, at_origin, out);
+    // Longer chunks (runs of CJK or Thai text) as long words; the text's first one is not kept.
+    if (at_origin || chunk.size() >= LongCache::kMaxBytes) {
+      encode_normalizable(chunk, at_origin, out);
+      return;
+    }
+    if (const std::vector<std::int32_t>* hit = cache.long_chunks.find(chunk)) {
+      out.ids.insert(out.ids.end(), hit->begin(), hit->end());
+      return;
+    }
+    const std::size_t before = out.ids.size();
+    encode_normalizable(chunk, false, out);
+    cache.long_chunks.offer(chunk, out.ids.data() + before, out.ids.size() - before);
     return;
   }
   if (!cache.chunks) {
@@ -2525,10 +2583,10 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   }
   // A word too long for a slot, or whose ids are (a short word of many characters, e.g. CJK
   // with a small vocabulary: `tokenizers` caches every word under 256 bytes).
-  const bool cacheable = word.size() < WordCache::kLongMaxBytes;
-  if (cacheable && !cache.long_words.empty()) {
-    if (auto it = cache.long_words.find(key(word)); it != cache.long_words.end()) {
-      out.ids.insert(out.ids.end(), it->second.begin(), it->second.end());
+  const bool cacheable = word.size() < LongCache::kMaxBytes;
+  if (cacheable) {
+    if (const std::vector<std::int32_t>* hit = cache.long_words.find(word)) {
+      out.ids.insert(out.ids.end(), hit->begin(), hit->end());
       return;
     }
   }
@@ -2539,15 +2597,7 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   if (slot != nullptr && ids.size() <= WordCache::kMaxIds) {
     slot->keep(h, word, ids.data(), ids.size());
   } else if (cacheable) {
-    // Like `tokenizers`' cache, a full map takes no new words (on text whose long words do not
-    // recur, inserting every one cost 9-27%); unlike it, it is emptied after as many misses again
-    // as four full maps, so that the long words of later text get in.
-    if (cache.long_words.size() >= WordCache::kLongCapacity) {
-      if (++cache.long_misses_when_full < 4 * WordCache::kLongCapacity) return;
-      cache.long_words.clear();
-      cache.long_misses_when_full = 0;
-    }
-    cache.long_words.emplace(std::string(word), ids);
+    cache.long_words.offer(word, ids.data(), ids.size());
   }
 }
 

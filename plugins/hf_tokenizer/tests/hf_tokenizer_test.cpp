@@ -1243,15 +1243,18 @@ TEST(HfTokenizerTest, OnePassCharacterSplitsEqualTheStagesOnEveryCodePoint) {
 // string of up to 6 characters over spaces, both replacements, a letter and a multi-byte letter
 // whose encoding shares the replacement's lead byte, for every scheme, with and without the origin.
 // Long words (over a word-cache slot, under 256 bytes) go to a bounded map that, once full, takes no
-// new words until four full maps' worth of misses later, when it is emptied: through that whole
-// cycle every word keeps the ids it got the first time it was seen, from a tokenizer that met
-// each word once.
+// new words until four full maps' worth of misses later, when it is emptied, or, with few hits,
+// rests for sixteen maps' worth of words and then fills again: through filling, resting and
+// filling again every word keeps the ids it got from a tokenizer that met each word once. (Early
+// words come back often, so the first full map is emptied and filled again; later ones never, so
+// the second full map rests, and the map filled after the rest holds the last 300 words, which
+// come back at the end: a simulation of the policy gave these phases for this sequence.)
 TEST(HfTokenizerTest, LongWordCacheKeepsIdsThroughFillingAndEmptying) {
   const fs::path file = kData / "families" / "gemma_style" / "tokenizer.json";
   TokenizerJson cached(file), once(file);
   std::mt19937 rng(99);
   std::vector<std::string> words;
-  for (std::size_t k = 0; k < 5 * 4096 + 300; ++k) {
+  for (std::size_t k = 0; k < 26 * 4096 + 500; ++k) {
     std::string w;
     for (int c = 0; c < 20; ++c) {  // 20 CJK characters: 60 bytes, one word (no U+2581 inside)
       const char32_t cp = 0x4E00 + rng() % 0x5000;
@@ -1270,9 +1273,9 @@ TEST(HfTokenizerTest, LongWordCacheKeepsIdsThroughFillingAndEmptying) {
   };
   for (std::size_t k = 0; k < words.size(); ++k) {
     check(k);
-    if (k % 7 == 0) check(k / 2);  // earlier words again, in the map or not
+    if (k < 8192 && k % 3 == 0) check(k / 2);  // earlier words again, in the map or not
   }
-  for (std::size_t k = words.size() - 300; k < words.size(); ++k) check(k);  // the map's words after emptying
+  for (std::size_t k = words.size() - 300; k < words.size(); ++k) check(k);  // the map's words after resting
   EXPECT_EQ(mismatches, 0u) << "of " << checked;
 }
 
