@@ -442,6 +442,41 @@ inline bool same_short(const char* a, const char* b, std::size_t n) {
   return true;
 }
 
+// The hash of a word of at most kMaxWord bytes for the slot tables: 8-byte loads (the last one
+// overlapping, short words from two overlapping 4-byte or three single bytes) mixed by 64x64->128
+// bit multiplications, as wyhash does. absl::Hash took 9% of Llama-2's encoding time on text with
+// fewer repeats. Slots are picked by the low bits and then compared by the whole hash and the bytes.
+inline std::uint64_t slot_hash(std::string_view w) {
+  constexpr std::uint64_t kA = 0xa0761d6478bd642full, kB = 0xe7037ed1a0b428dbull;
+  const auto mix = [](std::uint64_t a, std::uint64_t b) {
+    const unsigned __int128 r = static_cast<unsigned __int128>(a) * b;
+    return static_cast<std::uint64_t>(r) ^ static_cast<std::uint64_t>(r >> 64);
+  };
+  const auto load8 = [](const char* p) {
+    std::uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+  };
+  const auto load4 = [](const char* p) {
+    std::uint32_t v;
+    std::memcpy(&v, p, 4);
+    return static_cast<std::uint64_t>(v);
+  };
+  const char* p = w.data();
+  const std::size_t n = w.size();
+  std::uint64_t h = kA ^ n;
+  if (n >= 8) {
+    for (std::size_t i = 0; i + 8 < n; i += 8) h = mix(h ^ load8(p + i), kB);
+    return mix(h ^ load8(p + n - 8), kB ^ n);
+  }
+  std::uint64_t v;
+  if (n >= 4) v = load4(p) | (load4(p + n - 4) << 32);
+  else if (n > 0) v = static_cast<unsigned char>(p[0]) | (static_cast<std::uint64_t>(static_cast<unsigned char>(p[n / 2])) << 8) |
+                      (static_cast<std::uint64_t>(static_cast<unsigned char>(p[n - 1])) << 16);
+  else v = 0;
+  return mix(h ^ v, kB ^ n);
+}
+
 inline bool WordCache::Slot::holds(std::uint64_t h, std::string_view w, std::uint8_t origin) const {
   return hash == h && len == (w.size() | origin) && same_short(word, w.data(), w.size());
 }
@@ -2480,7 +2515,7 @@ void TokenizerJson::Impl::cached_chunk(std::string_view chunk, bool at_origin, S
     cache.chunks = std::make_unique<WordCache::Slot[]>(WordCache::kChunkSlots);
     std::memset(static_cast<void*>(cache.chunks.get()), 0, sizeof(WordCache::Slot) * WordCache::kChunkSlots);
   }
-  const std::uint64_t h = absl::Hash<absl::string_view>{}(key(chunk));
+  const std::uint64_t h = slot_hash(chunk);
   WordCache::Slot& slot = cache.chunks[h & (WordCache::kChunkSlots - 1)];
   const std::uint8_t origin = at_origin ? WordCache::Slot::kAtOrigin : 0;
   if (slot.holds(h, chunk, origin)) {
@@ -2605,7 +2640,7 @@ void TokenizerJson::Impl::model_piece(std::string_view word, Sink& out) const {
   WordCache::Slot* slot = nullptr;
   std::uint64_t h = 0;
   if (word.size() <= WordCache::kMaxWord) {
-    h = absl::Hash<absl::string_view>{}(key(word));
+    h = slot_hash(word);
     slot = &cache.slots[h & (WordCache::kSlots - 1)];
     if (slot->holds(h, word)) {
       out.ids.insert(out.ids.end(), slot->ids, slot->ids + slot->n);
