@@ -488,7 +488,8 @@ Regex::Regex(const std::string& onig_pattern, const std::filesystem::path& file,
                                            : Fast::kNone;
   // Note [Runs of one class]
   // A pattern that is a single class repeated (DeepSeek-V3's first two splits: numbers in threes,
-  // runs of kana and CJK ideographs) matches runs of that class: with Oniguruma's own table for the
+  // runs of kana and CJK ideographs; BLOOM's split, an optional space and then a run outside a
+  // class) matches runs of that class: with Oniguruma's own table for the
   // class, scanning the text gives exactly its matches, which is cheaper than asking PCRE2 for each
   // and checking every text for the code points whose class differs between the two libraries.
   constexpr std::size_t kUnbounded = std::string_view::npos;
@@ -499,6 +500,14 @@ Regex::Regex(const std::string& onig_pattern, const std::filesystem::path& file,
     run_class_ = std::make_shared<const CodePointSet>(
         CodePointSet::from_ranges({{0x4E00, 0x9FA5}, {0x3040, 0x309F}, {0x30A0, 0x30FF}}));
     run_max_ = kUnbounded;
+  } else if (onig_pattern == kBloomPattern) {  // C = \s, '(', '|', ')' and the nested class
+    CodePointSet stop = *oniguruma_class("\\s");
+    for (const char32_t c : {U'(', U'|', U')', U'.', U',', U'!', U'?', U'\u2026', U'\u3002', U'\uff0c', U'\u3001',
+                             U'\u0964', U'\u06d4', U'\u060c'})
+      stop = stop | CodePointSet::from_ranges({{c, c}});
+    run_class_ = std::make_shared<const CodePointSet>(std::move(stop));
+    run_max_ = kUnbounded;
+    run_space_prefix_ = true;
   }
 }
 

@@ -99,6 +99,10 @@ class Regex {
   // maximal runs of at most run_max_ characters of that class (no PCRE2, no delta check).
   template <class F>
   void class_runs(std::string_view text, F&& on_match) const {
+    if (run_space_prefix_) {
+      spaced_runs_outside(text, on_match);
+      return;
+    }
     const CodePointSet& set = *run_class_;
     for (std::size_t i = 0; i < text.size();) {
       const std::size_t next = set.find_in(text.substr(i));  // skips ASCII and foreign lead bytes quickly
@@ -113,8 +117,30 @@ class Regex {
       on_match(start, i);
     }
   }
+  // BLOOM's " ?[^C]+" (C holds the space; run_class_ is C): an optional space and a maximal run of
+  // characters outside C, the space taken only when such a character follows it.
+  template <class F>
+  void spaced_runs_outside(std::string_view text, F&& on_match) const {
+    const CodePointSet& stop = *run_class_;
+    const std::size_t n = text.size();
+    for (std::size_t i = 0; i < n;) {
+      const std::size_t start = i;
+      std::size_t len;
+      if (stop.contains(decode_at(text, i, &len))) {
+        std::size_t next_len;
+        if (text[i] != ' ' || i + 1 == n || stop.contains(decode_at(text, i + 1, &next_len))) {
+          i += len;  // no match starts here
+          continue;
+        }
+        i += 1;  // the optional space
+      }
+      while (i < n && !stop.contains(decode_at(text, i, &len))) i += len;
+      on_match(start, i);
+    }
+  }
   std::shared_ptr<const CodePointSet> run_class_;
   std::size_t run_max_ = 0;
+  bool run_space_prefix_ = false;
 
   std::shared_ptr<const Compiled> native_, exact_;
   std::shared_ptr<const CodePointSet> delta_;
@@ -141,6 +167,9 @@ inline constexpr std::string_view kTekkenPattern =
 /// The third `Split` pattern of DeepSeek-V3 (after splits of \p{N}{1,3} and of kana and CJK
 /// ideographs): ASCII punctuation before ASCII letters, words with marks, punctuation and symbols.
 /// Unlike the others it does not match everywhere (digits and controls alone are left out).
+/// BLOOM's `Split` pattern: an optional space and a run of anything but whitespace, brackets, '|'
+/// and the sentence punctuation of several scripts (a nested class).
+inline constexpr std::string_view kBloomPattern = " ?[^(\\s|[.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c])]+";
 inline constexpr std::string_view kDeepSeekV3Pattern =
     R"re([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
 

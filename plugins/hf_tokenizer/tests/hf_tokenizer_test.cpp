@@ -912,7 +912,7 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
     const std::vector<AddedToken> sep = {AddedToken{.content = "<sep>", .normalized = false, .special = true}};
     chunked.add_tokens(sep);
     whole.add_tokens(sep);
-    for (const std::string& text : {"word", "<sep>word", "word", " word", "<sep> word", " word", "a word",
+    for (const std::string_view text : {"word", "<sep>word", "word", " word", "<sep> word", " word", "a word",
                                     "<sep>a word", "\u2581word", "<sep>\u2581word", "\u2581word"}) {
       const auto want = whole.encode(text);
       const auto got = chunked.encode(text);
@@ -1438,9 +1438,9 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
   }
 }
 
-// Note [Runs of one class]: DeepSeek-V3's first two splits (and single-class number splits) scanned
-// with Oniguruma's table give PCRE2's matches on every short string over their distinguishing
-// characters, on a text of every code point and on the corpora.
+// Note [Runs of one class]: DeepSeek-V3's first two splits (and single-class number splits), and
+// BLOOM's split, scanned with Oniguruma's table give PCRE2's matches on every short string over
+// their distinguishing characters, on a text of every code point and on the corpora.
 TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
   const std::vector<std::string> texts = corpora_and_every_code_point();
   const std::vector<std::string> alphabet = {"7", "\xd9\xa3" /* Arabic 3 */, "\xe2\x85\xa0" /* Roman numeral I */, "a",
@@ -1463,6 +1463,21 @@ TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
   ASSERT_EQ(splits.at(1)["pattern"]["Regex"].get(second), simdjson::SUCCESS);
   EXPECT_TRUE(Regex(std::string(first), "<test>", "pattern").has_hand_written_matcher()) << first;
   EXPECT_TRUE(Regex(std::string(second), "<test>", "pattern").has_hand_written_matcher()) << second;
+  // BLOOM's " ?[^C]+" (an optional space, then characters outside a nested class), on spaces of
+  // every kind, the class's literals, letters and CJK, and its family fixture's pattern.
+  const Regex bloom(std::string(kBloomPattern), "<test>", "pattern");
+  ASSERT_TRUE(bloom.has_hand_written_matcher());
+  const Regex bloom_pcre = bloom.without_hand_written_matchers();
+  for (const std::string& text : texts) ASSERT_EQ(matches_of(bloom, text), matches_of(bloom_pcre, text)) << "BLOOM";
+  for_each_short_string({" ", "a", "(", "|", ".", "\t", "\u2026", "\u3002", "\u3000", "\u0085", "\u4e2d", "["},
+                        5, [&](const std::string& text) {
+                          ASSERT_EQ(matches_of(bloom, text), matches_of(bloom_pcre, text)) << "BLOOM on '" << text << "'";
+                        });
+  std::string_view bloom_regex;
+  ASSERT_EQ(parser.load((kFamilies / "bloom_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"].at(0)
+                ["pattern"]["Regex"].get(bloom_regex),
+            simdjson::SUCCESS);
+  EXPECT_EQ(bloom_regex, kBloomPattern);
 }
 
 // Oniguruma inside `tokenizers` matches (regex_classes.json, probed by
