@@ -54,6 +54,18 @@ CodePointSet CodePointSet::from_ranges(std::vector<std::pair<char32_t, char32_t>
     else if (b >= 0xF0 && b <= 0xF4) any = intersects((b & 0x07) << 18, ((b & 0x07) << 18) | 0x3FFFF);
     s.lead_[b] = any;
   }
+  int lo = -1, hi = -1, members = 0;
+  for (int c = 0; c < 0x80; ++c)
+    if (s.contains(static_cast<char32_t>(c))) {
+      if (lo < 0) lo = c;
+      hi = c;
+      ++members;
+    }
+  s.ascii_range_ = members == hi - lo + 1 || members == 0;
+  if (members > 0 && s.ascii_range_) {
+    s.ascii_lo_ = static_cast<unsigned char>(lo);
+    s.ascii_hi_ = static_cast<unsigned char>(hi);
+  }
   return s;
 }
 
@@ -103,11 +115,21 @@ CodePointSet CodePointSet::operator^(const CodePointSet& o) const {
 }
 
 std::size_t CodePointSet::find_in(std::string_view s) const {
-  const bool no_ascii = bmp_[0] == 0 && bmp_[1] == 0;
+  // Eight bytes at a time while they are ASCII outside [ascii_lo_, ascii_hi_] (most text, and
+  // Regex::pick scans every text): for a byte v < 0x80, v + (0x80 - lo) has its high bit set iff
+  // v >= lo, and v + (0x7F - hi) iff v > hi, without carries between bytes.
+  constexpr std::uint64_t kOnes = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
+  const std::uint64_t add_lo = kOnes * static_cast<std::uint64_t>(0x80 - ascii_lo_);
+  const std::uint64_t add_hi = kOnes * static_cast<std::uint64_t>(0x7F - ascii_hi_);
+  const bool empty_range = ascii_lo_ > ascii_hi_;
+  const auto skippable = [&](std::uint64_t w) {
+    if ((w & kHigh) != 0) return false;
+    return empty_range || (((w + add_lo) & ~(w + add_hi)) & kHigh) == 0;
+  };
   for (std::size_t i = 0; i < s.size();) {
-    if (no_ascii) {  // skip ASCII eight bytes at a time (most text, and Regex::pick scans every text)
+    if (ascii_range_) {
       std::uint64_t w;
-      while (i + 8 <= s.size() && (std::memcpy(&w, s.data() + i, 8), (w & 0x8080808080808080ull) == 0)) i += 8;
+      while (i + 8 <= s.size() && (std::memcpy(&w, s.data() + i, 8), skippable(w))) i += 8;
       if (i == s.size()) break;
     }
     const auto b = static_cast<unsigned char>(s[i]);

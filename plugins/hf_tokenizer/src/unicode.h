@@ -102,6 +102,10 @@ class CodePointSet {
   std::vector<std::uint64_t> bmp_;
   std::vector<std::pair<char32_t, char32_t>> ranges_;
   std::array<bool, 256> lead_{};  // UTF-8 lead bytes of code points in the set (find_in skips the others)
+  // The set's ASCII members when they are one range [lo, hi] (none: lo > hi), for find_in's
+  // eight-byte skip; ascii_range_ is false otherwise.
+  bool ascii_range_ = true;
+  unsigned char ascii_lo_ = 1, ascii_hi_ = 0;
 };
 
 // ---- the tables of each Hugging Face component ------------------------------

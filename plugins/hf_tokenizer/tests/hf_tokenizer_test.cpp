@@ -1346,12 +1346,19 @@ TEST(HfTokenizerTest, MetaspaceInPlaceEqualsReplacingAndSplitting) {
 // code point in the set as a plain scan finds it, for sets in each UTF-8 length, on every text of
 // the corpora and on a text of every code point.
 TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
-  const std::vector<std::string> texts = corpora_and_every_code_point();
+  std::vector<std::string> texts = corpora_and_every_code_point();
+  // Each ASCII byte at every offset of an eight-byte word, after ASCII that is not in most sets.
+  for (int c = 0; c < 0x80; ++c)
+    for (std::size_t k = 0; k < 17; ++k) texts.push_back(std::string(k, 'a') + static_cast<char>(c) + std::string(9, 'b'));
   const Regex gpt4o(std::string(kGpt4oPattern), "<test>", "pattern");
   const std::vector<CodePointSet> sets = {
       gpt4o.delta(), *oniguruma_class("Lo"), CodePointSet::from_ranges({{'x', 'x'}}),
       CodePointSet::from_ranges({{0xE9, 0xE9}}), CodePointSet::from_ranges({{0x4E2D, 0x4E2D}}),
-      CodePointSet::from_ranges({{0x1F600, 0x1F64F}}), CodePointSet::from_ranges({{0x10FFFF, 0x10FFFF}})};
+      CodePointSet::from_ranges({{0x1F600, 0x1F64F}}), CodePointSet::from_ranges({{0x10FFFF, 0x10FFFF}}),
+      // ASCII members in one range (the eight-byte skip), at both ends of ASCII, and not in one range
+      *oniguruma_class("N"), CodePointSet::from_ranges({{'0', '9'}}), CodePointSet::from_ranges({{0, 5}}),
+      CodePointSet::from_ranges({{'z', 0x7F}}), CodePointSet::from_ranges({{0, 0x7F}}), *oniguruma_class("\\s"),
+      CodePointSet::from_ranges({{'a', 'a'}, {'c', 'c'}})};
   std::size_t found = 0;
   for (const CodePointSet& set : sets)
     for (const std::string& text : texts) {
