@@ -164,12 +164,12 @@ inline constexpr std::string_view kGpt4oPattern =
 inline constexpr std::string_view kTekkenPattern =
     R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-/// The third `Split` pattern of DeepSeek-V3 (after splits of \p{N}{1,3} and of kana and CJK
-/// ideographs): ASCII punctuation before ASCII letters, words with marks, punctuation and symbols.
-/// Unlike the others it does not match everywhere (digits and controls alone are left out).
 /// BLOOM's `Split` pattern: an optional space and a run of anything but whitespace, brackets, '|'
 /// and the sentence punctuation of several scripts (a nested class).
 inline constexpr std::string_view kBloomPattern = " ?[^(\\s|[.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c])]+";
+/// The third `Split` pattern of DeepSeek-V3 (after splits of \p{N}{1,3} and of kana and CJK
+/// ideographs): ASCII punctuation before ASCII letters, words with marks, punctuation and symbols.
+/// Unlike the others it does not match everywhere (digits and controls alone are left out).
 inline constexpr std::string_view kDeepSeekV3Pattern =
     R"re([!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
 

@@ -970,8 +970,9 @@ bool bert_four_passes(const NormalizerStep& n, std::string_view in, std::string&
 // a buffer of the largest possible size; a one-byte pattern by a replacement of up to 8 bytes is
 // found 8 bytes at a time (a word with no match is stored at once, one with a match stored up to it,
 // then the replacement). A search and two appends per match made Replace a third of Gemma's
-// encoding time; the byte loop still a quarter of Llama-2's on text with fewer repeats. Matches are what the general path finds: each byte equal to `b` (min_run 1),
-// or each maximal run of at least two of them (" {2,}" is greedy and its matches never overlap).
+// encoding time; the byte loop still a quarter of Llama-2's on text with fewer repeats. Matches are
+// what the general path finds: each byte equal to `b` (min_run 1), or each maximal run of at least
+// two of them (" {2,}" is greedy and its matches never overlap).
 bool replace_byte_runs(std::string_view in, char b, std::size_t min_run, std::string_view with, std::string& out,
                        bool* start_removed) {
   const char* p = in.data();
@@ -2374,8 +2375,9 @@ void TokenizerJson::Impl::split_added(std::string_view s, const Trie& trie, F&& 
 // space, finding its pieces. For pipelines where it is safe, a segment (the text between added
 // tokens) is cut before some of its spaces, and each chunk (the first one, then a space and what
 // follows up to the next cut: " word") is looked up in a per-thread cache of raw chunks before
-// anything else is done; the text's first chunk is cached apart, as it is encoded at the origin. A cut is made before a space U+0020 at p when the characters at p-2 and
-// p+2 (where they exist) are "neutral", and those at p-1 and p+1 are neutral and not whitespace.
+// anything else is done; the text's first chunk is cached apart, as it is encoded at the origin.
+// A cut is made before a space U+0020 at p when the characters at p-2 and p+2 (where they exist)
+// are "neutral", and those at p-1 and p+1 are neutral and not whitespace.
 // Neutral (chunk_neutral, per tokenizer): printable ASCII, or a BMP character that every step of
 // the normalizer leaves as it is (Nmt, Lowercase, StripAccents, the charsmap: unchanged; each
 // normalization form: unchanged, combining class 0, second in no composition) and that is a
