@@ -324,10 +324,10 @@ std::vector<std::string> byte_level_alphabet() {
   return out;
 }
 
-// A byte-level tokenizer with 256 base tokens (1 byte per token) and an added
-// token that `tokenizers` numbers 256 (whatever the file says), which does not fit in one byte.
-TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
-  ScratchDir dir;
+// A byte-level tokenizer.json with the 256 byte tokens (id = byte value), `extra` more vocabulary
+// entries without merges, and the added token "<|big|>" (which `tokenizers` numbers after the
+// vocabulary, whatever the file says).
+std::string byte_level_tokenizer_json(int extra) {
   const auto alphabet = byte_level_alphabet();
   std::string vocab;
   for (int b = 0; b < 256; ++b) {
@@ -335,9 +335,8 @@ TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
     for (char ch : alphabet[static_cast<std::size_t>(b)]) key += (ch == '"' || ch == '\\') ? std::string{'\\', ch} : std::string{ch};
     vocab += fmt::format("{}\"{}\": {}", b ? ", " : "", key, b);
   }
-  std::filesystem::create_directories(dir.path() / "tok");
-  dir.write("tok/tokenizer.json",
-            fmt::format(R"({{"version": "1.0", "truncation": null, "padding": null,
+  for (int k = 0; k < extra; ++k) vocab += fmt::format(", \"extra{}\": {}", k, 256 + k);
+  return fmt::format(R"({{"version": "1.0", "truncation": null, "padding": null,
   "added_tokens": [{{"id": 300, "content": "<|big|>", "single_word": false, "lstrip": false, "rstrip": false,
                      "normalized": false, "special": true}}],
   "normalizer": null,
@@ -347,7 +346,48 @@ TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
   "model": {{"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
             "vocab": {{{}}}, "merges": []}}}})",
-                        vocab));
+                     vocab);
+}
+
+// Tokens are written as 1, 2 or 4 little-endian bytes, as the vocabulary size calls for: the ids of
+// "fine <|big|>" and the EOD token, with the added token's id past 255 and 65535 in the wider files.
+TEST(PackEncodedData, EveryTokenWidthIsWrittenLittleEndian) {
+  ScratchDir dir;
+  for (const auto& [extra, width] : {std::pair{0, 1u}, std::pair{44, 2u}, std::pair{70000 - 256, 4u}}) {
+    const std::string name = fmt::format("w{}", width);
+    std::filesystem::create_directories(dir.path() / name);
+    dir.write(name + "/tokenizer.json", byte_level_tokenizer_json(extra));
+    const std::string text = width == 1 ? "fine" : "fine <|big|>";
+    const std::string line = fmt::format("{{\"text\": \"{}\"}}\n", text);
+    const auto src = dir.write(name + ".jsonl", line);
+    dir.write(name + ".idx", formats::pickle_index(split_lines(line)));
+    const auto dst = dir.path() / (name + ".pbin");
+    const std::string cfg = fmt::format(
+        "[settings]\nsrc_path = {}\ndst_path = {}\njq_pattern = \".text\"\neod_token = \"!\"\n\n"
+        "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\n"
+        "config = {{ pretrained_model_name_or_path = {} }}\n",
+        q(src), q(dst), q(dir.path() / name));
+    const auto r = modalities({"data", "pack_encoded_data", dir.write(name + ".toml", cfg).string()});
+    ASSERT_EQ(r.exit_code, 0) << r;
+    std::vector<std::uint32_t> ids = {'f', 'i', 'n', 'e'};
+    if (width > 1) ids.insert(ids.end(), {' ', static_cast<std::uint32_t>(256 + extra)});
+    ids.push_back('!');
+    std::string data;
+    for (const std::uint32_t id : ids)
+      for (std::uint32_t b = 0; b < width; ++b) data += static_cast<char>((id >> (8 * b)) & 0xFF);
+    const std::string pbin = read_file(dst);
+    ASSERT_GE(pbin.size(), 12 + data.size()) << name;
+    EXPECT_EQ(pbin.substr(8, 4), std::string({static_cast<char>(width), 0, 0, 0})) << name;  // token size
+    EXPECT_EQ(pbin.substr(12, data.size()), data) << name;
+  }
+}
+
+// The byte-level tokenizer with only its 256 byte tokens (1 byte per token): its added token gets
+// the id 256, which does not fit in one byte.
+TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
+  ScratchDir dir;
+  std::filesystem::create_directories(dir.path() / "tok");
+  dir.write("tok/tokenizer.json", byte_level_tokenizer_json(0));
   const auto src = dir.write("in.jsonl", "{\"text\": \"fine\"}\n{\"text\": \"a <|big|> token\"}\n");
   dir.write("in.idx", formats::pickle_index(split_lines("{\"text\": \"fine\"}\n{\"text\": \"a <|big|> token\"}\n")));
   const std::string cfg = fmt::format(

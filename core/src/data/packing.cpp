@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <thread>
 
 namespace modalities::core::data {
@@ -87,16 +90,36 @@ struct Item {
   std::optional<std::pair<std::uint64_t, std::string>> error;   // first failing line
 };
 
+// Appends `ids` as `width`-byte little-endian integers (as Modalities writes them). One loop per
+// width, which the compiler vectorizes: a loop over the bytes of each id was, with a separate range
+// check, about a third of the single-thread packer's time with a fast tokenizer.
+template <class T>
+void encode_as(std::span<const std::int64_t> ids, char* p) {
+  for (const std::int64_t id : ids) {
+    const T v = static_cast<T>(id);
+    std::memcpy(p, &v, sizeof(T));
+    p += sizeof(T);
+  }
+}
+
 void encode(std::span<const std::int64_t> ids, std::uint32_t width, std::string& out) {
+  static_assert(std::endian::native == std::endian::little, "the .pbin format is little-endian");
   const std::size_t at = out.size();
   out.resize(at + ids.size() * width);
   char* p = out.data() + at;
-  for (const std::int64_t id : ids) {
-    const auto v = static_cast<std::uint32_t>(id);
-    // Little-endian, as Modalities writes it (x86 is little-endian; spelt out for clarity).
-    for (std::uint32_t b = 0; b < width; ++b) p[b] = static_cast<char>((v >> (8 * b)) & 0xff);
-    p += width;
-  }
+  if (width == 1) encode_as<std::uint8_t>(ids, p);
+  else if (width == 2) encode_as<std::uint16_t>(ids, p);
+  else encode_as<std::uint32_t>(ids, p);
+}
+
+// The first id outside [0, limit), if any (a branch-free pass first: ids are almost always fine).
+std::optional<std::int64_t> out_of_range(std::span<const std::int64_t> ids, std::uint64_t limit) {
+  std::uint64_t largest = 0;  // as unsigned, a negative id is larger than any limit
+  for (const std::int64_t id : ids) largest = std::max(largest, static_cast<std::uint64_t>(id));
+  if (largest < limit) return std::nullopt;
+  for (const std::int64_t id : ids)
+    if (static_cast<std::uint64_t>(id) >= limit) return id;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -170,10 +193,9 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
         const std::string_view doc = parser.extract_string(text.substr(off, len), jq);
         ids = tokenizer.tokenize(doc);
         if (ids.empty()) throw Error("empty document: the tokenizer produced no tokens");
-        for (const std::int64_t id : ids)
-          if (id < 0 || static_cast<std::uint64_t>(id) >= limit)
-            throw Error(fmt::format("token id {} does not fit in {} byte(s) per token (vocab_size {})", id, width,
-                                    tokenizer.vocab_size()));
+        if (const auto bad = out_of_range(ids, limit))
+          throw Error(fmt::format("token id {} does not fit in {} byte(s) per token (vocab_size {})", *bad, width,
+                                  tokenizer.vocab_size()));
         if (ids.back() != eod) ids.push_back(eod);
       } catch (const Error& e) {
         if (settings.skip_invalid_documents) {
