@@ -418,19 +418,21 @@ struct WordCache {
   std::vector<std::int32_t> scratch;
 };
 
+// Unaligned loads of 8 and 4 bytes (for same_short and slot_hash).
+inline std::uint64_t load8(const char* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline std::uint64_t load4(const char* p) {
+  std::uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // Whether the n <= kMaxWord bytes at a and b are equal: 8-byte loads (the last one overlapping) instead
 // of a libc call for every cached word.
 inline bool same_short(const char* a, const char* b, std::size_t n) {
-  auto load8 = [](const char* p) {
-    std::uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-  };
-  auto load4 = [](const char* p) {
-    std::uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  };
   if (n >= 8) {
     for (std::size_t i = 0; i + 8 < n; i += 8)
       if (load8(a + i) != load8(b + i)) return false;
@@ -451,16 +453,6 @@ inline std::uint64_t slot_hash(std::string_view w) {
   const auto mix = [](std::uint64_t a, std::uint64_t b) {
     const unsigned __int128 r = static_cast<unsigned __int128>(a) * b;
     return static_cast<std::uint64_t>(r) ^ static_cast<std::uint64_t>(r >> 64);
-  };
-  const auto load8 = [](const char* p) {
-    std::uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-  };
-  const auto load4 = [](const char* p) {
-    std::uint32_t v;
-    std::memcpy(&v, p, 4);
-    return static_cast<std::uint64_t>(v);
   };
   const char* p = w.data();
   const std::size_t n = w.size();
@@ -977,7 +969,8 @@ bool replace_byte_runs(std::string_view in, char b, std::size_t min_run, std::st
                        bool* start_removed) {
   const char* p = in.data();
   const std::size_t n = in.size();
-  // The first match, before anything is allocated (most texts have no run of two spaces).
+  // The first match, before anything is allocated (most texts have no run of two spaces); from
+  // there on something is replaced.
   std::size_t i = 0;
   if (min_run == 1) {
     const void* hit = std::memchr(p, b, n);
@@ -995,7 +988,6 @@ bool replace_byte_runs(std::string_view in, char b, std::size_t min_run, std::st
   char* o = r.data();
   std::memcpy(o, p, i);
   o += i;
-  bool any = false;
   if (min_run == 1 && with.size() <= 8 && std::endian::native == std::endian::little) {
     // Eight bytes at a time: the word is stored whole and the output moves on to its first match,
     // which gets the replacement (one store), so the work is per match rather than per byte.
@@ -1019,7 +1011,6 @@ bool replace_byte_runs(std::string_view in, char b, std::size_t min_run, std::st
       std::memcpy(o, &replacement, 8);
       o += with.size();
       i += k + 1;
-      any = true;
     }
   }
   while (i < n) {
@@ -1039,10 +1030,8 @@ bool replace_byte_runs(std::string_view in, char b, std::size_t min_run, std::st
     }
     std::memcpy(o, with.data(), with.size());
     o += with.size();
-    any = true;
     i = j;
   }
-  if (!any) return false;
   r.resize(static_cast<std::size_t>(o - r.data()));
   out = std::move(r);
   return true;

@@ -799,11 +799,7 @@ std::string with_json_value(std::string json, const std::string& key, const std:
 // removes or turns into spaces, ideographic and no-break spaces, the replacement character, and
 // characters that NFKC or the charsmap change. Pipelines that do not allow cuts must say so.
 TEST(HfTokenizerTest, CachedChunksChangeNothing) {
-  const auto read = [](const fs::path& f) {
-    std::ifstream in(f, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  const std::string unigram = read(kData / "families" / "unigram_style" / "tokenizer.json");
+  const std::string unigram = testing::read_file(kData / "families" / "unigram_style" / "tokenizer.json");
   const std::string metaspace = R"({"type":"Metaspace","replacement":"\u2581","prepend_scheme":"%s","split":%s})";
   const auto meta = [&](const std::string& scheme, bool split) {
     std::string m = metaspace;
@@ -818,8 +814,8 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
   };
   std::vector<Variant> variants = {
       {"unigram_style", unigram, true},
-      {"t5_nmt_style", read(kData / "families" / "t5_nmt_style" / "tokenizer.json"), true},
-      {"t5_style", read(kData / "families" / "t5_style" / "tokenizer.json"), true},
+      {"t5_nmt_style", testing::read_file(kData / "families" / "t5_nmt_style" / "tokenizer.json"), true},
+      {"t5_style", testing::read_file(kData / "families" / "t5_style" / "tokenizer.json"), true},
       {"nfd_strip_lower_first",
        with_json_value(with_json_value(unigram, "normalizer", seq(R"({"type":"NFD"},{"type":"StripAccents"},{"type":"Lowercase"})")),
                        "pre_tokenizer", meta("first", true)),
@@ -831,8 +827,8 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
        true},
       {"nfkd_no_normalizer_split", with_json_value(unigram, "normalizer", R"({"type":"NFKD"})"), true},
       {"none", with_json_value(unigram, "normalizer", "null"), true},
-      {"whitespace_style", read(kData / "families" / "whitespace_style" / "tokenizer.json"), true},
-      {"pretok_sequences_style", read(kData / "families" / "pretok_sequences_style" / "tokenizer.json"), true},
+      {"whitespace_style", testing::read_file(kData / "families" / "whitespace_style" / "tokenizer.json"), true},
+      {"pretok_sequences_style", testing::read_file(kData / "families" / "pretok_sequences_style" / "tokenizer.json"), true},
       {"whitespace_split_then_metaspace_strip_both",
        with_json_value(with_json_value(unigram, "normalizer", seq(R"({"type":"NFKC"},{"type":"Strip","strip_left":true,"strip_right":true})")),
                        "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[{"type":"WhitespaceSplit"},)" + meta("first", true) + "]}"),
@@ -841,17 +837,17 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
                                                        "pre_tokenizer", R"({"type":"BertPreTokenizer"})"),
        true},
       {"metaspace_then_digits", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[)" + meta("always", true) + R"(,{"type":"Digits","individual_digits":true}]})"), true},
-      {"gpt2", read(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json"), false},  // ByteLevel's regex
-      {"llama3_style", read(folder_of("llama3_style") / "tokenizer.json"), true},
-      {"qwen2_style", read(folder_of("qwen2_style") / "tokenizer.json"), true},
-      {"gpt4o_style", read(kData / "families" / "gpt4o_style" / "tokenizer.json"), true},
-      {"tekken_style", read(kData / "families" / "tekken_style" / "tokenizer.json"), true},
-      {"roberta_style", read(kData / "families" / "roberta_style" / "tokenizer.json"), false},
-      {"deepseek_v3_style", read(kData / "families" / "deepseek_v3_style" / "tokenizer.json"), false},
-      {"bloom_style", read(kData / "families" / "bloom_style" / "tokenizer.json"), false},
-      {"gptneox_style", read(kData / "families" / "gptneox_style" / "tokenizer.json"), false},  // tokens of spaces
+      {"gpt2", testing::read_file(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json"), false},  // ByteLevel's regex
+      {"llama3_style", testing::read_file(folder_of("llama3_style") / "tokenizer.json"), true},
+      {"qwen2_style", testing::read_file(folder_of("qwen2_style") / "tokenizer.json"), true},
+      {"gpt4o_style", testing::read_file(kData / "families" / "gpt4o_style" / "tokenizer.json"), true},
+      {"tekken_style", testing::read_file(kData / "families" / "tekken_style" / "tokenizer.json"), true},
+      {"roberta_style", testing::read_file(kData / "families" / "roberta_style" / "tokenizer.json"), false},
+      {"deepseek_v3_style", testing::read_file(kData / "families" / "deepseek_v3_style" / "tokenizer.json"), false},
+      {"bloom_style", testing::read_file(kData / "families" / "bloom_style" / "tokenizer.json"), false},
+      {"gptneox_style", testing::read_file(kData / "families" / "gptneox_style" / "tokenizer.json"), false},  // tokens of spaces
       {"qwen2_rstrip_token", [&] {
-         std::string j = read(folder_of("qwen2_style") / "tokenizer.json");
+         std::string j = testing::read_file(folder_of("qwen2_style") / "tokenizer.json");
          j.replace(j.find("false", j.find("\"rstrip\"")), 5, "true");  // of the normalized token "ñ"
          return j;
        }(), false},
@@ -1284,13 +1280,9 @@ TEST(HfTokenizerTest, LongWordCacheKeepsIdsThroughFillingAndEmptying) {
 // gives the same ids on every short string of spaces, the pattern byte, U+2581 and other
 // characters, including replacements by nothing at the start (Metaspace's "first" scheme).
 TEST(HfTokenizerTest, ReplaceByHandEqualsTheRegexPath) {
-  const auto read = [](const fs::path& f) {
-    std::ifstream in(f, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  const std::string unigram = with_json_value(read(kData / "families" / "unigram_style" / "tokenizer.json"), "pre_tokenizer",
+  const std::string unigram = with_json_value(testing::read_file(kData / "families" / "unigram_style" / "tokenizer.json"), "pre_tokenizer",
                                               R"({"type":"Metaspace","replacement":"\u2581","prepend_scheme":"first","split":true})");
-  const std::string gemma = read(kData / "families" / "gemma_style" / "tokenizer.json");
+  const std::string gemma = testing::read_file(kData / "families" / "gemma_style" / "tokenizer.json");
   const auto replace = [](const std::string& kind, const std::string& pattern, const std::string& content) {
     return R"({"type":"Replace","pattern":{")" + kind + R"(":")" + pattern + R"("},"content":")" + content + R"("})";
   };
