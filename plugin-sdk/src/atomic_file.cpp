@@ -21,6 +21,31 @@ std::filesystem::path temp_name_for(const std::filesystem::path& path) {
          fmt::format(".{}.tmp-{}-{}-{:x}", path.filename().string(), ::getpid(), counter++, rng() & 0xffffff);
 }
 
+// Writes all `n` bytes at the file position; 0 or the errno of the failed write.
+int write_fully(int fd, const std::byte* p, std::size_t n) {
+  std::size_t done = 0;
+  while (done < n) {
+    const ssize_t k = ::write(fd, p + done, n - done);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return 0;
+}
+
+// Note [Early write-back]: the bytes just written at `offset` are handed to the disk now, without
+// waiting for them. Otherwise the kernel keeps them dirty until commit's fsync, which then waits
+// for all of them at once (about 50 ms per 180 MB .pbin on the development machine, the length of
+// the whole write); started early, the disk writes while the caller computes the next bytes. A
+// hint only: an error here shows again at fsync.
+void start_write_back([[maybe_unused]] int fd, [[maybe_unused]] std::uint64_t offset, [[maybe_unused]] std::size_t n) {
+#ifdef __linux__
+  ::sync_file_range(fd, static_cast<off_t>(offset), static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+#endif
+}
+
 }  // namespace
 
 AtomicFile::AtomicFile(std::filesystem::path path, std::size_t buffer_bytes) : path_(std::move(path)) {
@@ -47,37 +72,25 @@ void AtomicFile::fail(std::string_view what, int err) {
 }
 
 void AtomicFile::flush_buffer() {
-  std::size_t done = 0;
-  while (done < buffered_) {
-    const ssize_t n = ::write(fd_, buffer_.data() + done, buffered_ - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail("write failed", errno);
-    }
-    done += static_cast<std::size_t>(n);
-  }
+  if (buffered_ == 0) return;
+  if (const int err = write_fully(fd_, buffer_.data(), buffered_)) fail("write failed", err);
+  start_write_back(fd_, size_ - buffered_, buffered_);
   buffered_ = 0;
 }
 
 void AtomicFile::write(std::span<const std::byte> bytes) {
   if (committed_) throw Error(fmt::format("cannot write '{}': already committed", path_.string()));
-  size_ += bytes.size();
   if (bytes.size() >= buffer_.size()) {  // large blocks bypass the buffer
     flush_buffer();
-    std::size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        fail("write failed", errno);
-      }
-      done += static_cast<std::size_t>(n);
-    }
+    if (const int err = write_fully(fd_, bytes.data(), bytes.size())) fail("write failed", err);
+    start_write_back(fd_, size_, bytes.size());
+    size_ += bytes.size();
     return;
   }
   if (buffered_ + bytes.size() > buffer_.size()) flush_buffer();
   std::memcpy(buffer_.data() + buffered_, bytes.data(), bytes.size());
   buffered_ += bytes.size();
+  size_ += bytes.size();
 }
 
 void AtomicFile::write_at(std::uint64_t offset, std::span<const std::byte> bytes) {

@@ -400,6 +400,24 @@ TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
   EXPECT_THAT(r.err, HasSubstr("in.jsonl:2: token id 256 does not fit in 1 byte(s) per token (vocab_size 256)"));
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "in.pbin"));
 
+  // Skipped instead: the documents before and after it are packed whole, and nothing of it.
+  const std::string three = "{\"text\": \"fine\"}\n{\"text\": \"a <|big|> token\"}\n{\"text\": \"ok\"}\n";
+  const auto src3 = dir.write("in3.jsonl", three);
+  dir.write("in3.idx", formats::pickle_index(split_lines(three)));
+  const std::string skip_cfg = fmt::format(
+      "[settings]\nsrc_path = {}\ndst_path = {}\njq_pattern = \".text\"\neod_token = \"!\"\n"
+      "skip_invalid_documents = true\n\n"
+      "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\n"
+      "config = {{ pretrained_model_name_or_path = {} }}\n",
+      q(src3), q(dir.path() / "in3.pbin"), q(dir.path() / "tok"));
+  const auto k = modalities({"data", "pack_encoded_data", dir.write("pack_skip.toml", skip_cfg).string()});
+  ASSERT_EQ(k.exit_code, 0) << k;
+  EXPECT_THAT(k.err, HasSubstr("in3.jsonl:2: skipped: token id 256 does not fit in 1 byte(s) per token")) << k;
+  const std::string pbin = read_file(dir.path() / "in3.pbin");
+  ASSERT_GE(pbin.size(), 12u + 8u);
+  EXPECT_EQ(pbin.substr(0, 8), std::string({8, 0, 0, 0, 0, 0, 0, 0}));  // "fine!" and "ok!"
+  EXPECT_EQ(pbin.substr(12, 8), "fine!ok!");
+
   // The same id as the EOD token: the message names the config file, its key and the tokenizer.
   std::string eod_cfg = cfg;
   eod_cfg.replace(eod_cfg.find("eod_token = \"!\""), 15, "eod_token = \"<|big|>\"");
