@@ -220,6 +220,36 @@ INSTANTIATE_TEST_SUITE_P(
                       BadCase{"EmptyLine", "", "invalid JSON"}),
     [](const auto& info) { return info.param.name; });
 
+// An index whose entries lie inside the file but are not its lines is refused whatever
+// skip_invalid_documents says, naming its first wrong entry even when a later work item (checked
+// by another thread) has one too, and nothing is written.
+TEST(PackEncodedData, IndexEntriesThatAreNotLinesAreFatal) {
+  ScratchDir dir;
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += fmt::format("{{\"text\": \"document number {}\"}}\n", i);
+  const auto src = dir.write("in.jsonl", text);
+  const auto out_dir = dir.path() / "out";
+  for (const std::size_t first_bad : {std::size_t{33}, std::size_t{7}}) {
+    auto lines = split_lines(text);
+    lines[33].first += 1;  // starts inside line 33 (and still ends at its end)
+    lines[33].second -= 1;
+    lines[first_bad].second -= 1;  // ends inside its line
+    dir.write("in.idx", formats::pickle_index(lines));
+    PackConfig c;
+    c.src = src;
+    c.dst = out_dir / "in.pbin";
+    c.batch = 3;
+    c.skip_invalid = true;
+    const auto r = pack(dir, c);
+    EXPECT_EQ(r.exit_code, 1) << r;
+    EXPECT_THAT(r.err, HasSubstr(fmt::format("does not belong to '{}': entry {} ({}, {}) is not a line of the file",
+                                             src.string(), first_bad, lines[first_bad].first, lines[first_bad].second)))
+        << r;
+    EXPECT_FALSE(std::filesystem::exists(c.dst));
+    if (std::filesystem::exists(out_dir)) EXPECT_EQ(files_in(out_dir), 0u) << "temporary file left behind";
+  }
+}
+
 TEST(PackEncodedData, UnknownEodTokenMissingIndexAndForeignIndex) {
   ScratchDir dir;
   std::filesystem::copy_file(kFixtures / "derived" / "tiny" / "tiny.jsonl", dir.path() / "tiny.jsonl");
