@@ -79,6 +79,26 @@ TEST(CliTest, VersionShowsTheHostFingerprint) {
   EXPECT_THAT(r.out, AllOf(StartsWith("modalities "), HasSubstr("SDK ABI "), HasSubstr("torch "))) << r;
 }
 
+// An empty entry in the RPATH of the host, its libraries or a plugin (CMake pads the build RPATH of
+// installed targets with ':') makes the loader look for every library they need in the current
+// directory first: a file there named like one of them stops the host from starting, or is loaded
+// in its place. The names are those of the libraries the host and the bundled plugins need on
+// Debian 12 besides their own and LibTorch's; `plugins list` loads every bundled plugin.
+TEST(CliTest, RunsFromADirectoryHoldingLibrariesOfTheSameNames) {
+  ScratchDir dir;
+  for (const char* name :
+       {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "libabsl_hash.so.20220623",
+        "libabsl_raw_hash_set.so.20220623", "libabsl_strings.so.20220623", "libboost_program_options.so.1.74.0",
+        "libcrypto.so.3", "libpcre2-8.so.0", "libsentencepiece.so.0", "libsimdjson.so.14", "libtcmalloc_minimal.so.4",
+        "libtomlplusplus.so.3", "libutf8proc.so.2", "libyaml-cpp.so.0.7"})
+    dir.write(name, "not a library\n");
+  const CommandResult r = run_command(
+      {"/bin/sh", "-c",
+       "cd " + testing::shell_quote(dir.path().string()) + " && exec " + testing::shell_quote(kHost) + " plugins list"});
+  EXPECT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(line_starting_with(r.out, "layer_norm/rms_norm"), HasSubstr("libmodalities_layer_norm.so")) << r;
+}
+
 // --- plugins --------------------------------------------------------------------------------------
 
 TEST(CliPluginsTest, PluginsWithoutSubcommandExitsWithUsageError) {
