@@ -37,9 +37,9 @@ int write_fully(int fd, const std::byte* p, std::size_t n) {
 
 // Note [Early write-back]: the bytes just written at `offset` are handed to the disk now, without
 // waiting for them. Otherwise the kernel keeps them dirty until commit's fsync, which then waits
-// for all of them at once (about 50 ms per 180 MB .pbin on the development machine, the length of
-// the whole write); started early, the disk writes while the caller computes the next bytes. A
-// hint only: an error here shows again at fsync.
+// for all of them at once (50 ms for a 180 MB .pbin on the development machine, more than all its
+// write calls took together); started early, the disk writes while the caller computes the next
+// bytes, and the fsync waits 2 ms. A hint only: an error here shows again at fsync.
 void start_write_back([[maybe_unused]] int fd, [[maybe_unused]] std::uint64_t offset, [[maybe_unused]] std::size_t n) {
 #ifdef __linux__
   ::sync_file_range(fd, static_cast<off_t>(offset), static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);

@@ -184,7 +184,7 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
   // Every entry must be a whole line of the file, or the index belongs to another file: fatal, even
   // with skip_invalid_documents. Checked by the workers for their items, as they read the lines: a
   // pass over the whole index up front, by one thread before any other work, mapped every page of
-  // the file and was ~10% of a two-thread pack of 210 MB.
+  // the file (24 ms of a 0.8 s two-thread pack of 210 MB).
   auto index_mismatch = [&](std::size_t begin, std::size_t end) -> std::optional<std::string> {
     for (std::size_t k = begin; k < end; ++k)
       if (auto why = formats::raw_index_entry_mismatch(text, index[k]))
