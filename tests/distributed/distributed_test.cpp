@@ -338,7 +338,7 @@ TEST(CollectivesTest, RanksStartedWithOnlySlurmVariablesFindEachOther) {
       "SLURM_NTASKS=$WORLD_SIZE SLURM_LOCALID=$LOCAL_RANK SLURM_NTASKS_PER_NODE=$LOCAL_WORLD_SIZE "
       "SLURM_STEP_NODELIST=localhost SLURM_JOB_ID=1 MASTER_PORT=$MASTER_PORT {} dist check --device cpu "
       "--timeout-s 30 --size-mb 1 --iters 2",
-      kHost);
+      modalities::testing::shell_quote(kHost));
   const CommandResult r = launch({"--nproc-per-node", "2", "--exec", "--", "/bin/sh", "-c", script}, 120);
   ASSERT_EQ(r.exit_code, 0) << r;
   EXPECT_THAT(r.out, HasSubstr("[rank 0] dist check: 2 ranks (2 per node, from SLURM)")) << r;
@@ -434,7 +434,8 @@ TEST(DistributedRunTest, ARankWithAnotherConfigFileIsRefusedOnEveryRank) {
   const std::string script = fmt::format(
       "if [ \"$RANK\" = 1 ]; then c={}; else c={}; fi; exec {} run --config_file_path \"$c\" --experiments_root_path "
       "{} --experiment_id fp",
-      b.string(), a.string(), kHost, (dir.path() / "experiments").string());
+      modalities::testing::shell_quote(b.string()), modalities::testing::shell_quote(a.string()),
+      modalities::testing::shell_quote(kHost), modalities::testing::shell_quote((dir.path() / "experiments").string()));
   const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--exec", "--", "sh", "-c", script}, 120);
   EXPECT_NE(r.exit_code, 0) << r;
   for (int rank : {0, 1})
@@ -932,7 +933,8 @@ TEST(DistributedRunTest, Fsdp1HybridShardOverTwoLauncherNodesTrainsLikeOneProces
   const auto node = [&](int rank) {
     return fmt::format("timeout -k 5 240 {} launch --nnodes 2 --node-rank {} --nproc-per-node 2 --master-port {} "
                        "--grace-s 5 -- run --config_file_path {} --experiments_root_path {} --experiment_id hybrid",
-                       kHost, rank, port, hybrid_file.string(), root);
+                       modalities::testing::shell_quote(kHost), rank, port,
+                       modalities::testing::shell_quote(hybrid_file.string()), modalities::testing::shell_quote(root));
   };
   const CommandResult r = run_command(
       {"sh", "-c", fmt::format("{} & first=$!; {}; second=$?; wait $first; exit $(( $? | second ))", node(0), node(1))},
