@@ -1108,9 +1108,13 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
 // In the default suite: fp32 on 2 ranks.
 TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnTwoRanks) { expect_fsdp2_matches_pytorch({{2, false, 1e-5, 5e-4}}); }
 
-// Label `full`: fp32 on 1 and 4 ranks, bf16 on 2.
+// Label `full`: fp32 on 1 and 4 ranks, bf16 on 2. The bf16 gradient norms depend on the CPU that
+// computes them (LibTorch picks its bf16 kernels by instruction set): PyTorch's own bf16 run on an
+// AMD EPYC with AVX512-BF16 (2026-11-27) differs from the committed reference, made on another
+// machine, by up to 2.4e-3, and ours differs by 4.3e-4 from that same-CPU PyTorch run; hence 4e-3
+// (it was 1.5e-3, set on the reference's machine).
 TEST(DistributedRunFullTest, Fsdp2MatchesPyTorchFullyShardOnOneAndFourRanksAndInBf16) {
-  expect_fsdp2_matches_pytorch({{1, false, 1e-5, 5e-4}, {4, false, 1e-5, 5e-4}, {2, true, 8e-3, 1.5e-3}});
+  expect_fsdp2_matches_pytorch({{1, false, 1e-5, 5e-4}, {4, false, 1e-5, 5e-4}, {2, true, 8e-3, 4e-3}});
 }
 
 // --- sharded checkpoints ------------------------------------------------------------------
