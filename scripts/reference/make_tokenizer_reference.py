@@ -45,6 +45,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import sentencepiece as spm  # noqa: E402
+from sentencepiece import sentencepiece_model_pb2  # noqa: E402
 import tokenizers  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
@@ -225,6 +226,12 @@ def train_tiny_sp(texts, path):
         normalization_rule_name="identity", byte_fallback=True, character_coverage=0.98,
         user_defined_symbols=["<eod>"], control_symbols=["<ctl>"], num_threads=1, minloglevel=2)
     path.with_suffix(".vocab").unlink()
+    # The trainer records its output path in the model; keep only the file's stem, so that no path of
+    # the machine that trained it is committed (it plays no part in encoding).
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(path.read_bytes())
+    model.trainer_spec.model_prefix = path.stem
+    path.write_bytes(model.SerializeToString())
 
 
 # --------------------------------------------------------------------------------------------
