@@ -246,7 +246,9 @@ TEST(PackEncodedData, IndexEntriesThatAreNotLinesAreFatal) {
                                              src.string(), first_bad, lines[first_bad].first, lines[first_bad].second)))
         << r;
     EXPECT_FALSE(std::filesystem::exists(c.dst));
-    if (std::filesystem::exists(out_dir)) EXPECT_EQ(files_in(out_dir), 0u) << "temporary file left behind";
+    if (std::filesystem::exists(out_dir)) {
+      EXPECT_EQ(files_in(out_dir), 0u) << "temporary file left behind";
+    }
   }
 }
 
