@@ -10,6 +10,7 @@
 // child calls only async-signal-safe functions.
 #include "cli.h"
 
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 
 #include <fmt/core.h>
@@ -83,22 +84,13 @@ void on_signal(int sig) {
   [[maybe_unused]] const ssize_t n = write(g_signal_pipe[1], &byte, 1);
 }
 
+// A port for rank 0's store (Note [Rendezvous port] in the SDK's distributed.cpp).
 int free_port(const std::string& addr) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error(fmt::format("launch: cannot open a socket to find a free port: {}", std::strerror(errno)));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = 0;
-  if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(sa);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-    const std::string why = std::strerror(errno);
-    close(fd);
-    throw Error(fmt::format("launch: cannot find a free port on {}: {} (give --master-port)", addr, why));
+  try {
+    return dist::free_rendezvous_port(addr);
+  } catch (const Error& e) {
+    throw Error(fmt::format("launch: {} (give --master-port)", e.what()));
   }
-  close(fd);
-  return ntohs(sa.sin_port);
 }
 
 std::string self_exe() {

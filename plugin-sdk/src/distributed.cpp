@@ -18,7 +18,16 @@
 
 #include <fmt/core.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
 #include <charconv>
 #include <cstdlib>
 #include <mutex>
@@ -410,6 +419,41 @@ std::vector<std::string> gather_strings_to_rank0(const std::string& key, const s
 void barrier() {
   if (!initialized()) return;
   world()->barrier()->wait();
+}
+
+
+// Note [Rendezvous port]: a port the kernel picks for bind(0) comes from its ephemeral range
+// (net.ipv4.ip_local_port_range, 32768-60999 by default), from which it also takes the local port
+// of every outgoing connection. Between choosing the port and rank 0's bind, such a connection (Gloo
+// opens many; two multi-rank tests ran at once) took it once in CI: EADDRINUSE. Ports below the
+// range are never handed out that way, so random ones there are tried first.
+int free_rendezvous_port(const std::string& addr) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  // Binds `port` (0: any) on `addr`; the port bound, or 0.
+  auto try_bind = [&](int port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw Error(fmt::format("cannot open a socket to find a free port: {}", std::strerror(errno)));
+    sockaddr_in at = sa;
+    at.sin_port = htons(static_cast<std::uint16_t>(port));
+    socklen_t len = sizeof(at);
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof(at)) == 0 &&
+                    ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) == 0;
+    ::close(fd);
+    return ok ? static_cast<int>(ntohs(at.sin_port)) : 0;
+  };
+  int low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> low;
+  constexpr int kFirst = 10000;  // above the ports services usually take
+  if (low - kFirst >= 1000) {
+    std::mt19937 rng{std::random_device{}()};
+    std::uniform_int_distribution<int> pick(kFirst, low - 1);
+    for (int attempt = 0; attempt < 64; ++attempt)
+      if (const int port = try_bind(pick(rng))) return port;
+  }
+  if (const int port = try_bind(0)) return port;
+  throw Error(fmt::format("cannot find a free port on {}: {}", addr, std::strerror(errno)));
 }
 
 }  // namespace modalities::dist

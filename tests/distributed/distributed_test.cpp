@@ -353,17 +353,7 @@ TEST(CollectivesTest, OneProcessIsToldToUseALauncher) {
   EXPECT_THAT(r.err, HasSubstr("needs several processes")) << r;
 }
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(sa);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
-  close(fd);
-  return ntohs(sa.sin_port);
-}
+int free_port() { return dist::free_rendezvous_port("127.0.0.1"); }
 
 TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
   // WORLD_SIZE 2 but only rank 0 starts: its store waits for a worker that never comes.

@@ -65,6 +65,12 @@ MODALITIES_SDK_API LaunchEnv launch_env();
 /// The first host of a SLURM node list ("node[003-004,7],login" -> "node003").
 MODALITIES_SDK_API std::string first_slurm_host(std::string_view nodelist);
 
+/// A TCP port on `addr` (an IPv4 address; anything else: every address) that is free now, for rank
+/// 0's store: random ports below the kernel's ephemeral range first, since a port from that range
+/// (what bind to port 0 gives) can be taken by the local end of any outgoing connection before rank
+/// 0 binds it. Throws modalities::Error when no port can be bound. Since: SDK 0.1 (ABI 5).
+MODALITIES_SDK_API int free_rendezvous_port(const std::string& addr);
+
 struct RuntimeOptions {
   /// "gloo", "nccl", or "auto" (nccl when the build has NCCL and a CUDA device is available, else gloo).
   std::string backend = "auto";
