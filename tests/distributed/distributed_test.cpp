@@ -355,6 +355,26 @@ TEST(CollectivesTest, OneProcessIsToldToUseALauncher) {
 
 int free_port() { return dist::free_rendezvous_port("127.0.0.1"); }
 
+// Note [Rendezvous port]: the ports come from below the kernel's ephemeral range (bind(0) would
+// give ones inside it), and are free.
+TEST(CollectivesTest, RendezvousPortsComeFromBelowTheEphemeralRange) {
+  int low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> low;
+  if (low < 11000) GTEST_SKIP() << "the ephemeral range starts at " << low << ", too low to stay below";
+  for (int k = 0; k < 20; ++k) {
+    const int port = free_port();
+    EXPECT_GE(port, 10000);
+    EXPECT_LT(port, low);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons(static_cast<std::uint16_t>(port));
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0) << port;
+    close(fd);
+  }
+}
+
 TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
   // WORLD_SIZE 2 but only rank 0 starts: its store waits for a worker that never comes.
   const auto start = std::chrono::steady_clock::now();
