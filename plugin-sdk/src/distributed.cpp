@@ -431,6 +431,7 @@ int free_rendezvous_port(const std::string& addr) {
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  int last_error = 0;  // errno of the last failed bind
   // Binds `port` (0: any) on `addr`; the port bound, or 0.
   auto try_bind = [&](int port) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -440,6 +441,7 @@ int free_rendezvous_port(const std::string& addr) {
     socklen_t len = sizeof(at);
     const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof(at)) == 0 &&
                     ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) == 0;
+    if (!ok) last_error = errno;
     ::close(fd);
     return ok ? static_cast<int>(ntohs(at.sin_port)) : 0;
   };
@@ -453,7 +455,7 @@ int free_rendezvous_port(const std::string& addr) {
       if (const int port = try_bind(pick(rng))) return port;
   }
   if (const int port = try_bind(0)) return port;
-  throw Error(fmt::format("cannot find a free port on {}: {}", addr, std::strerror(errno)));
+  throw Error(fmt::format("cannot find a free port on {}: {}", addr, std::strerror(last_error)));
 }
 
 }  // namespace modalities::dist

@@ -381,6 +381,17 @@ std::string byte_level_tokenizer_json(int extra) {
                      vocab);
 }
 
+// A pack_encoded_data config for the byte-level tokenizer folder `tok`, EOD "!", and `extra`
+// settings lines.
+std::string byte_level_pack_toml(const std::filesystem::path& src, const std::filesystem::path& dst,
+                                 const std::filesystem::path& tok, const std::string& extra = {}) {
+  return fmt::format(
+      "[settings]\nsrc_path = {}\ndst_path = {}\njq_pattern = \".text\"\neod_token = \"!\"\n{}\n"
+      "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\n"
+      "config = {{ pretrained_model_name_or_path = {} }}\n",
+      q(src), q(dst), extra, q(tok));
+}
+
 // Tokens are written as 1, 2 or 4 little-endian bytes, as the vocabulary size calls for: the ids of
 // "fine <|big|>" and the EOD token, with the added token's id past 255 and 65535 in the wider files.
 TEST(PackEncodedData, EveryTokenWidthIsWrittenLittleEndian) {
@@ -394,11 +405,7 @@ TEST(PackEncodedData, EveryTokenWidthIsWrittenLittleEndian) {
     const auto src = dir.write(name + ".jsonl", line);
     dir.write(name + ".idx", formats::pickle_index(split_lines(line)));
     const auto dst = dir.path() / (name + ".pbin");
-    const std::string cfg = fmt::format(
-        "[settings]\nsrc_path = {}\ndst_path = {}\njq_pattern = \".text\"\neod_token = \"!\"\n\n"
-        "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\n"
-        "config = {{ pretrained_model_name_or_path = {} }}\n",
-        q(src), q(dst), q(dir.path() / name));
+    const std::string cfg = byte_level_pack_toml(src, dst, dir.path() / name);
     const auto r = modalities({"data", "pack_encoded_data", dir.write(name + ".toml", cfg).string()});
     ASSERT_EQ(r.exit_code, 0) << r;
     std::vector<std::uint32_t> ids = {'f', 'i', 'n', 'e'};
@@ -422,11 +429,7 @@ TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
   dir.write("tok/tokenizer.json", byte_level_tokenizer_json(0));
   const auto src = dir.write("in.jsonl", "{\"text\": \"fine\"}\n{\"text\": \"a <|big|> token\"}\n");
   dir.write("in.idx", formats::pickle_index(split_lines("{\"text\": \"fine\"}\n{\"text\": \"a <|big|> token\"}\n")));
-  const std::string cfg = fmt::format(
-      "[settings]\nsrc_path = {}\ndst_path = {}\njq_pattern = \".text\"\neod_token = \"!\"\n\n"
-      "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\n"
-      "config = {{ pretrained_model_name_or_path = {} }}\n",
-      q(src), q(dir.path() / "in.pbin"), q(dir.path() / "tok"));
+  const std::string cfg = byte_level_pack_toml(src, dir.path() / "in.pbin", dir.path() / "tok");
   const auto r = modalities({"data", "pack_encoded_data", dir.write("pack.toml", cfg).string()});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("in.jsonl:2: token id 256 does not fit in 1 byte(s) per token (vocab_size 256)"));
@@ -436,12 +439,8 @@ TEST(PackEncodedData, TokenIdWiderThanTokenSizeIsAnError) {
   const std::string three = "{\"text\": \"fine\"}\n{\"text\": \"a <|big|> token\"}\n{\"text\": \"ok\"}\n";
   const auto src3 = dir.write("in3.jsonl", three);
   dir.write("in3.idx", formats::pickle_index(split_lines(three)));
-  const std::string skip_cfg = fmt::format(
-      "[settings]\nsrc_path = {}\ndst_path = {}\njq_pattern = \".text\"\neod_token = \"!\"\n"
-      "skip_invalid_documents = true\n\n"
-      "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\n"
-      "config = {{ pretrained_model_name_or_path = {} }}\n",
-      q(src3), q(dir.path() / "in3.pbin"), q(dir.path() / "tok"));
+  const std::string skip_cfg =
+      byte_level_pack_toml(src3, dir.path() / "in3.pbin", dir.path() / "tok", "skip_invalid_documents = true\n");
   const auto k = modalities({"data", "pack_encoded_data", dir.write("pack_skip.toml", skip_cfg).string()});
   ASSERT_EQ(k.exit_code, 0) << k;
   EXPECT_THAT(k.err, HasSubstr("in3.jsonl:2: skipped: token id 256 does not fit in 1 byte(s) per token")) << k;

@@ -355,16 +355,20 @@ TEST(CollectivesTest, OneProcessIsToldToUseALauncher) {
 
 int free_port() { return dist::free_rendezvous_port("127.0.0.1"); }
 
-// Note [Rendezvous port]: the ports come from below the kernel's ephemeral range (bind(0) would
-// give ones inside it), and are free.
+// Note [Rendezvous port]: the ports come from 10000 up to the start of the kernel's ephemeral range
+// (bind(0) would give ones inside it) and are free. Where the range starts below 11000 there is no
+// room below it, and the ports (from bind(0) then) need only be free.
 TEST(CollectivesTest, RendezvousPortsComeFromBelowTheEphemeralRange) {
   int low = 32768;
   if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> low;
-  if (low < 11000) GTEST_SKIP() << "the ephemeral range starts at " << low << ", too low to stay below";
+  const bool room_below = low >= 11000;
   for (int k = 0; k < 20; ++k) {
     const int port = free_port();
-    EXPECT_GE(port, 10000);
-    EXPECT_LT(port, low);
+    EXPECT_GT(port, 0);
+    if (room_below) {
+      EXPECT_GE(port, 10000);
+      EXPECT_LT(port, low);
+    }
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
