@@ -8,6 +8,11 @@
 #
 #   collectives  `modalities dist check` with NCCL on every GPU of the machine (needs >= 2 GPUs;
 #                NCCL refuses two ranks on one GPU)
+#   ranks        several ranks on the one GPU through the staged test backend (MODALITIES_BACKEND=staged;
+#                NCCL refuses two ranks on one GPU): `dist check` at 2 and 4 ranks, then
+#                scripts/gpu_ranks.py: FSDP2 (2, 4), HSDP 2x2, FSDP1, TP2+SP, TP2 loss parallel, FSDP2xTP2,
+#                PP2 (GPipe, 1F1B, interleaved), PP4 1F1B, PP2xFSDP2 in fp32 and FSDP2 in bf16 at 2 and 4 ranks, 20 steps each, against
+#                one rank on the same global batch (fp32 within 1e-5 relative, bf16 within 2% / 3%)
 #   quickstart   configs/quickstart/train.toml on cuda:0 (80 steps, fp32, checkpoints every 20),
 #                warm start from the step-60 checkpoint (steps 61-80 must be bit for bit the same),
 #                generate_text from the last checkpoint on the GPU
@@ -31,7 +36,7 @@
 # .deps/bench venv of scripts/setup_bench_env.sh), --out DIR (default out/bench/gpu).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-only="collectives,quickstart,parity,gpt2,ac,configs"
+only="collectives,ranks,quickstart,parity,gpt2,ac,configs"
 modalities="${root}/build-cuda/bin/modalities"
 python=""
 out="${root}/out/bench/gpu"
@@ -41,7 +46,7 @@ while [[ $# -gt 0 ]]; do
     --modalities) modalities="$2"; shift 2 ;;
     --python) python="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench_gpu.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -69,6 +74,19 @@ if want collectives; then
   else
     echo "skipped: one GPU (NCCL needs one GPU per rank)"
   fi
+fi
+
+if want ranks; then
+  step "ranks: several ranks on cuda:0 through the staged test backend"
+  for n in 2 4; do
+    MODALITIES_BACKEND=staged timeout -k 5 120 "${modalities}" launch --nproc-per-node "${n}" -- dist check \
+      --device cuda:0 --timeout-s 60 \
+      --size-mb 16 --iters 3 2>&1 | tee "${out}/dist_check_staged_${n}.log" | grep -v '^\[rank [1-9]' \
+      || failed+=("ranks/dist-check-${n}")
+    grep -q "all exact on every rank" "${out}/dist_check_staged_${n}.log" || failed+=("ranks/dist-check-${n}")
+  done
+  python3 "${root}/scripts/gpu_ranks.py" --modalities "${modalities}" --device cuda:0 --timeout-s 120 --out "${out}/ranks" \
+    || failed+=(ranks)
 fi
 
 if want quickstart; then

@@ -140,7 +140,8 @@ int check(const CheckOptions& o) {
   set_run_device(parse_run_device(o.device, "--device"));
   if (o.backend == "gloo" && run_device().is_cuda()) {
     print_error(fmt::format("dist check: --backend gloo moves CPU tensors only, but the device is {}: use "
-                            "--device cpu with gloo, or --backend nccl (or auto) on GPUs",
+                            "--device cpu with gloo, --backend nccl (or auto) on GPUs, or --backend staged for "
+                            "several ranks on one GPU (a test backend)",
                             run_device().str()));
     return kUsage;
   }
@@ -221,7 +222,8 @@ int run_dist(const std::vector<std::string>& args) {
   po::options_description desc("Options");
   desc.add_options()
       ("help,h", "this help")
-      ("backend", po::value<std::string>(&o.backend)->default_value("auto"), "auto, gloo or nccl")
+      ("backend", po::value<std::string>(&o.backend)->default_value("auto"), "auto (MODALITIES_BACKEND if set, else nccl with GPUs, gloo without), gloo, nccl, or staged (test "
+       "backend: Gloo with CUDA tensors staged through host memory, several ranks on one GPU)")
       ("device", po::value<std::string>(&o.device)->default_value("auto"),
        "auto (cuda:LOCAL_RANK if CUDA is available), cpu, cuda")
       ("timeout-s", po::value<double>(&o.timeout_s)->default_value(60), "rendezvous and collective timeout")

@@ -521,8 +521,9 @@ int run_training(const std::vector<std::string>& args, bool warmstart) {
                 : "usage: modalities run --config_file_path F --experiments_root_path R [options]\n\n"
                   "Trains the model described by the config on CPU or one GPU (settings.device or\n"
                   "MODALITIES_DEVICE); under a launcher (modalities launch, torchrun, srun) on every\n"
-                  "rank. Writes <R>/<experiment_id>/ with the config, its resolved form, results and\n"
-                  "checkpoints. Ctrl-C finishes the current step and stops.";
+                  "rank (process groups: NCCL on GPUs, Gloo on CPUs; MODALITIES_BACKEND=staged runs\n"
+                  "several ranks on one GPU, for tests). Writes <R>/<experiment_id>/ with the config, its\n"
+                  "resolved form, results and checkpoints. Ctrl-C finishes the current step and stops.";
   if (!parse(args, desc, {}, vm, usage, status)) return status;
   if (a.experiment_id.empty()) a.experiment_id = default_experiment_id(a.config_file_path);
   return train(a, popts, warmstart);

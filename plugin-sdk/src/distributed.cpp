@@ -7,6 +7,8 @@
 #include <modalities/sdk/error.h>
 #include <ATen/Context.h>
 
+#include "staged_backend.h"
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -117,6 +119,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend, const
       options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
   }
+  if (backend == "staged") return detail::make_staged_backend(make_backend("gloo", store, rank, size, timeout), rank, size);
 #if MODALITIES_SDK_WITH_CUDA
   if (backend == "nccl") {
     auto options = c10d::ProcessGroupNCCL::Options::create();
@@ -124,8 +127,8 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend, const
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
   }
 #endif
-  throw Error(fmt::format("process group backend \"{}\" is not available in this build (expected gloo{})", backend,
-                          MODALITIES_SDK_WITH_CUDA ? " or nccl" : "; nccl needs the CUDA build"));
+  throw Error(fmt::format("process group backend \"{}\" is not available in this build (expected gloo, staged{})",
+                          backend, MODALITIES_SDK_WITH_CUDA ? " or nccl" : "; nccl needs the CUDA build"));
 }
 
 // MODALITIES_DEBUG_COLLECTIVES=1 (or PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL): every group's
@@ -149,14 +152,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
                                timeout);
     impl = c10::make_intrusive<c10d::ProcessGroupWrapper>(impl, helper);
   }
-  const auto type = backend == "nccl" ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
+  using BackendType = c10d::ProcessGroup::BackendType;
+  const auto type = backend == "nccl" ? BackendType::NCCL : backend == "staged" ? BackendType::CUSTOM : BackendType::GLOO;
   group->setDefaultBackend(type);
   // Gloo serves CPU tensors, NCCL CUDA tensors: an NCCL group gets a Gloo backend for the CPU
   // tensors of a GPU run (small control values), as torch.distributed's "cpu:gloo,cuda:nccl".
   // Gloo is not registered for CUDA tensors: with the wheel's Gloo most collectives on them abort
   // the process (seen on an H200: a socket write of a device pointer), so a CUDA tensor on a Gloo
   // group is c10d's "no backend for cuda" error instead.
-  if (backend == "nccl") {
+  // The staged test backend serves both (one queue, so CPU and CUDA collectives keep their order).
+  if (backend == "staged") {
+    group->setBackend(c10::DeviceType::CPU, type, impl);
+    group->setBackend(c10::DeviceType::CUDA, type, impl);
+  } else if (backend == "nccl") {
     group->setBackend(c10::DeviceType::CUDA, type, impl);
     group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
                       make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>("cpu/", store), rank, size, timeout));
@@ -167,10 +175,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
   return group;
 }
 
-std::string choose_backend(const std::string& requested) {
-  if (requested == "gloo" || requested == "nccl") return requested;
+std::string choose_backend(std::string requested) {
+  const char* env = std::getenv("MODALITIES_BACKEND");
+  const bool from_env = requested == "auto" && env != nullptr && *env != '\0';
+  if (from_env) requested = env;
+  if (requested == "gloo" || requested == "nccl" || requested == "staged") return requested;
   if (requested != "auto")
-    throw Error(fmt::format("process group backend \"{}\": expected \"auto\", \"gloo\" or \"nccl\"", requested));
+    throw Error(fmt::format("{}process group backend \"{}\": expected \"auto\", \"gloo\", \"nccl\" or \"staged\"",
+                            from_env ? "environment variable MODALITIES_BACKEND: " : "", requested));
   // Like torch.distributed's default: NCCL where there are GPUs. Independent of the config's
   // run device, so the runtime can start before the config is read.
   return MODALITIES_SDK_WITH_CUDA && at::hasCUDA() ? "nccl" : "gloo";

@@ -329,6 +329,30 @@ void expect_dist_check_passes(int ranks) {
 TEST(CollectivesTest, TwoGlooProcessesGetExactResults) { expect_dist_check_passes(2); }
 TEST(CollectivesTest, ThreeGlooProcessesGetExactResults) { expect_dist_check_passes(3); }
 
+// The staged test backend (several ranks on one GPU; Note [Staged collectives]) on CPU tensors: the
+// same queue, issuing and completing threads as for CUDA tensors, with host copies for the staging.
+// Every collective of `dist check` gives exact values at 2 and 3 ranks (3: an odd ring of send/recv).
+TEST(CollectivesTest, TheStagedTestBackendGetsExactResults) {
+  for (const int ranks : {2, 3}) {
+    const CommandResult r = launch({"--nproc-per-node", std::to_string(ranks), "--", "dist", "check", "--backend",
+                                    "staged", "--device", "cpu", "--timeout-s", "30", "--size-mb", "1", "--iters", "2"},
+                                   120);
+    ASSERT_EQ(r.exit_code, 0) << r;
+    EXPECT_THAT(r.out, HasSubstr(fmt::format("dist check: {} ranks", ranks))) << r;
+    EXPECT_THAT(r.out, HasSubstr("backend staged")) << r;
+    EXPECT_THAT(r.out, HasSubstr("all exact on every rank")) << r;
+  }
+}
+
+TEST(CollectivesTest, AnUnknownBackendInTheEnvironmentIsNamed) {
+  const CommandResult r = run_command({"timeout", "-k", "5", "60", kHost, "launch", "--nproc-per-node", "2", "--",
+                                       "dist", "check", "--device", "cpu", "--timeout-s", "20"},
+                                      {{"MODALITIES_BACKEND", "mpi"}});
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_THAT(r.err, HasSubstr("environment variable MODALITIES_BACKEND: process group backend \"mpi\": expected "
+                               "\"auto\", \"gloo\", \"nccl\" or \"staged\"")) << r;
+}
+
 // srun's contract alone: each rank gets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID /
 // SLURM_NTASKS_PER_NODE / SLURM_STEP_NODELIST (rank 0's host) and MASTER_PORT, and no RANK,
 // WORLD_SIZE, LOCAL_RANK or MASTER_ADDR (the launcher's are removed before the host starts).
@@ -477,12 +501,14 @@ double number_after(const std::string& line, const std::string& key) {
 // `run` of `config_file` as experiment `id` under `root`: one process, or `ranks` ranks under the
 // launcher; no progress bar, one thread per rank, under coreutils timeout.
 CommandResult train(int ranks, const std::filesystem::path& config_file, const std::filesystem::path& root,
-                    const std::string& id, int limit_s = 300) {
+                    const std::string& id, int limit_s = 300, const std::string& backend = "") {
   std::vector<std::string> argv = {"timeout", "-k", "5", std::to_string(limit_s), kHost};
   if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
   argv.insert(argv.end(), {"run", "--config_file_path", config_file.string(), "--experiments_root_path",
                            root.string(), "--experiment_id", id});
-  return run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
+  std::vector<std::pair<std::string, std::string>> env = {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}};
+  if (!backend.empty()) env.emplace_back("MODALITIES_BACKEND", backend);
+  return run_command(argv, env);
 }
 
 // configs/distributed/<file> for a short run, logged every step, with absolute data paths. The
@@ -694,6 +720,28 @@ TEST(DistributedRunTest, EveryParallelismOnTwoRanksTrainsLikeOneProcess) {
                                          {"tp2_loss_parallel", 2, untied(tp_config(kSteps, false, true))},
                                          {"pp2_1f1b", 2, pp_config(kSteps, "1F1B")}},
                                         untied);
+}
+
+// The staged test backend runs the same Gloo collectives on staged copies of the tensors, so FSDP2,
+// TP2 with sequence parallelism and PP2 with 1F1B (point-to-point work in flight while the completer
+// waits for an earlier receive) train bit for bit as with Gloo itself. A backend that dropped,
+// reordered or mixed up a staged buffer would change the curves or hang (caught by the timeout).
+TEST(DistributedRunTest, TheStagedTestBackendTrainsBitForBitLikeGloo) {
+  constexpr int kSteps = 5;  // above the shortened warm-up of 4
+  const modalities::testing::ScratchDir dir;
+  const auto root = dir.path() / "experiments";
+  for (const auto& [id, config] : {std::pair<std::string, std::string>{"fsdp2_2", untied(fsdp2_config(kSteps))},
+                                   {"tp2_sp", untied(tp_config(kSteps))},
+                                   {"pp2_1f1b", pp_config(kSteps, "1F1B")}}) {
+    const auto file = dir.write(id + ".toml", config);
+    for (const std::string backend : {"gloo", "staged"}) {
+      const CommandResult r = train(2, file, root, id + "_" + backend, 300, backend);
+      ASSERT_EQ(r.exit_code, 0) << r;
+    }
+    const auto gloo = curve_of(root, id + "_gloo");
+    ASSERT_EQ(gloo.size(), static_cast<std::size_t>(kSteps)) << id;
+    EXPECT_EQ(curve_of(root, id + "_staged"), gloo) << id;
+  }
 }
 
 // The acceptance (label `full`): PP2 with GPipe, 1F1B, interleaved 1F1B with 2 stages per

@@ -15,6 +15,7 @@
 #include <modalities/sdk/interfaces/stages_generator.h>
 #include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/plugin.h>
+#include <modalities/sdk/run_context.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -266,7 +267,8 @@ class Executor {
     std::vector<i64> sizes;
     for (i64 d = 0; d < header[0].item<i64>(); ++d) sizes.push_back(header[d + 1].item<i64>());
     const auto dtype = static_cast<c10::ScalarType>(header[kHeader - 1].item<i64>());
-    std::vector<at::Tensor> p = {at::empty(sizes, at::TensorOptions().dtype(dtype))};
+    // The payload lands on the run device (the stages' device; the header is a CPU tensor).
+    std::vector<at::Tensor> p = {at::empty(sizes, at::TensorOptions().dtype(dtype).device(run_device()))};
     to.group()->recv(p, src, tag(from, micro_batch, gradient, true))->wait();
     return p.front();
   }

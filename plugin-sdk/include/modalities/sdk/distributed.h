@@ -72,7 +72,11 @@ MODALITIES_SDK_API std::string first_slurm_host(std::string_view nodelist);
 MODALITIES_SDK_API int free_rendezvous_port(const std::string& addr);
 
 struct RuntimeOptions {
-  /// "gloo", "nccl", or "auto" (nccl when the build has NCCL and a CUDA device is available, else gloo).
+  /// "gloo", "nccl", "staged", or "auto": the environment variable MODALITIES_BACKEND when it is set,
+  /// else nccl when the build has NCCL and a CUDA device is available, else gloo. "staged" is a test
+  /// backend: Gloo for every tensor, CUDA tensors staged through pinned host memory on a side
+  /// stream with NCCL's work semantics, so that several ranks can share one GPU (NCCL refuses
+  /// that). Slow; for checking the parallel engines' CUDA paths on a one-GPU machine.
   std::string backend = "auto";
   /// Rendezvous and collective timeout. A collective that does not complete in time fails
   /// with an error on the ranks that wait (Gloo) instead of hanging.
@@ -104,7 +108,7 @@ MODALITIES_SDK_API int local_rank();
 /// True on the one process that prints progress and results.
 MODALITIES_SDK_API bool is_rank0();
 
-/// The backend init() chose ("gloo", "nccl"); "" before init or for one process.
+/// The backend init() chose ("gloo", "nccl", "staged"); "" before init or for one process.
 MODALITIES_SDK_API const std::string& backend_name();
 MODALITIES_SDK_API std::chrono::milliseconds timeout();
 
