@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <tuple>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -190,17 +191,30 @@ SafetensorsHeader parse_header(int fd, const std::filesystem::path& path) {
     header.tensors.emplace(key, std::move(entry));
   }
 
-  // Ranges must not overlap (the format lays tensors end to end).
-  std::vector<std::pair<std::uint64_t, const std::string*>> by_begin;
-  for (const auto& [name, e] : header.tensors)
-    if (e.end > e.begin) by_begin.emplace_back(e.begin, &name);
+  // The format lays the tensors end to end from the first data byte to the last, as Python's
+  // safetensors checks ("not fully covered"): no overlap, no gap, nothing left over. A header length
+  // one too small (pointing into the header's padding) parses and would shift every tensor by a
+  // byte; it leaves the data one byte longer than the tensors cover, and is refused here.
+  std::vector<std::tuple<std::uint64_t, std::uint64_t, const std::string*>> by_begin;
+  for (const auto& [name, e] : header.tensors) by_begin.emplace_back(e.begin, e.end, &name);
   std::sort(by_begin.begin(), by_begin.end());
-  for (std::size_t i = 1; i < by_begin.size(); ++i) {
-    const auto& prev = header.tensors.at(*by_begin[i - 1].second);
-    if (by_begin[i].first < prev.end)
-      throw Error(fmt::format("the safetensors file '{}' is corrupt: tensors '{}' and '{}' overlap", file,
-                              *by_begin[i - 1].second, *by_begin[i].second));
+  std::uint64_t covered = 0;
+  const std::string* previous = nullptr;
+  for (const auto& [begin, end, name] : by_begin) {
+    if (begin < covered)
+      throw Error(fmt::format("the safetensors file '{}' is corrupt: tensors '{}' and '{}' overlap", file, *previous,
+                              *name));
+    if (begin > covered)
+      throw Error(fmt::format("the safetensors file '{}' is corrupt: data bytes [{}, {}) before tensor '{}' belong to "
+                              "no tensor (the format lays tensors end to end)",
+                              file, covered, begin, *name));
+    covered = end;
+    previous = name;
   }
+  if (covered != header.data_size)
+    throw Error(fmt::format("the safetensors file '{}' is corrupt: the tensors cover {} of its {} data bytes (not "
+                            "fully covered: a wrong header length or trailing bytes)",
+                            file, covered, header.data_size));
   return header;
 }
 

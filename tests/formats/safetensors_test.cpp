@@ -146,6 +146,20 @@ TEST(SafetensorsTest, RejectsTruncatedAndCorruptFiles) {
                   "xxx"),
         "overlap");
   check("bad_meta.safetensors", make_file(R"({"__metadata__":{"a":1}})", ""), "not a string");
+  check("gap.safetensors",
+        make_file(R"({"v":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})",
+                  "xxxx"),
+        "data bytes [1, 2) before tensor 'w' belong to no tensor");
+  check("starts_late.safetensors", make_file(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", "xxx"),
+        "data bytes [0, 1) before tensor 'w'");
+  check("trailing.safetensors", make_file(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "xxx"),
+        "the tensors cover 2 of its 3 data bytes");
+  // The header length lowered by one, into the header's padding: the JSON still parses, and every
+  // tensor would be read one byte early (Python's safetensors: "not fully covered").
+  std::string lowered = make_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", "abcdefgh");
+  ASSERT_EQ(lowered[8 + (static_cast<unsigned char>(lowered[0]) - 1)], ' ');
+  lowered[0] = static_cast<char>(lowered[0] - 1);
+  check("lowered_header_length.safetensors", lowered, "not fully covered");
   EXPECT_THAT(error_of([&] { read_safetensors(dir.path() / "missing.safetensors"); }),
               AllOf(HasSubstr("missing.safetensors"), HasSubstr("cannot open")));
 }

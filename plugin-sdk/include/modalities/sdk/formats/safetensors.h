@@ -39,8 +39,9 @@ struct SafetensorsHeader {
 /// Reads and validates the header of `path`: header length within the file,
 /// valid JSON object, known dtypes (F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16
 /// U8 BOOL F8_E4M3 F8_E5M2), non-negative shapes, each byte range inside the
-/// data section and exactly numel * element size long, no overlapping ranges,
-/// string-valued metadata. Throws modalities::Error naming the file (and the
+/// data section and exactly numel * element size long, the ranges laid end to end
+/// over the whole data section (no overlap, no gap, nothing left over: Python's
+/// safetensors' "fully covered" rule), string-valued metadata. Throws modalities::Error naming the file (and the
 /// tensor) otherwise. Since: SDK 0.1.
 MODALITIES_SDK_API SafetensorsHeader read_safetensors_header(const std::filesystem::path& path);
 
