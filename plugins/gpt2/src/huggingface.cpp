@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 namespace modalities::plugins::gpt2::hf {
 namespace fs = std::filesystem;
 
@@ -36,6 +38,7 @@ class ConfigReader {
                               file_.string()));
     if (parser_.load(file_.string()).get(root_) || !root_.is_object())
       throw Error(fmt::format("{}: not a JSON object", file_.string()));
+    refuse_duplicate_keys(root_, "");
   }
   Error error(const std::string& key, const std::string& what) const {
     return Error(fmt::format("{}: '{}' {}", file_.string(), key, what));
@@ -88,8 +91,30 @@ class ConfigReader {
     return std::string(s);
   }
   const fs::path& file() const { return file_; }
+  /// Whether `key` is there with the value null (has() treats null as absent).
+  bool is_null(const std::string& key) const {
+    simdjson::dom::element e;
+    return !root_[key].get(e) && e.is_null();
+  }
 
  private:
+  // simdjson finds the first of two equal keys, Python's json (transformers) keeps the last: a file
+  // with a key twice would be read differently here, so it is refused, naming the key.
+  void refuse_duplicate_keys(simdjson::dom::element e, const std::string& path) const {
+    if (simdjson::dom::object o; !e.get_object().get(o)) {
+      std::set<std::string_view> seen;
+      for (const auto [key, value] : o) {
+        const std::string where = path.empty() ? std::string(key) : path + "." + std::string(key);
+        if (!seen.insert(key).second)
+          throw error(where, "appears twice (transformers would take the last value, this reader the first); keep one");
+        refuse_duplicate_keys(value, where);
+      }
+    } else if (simdjson::dom::array a; !e.get_array().get(a)) {
+      std::size_t i = 0;
+      for (const auto value : a) refuse_duplicate_keys(value, fmt::format("{}[{}]", path, i++));
+    }
+  }
+
   fs::path file_;
   simdjson::dom::parser parser_;
   simdjson::dom::element root_;
@@ -102,6 +127,7 @@ std::int64_t positive(const ConfigReader& r, const std::string& key, std::option
 }
 
 std::int64_t rope_theta(const ConfigReader& r) {
+  if (r.is_null("rope_theta")) throw r.error("rope_theta", "is null (transformers refuses it); give the RoPE base");
   const double theta = r.number("rope_theta", 10000.0);
   if (!(theta >= 1.0) || theta != std::floor(theta) || theta > 1e15)
     throw r.error("rope_theta", fmt::format("must be a whole number (model/gpt2's RotaryTransform base_freq is an "
@@ -121,6 +147,11 @@ std::optional<RopeScaling> rope_scaling(const ConfigReader& r) {
   };
   std::string_view type;
   auto t = field("rope_type");
+  if (const auto legacy = field("type"); t && legacy) {
+    std::string_view a, b;
+    if (t->get_string().get(a) || legacy->get_string().get(b) || a != b)
+      throw r.error("rope_scaling", "has both 'rope_type' and the older 'type', and they differ; keep one");
+  }
   if (!t) t = field("type");
   if (!t || t->get_string().get(type)) throw r.error("rope_scaling.rope_type", "is missing (a string)");
   if (type == "default") return std::nullopt;
@@ -388,15 +419,50 @@ std::string choose_model_type(const DecoderSpec& s) {
 
 }  // namespace
 
+// Refuses sizes whose weights cannot be allocated, before anything is: a config.json with
+// hidden_size or num_hidden_layers of 2^31 asked for a 256 GB tensor (abort) or built layers until
+// killed. The fp32 parameter count of the decoder these sizes describe must fit in this machine's
+// memory.
+void check_allocatable(const ConfigReader& r, const ImportedConfig& c) {
+  const DecoderSpec& s = c.spec;
+  const bool gpt2 = c.model_type == "gpt2";
+  const long double d = static_cast<long double>(s.n_embd);
+  const long double head = d / static_cast<long double>(s.n_head_q);
+  const long double kv = head * static_cast<long double>(s.n_head_kv);
+  const long double per_layer = d * (d + 2 * kv) + d * d +
+                                (s.activation == "swiglu" ? 3 : 2) * d * static_cast<long double>(s.mlp_hidden);
+  // Embedding (and untied head), wpe or the RoPE table, the blocks.
+  const long double params = static_cast<long double>(s.vocab_size) * d * (s.tie_word_embeddings ? 1 : 2) +
+                             static_cast<long double>(s.max_positions) * (s.absolute_positions ? d : head) +
+                             static_cast<long double>(s.n_layer) * per_layer;
+  const long double bytes = params * 4;
+  const long double memory = static_cast<long double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (bytes <= memory) return;
+  const std::string sizes =
+      gpt2 ? fmt::format("vocab_size {}, n_positions {}, n_embd {}, n_inner {}, n_layer {}", s.vocab_size,
+                         s.max_positions, s.n_embd, s.mlp_hidden, s.n_layer)
+           : fmt::format("vocab_size {}, max_position_embeddings {}, hidden_size {}, intermediate_size {}, "
+                         "num_hidden_layers {}",
+                         s.vocab_size, s.max_positions, s.n_embd, s.mlp_hidden, s.n_layer);
+  throw Error(fmt::format("{}: the sizes ({}) describe a model of {:.3g} parameters, {:.3g} GB in fp32, more than "
+                          "this machine's {:.3g} GB of memory; a size is wrong",
+                          r.file().string(), sizes, static_cast<double>(params), static_cast<double>(bytes / 1e9),
+                          static_cast<double>(memory / 1e9)));
+}
+
 ImportedConfig read_config(const fs::path& folder) {
   const ConfigReader r(folder / "config.json");
   if (r.has("quantization_config")) throw r.error("quantization_config", "is set; quantized checkpoints are not read");
   const std::string model_type = r.string("model_type");
-  if (model_type == "llama" || model_type == "mistral" || model_type == "qwen2") return read_llama_like(r, model_type);
-  if (model_type == "gpt2") return read_gpt2(r);
-  throw r.error("model_type", fmt::format("is '{}'; model/gpt2 takes the decoder-only families llama (Llama 2, Llama 3), "
-                                          "mistral, qwen2 and gpt2",
-                                          model_type));
+  ImportedConfig c;
+  if (model_type == "llama" || model_type == "mistral" || model_type == "qwen2") c = read_llama_like(r, model_type);
+  else if (model_type == "gpt2") c = read_gpt2(r);
+  else
+    throw r.error("model_type", fmt::format("is '{}'; model/gpt2 takes the decoder-only families llama (Llama 2, "
+                                            "Llama 3), mistral, qwen2 and gpt2",
+                                            model_type));
+  check_allocatable(r, c);
+  return c;
 }
 
 StateDict to_modalities(const ImportedConfig& config, const StateDict& hf_in,

@@ -328,6 +328,37 @@ TEST(HuggingFaceErrorsTest, NameWhatIsUnsupported) {
   EXPECT_THAT(h.build_error(), HasSubstr("AutoModelForMaskedLM"));
 }
 
+// A config.json that transformers reads differently from a plain first-key reader, or whose sizes
+// cannot be allocated, is refused naming the key, before any weight is allocated.
+TEST(HuggingFaceErrorsTest, ConfigsReadDifferentlyFromTransformersOrTooLargeAreRefused) {
+  TempDir tmp;
+  // A key twice (Python's json keeps the last value).
+  copy_with_config(kHf / "import_llama", tmp.path() / "twice", "\"rope_theta\": 10000.0",
+                   "\"rope_theta\": 10000.0,\n  \"rope_theta\": 500000.0");
+  EXPECT_THAT(import_error(tmp.path() / "twice"),
+              ::testing::AllOf(HasSubstr("config.json: 'rope_theta' appears twice"), HasSubstr("keep one")));
+  copy_with_config(kHf / "import_qwen2_linear", tmp.path() / "nested_twice", "\"rope_type\": \"linear\"",
+                   "\"rope_type\": \"linear\", \"factor\": 3.0");
+  EXPECT_THAT(import_error(tmp.path() / "nested_twice"), HasSubstr("'rope_scaling.factor' appears twice"));
+  // rope_theta null (transformers refuses it; a reader treating null as absent would use 10000).
+  copy_with_config(kHf / "import_llama", tmp.path() / "theta_null", "\"rope_theta\": 10000.0", "\"rope_theta\": null");
+  EXPECT_THAT(import_error(tmp.path() / "theta_null"), HasSubstr("'rope_theta' is null"));
+  // rope_type and the legacy type disagreeing.
+  copy_with_config(kHf / "import_qwen2_linear", tmp.path() / "two_types", "\"rope_type\": \"linear\"",
+                   "\"rope_type\": \"linear\", \"type\": \"dynamic\"");
+  EXPECT_THAT(import_error(tmp.path() / "two_types"),
+              HasSubstr("'rope_scaling' has both 'rope_type' and the older 'type', and they differ"));
+  // Sizes that cannot be allocated: refused at once (they asked for 256 GB, or built layers until killed).
+  copy_with_config(kHf / "import_gpt2", tmp.path() / "wide", "\"n_embd\": 32", "\"n_embd\": 2147483648");
+  EXPECT_THAT(import_error(tmp.path() / "wide"),
+              ::testing::AllOf(HasSubstr("n_embd 2147483648"), HasSubstr("more than this machine's")));
+  copy_with_config(kHf / "import_gpt2", tmp.path() / "long", "\"n_positions\": 32", "\"n_positions\": 2147483648");
+  EXPECT_THAT(import_error(tmp.path() / "long"), HasSubstr("n_positions 2147483648"));
+  copy_with_config(kHf / "import_llama", tmp.path() / "deep", "\"num_hidden_layers\": 2",
+                   "\"num_hidden_layers\": 2147483648");
+  EXPECT_THAT(import_error(tmp.path() / "deep"), HasSubstr("num_hidden_layers 2147483648"));
+}
+
 TEST(HuggingFaceErrorsTest, ExportRefusesModelsWithoutCounterpart) {
   const fs::path dir = kHf / "export_llama";
   std::string toml = testing::read_file(dir / "case.toml");
