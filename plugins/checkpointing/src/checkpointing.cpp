@@ -415,6 +415,14 @@ void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
                             "from one checkpoint only)",
                             checkpoint_dir.string()));
   const CheckpointReader reader(checkpoint_dir);
+  // A run continued under a new experiment id (the documented way) writes elsewhere, so the
+  // unfinished checkpoint that the interrupted run left next to this one would stay forever: rank 0
+  // removes such folders there too, as a new run does in its own checkpoint_path.
+  if (!dist::initialized() || dist::is_rank0())
+    for (const auto& name : remove_stale_temporaries(checkpoint_dir.parent_path()))
+      log::warning(fmt::format("removed '{}' in {}, an unfinished checkpoint of a process that was killed while "
+                               "writing it",
+                               name, checkpoint_dir.parent_path().string()));
   const StateDict live = app_state.state_dict();
   const auto sharded = sharded_model_entries(app_state, live);
   std::map<std::string, std::vector<std::int64_t>> global;

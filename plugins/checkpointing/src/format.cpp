@@ -362,6 +362,24 @@ std::vector<std::string> split(std::string_view text, char sep) {
   }
 }
 
+// Note [Manifest checksum]
+// Each chunk's SHA-256 covers its bytes, not where the manifest places them: a manifest whose
+// offsets were edited or damaged ([64] flipped to [44], two chunks' files swapped) would load other
+// weights with exit 0. So a format-v2 manifest records the SHA-256 of its own text, taken with the
+// field's value set to 64 zeros, and the reader recomputes it. Manifests written before this field
+// existed have none and get the structural checks alone (chunks in bounds, tiling without overlap or
+// gap).
+constexpr std::string_view kManifestShaKey = "\"manifest_sha256\": \"";
+const std::string kUnsetManifestSha256(64, '0');
+
+std::string with_manifest_sha256(std::string text) {
+  const std::size_t at = text.find(kManifestShaKey);
+  if (at == std::string::npos) throw Error("checkpoint: the manifest has no manifest_sha256 field (a writer bug)");
+  const std::string sha = sha256_hex(text.data(), text.size());
+  text.replace(at + kManifestShaKey.size(), sha.size(), sha);
+  return text;
+}
+
 // Throws when the chunks of one tensor (sorted by offsets) do not tile its global shape.
 void check_tiling(const std::string& name, const std::vector<const PlannedChunk*>& chunks) {
   const auto& global = chunks.front()->global_shape;
@@ -517,19 +535,21 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
                                     fmt::join(chunks.front().global_shape, ", "), chunk_json);
         first = false;
       }
-      write_file_atomically(temp / kManifestFile, fmt::format(R"({},
+      write_file_atomically(temp / kManifestFile,
+                            with_manifest_sha256(fmt::format(R"({},
   "world_size": {},
   "files": {{{}
   }},
   "ranks": [{}
   ],
   "checksum": "sha256",
+  "manifest_sha256": "{}",
   "tensors": {{{}
   }}
 }}
 )",
-                                                              manifest_head(info, kShardedFormatVersion), world, files,
-                                                              ranks, tensors_json));
+                                                             manifest_head(info, kShardedFormatVersion), world, files,
+                                                             ranks, kUnsetManifestSha256, tensors_json)));
       fault_point("checkpoint_manifest_written");  // tests: rank 0 killed between its manifest and the commit
       commit_folder(temp, folder);
       if (after_commit) after_commit();
@@ -590,6 +610,20 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
                             where, version, kPluginVersion, kFormatVersion, kShardedFormatVersion,
                             version > kShardedFormatVersion ? " (written by a newer version: update Modalities C++)" : ""));
   version_ = static_cast<int>(version);
+  if (version_ == kShardedFormatVersion) {  // Note [Manifest checksum]
+    const std::string_view text(json.data(), json.size());
+    const std::size_t at = text.find(kManifestShaKey);
+    if (at != std::string_view::npos) {
+      const std::size_t begin = at + kManifestShaKey.size();
+      if (text.find(kManifestShaKey, begin) != std::string_view::npos) throw bad("'manifest_sha256' appears twice");
+      const std::string_view recorded = text.substr(begin, kUnsetManifestSha256.size());
+      std::string unset(text);
+      unset.replace(begin, recorded.size(), kUnsetManifestSha256);
+      if (sha256_hex(unset.data(), unset.size()) != recorded)
+        throw bad("its text does not match its manifest_sha256 (the manifest was edited or damaged after it was "
+                  "written: chunk placements cannot be trusted)");
+    }
+  }
   std::string_view eid;
   if (!root["experiment_id"].get_string().get(eid)) experiment_id_ = std::string(eid);
   simdjson::dom::element progress;
@@ -735,9 +769,20 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
           throw bad(fmt::format("a chunk of tensor '{}' ({} at {}) reaches outside its shape {}", name,
                                 shape_string(chunk.shape), shape_string(chunk.offsets), shape_string(r.shape)));
       covered += volume(chunk.shape);
+      // No two chunks may overlap: with the element count below that makes an exact tiling.
+      for (const ChunkRecord& other : r.chunks) {
+        bool overlap = volume(chunk.shape) > 0 && volume(other.shape) > 0;
+        for (std::size_t d = 0; overlap && d < r.shape.size(); ++d)
+          overlap = chunk.offsets[d] < other.offsets[d] + other.shape[d] &&
+                    other.offsets[d] < chunk.offsets[d] + chunk.shape[d];
+        if (overlap)
+          throw bad(fmt::format("two chunks of tensor '{}' overlap ({} at {} in {} and {} at {} in {})", name,
+                                shape_string(other.shape), shape_string(other.offsets), other.file,
+                                shape_string(chunk.shape), shape_string(chunk.offsets), chunk.file));
+      }
       r.chunks.push_back(std::move(chunk));
     }
-    // The writer checked that the chunks tile the tensor; here the count must still add up.
+    // In bounds, no overlap, and the count adds up: the chunks tile the tensor exactly.
     if (covered != volume(r.shape))
       throw bad(fmt::format("the chunks of tensor '{}' hold {} elements, the tensor {}", name, covered, volume(r.shape)));
   }

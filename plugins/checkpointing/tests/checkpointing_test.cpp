@@ -485,6 +485,35 @@ config = { checkpoint_path = ")" + dir.path().string() + R"(", global_rank = 0, 
   EXPECT_TRUE(fs::exists(dir.path() / live));  // its writer still runs
 }
 
+// Continued under a new experiment id (the documented way), a run saves elsewhere: the unfinished
+// folder the interrupted run left beside the checkpoint it loads is removed when loading.
+TEST(CheckpointingTest, UnfinishedFoldersBesideTheLoadedCheckpointAreRemoved) {
+  ScratchDir old_run, new_run;
+  auto a = harness();
+  a->set_config_text(graph(old_run.path()));
+  auto app = a->get<AppState>("app_state");
+  ASSERT_NE(app, nullptr) << a->build_error();
+  train(*app, 3);
+  a->get<CheckpointSaving>("checkpoint_saving")->save_checkpoint(progress_at(3), nullptr, *app, false);
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_GT(dead, 0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string stale = fmt::format(".eid_exp-seen_steps_6-seen_tokens_192.tmp-{}-0-abc", dead);
+  fs::create_directories(old_run.path() / stale / "partial");
+  auto b = harness();
+  GraphOptions o;
+  o.load_from = (old_run.path() / kFolder3).string();
+  b->set_config_text(graph(new_run.path(), o));
+  ::testing::internal::CaptureStderr();
+  auto restored = b->get<AppState>("app_state");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_NE(restored, nullptr) << b->build_error();
+  EXPECT_THAT(err, HasSubstr(stale));
+  EXPECT_FALSE(fs::exists(old_run.path() / stale));
+  EXPECT_TRUE(fs::exists(old_run.path() / kFolder3));
+}
+
 TEST(CheckpointingTest, StrategyValidatesK) {
   auto h = harness();
   h->set_config_text(R"(

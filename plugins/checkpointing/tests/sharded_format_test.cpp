@@ -150,6 +150,45 @@ TEST(ShardedFormatTest, ChunksThatDoNotTileTheTensorAreRefused) {
   EXPECT_THAT(error_of([&] { CheckpointReader r(f.folder); }), HasSubstr("reaches outside its shape [5,3]"));
 }
 
+// Chunks with the right element count that overlap (and so leave a gap) would load one row twice
+// and another never: refused, naming both.
+TEST(ShardedFormatTest, OverlappingChunksAreRefusedEvenWhenTheCountAddsUp) {
+  const TwoRankFolder f;
+  f.write_manifest(R"("tensors": {"model.w": {"dtype": "F32", "shape": [5, 3], "chunks": [
+        {"file": "rank_00000.safetensors", "offsets": [0, 0], "shape": [3, 3], "sha256": "00"},
+        {"file": "rank_00001.safetensors", "offsets": [2, 0], "shape": [2, 3], "sha256": "00"}]}})");
+  EXPECT_THAT(error_of([&] { CheckpointReader r(f.folder); }),
+              AllOf(HasSubstr("two chunks of tensor 'model.w' overlap"), HasSubstr("[3,3] at [0,0] in rank_00000"),
+                    HasSubstr("[2,3] at [2,0] in rank_00001")));
+}
+
+// Note [Manifest checksum]: a manifest the writer made records its own SHA-256, so an edited or
+// damaged placement (one digit of an offset, a shape, a swapped file name) is refused when the
+// checkpoint is opened, before a chunk could land in the wrong place with exit 0.
+TEST(ShardedFormatTest, AnEditedManifestFailsItsOwnChecksum) {
+  const Folder dir;
+  const fs::path folder = dir.path() / kName;
+  TrainingProgress progress{2, 64, 4, 128, 0, 0};
+  write_sharded_checkpoint_folder(folder, {{"model.w", torch::randn({4, 2}), {4, 2}, {0, 0}},
+                                           {"model.v", torch::randn({3}), {3}, {0}}},
+                                  {}, {"x", progress, "test"}, {});
+  const std::string good = slurp(folder / "manifest.json");
+  ASSERT_THAT(good, HasSubstr("\"manifest_sha256\": \""));
+  EXPECT_EQ(error_of([&] { CheckpointReader r(folder); }), "");
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"offsets\": [0, 0]", "\"offsets\": [1, 0]"}, {"\"shape\": [4, 2]", "\"shape\": [4, 3]"},
+           {"rank_00000.safetensors", "rank_00001.safetensors"},
+           {"\"manifest_sha256\": \"", "\"manifest_sha256\": \"f"}}) {
+    std::string edited = good;
+    const auto at = edited.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    edited.replace(at, from.size(), to);
+    std::ofstream(folder / "manifest.json", std::ios::trunc) << edited;
+    EXPECT_THAT(error_of([&] { CheckpointReader r(folder); }),
+                AllOf(HasSubstr(kName), HasSubstr("does not match its manifest_sha256"))) << from;
+  }
+}
+
 // With one process the collective writer needs no process group: it writes rank_00000 and the
 // manifest, commits, and runs after_commit before returning.
 TEST(ShardedFormatTest, TheWriterRoundTripsInOneProcess) {
