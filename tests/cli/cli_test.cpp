@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace modalities::cli {
@@ -586,6 +587,49 @@ list_of_tables:
   const CommandResult o = modalities({"config", "import", yaml.string(), "-o", out.string()});
   EXPECT_EQ(o.exit_code, 1) << o;
   EXPECT_EQ(read_text(out), "keep");
+}
+
+// What PyYAML (OmegaConf's loader) reads, imported the same: YAML 1.1 sexagesimal numbers, explicit
+// tags, the smallest 64-bit integer, floats beyond double range, CR / NEL / LS line breaks. What it
+// refuses (or what cannot be expanded) is refused naming the file and line, never a crash or a hang.
+TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
+  ScratchDir dir;
+  const auto yaml = dir.write("c.yaml", "a: 1:30\nb: 1:30.5\nc: !!int \"42\"\nd: !!float 1\ne: !!bool yes\n"
+                                        "f: !!null ''\ng: !!str 12\nh: -9223372036854775808\ni: 1e999\n"
+                                        "j: " + std::string(300, '7') + ".5\n");
+  const CommandResult r = modalities({"config", "import", yaml.string()});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  for (const char* line : {"a = 90\n", "b = 90.5\n", "c = 42\n", "d = 1.0\n", "e = true\n", "f = \"${null:}\"\n",
+                           "g = \"12\"\n", "h = -9223372036854775808\n", "i = inf\n", "j = 7.77"})
+    EXPECT_THAT(r.out, HasSubstr(line)) << line;
+  for (const auto& [name, text] : std::vector<std::pair<std::string, std::string>>{
+           {"cr.yaml", "a: 1\rb: 2\r"}, {"nel.yaml", "a: 1\xc2\x85" "b: 2\n"}, {"ls.yaml", "a: 1\xe2\x80\xa8" "b: 2\n"}}) {
+    const CommandResult lines = modalities({"config", "import", dir.write(name, text).string()});
+    EXPECT_EQ(lines.exit_code, 0) << lines;
+    EXPECT_THAT(lines.out, AllOf(HasSubstr("a = 1\n"), HasSubstr("b = 2\n"))) << name;
+  }
+  std::string laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n";
+  for (char c = 'b'; c <= 'h'; ++c) {  // h: 10^8 values
+    const std::string alias = std::string("*") + static_cast<char>(c - 1);
+    laughs += std::string(1, c) + ": &" + c + " [" + alias;
+    for (int k = 1; k < 10; ++k) laughs += ", " + alias;
+    laughs += "]\n";
+  }
+  for (const auto& [name, text, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"two_docs.yaml", "a: 1\n---\nb: 2\n", "two_docs.yaml:3: a second YAML document"},
+           {"recursive.yaml", "a: &a [*a]\n", "recursive.yaml:1:4: an alias refers to a node that contains it"},
+           {"recursive_map.yaml", "a: &a {b: *a}\n", "recursive_map.yaml:1:4: an alias refers to a node that contains it"},
+           {"long_int.yaml", "a: " + std::string(30000, '9') + "\n", "long_int.yaml:1:4: the integer 9999"},
+           {"laughs.yaml", laughs, "the document expands to more than 1000000 values"},
+           {"bin.yaml", "a: 0b_\n", "bin.yaml:1:4: '0b_' cannot be read as an integer"},
+           {"hex.yaml", "a: 0x_\n", "hex.yaml:1:4: '0x_' cannot be read as an integer"},
+           {"tag.yaml", "a: !!int x\n", "tag.yaml:1:4: 'x' cannot be read as an integer"},
+           {"unknown_tag.yaml", "a: !foo x\n", "unknown_tag.yaml:1:4: the YAML tag '!foo' is not supported"},
+           {"deep.yaml", "a: " + std::string(300, '[') + std::string(300, ']') + "\n", "nested more than 256 levels"}}) {
+    const CommandResult bad = modalities({"config", "import", dir.write(name, text).string()});
+    EXPECT_EQ(bad.exit_code, 1) << bad;
+    EXPECT_THAT(bad.err, HasSubstr(message)) << name;
+  }
 }
 
 // Modalities' own example configs (its config_files/ and tutorials/ at the commit named in
