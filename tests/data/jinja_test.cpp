@@ -59,6 +59,62 @@ TEST(JinjaTest, PythonNumbersAndJson) {
             R"({"a": true, "b": [1, 2.5, -3e+300]})");
 }
 
+// Python's arithmetic and jinja2's filters and loop variables, as jinja2 3.1.6's sandboxed environment
+// renders them (outputs taken from it); where Python has big integers or jinja2's sandbox refuses,
+// a clear error with the template line instead of a wrapped value, a signal or unbounded work.
+TEST(JinjaTest, ArithmeticFiltersAndLoopsAsJinja2) {
+  const auto str = [](const std::string& text) { return Template(text).render({}); };
+  EXPECT_EQ(str("{{ 2 ** -1 }}"), "0.5");
+  EXPECT_EQ(str("{{ 2 ** 62 }}"), "4611686018427387904");
+  EXPECT_EQ(str("{{ 7 // -2 }}|{{ -7 % 3 }}|{{ 7.5 % -2 }}|{{ -7.5 // 2 }}"), "-4|2|-0.5|-4.0");
+  EXPECT_EQ(str("{{ (-9223372036854775807 - 1) % -1 }}"), "0");
+  EXPECT_EQ(str("{{ 1e999 }}"), "inf");
+  EXPECT_EQ(str("{{ 'x'|replace('', 'yy') }}"), "yyxyy");
+  EXPECT_EQ(str("{{ 'ab'|replace('', '-', 2) }}"), "-a-b");
+  EXPECT_EQ(str("{{ '0x1A'|int }}"), "0");
+  EXPECT_EQ(str("{{ 'a\nb'|indent(-5, true) }}"), "a\nb");
+  EXPECT_EQ(str("{% for x in [1,2] %}{{ loop.depth }}{{ loop.depth0 }}{{ loop.previtem }}{{ loop.nextitem }};{% endfor %}"),
+            "102;101;");
+  EXPECT_EQ(str("  {%+ if true +%}\nx{% endif %}"), "  \nx");
+  EXPECT_EQ(str("{{ range(100000)|length }}"), "100000");
+  const auto error = [](const std::string& text) {
+    try {
+      Template(text).render({});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(error("{{ 9223372036854775807 + 1 }}"), HasSubstr("integer overflow"));
+  EXPECT_THAT(error("{{ 3 ** 40 }}"), HasSubstr("integer overflow"));
+  EXPECT_THAT(error("{{ (-9223372036854775807 - 1) // -1 }}"), HasSubstr("integer overflow"));
+  EXPECT_THAT(error("{{ 99999999999999999999 }}"), HasSubstr("does not fit 64 bits"));
+  for (const char* zero : {"{{ 1/0 }}", "{{ 1.0 % 0 }}", "{{ 1 // 0 }}", "{{ 0 ** -1 }}"})
+    EXPECT_THAT(error(zero), ::testing::AnyOf(HasSubstr("division by zero"), HasSubstr("negative power"))) << zero;
+  EXPECT_THAT(error("{{ range(100001)|length }}"), HasSubstr("more than 100000"));
+  EXPECT_THAT(error("{{ range(0, 9223372036854775807, 4611686018427387904)|length }}"), HasSubstr("no error"));
+  EXPECT_THAT(error("{{ range(10**9)|length }}"), HasSubstr("more than 100000"));
+  EXPECT_THAT(error("{{ 'ab' * 9223372036854775807 }}"), HasSubstr("exceeds"));
+  EXPECT_THAT(error("{{ 'abc'|indent(9999999999) }}"), HasSubstr("too large"));
+  // Nesting that overflowed the stack: parentheses, lists, `not`, `-`, attribute and filter chains, blocks.
+  for (const std::string& deep :
+       {"{{ " + std::string(30000, '(') + "1" + std::string(30000, ')') + " }}",
+        "{{ " + std::string(30000, '[') + std::string(30000, ']') + " }}",
+        "{{ " + [] { std::string s; for (int i = 0; i < 100000; ++i) s += "not "; return s; }() + "x }}",
+        "{{ " + std::string(100000, '-') + "1 }}",
+        "{{ x" + [] { std::string s; for (int i = 0; i < 100000; ++i) s += ".a"; return s; }() + " }}",
+        "{{ x" + [] { std::string s; for (int i = 0; i < 100000; ++i) s += "|trim"; return s; }() + " }}",
+        "{{ 1" + [] { std::string s; for (int i = 0; i < 100000; ++i) s += "+1"; return s; }() + " }}"})
+    EXPECT_THAT(error(deep), HasSubstr("expression nested more than 512 levels deep")) << deep.substr(0, 20);
+  std::string ifs, fors;
+  for (int i = 0; i < 30000; ++i) ifs += "{% if true %}";
+  for (int i = 0; i < 30000; ++i) ifs += "{% endif %}";
+  for (int i = 0; i < 30000; ++i) fors += "{% for x in [1] %}";
+  for (int i = 0; i < 30000; ++i) fors += "{% endfor %}";
+  EXPECT_THAT(error(ifs), HasSubstr("blocks nested more than 256 levels deep"));
+  EXPECT_THAT(error(fors), HasSubstr("blocks nested more than 256 levels deep"));
+}
+
 TEST(JinjaTest, RefusesWhatItDoesNotImplement) {
   EXPECT_THAT([] { Template("{% macro m() %}x{% endmacro %}"); },
               ::testing::ThrowsMessage<Error>(HasSubstr("'{% macro %}' is not supported")));

@@ -12,7 +12,10 @@
 #include <simdjson.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <set>
@@ -20,6 +23,12 @@
 
 namespace modalities::core::data::jinja {
 namespace {
+
+// Bounds of what a template may do (jinja2's sandbox refuses ranges beyond 100000 items; the others
+// keep a hostile template from exhausting memory or the stack).
+constexpr std::int64_t kMaxRange = 100'000;
+constexpr std::uint64_t kMaxRepeatBytes = 100'000'000;
+constexpr int kMaxNesting = 256;
 
 [[noreturn]] void fail(int line, const std::string& what) {
   throw Error(fmt::format("template line {}: {}", line, what));
@@ -302,10 +311,14 @@ std::vector<Token> tokenize(std::string_view s, int line) {
       text.erase(std::remove(text.begin(), text.end(), '_'), text.end());
       if (is_float) {
         t.type = Token::kFloat;
-        t.f = std::stod(text);
+        t.f = std::strtod(text.c_str(), nullptr);  // Python's float(): 1e999 is inf
       } else {
         t.type = Token::kInt;
-        t.i = std::stoll(text);
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), t.i);
+        if (ec != std::errc() || end != text.data() + text.size())
+          fail(line, fmt::format("the integer literal {} does not fit 64 bits (Python's integers are unbounded; "
+                                 "templates here use 64-bit integers)",
+                                 text));
       }
       i = j;
     } else if (c == '\'' || c == '"') {
@@ -596,13 +609,22 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
     }
   }
   if (op == "*" && a.kind == Value::Kind::kString && b.kind == Value::Kind::kInt) {
+    if (b.i > 0 && a.s.size() > 0 && static_cast<std::uint64_t>(b.i) > kMaxRepeatBytes / a.s.size())
+      fail(line, fmt::format("repeating a string of {} bytes {} times exceeds {} bytes", a.s.size(), b.i,
+                             kMaxRepeatBytes));
     std::string s;
     for (std::int64_t i = 0; i < b.i; ++i) s += a.s;
     return Value::string(s);
   }
   if (!is_number(a) || !is_number(b))
     fail(line, fmt::format("unsupported operands for {}: {} and {}", op, py_repr(a), py_repr(b)));
+  // Python's arithmetic: division, floor division and modulo by zero and 0 ** -1 raise
+  // ZeroDivisionError; integers are unbounded there, so a result beyond 64 bits is an error here
+  // rather than a wrapped value.
   const bool fl = a.kind == Value::Kind::kFloat || b.kind == Value::Kind::kFloat;
+  const bool by_zero = as_double(b) == 0.0;
+  if ((op == "/" || op == "//" || op == "%") && by_zero) fail(line, fmt::format("division by zero ({} {} {})", py_repr(a), op, py_repr(b)));
+  if (op == "**" && as_double(a) == 0.0 && as_double(b) < 0) fail(line, fmt::format("0 cannot be raised to the negative power {}", py_repr(b)));
   if (op == "/") return Value::real(as_double(a) / as_double(b));
   if (fl) {
     const double x = as_double(a), y = as_double(b);
@@ -611,16 +633,37 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
     if (op == "*") return Value::real(x * y);
     if (op == "**") return Value::real(std::pow(x, y));
     if (op == "//") return Value::real(std::floor(x / y));
-    if (op == "%") return Value::real(x - y * std::floor(x / y));
+    if (op == "%") {
+      const double m = std::fmod(x, y);
+      return Value::real(m != 0 && ((m < 0) != (y < 0)) ? m + y : m);
+    }
   }
   const std::int64_t x = as_int(a), y = as_int(b);
-  if ((op == "//" || op == "%") && y == 0) fail(line, "division by zero");
-  if (op == "+") return Value::integer(x + y);
-  if (op == "-") return Value::integer(x - y);
-  if (op == "*") return Value::integer(x * y);
-  if (op == "**") return Value::integer(static_cast<std::int64_t>(std::pow(x, y)));
-  if (op == "//") return Value::integer(static_cast<std::int64_t>(std::floor(static_cast<double>(x) / static_cast<double>(y))));
-  return Value::integer(((x % y) + y) % y);
+  const auto overflow = [&]() -> Value {
+    fail(line, fmt::format("integer overflow: {} {} {} does not fit 64 bits (Python's integers are unbounded; "
+                           "templates here use 64-bit integers)",
+                           x, op, y));
+  };
+  std::int64_t r = 0;
+  if (op == "+") return __builtin_add_overflow(x, y, &r) ? overflow() : Value::integer(r);
+  if (op == "-") return __builtin_sub_overflow(x, y, &r) ? overflow() : Value::integer(r);
+  if (op == "*") return __builtin_mul_overflow(x, y, &r) ? overflow() : Value::integer(r);
+  if (op == "**") {
+    if (y < 0) return Value::real(std::pow(static_cast<double>(x), static_cast<double>(y)));  // 2 ** -1 is 0.5
+    std::int64_t result = 1, base = x;
+    for (std::int64_t e = y; e > 0; e >>= 1) {
+      if ((e & 1) && __builtin_mul_overflow(result, base, &result)) return overflow();
+      if (e > 1 && __builtin_mul_overflow(base, base, &base)) return overflow();
+    }
+    return Value::integer(result);
+  }
+  if (x == INT64_MIN && y == -1) return op == "%" ? Value::integer(0) : overflow();
+  std::int64_t q = x / y, m = x % y;
+  if (m != 0 && ((m < 0) != (y < 0))) {  // floor, not truncation
+    --q;
+    m += y;
+  }
+  return Value::integer(op == "//" ? q : m);
 }
 
 bool less(const Value& a, const Value& b, int line) {
@@ -736,7 +779,23 @@ std::string title(std::string s) {
   return s;
 }
 std::string replace_all(std::string s, const std::string& from, const std::string& to, std::int64_t count = -1) {
-  if (from.empty()) return s;
+  if (from.empty()) {  // Python: 'ab'.replace('', '-') is '-a-b-' (between code points, at most `count`)
+    std::string out;
+    std::int64_t n = 0;
+    std::size_t i = 0;
+    while (true) {
+      if (count < 0 || n < count) {
+        out += to;
+        ++n;
+      }
+      if (i >= s.size()) break;
+      std::size_t len = 1;  // one UTF-8 code point
+      while (i + len < s.size() && (static_cast<unsigned char>(s[i + len]) & 0xC0) == 0x80) ++len;
+      out.append(s, i, len);
+      i += len;
+    }
+    return out;
+  }
   std::size_t pos = 0;
   for (std::int64_t n = 0; (count < 0 || n < count) && (pos = s.find(from, pos)) != std::string::npos; ++n) {
     s.replace(pos, from.size(), to);
@@ -798,7 +857,8 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
   // int(x) / float(x) on the whole (stripped) text, else the default 0, as jinja2's filters.
   const auto parse_number = [&](bool integer) -> std::optional<double> {
     const std::string t = py_strip(py_str(v), std::nullopt, true, true);
-    if (t.empty()) return std::nullopt;
+    // Python's int()/float() read decimal text only (strtod would read "0x1A" as 26).
+    if (t.empty() || t.find_first_of("xXpP") != std::string::npos) return std::nullopt;
     try {
       std::size_t used = 0;
       const double d = integer ? static_cast<double>(std::stoll(t, &used)) : std::stod(t, &used);
@@ -840,7 +900,8 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
   if (name == "indent") {
     const std::int64_t width = a.get(0, "width") ? as_int(*a.get(0, "width")) : 4;
     const bool first = a.get(1, "first") && truthy(*a.get(1, "first"));
-    const std::string pad(static_cast<std::size_t>(width), ' ');
+    if (width > 1'000'000) fail(line, fmt::format("indent width {} is too large", width));
+    const std::string pad(static_cast<std::size_t>(std::max<std::int64_t>(width, 0)), ' ');
     std::string s = py_str(v), out;
     std::size_t start = 0;
     bool is_first = true;
@@ -996,8 +1057,16 @@ struct Call : Expr {
           if (a.pos.size() > 2) step = as_int(a.pos[2]);
         }
         if (step == 0) fail(line, "range() step must not be zero");
+        // jinja2's sandbox refuses ranges of more than 100000 items (MAX_RANGE); the count is
+        // computed in 128 bits, so no step overflows.
+        const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+        const __int128 count = span <= 0 ? 0 : (span + (step > 0 ? step : -static_cast<__int128>(step)) - 1) /
+                                                   (step > 0 ? step : -static_cast<__int128>(step));
+        if (count > kMaxRange)
+          fail(line, fmt::format("range() of {} items: more than {} (jinja2's sandbox limit)",
+                                 static_cast<unsigned long long>(count), kMaxRange));
         List l;
-        for (std::int64_t i = start; step > 0 ? i < stop : i > stop; i += step) l.push_back(Value::integer(i));
+        for (__int128 k = 0; k < count; ++k) l.push_back(Value::integer(static_cast<std::int64_t>(start + k * step)));
         return Value::make_list(std::move(l));
       }
       fail(line, fmt::format("'{}' is not a function here (raise_exception, namespace, range are)", n->name));
@@ -1142,6 +1211,8 @@ struct For : Node {
       loop.set("first", Value::boolean(i == 0));
       loop.set("last", Value::boolean(i == n - 1));
       loop.set("length", Value::integer(n));
+      loop.set("depth", Value::integer(1));  // recursive loops are not supported: always the top level
+      loop.set("depth0", Value::integer(0));
       loop.set("previtem", i > 0 ? items[static_cast<std::size_t>(i - 1)] : Value{});
       loop.set("nextitem", i + 1 < n ? items[static_cast<std::size_t>(i + 1)] : Value{});
       r.assign("loop", loop);
@@ -1185,6 +1256,7 @@ class ExprParser {
   ExprParser(std::vector<Token> toks, int line) : t_(std::move(toks)), line_(line) {}
 
   ExprPtr expression() {
+    const Nested nested(*this);
     ExprPtr e = or_expr();
     if (is_name("if")) {
       ++p_;
@@ -1219,6 +1291,28 @@ class ExprParser {
   void skip() { ++p_; }
 
  private:
+  // Note [Expression depth]: a tree deeper than kMaxExprDepth is refused while parsing: 30,000
+  // nested parentheses, or 100,000 chained `not`, `.a` or `|trim`, overflowed the stack (in the
+  // parser, the evaluator, or the destructor of the tree). The depth of any node is at most the
+  // parser's recursion (nested) plus the chain links made so far (each adds one level above what
+  // it chains), so their sum bounds it. No chat template comes near.
+  static constexpr int kMaxExprDepth = 512;
+  struct Nested {
+    explicit Nested(ExprParser& p) : parser(p) {
+      ++parser.nested_;
+      parser.check_depth();
+    }
+    ~Nested() { --parser.nested_; }
+    ExprParser& parser;
+  };
+  void check_depth() const {
+    if (nested_ + links_ > kMaxExprDepth)
+      fail(line_, fmt::format("expression nested more than {} levels deep", kMaxExprDepth));
+  }
+  void link() {
+    ++links_;
+    check_depth();
+  }
   template <class T>
   std::unique_ptr<T> make() {
     auto x = std::make_unique<T>();
@@ -1226,6 +1320,7 @@ class ExprParser {
     return x;
   }
   ExprPtr binary(std::string op, ExprPtr a, ExprPtr b) {
+    link();
     auto x = make<Binary>();
     x->op = std::move(op);
     x->a = std::move(a);
@@ -1249,6 +1344,7 @@ class ExprParser {
     return e;
   }
   ExprPtr not_expr() {
+    const Nested nested(*this);
     if (is_name("not")) {
       ++p_;
       auto u = make<Unary>();
@@ -1272,6 +1368,7 @@ class ExprParser {
         e = binary("not in", std::move(e), additive());
       } else if (is_name("is")) {
         ++p_;
+        link();
         auto t = make<Test>();
         if (is_name("not")) {
           ++p_;
@@ -1339,6 +1436,7 @@ class ExprParser {
   }
   // Jinja binds a unary sign tighter than filters: -3|abs is (-3)|abs.
   ExprPtr unary(bool with_filter = true) {
+    const Nested nested(*this);
     ExprPtr node;
     if (is_op("-") || is_op("+")) {
       auto u = make<Unary>();
@@ -1353,6 +1451,7 @@ class ExprParser {
   ExprPtr filters(ExprPtr e) {
     while (is_op("|")) {
       ++p_;
+      link();
       auto f = make<Filter>();
       f->name = name();
       if (!kFilters.count(f->name)) fail(line_, fmt::format("filter '{}' is not supported", f->name));
@@ -1381,6 +1480,7 @@ class ExprParser {
   ExprPtr primary_postfix() {
     ExprPtr e = primary();
     while (true) {
+      if (is_op(".") || is_op("[") || is_op("(")) link();
       if (is_op(".")) {
         ++p_;
         auto a = make<Attr>();
@@ -1508,6 +1608,8 @@ class ExprParser {
   std::vector<Token> t_;
   std::size_t p_ = 0;
   int line_;
+  int nested_ = 0;  // Note [Expression depth]
+  int links_ = 0;
 };
 
 // Raw pieces of the template after whitespace control.
@@ -1582,14 +1684,15 @@ std::vector<Piece> lex_template(std::string_view src) {
     if (j + 1 >= src.size()) fail(line, fmt::format("'{}' is never closed with '{}'", src.substr(open, 2), close));
     std::size_t end = j;
     const bool minus_right = end > inner && src[end - 1] == '-';
-    if (minus_right) --end;
+    const bool plus_right = !minus_right && kind == '%' && end > inner && src[end - 1] == '+';  // `+%}`: no trim_blocks
+    if (minus_right || plus_right) --end;
     const std::string body(src.substr(inner, end - inner));
     if (kind == '{') out.push_back({Piece::kExpr, body, line});
     else if (kind == '%') out.push_back({Piece::kStmt, body, line});
     line += count_lines(src.substr(open, j + 2 - open));
     i = j + 2;
     strip_next_ws = minus_right;
-    trim_next_newline = kind != '{' && !minus_right;
+    trim_next_newline = kind != '{' && !minus_right && !plus_right;
     if (i == src.size()) break;
   }
   return out;
@@ -1613,6 +1716,15 @@ class TemplateParser {
 
   // Parses nodes until a statement whose keyword is in `stops` (left unconsumed).
   Body parse_until(const std::set<std::string>& stops) {
+    // Blocks nested deeper than this are refused (30,000 nested `if`/`for` overflowed the stack).
+    constexpr int kMaxBlockDepth = 256;
+    struct Depth {
+      int& d;
+      explicit Depth(int& depth) : d(++depth) {}
+      ~Depth() { --d; }
+    } depth(depth_);
+    if (depth_ > kMaxBlockDepth)
+      fail(pos_ < p_.size() ? p_[pos_].line : 0, fmt::format("blocks nested more than {} levels deep", kMaxBlockDepth));
     Body body;
     while (pos_ < p_.size()) {
       const Piece& piece = p_[pos_];
@@ -1718,6 +1830,7 @@ class TemplateParser {
 
   std::vector<Piece> p_;
   std::size_t pos_ = 0;
+  int depth_ = 0;  // parse_until calls in progress
 };
 
 Value from_element(simdjson::dom::element e) {
