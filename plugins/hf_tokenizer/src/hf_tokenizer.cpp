@@ -555,11 +555,19 @@ class PretrainedHfTokenizer final : public Tokenizer {
     };
     for (auto& [key, sv] : attrs) resolve(sv);
     // RobertaTokenizerFast turns a mask token that is still a string (not an added_tokens_decoder entry)
-    // into AddedToken(lstrip=True, normalized=False).
+    // into AddedToken(lstrip=True, normalized=False); transformers adds it only when tokenizer.json does
+    // not have that content as an added token already, so there tokenizer.json's flags stay (a literal
+    // "<mask> <mask>" keeps its space when tokenizer.json says lstrip false).
     if (roberta_mask)
       if (auto it = attrs.find("mask_token"); it != attrs.end() && !it->second.is_added_token) {
-        it->second.token = AddedToken{it->second.token.content, false, true, false, false, true};
-        it->second.is_added_token = true;
+        const auto& existing = tok_->added_tokens();
+        const bool in_tokenizer_json = std::any_of(existing.begin(), existing.end(), [&](const auto& e) {
+          return e.second.content == it->second.token.content;
+        });
+        if (!in_tokenizer_json) {
+          it->second.token = AddedToken{it->second.token.content, false, true, false, false, true};
+          it->second.is_added_token = true;
+        }
       }
 
     // PreTrainedTokenizerFast.__init__: transformers overrides add_prefix_space of a top-level ByteLevel

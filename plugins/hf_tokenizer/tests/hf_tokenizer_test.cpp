@@ -466,6 +466,35 @@ TEST(HfTokenizerTest, LoadsConfigFilesLikeTransformers) {
   }
 }
 
+// A literal <mask> in RoBERTa-style text: tokenizer_config.json gives mask_token as a plain string and has
+// no added_tokens_decoder, and tokenizer.json has <mask> with lstrip false. transformers keeps
+// tokenizer.json's flags (RobertaTokenizerFast's lstrip=True mask applies only to a token it has to add),
+// also when special_tokens_map.json says lstrip true. Ids from AutoTokenizer of transformers 4.57.6
+// (tokenizers 0.22.2) on these folders, with and without special_tokens_map.json.
+TEST(HfTokenizerTest, ARobertaMaskTokenOfTokenizerJsonKeepsItsFlags) {
+  const fs::path from = family_folder("roberta_style");
+  std::string json = testing::read_file(from / "tokenizer.json");
+  const std::string lstrip = R"("content":"<mask>","single_word":false,"lstrip":true)";
+  ASSERT_NE(json.find(lstrip), std::string::npos);
+  json.replace(json.find(lstrip), lstrip.size(), R"("content":"<mask>","single_word":false,"lstrip":false)");
+  for (const bool with_map : {false, true}) {
+    TempDir dir;
+    dir.write("tokenizer.json", json);
+    dir.write("tokenizer_config.json",
+              R"({"add_prefix_space": false, "bos_token": "<s>", "clean_up_tokenization_spaces": false, "cls_token": "<s>", )"
+              R"("eos_token": "</s>", "errors": "replace", "mask_token": "<mask>", "model_max_length": 512, )"
+              R"("pad_token": "<pad>", "sep_token": "</s>", "tokenizer_class": "RobertaTokenizer", "trim_offsets": true, )"
+              R"("unk_token": "<unk>"})");
+    if (with_map) dir.write("special_tokens_map.json", testing::read_file(from / "special_tokens_map.json"));
+    auto tok = build_ok(dir.path());
+    ASSERT_NE(tok, nullptr);
+    EXPECT_EQ(show(tok->tokenize("<mask><mask> <mask>")), show(std::vector<std::int64_t>{0, 1280, 1280, 224, 1280, 2}))
+        << with_map;
+    EXPECT_EQ(show(tok->tokenize("a <mask> b")), show(std::vector<std::int64_t>{0, 68, 224, 1280, 575, 2})) << with_map;
+    EXPECT_EQ(show(tok->tokenize(" <mask>")), show(std::vector<std::int64_t>{0, 224, 1280, 2})) << with_map;
+  }
+}
+
 TEST(HfTokenizerTest, Gpt2Facts) {
   auto tok = build_ok(folder_of("gpt2"));
   EXPECT_EQ(tok->vocab_size(), 50257);
