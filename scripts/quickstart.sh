@@ -9,7 +9,7 @@
 #   4. text generation from the final checkpoint.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"${root}/scripts/build.sh" cpu
+"${root}/scripts/build.sh" cpu --target modalities_runtime  # the host and plugins; no test binaries
 cd "${root}"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "modalities --version"
