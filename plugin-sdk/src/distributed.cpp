@@ -6,6 +6,7 @@
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <ATen/Context.h>
+#include <c10/util/Logging.h>
 
 #include "staged_backend.h"
 
@@ -26,6 +27,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <thread>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -39,6 +42,90 @@
 namespace modalities::dist {
 namespace {
 
+// Note [Lost peers]
+// The small exchanges through the store (experiment id, checkpoint plans and reports) wait for a
+// peer's key. A peer killed meanwhile never writes it, and a plain store wait would last the whole
+// process-group timeout (600 s by default) under a launcher that does not stop the others (srun
+// without --kill-on-bad-exit), printing nothing. So every rank beats a heartbeat counter in the store
+// each second from a thread with its own store connection (a blocking wait holds TCPStore's client
+// lock), and the waits look at the awaited rank's counter between slices of a second: unchanged for
+// 10 s, the rank is named as lost. A lost connection to the store (its host, rank 0, died) is named
+// as such too, without c10's backtrace.
+constexpr std::chrono::seconds kHeartbeatPeriod{1};
+constexpr std::chrono::seconds kPeerLostAfter{10};
+
+std::string heartbeat_key(int rank) { return fmt::format("modalities/heartbeat/{}", rank); }
+
+// c10d logs a warning with a full C++ backtrace before it throws on a lost store connection; the
+// waits report that loss themselves, naming the rank and what was being done, so c10's log level is
+// raised to errors while they talk to the store (a process-wide level: nested and concurrent users
+// share one raise).
+class QuietStoreLogs {
+ public:
+  QuietStoreLogs() {
+    std::lock_guard lock(mutex());
+    if (users()++ == 0) {
+      saved() = FLAGS_caffe2_log_level;
+      FLAGS_caffe2_log_level = std::max(saved(), 2);
+    }
+  }
+  ~QuietStoreLogs() {
+    std::lock_guard lock(mutex());
+    if (--users() == 0) FLAGS_caffe2_log_level = saved();
+  }
+  QuietStoreLogs(const QuietStoreLogs&) = delete;
+  QuietStoreLogs& operator=(const QuietStoreLogs&) = delete;
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static int& users() {
+    static int n = 0;
+    return n;
+  }
+  static int& saved() {
+    static int level = 0;
+    return level;
+  }
+};
+
+struct Heartbeat {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool stop = false;
+  std::thread thread;
+
+  void start(c10::intrusive_ptr<c10d::Store> own, int rank) {
+    stop = false;
+    thread = std::thread([this, own = std::move(own), key = heartbeat_key(rank)] {
+      std::unique_lock lock(mutex);
+      while (!stop) {
+        lock.unlock();
+        try {
+          const QuietStoreLogs quiet;
+          own->add(key, 1);
+        } catch (const std::exception&) {
+          return;  // the store is gone: the waits report that themselves
+        }
+        lock.lock();
+        cv.wait_for(lock, kHeartbeatPeriod, [&] { return stop; });
+      }
+    });
+  }
+  void halt() {
+    if (!thread.joinable()) return;
+    {
+      std::lock_guard lock(mutex);
+      stop = true;
+    }
+    cv.notify_all();
+    thread.join();
+  }
+  ~Heartbeat() { halt(); }
+};
+
 struct Runtime {
   std::mutex mutex;
   LaunchEnv env;
@@ -48,6 +135,7 @@ struct Runtime {
   c10::intrusive_ptr<c10d::ProcessGroup> world;
   c10::intrusive_ptr<c10d::ProcessGroup> control;  // Gloo: world itself, or a second group next to NCCL
   int groups_created = 0;
+  Heartbeat heartbeat;  // Note [Lost peers]
 };
 
 Runtime& runtime() {
@@ -284,6 +372,12 @@ void init_with_store(const LaunchEnv& env, const RuntimeOptions& options, c10::i
                             env.world_size, r.backend, options.timeout.count() / 1000.0, e.what()));
   }
   r.store = std::move(store);
+  // Note [Lost peers]: a connection of its own (clone), so a blocking wait cannot hold it up.
+  try {
+    r.heartbeat.start(r.store->clone(), env.rank);
+  } catch (const std::exception&) {
+    // A store that cannot be cloned: no heartbeat; the waits then fall back to the timeout.
+  }
 }
 
 void init(const LaunchEnv& env, const RuntimeOptions& options) {
@@ -318,6 +412,7 @@ void init(const LaunchEnv& env, const RuntimeOptions& options) {
 void shutdown() {
   Runtime& r = runtime();
   std::lock_guard lock(r.mutex);
+  r.heartbeat.halt();
   r.world.reset();
   r.control.reset();
   r.store.reset();
@@ -381,6 +476,76 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::vector<int>& ranks, 
   return make_group(r.backend, prefixed, group_rank, static_cast<int>(ranks.size()), r.timeout, name);
 }
 
+namespace {
+
+// What a store key is waited for, for messages: "saving checkpoint 'F' (written)" for the
+// checkpoint protocol's keys (checkpoint/<n>/<folder>/<phase>), else the key.
+std::string purpose(const std::string& key) {
+  if (key.starts_with("checkpoint/")) {
+    const auto folder = key.find('/', 11);
+    const auto phase = key.rfind('/');
+    if (folder != std::string::npos && phase > folder)
+      return fmt::format("saving checkpoint '{}' ({})", key.substr(folder + 1, phase - folder - 1), key.substr(phase + 1));
+  }
+  return fmt::format("exchanging '{}'", key);
+}
+
+// c10's errors carry a backtrace in what(); messages here name the peer and the purpose instead.
+std::string message_of(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+Error lost_store(const std::string& key, const std::exception& e) {
+  return Error(fmt::format("lost the connection to the rendezvous store{} while {} ({}); did rank 0 stop?",
+                           env().agent_store ? " (torchrun's agent)" : " (hosted by rank 0)", purpose(key),
+                           message_of(e)));
+}
+
+// The value of `store_key`, which rank `peer` writes, waiting up to the runtime's timeout; a lost
+// peer or store is an error within seconds (Note [Lost peers]).
+std::vector<std::uint8_t> get_from(int peer, const std::string& store_key, const std::string& key) {
+  const QuietStoreLogs quiet;
+  auto& store = *runtime().store;
+  const auto start = std::chrono::steady_clock::now();
+  std::int64_t last_beat = -1;
+  auto last_change = start, last_look = start;
+  auto pause = std::chrono::microseconds(200);
+  while (true) {
+    // check() does not block (a store wait with a short timeout logs a c10d warning each time).
+    try {
+      if (store.check({store_key})) return store.get(store_key);
+    } catch (const std::exception& e) {
+      throw lost_store(key, e);
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(50'000));
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start > timeout())
+      throw Error(fmt::format("waited {} s for rank {} while {} (the process-group timeout); is rank {} stuck?",
+                              std::chrono::duration_cast<std::chrono::seconds>(timeout()).count(), peer, purpose(key),
+                              peer));
+    if (now - last_look < kHeartbeatPeriod) continue;
+    last_look = now;
+    std::int64_t beat = 0;
+    try {
+      beat = store.add(heartbeat_key(peer), 0);
+    } catch (const std::exception& e) {
+      throw lost_store(key, e);
+    }
+    if (beat != last_beat) {
+      last_beat = beat;
+      last_change = now;
+    } else if (now - last_change > kPeerLostAfter) {
+      throw Error(fmt::format("rank {} was lost while {}: no sign of life from it for {} s (killed, or its host "
+                              "failed)",
+                              peer, purpose(key), kPeerLostAfter.count()));
+    }
+  }
+}
+
+}  // namespace
+
 std::string broadcast_from_rank0(const std::string& key, const std::string& value) {
   if (!initialized()) return value;
   const std::string k = "modalities/broadcast/" + key;
@@ -388,7 +553,7 @@ std::string broadcast_from_rank0(const std::string& key, const std::string& valu
     runtime().store->set(k, std::vector<std::uint8_t>(value.begin(), value.end()));
     return value;
   }
-  const std::vector<std::uint8_t> got = runtime().store->get(k);  // waits up to the store's timeout
+  const std::vector<std::uint8_t> got = get_from(0, k, key);
   return std::string(got.begin(), got.end());
 }
 
@@ -396,8 +561,12 @@ namespace {
 std::vector<std::string> gather_strings(const std::string& key, const std::string& value, bool everyone) {
   if (!initialized()) return {value};
   const std::string prefix = "modalities/gather/" + key + "/";
-  auto& store = *runtime().store;
-  store.set(prefix + std::to_string(rank()), std::vector<std::uint8_t>(value.begin(), value.end()));
+  try {
+    const QuietStoreLogs quiet;
+    runtime().store->set(prefix + std::to_string(rank()), std::vector<std::uint8_t>(value.begin(), value.end()));
+  } catch (const std::exception& e) {
+    throw lost_store(key, e);
+  }
   std::vector<std::string> out;
   if (!everyone && rank() != 0) return out;
   out.reserve(static_cast<std::size_t>(world_size()));
@@ -406,14 +575,7 @@ std::vector<std::string> gather_strings(const std::string& key, const std::strin
       out.push_back(value);
       continue;
     }
-    std::vector<std::uint8_t> got;
-    try {
-      got = store.get(prefix + std::to_string(r));  // waits up to the store's timeout
-    } catch (const std::exception& e) {
-      throw Error(fmt::format("rank {}: waiting for rank {}'s '{}' failed after up to {} s (did rank {} stop?): {}",
-                              rank(), r, key, std::chrono::duration_cast<std::chrono::seconds>(timeout()).count(), r,
-                              e.what()));
-    }
+    const std::vector<std::uint8_t> got = get_from(r, prefix + std::to_string(r), key);
     out.emplace_back(got.begin(), got.end());
   }
   return out;

@@ -1488,6 +1488,33 @@ TEST(DistributedFailureTest, AHungRankMakesTheOthersFailWithinTheTimeout) {
               t.seconds);
 }
 
+// Note [Lost peers]: kill -9 of rank 1 while a checkpoint is written (after its file, before its
+// report): rank 0, waiting in the checkpoint protocol, names rank 1 and the checkpoint once rank 1's
+// heartbeat has been still for 10 s, long before the process-group timeout (60 s) or the launcher's
+// SIGKILL (grace 60 s), as under a launcher that does not stop the others (srun's default) it would
+// otherwise wait the whole timeout. kill -9 of rank 0, which hosts the store, after writing its
+// manifest: rank 1 names the lost store connection and the checkpoint, without c10's backtrace.
+TEST(DistributedFailureTest, ARankLostWhileACheckpointIsWrittenIsNamedWithinSeconds) {
+  const modalities::testing::ScratchDir dir;
+  const TimedResult t = run_with_fault(dir, "lost1", "checkpoint_file_written@1", 12, 3, 60, 60);
+  EXPECT_NE(t.result.exit_code, 0) << t.result;
+  EXPECT_THAT(t.result.err, HasSubstr("[rank 0] error: rank 0: rank 1 was lost while saving checkpoint "
+                                      "'eid_lost1-seen_steps_3-"))
+      << t.result;
+  EXPECT_THAT(t.result.err, Not(HasSubstr("waitForInput")))
+      << t.result;
+  EXPECT_THAT(t.result.err, HasSubstr("no sign of life from it for 10 s")) << t.result;
+  EXPECT_LT(t.seconds, 50.0) << t.result;  // start-up, 3 steps and 10 s; not the 60 s timeout + 60 s grace
+  std::printf("rank 1 killed while saving: rank 0 named it %.1f s after the launch\n", t.seconds);
+  const TimedResult u = run_with_fault(dir, "lost0", "checkpoint_manifest_written@0", 12, 3, 60, 60);
+  EXPECT_NE(u.result.exit_code, 0) << u.result;
+  EXPECT_THAT(u.result.err, HasSubstr("[rank 1] error: rank 1: lost the connection to the rendezvous store (hosted by "
+                                      "rank 0) while saving checkpoint 'eid_lost0-seen_steps_3-"))
+      << u.result;
+  EXPECT_THAT(u.result.err, Not(HasSubstr("frame #"))) << u.result;
+  EXPECT_LT(u.seconds, 50.0) << u.result;
+}
+
 // A NaN loss on one rank only (rank 1, step 5): every rank stops with the error naming step 5 at
 // the next check (a log step), instead of rank 1 leaving and rank 0 waiting for it until the
 // (60 s) timeout; nothing is checkpointed after it.

@@ -10,7 +10,8 @@
 //
 // Points (grep fault_point): "train_step" (the gym, after a micro-batch's backward, before the
 // optimizer step), "checkpoint_file_written" (format v2 checkpoints, after this rank's file is on
-// disk and before rank 0 commits the folder), "train_loss_nan" (flag: the gym logs a NaN loss for
+// disk and before rank 0 commits the folder), "checkpoint_manifest_written" (rank 0, after writing
+// the manifest into the hidden folder, before the rename), "train_loss_nan" (flag: the gym logs a NaN loss for
 // that micro-batch). Unset: fault_point() costs one cached branch.
 #pragma once
 
