@@ -42,6 +42,8 @@ Families (the pipeline each one reproduces):
                          bert_cased_style: lowercase=False, strip_accents unset, do_lower_case false
   t5_style               SentencePiece unigram (identity) -> T5TokenizerFast(extra_ids=10): Unigram + Metaspace,
                          "$A </s>"; t5_nmt_style: nmt_nfkc, so a Precompiled normalizer (as the real T5)
+  xlm_roberta_style      SentencePiece unigram (identity) -> XLMRobertaTokenizerFast: fairseq ids (<s> <pad> </s>
+                         <unk> first), Metaspace, "<s> $A </s>", <mask> lstrip, XLMRobertaTokenizer
   unigram_style          tokenizers' SentencePieceUnigramTokenizer (Nmt+NFKC+Replace, Metaspace)
   pretok_sequences_style WordPiece with normalizers Sequence[NFKC, Lowercase, Strip] and pre-tokenizers
                          Sequence[WhitespaceSplit, Punctuation(isolated), Digits(contiguous)]
@@ -645,6 +647,16 @@ def build_t5(texts, folder, rule):
     finish_sp_folder(folder, {"model_max_length": 512, "tokenizer_class": "T5Tokenizer"})
 
 
+def build_xlm_roberta(texts, folder):
+    from transformers import XLMRobertaTokenizerFast
+    with tempfile.TemporaryDirectory() as tmp:
+        model = train_sp(texts, Path(tmp) / "sentencepiece.bpe", model_type="unigram",
+                         normalization_rule_name="identity", vocab_size=1500, character_coverage=0.99)
+        tok = XLMRobertaTokenizerFast(vocab_file=str(model), from_slow=True)
+        tok.save_pretrained(str(folder))
+    finish_sp_folder(folder, {"model_max_length": 512, "tokenizer_class": "XLMRobertaTokenizer"})
+
+
 FAMILIES = {
     "starcoder_style": build_starcoder,
     "tekken_style": build_tekken,
@@ -660,6 +672,7 @@ FAMILIES = {
     "bert_cased_style": lambda texts, folder: build_bert(texts, folder, lowercase=False),
     "t5_style": lambda texts, folder: build_t5(texts, folder, "identity"),
     "t5_nmt_style": lambda texts, folder: build_t5(texts, folder, "nmt_nfkc"),
+    "xlm_roberta_style": build_xlm_roberta,
     "unigram_style": build_unigram,
     "pretok_sequences_style": build_pretok_sequences,
     "whitespace_style": build_whitespace,

@@ -454,6 +454,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
       attrs[key] = sv;
     };
     bool template_from_flags = false, default_add_bos = false, force_prefix_space = true, roberta_mask = false;
+    bool mask_normalized = false;  // XLMRobertaTokenizerFast's AddedToken(mask, lstrip=True) keeps normalized
     if (base == "GPT2Tokenizer" || base == "CodeGenTokenizer") {
       for (const char* key : {"unk_token", "bos_token", "eos_token"}) default_attr(key, "<|endoftext|>", false);
       if (base == "CodeGenTokenizer" && add_bos_token.value_or(false))
@@ -511,7 +512,10 @@ class PretrainedHfTokenizer final : public Tokenizer {
       default_attr("eos_token", "<|END_OF_TURN_TOKEN|>", false);
       template_from_flags = true;
       default_add_bos = true;
-    } else if (base == "RobertaTokenizer") {
+    } else if (base == "RobertaTokenizer" || base == "XLMRobertaTokenizer") {
+      // XLMRobertaTokenizerFast has RobertaTokenizerFast's special tokens and string-mask rule (with
+      // normalized left true) and no post-processor or prefix-space rules of its own.
+      mask_normalized = base == "XLMRobertaTokenizer";
       default_attr("bos_token", "<s>", false);
       default_attr("cls_token", "<s>", false);
       default_attr("eos_token", "</s>", false);
@@ -538,7 +542,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
       throw Error(fmt::format(
           "{}: tokenizer_class '{}' is not supported: its class-specific loading rules are not reproduced "
           "(supported: PreTrainedTokenizerFast, GPT2, CodeGen, Qwen2, Llama, Gemma, GPTNeoX, Cohere, Roberta, "
-          "Bloom, Bert and T5 tokenizers, slow or Fast){}. If the tokenizer.json alone defines the tokenizer, set "
+          "XLMRoberta, Bloom, Bert and T5 tokenizers, slow or Fast){}. If the tokenizer.json alone defines the tokenizer, set "
           "\"tokenizer_class\": \"PreTrainedTokenizerFast\".",
           config_file.string(), cls,
           base == "CodeLlamaTokenizer" ? "; CodeLlama's infilling (<FILL_ME>) is Python code in transformers" : ""));
@@ -565,7 +569,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
           return e.second.content == it->second.token.content;
         });
         if (!in_tokenizer_json) {
-          it->second.token = AddedToken{it->second.token.content, false, true, false, false, true};
+          it->second.token = AddedToken{it->second.token.content, false, true, false, mask_normalized, true};
           it->second.is_added_token = true;
         }
       }

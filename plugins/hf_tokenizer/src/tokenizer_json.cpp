@@ -1952,9 +1952,23 @@ void TokenizerJson::Impl::parse_vocab_map(const Json& j, dom::element el) {
 
 void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
   std::string type;
-  if (auto t = j.optional_member(el, "type")) type = j.string(*t, "model.type");
-  else if (j.optional_member(el, "merges")) type = "BPE";  // old serialisation without "type"
-  else fail(file, "model", "has no 'type' (and no 'merges', so it is not a BPE model)");
+  // Older serialisations (the real t5-small file) have no "type": `tokenizers` then takes the first
+  // model its fields deserialise as, trying BPE, WordPiece, WordLevel and Unigram in turn.
+  if (auto t = j.optional_member(el, "type")) {
+    type = j.string(*t, "model.type");
+  } else if (j.optional_member(el, "merges")) {
+    type = "BPE";
+  } else if (auto v = j.optional_member(el, "vocab"); v && v->is_array()) {
+    type = "Unigram";  // a list of [piece, score]
+  } else if (v && v->is_object() && j.optional_member(el, "continuing_subword_prefix") &&
+             j.optional_member(el, "max_input_chars_per_word")) {
+    type = "WordPiece";
+  } else if (v && v->is_object() && j.optional_member(el, "unk_token")) {
+    type = "WordLevel";
+  } else {
+    fail(file, "model", "has no 'type', and its fields fit none of BPE (merges), Unigram (a vocab list), WordPiece "
+                        "and WordLevel (a vocab map with unk_token)");
+  }
 
   if (type == "WordPiece" || type == "WordLevel") {
     model_kind = type == "WordPiece" ? ModelKind::kWordPiece : ModelKind::kWordLevel;

@@ -289,7 +289,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values("gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
                       "deepseek_v3_style", "gptneox_style", "gptneox_bos_style", "roberta_style", "bloom_style",
                       "llama2_style", "mistral_style", "gemma_style", "bert_style", "bert_cased_style", "t5_style",
-                      "t5_nmt_style", "unigram_style", "pretok_sequences_style", "whitespace_style"));
+                      "t5_nmt_style", "xlm_roberta_style", "unigram_style", "pretok_sequences_style", "whitespace_style"));
 
 
 TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
@@ -302,6 +302,34 @@ TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
   for (std::size_t i = 0; i < texts.size(); ++i)
     mismatches += old_json.encode(texts[i]) != ids_of(parser.parse(expected[i])["ids"].value());
   EXPECT_EQ(mismatches, 0u);
+}
+
+// tokenizer.json files of the older serialisation whose model has no "type" (the real t5-small file):
+// the model is inferred from its fields as `tokenizers` does (0.22.2 loads these type-less copies as
+// Unigram and WordPiece and encodes the corpus identically), and encodes like the typed file.
+TEST(HfTokenizerTest, ModelsWithoutTypeAreInferredAsTokenizersDoes) {
+  const auto texts = texts_of(kFamilies / "corpus.jsonl");
+  for (const std::string family : {"t5_style", "unigram_style", "bert_style"}) {
+    const std::string json = testing::read_file(kFamilies / family / "tokenizer.json");
+    const std::string typed = json.find(R"("model":{"type":"Unigram",)") != std::string::npos
+                                  ? R"("model":{"type":"Unigram",)"
+                                  : R"("model":{"type":"WordPiece",)";
+    ASSERT_NE(json.find(typed), std::string::npos) << family;
+    std::string untyped = json;
+    untyped.replace(untyped.find(typed), typed.size(), R"("model":{)");
+    TempDir dir;
+    dir.write("tokenizer.json", untyped);
+    TokenizerJson with_type(kFamilies / family / "tokenizer.json");
+    TokenizerJson without_type(dir.path() / "tokenizer.json");
+    std::size_t mismatches = 0;
+    for (const std::string& text : texts) mismatches += with_type.encode(text) != without_type.encode(text);
+    EXPECT_EQ(mismatches, 0u) << family;
+  }
+  TempDir dir;
+  dir.write("tokenizer.json", R"({"version":"1.0","added_tokens":[],"normalizer":null,"pre_tokenizer":null,)"
+                              R"("post_processor":null,"decoder":null,"model":{"vocab":{"a":0}}})");
+  EXPECT_THAT([&] { TokenizerJson t(dir.path() / "tokenizer.json"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("has no 'type', and its fields fit none of")));
 }
 
 // Hand-written strings for the added-token rules (lstrip, rstrip, single_word,
