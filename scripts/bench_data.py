@@ -64,7 +64,7 @@ def count_tokens(pbin):
 # regex, ignore_merges and BOS template at a small vocabulary) and a SentencePiece-style BPE with
 # byte_fallback (Llama-2 pipeline: Prepend/Replace normalizer, no pre-tokenizer).
 SINGLE_THREAD_TOKENIZERS = [
-    ("gpt2", "data/tokenizer/gpt2", "<|endoftext|>"),
+    ("gpt2", "data/tokenizer/gpt2_style_8k", "<|endoftext|>"),
     ("llama3_style", "plugins/hf_tokenizer/tests/data/llama3_style", "<|end_of_text|>"),
     ("llama2_byte_fallback", "plugins/hf_tokenizer/tests/data/families/llama2_style", "</s>"),
 ]

@@ -89,6 +89,16 @@ if want ranks; then
     || failed+=(ranks)
 fi
 
+# The GPU parts train 20 steps of 16 x 1024 tokens (327 680 + 1): more than the 233 300 tokens of
+# data/sample/train.pbin, so they read three copies of it merged into one file.
+if want gpt2 || want ac || want configs; then
+  mkdir -p "${out}/data"
+  rm -f "${out}/data/train_x3.pbin"
+  "${modalities}" data merge_packed_data "${root}/data/sample/train.pbin" "${root}/data/sample/train.pbin" \
+    "${root}/data/sample/train.pbin" "${out}/data/train_x3.pbin" >/dev/null
+  export MODALITIES_BENCH_DATA="${out}/data/train_x3.pbin"
+fi
+
 if want quickstart; then
   step "quickstart on cuda:0: train 80 steps, warm start from step 60, generate"
   exp="${out}/experiments"

@@ -65,9 +65,9 @@ mkdir -p "${out}"
 out="$(cd "${out}" && pwd)"
 rm -rf "${out}/exp"
 
-# 1. lorem_ipsum_long.pbin with every token id taken modulo 128 (same layout: 2-byte tokens,
+# 1. data/sample/train.pbin with every token id taken modulo 128 (same layout: 2-byte tokens,
 #    index [(0, data_len)]; continuous datasets do not read the index).
-python3 - "${root}/data/lorem_ipsum/lorem_ipsum_long.pbin" "${out}/vocab128.pbin" <<'EOF'
+python3 - "${root}/data/sample/train.pbin" "${out}/vocab128.pbin" <<'EOF'
 import pickle, struct, sys
 src = open(sys.argv[1], "rb").read()
 data_len, token_size = struct.unpack_from("<QI", src, 0)

@@ -20,7 +20,7 @@ tokenizers and tiktoken versions pinned in scripts/bench-requirements.txt):
     .deps/bench/bin/python scripts/bench_tokenizer.py [fixtures-dir] [--repeat 3] [--mb 20]
         [--ours build/bin/modalities_hf_tokenizer_bench] [--only gpt2,llama2_style]
 
-[fixtures-dir] holds data/tokenizer/hf_gpt2/... (default: tests/fixtures/modalities).
+[fixtures-dir] holds data/tokenizer/hf_gpt2/... (default: ../shared/fixtures/modalities beside the checkout).
 """
 
 import os
@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests/fixtures/modalities"
+FIXTURES = ROOT.parent / "shared/fixtures/modalities"
 FAMILIES = ["gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
             "deepseek_v3_style", "gptneox_style", "roberta_style", "bloom_style", "llama2_style", "mistral_style",
             "gemma_style", "bert_style", "t5_style", "t5_nmt_style", "unigram_style", "pretok_sequences_style", "whitespace_style"]
@@ -109,7 +109,7 @@ def run_ours(binary, name, mb, passes):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("fixtures", type=Path, nargs="?", default=FIXTURES,
-                    help="Modalities fixtures directory holding data/... (default: tests/fixtures/modalities)")
+                    help="Modalities fixtures directory holding data/... (default: ../shared/fixtures/modalities beside the checkout)")
     ap.add_argument("--repeat", type=int, default=3, help="whole passes per engine; the fastest counts (default 3)")
     ap.add_argument("--mb", type=float, default=20.0, help="corpus size in MiB (default 20)")
     ap.add_argument("--ours", type=Path, default=ROOT / "build/bin/modalities_hf_tokenizer_bench")

@@ -14,6 +14,7 @@ from configs/quickstart/train.toml by editing its text, so comments and structur
 Only the standard library (Python >= 3.11 for tomllib, used to check the result).
 """
 import argparse
+import os
 import re
 import sys
 import tomllib
@@ -73,8 +74,10 @@ def main():
 
     base = Path(args.base).resolve()
     tables = split_tables(base.read_text().splitlines(keepends=True))
-    # The dataset path is relative to the config's folder: make it absolute.
-    data = (base.parent / "../../data/lorem_ipsum/lorem_ipsum_long.pbin").resolve()
+    # The dataset: $MODALITIES_BENCH_DATA (a larger .pbin, e.g. scripts/bench_gpu.sh's copies of the
+    # sample corpus), else the bundled data/sample/train.pbin, as an absolute path.
+    env_data = os.environ.get("MODALITIES_BENCH_DATA")
+    data = Path(env_data).resolve() if env_data else (base.parent / "../../data/sample/train.pbin").resolve()
     set_key(tables, "settings.paths.train_dataset_path", f'"{data}"')
     for item in args.set:
         dotted, sep, value = item.partition("=")

@@ -19,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = [
     os.path.join(ROOT, "data", "multilingual", "multilingual.jsonl"),
-    os.path.join(ROOT, "data", "lorem_ipsum", "lorem_ipsum_long.jsonl"),
+    os.path.join(ROOT, "data", "sample", "train.jsonl"),
 ]
 
 

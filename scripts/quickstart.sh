@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: set up, build, then on the bundled data:
-#   1. data preparation: index and tokenize data/lorem_ipsum/lorem_ipsum_long.jsonl
-#      with GPT-2 into out/data/ (byte-identical to Modalities' own .pbin), inspect it;
+#   1. data preparation: index and tokenize data/sample/train.jsonl (our generated corpus)
+#      with the bundled GPT-2-style tokenizer into out/data/, check both files are byte-identical
+#      to what Modalities 0.5.0 wrote from the same input (data/sample/train.idx/.pbin), inspect it;
 #   2. training: a small GPT-2 (RoPE, GQA, SwiGLU) on CPU for 80 steps with
 #      checkpoints every 20 steps (out/experiments/quickstart/);
 #   3. warm start from the step-60 checkpoint and check that steps 61-80 come out
@@ -17,21 +18,23 @@ build/bin/modalities --version
 step "modalities plugins list"
 build/bin/modalities plugins list
 
-step "modalities data create_raw_index (bundled lorem-ipsum JSONL -> out/data/lorem_ipsum_long.idx)"
-build/bin/modalities data create_raw_index data/lorem_ipsum/lorem_ipsum_long.jsonl \
-  --index_path out/data/lorem_ipsum_long.idx --file_existence_policy override
-step "modalities data pack_encoded_data configs/data_preparation/pack_lorem_ipsum_long.toml"
-build/bin/modalities data pack_encoded_data configs/data_preparation/pack_lorem_ipsum_long.toml \
+step "modalities data create_raw_index (bundled sample JSONL -> out/data/train.idx)"
+build/bin/modalities data create_raw_index data/sample/train.jsonl \
+  --index_path out/data/train.idx --file_existence_policy override
+step "modalities data pack_encoded_data configs/data_preparation/pack_sample.toml"
+build/bin/modalities data pack_encoded_data configs/data_preparation/pack_sample.toml \
   --file_existence_policy override
-if cmp -s out/data/lorem_ipsum_long.pbin data/lorem_ipsum/lorem_ipsum_long.pbin; then
-  echo "out/data/lorem_ipsum_long.pbin is byte-identical to Modalities' data/lorem_ipsum/lorem_ipsum_long.pbin"
-else
-  echo "out/data/lorem_ipsum_long.pbin differs from data/lorem_ipsum/lorem_ipsum_long.pbin" >&2
-  exit 1
-fi
-step "modalities data inspect_packed_data out/data/lorem_ipsum_long.pbin --document 3"
-build/bin/modalities data inspect_packed_data out/data/lorem_ipsum_long.pbin --document 3 --max_tokens 12 \
-  --tokenizer_config configs/data_preparation/pack_lorem_ipsum_long.toml | cut -c1-160 | head -n 12
+for ext in idx pbin; do
+  if cmp -s "out/data/train.${ext}" "data/sample/train.${ext}"; then
+    echo "out/data/train.${ext} is byte-identical to data/sample/train.${ext}, which Modalities 0.5.0 wrote from the same input"
+  else
+    echo "out/data/train.${ext} differs from Modalities 0.5.0's data/sample/train.${ext}" >&2
+    exit 1
+  fi
+done
+step "modalities data inspect_packed_data out/data/train.pbin --document 3"
+build/bin/modalities data inspect_packed_data out/data/train.pbin --document 3 --max_tokens 12 \
+  --tokenizer_config configs/data_preparation/pack_sample.toml | cut -c1-160 | head -n 12
 
 step "modalities run configs/quickstart/train.toml (80 steps on CPU)"
 rm -rf out/experiments/quickstart out/experiments/quickstart_resumed

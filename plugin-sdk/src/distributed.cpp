@@ -544,16 +544,42 @@ std::vector<std::uint8_t> get_from(int peer, const std::string& store_key, const
   }
 }
 
+// Note [Reads before rank 0 returns]: rank 0 hosts the store (unless torchrun's agent does). A rank
+// that returns from an exchange may fail at once (the ranks' fingerprints differ, say) and exit,
+// taking the store with it while other ranks still read their values: they then reported a lost
+// store instead of the real error (seen under load in DistributedRunTest.ARankWithAnotherConfig-
+// FileIsRefusedOnEveryRank). So every other rank marks `<prefix>read/<rank>` once it has read what
+// it needs, and rank 0 returns only when all have (a lost peer is still named within seconds).
+void reads_done(const std::string& prefix, const std::string& key) {
+  if (rank() != 0) {
+    try {
+      const QuietStoreLogs quiet;
+      runtime().store->set(prefix + "read/" + std::to_string(rank()), std::vector<std::uint8_t>{1});
+    } catch (const std::exception& e) {
+      throw lost_store(key, e);
+    }
+    return;
+  }
+  for (int r = 1; r < world_size(); ++r) get_from(r, prefix + "read/" + std::to_string(r), key);
+}
+
 }  // namespace
 
 std::string broadcast_from_rank0(const std::string& key, const std::string& value) {
   if (!initialized()) return value;
   const std::string k = "modalities/broadcast/" + key;
   if (rank() == 0) {
-    runtime().store->set(k, std::vector<std::uint8_t>(value.begin(), value.end()));
+    try {
+      const QuietStoreLogs quiet;
+      runtime().store->set(k, std::vector<std::uint8_t>(value.begin(), value.end()));
+    } catch (const std::exception& e) {
+      throw lost_store(key, e);
+    }
+    reads_done(k + "/", key);
     return value;
   }
   const std::vector<std::uint8_t> got = get_from(0, k, key);
+  reads_done(k + "/", key);
   return std::string(got.begin(), got.end());
 }
 
@@ -578,6 +604,7 @@ std::vector<std::string> gather_strings(const std::string& key, const std::strin
     const std::vector<std::uint8_t> got = get_from(r, prefix + std::to_string(r), key);
     out.emplace_back(got.begin(), got.end());
   }
+  if (everyone) reads_done(prefix, key);  // Note [Reads before rank 0 returns]
   return out;
 }
 }  // namespace

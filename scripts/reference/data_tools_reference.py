@@ -7,11 +7,12 @@ re-statement of the Modalities data tools (docs/data.md) that uses
 those real libraries for every random draw and hash.
 
 Usage (needs numpy: the venv .deps/bench of scripts/setup_bench_env.sh):
-    .deps/bench/bin/python scripts/reference/data_tools_reference.py [fixtures-dir] > tests/data/data_tools_reference.inc
+    .deps/bench/bin/python scripts/reference/data_tools_reference.py > tests/data/data_tools_reference.inc
 
-[fixtures-dir] is the Modalities fixtures directory holding data/..., derived/... and tests/...
-(default: tests/fixtures/modalities). The C++ tests re-create the same
-inputs (list files, synthetic JSONL) exactly as described in the comments below.
+The inputs are this repository's own files (data/sample, data/multilingual, data/instruction_tuning,
+tests/data/instruction_tuning) and the tiny worked example of the data formats, whose bytes are
+written below (names "tiny/..." stand for core/testing/shared_fixtures.cpp's folder). The C++ tests
+re-create the same inputs (list files, synthetic JSONL) exactly as described in the comments below.
 """
 
 import hashlib
@@ -22,10 +23,19 @@ import random
 import sys
 from pathlib import Path
 
+import tempfile
+
 import numpy as np
 
-ROOT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "tests/fixtures/modalities"
+ROOT = Path(__file__).resolve().parents[2]
+TINY = Path(tempfile.mkdtemp(prefix="data_tools_reference_"))
+(TINY / "tiny.pbin").write_bytes(bytes.fromhex("0a0000000000000002000000883c50c46b29000050c4"
+                                               "80049511000000000000005d94284b004b0486944b044b068694652e"))
 OUT = []
+
+
+def resolve(rel: str) -> Path:
+    return TINY / rel[len("tiny/"):] if rel.startswith("tiny/") else ROOT / rel
 
 
 def emit(line=""):
@@ -211,33 +221,33 @@ emit("struct FileVector { const char* name; std::uint64_t size; const char* sha2
 
 emit("// shuffle_tokenized_data(input, seed): sha256 of the output file")
 emit("inline const std::vector<std::pair<const char*, FileVector>> kShuffleTokenized = {")
-for rel, seed in [("data/lorem_ipsum_long.pbin", "42"), ("data/lorem_ipsum_long.pbin", "0"),
-                  ("data/lorem_ipsum.pbin", str(2**70 + 5)), ("data/lorem_ipsum.pbin", "-3"),
-                  ("derived/tiny/tiny.pbin", "1")]:
-    out = shuffle_tokenized(ROOT / rel, int(seed))
+for rel, seed in [("data/sample/train.pbin", "42"), ("data/sample/train.pbin", "0"),
+                  ("data/sample/eval.pbin", str(2**70 + 5)), ("data/sample/eval.pbin", "-3"),
+                  ("tests/data/instruction_tuning/expected/train.pbin", "5"), ("tiny/tiny.pbin", "1")]:
+    out = shuffle_tokenized(resolve(rel), int(seed))
     emit(f'  {{"{seed}", {{"{rel}", {len(out)}, "{sha(out)}"}}}},')
 emit("};")
-out = shuffle_tokenized(ROOT / "derived/tiny/tiny.pbin", 3)
+out = shuffle_tokenized(resolve("tiny/tiny.pbin"), 3)
 emit(f'inline const char* const kTinyShuffledSeed3Hex = "{out.hex()}";')
 
 emit("// shuffle_jsonl_data(input, seed), with the missing final newline added (Q11)")
 emit("inline const std::vector<std::pair<const char*, FileVector>> kShuffleJsonl = {")
-for rel, seed in [("data/lorem_ipsum.jsonl", "42"), ("data/lorem_ipsum_long.jsonl", "7"),
-                  ("tests/data/datasets/lorem_ipsum_long.jsonl", "7"),
-                  ("tests/data/datasets/danish_test_dataset.jsonl", str(2**64))]:
-    out = shuffle_jsonl(ROOT / rel, int(seed))
+for rel, seed in [("data/sample/eval.jsonl", "42"), ("data/sample/train.jsonl", "7"),
+                  ("data/instruction_tuning/chats.jsonl", "7"),
+                  ("data/multilingual/multilingual.jsonl", str(2**64))]:
+    out = shuffle_jsonl(resolve(rel), int(seed))
     emit(f'  {{"{seed}", {{"{rel}", {len(out)}, "{sha(out)}"}}}},')
 emit("};")
 
-# The list files the C++ test writes: exactly these bytes, root = the fixtures directory.
-PBIN_LIST = ("data/lorem_ipsum\n"
-             "  data/lorem_ipsum_long.idx  \n"
-             "derived/tests/data/datasets/danish_test_dataset.gpt2_eod50256.pbin\n"
-             "derived/tiny/tiny.jsonl")
-JSONL_LIST = ("data/lorem_ipsum.pbin\n"
-              "data/lorem_ipsum_long\n"
-              "tests/data/datasets/danish_test_dataset.jsonl\n"
-              "tests/data/datasets/lorem_ipsum_without_last_newline\n")
+# The list files the C++ test writes: exactly these bytes, root = the repository.
+PBIN_LIST = ("data/sample/eval\n"
+             "  data/sample/train.idx  \n"
+             "tests/data/instruction_tuning/expected/val.pbin\n"
+             "tests/data/instruction_tuning/expected/test.jsonl")
+JSONL_LIST = ("data/sample/eval.pbin\n"
+              "data/sample/train\n"
+              "data/instruction_tuning/chats.jsonl\n"
+              "data/multilingual/multilingual\n")
 emit(f"inline const char* const kPbinChunkList = {cstr(PBIN_LIST)};")
 emit(f"inline const char* const kJsonlChunkList = {cstr(JSONL_LIST)};")
 

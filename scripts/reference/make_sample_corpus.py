@@ -4,8 +4,8 @@
 Outputs (deterministic: a rerun reproduces every byte; each step has its own fixed seed):
   data/tokenizer/gpt2_style_8k/   a GPT-2-style byte-level BPE (8 192 tokens, <|endoftext|> = 0),
                                   trained with Hugging Face `tokenizers` on 3 000 generated
-                                  documents (seed TOKENIZER_SEED), plus the tokenizer_config.json /
-                                  special_tokens_map.json that transformers' AutoTokenizer reads
+                                  documents (seed TOKENIZER_SEED), plus the tokenizer_config.json
+                                  that transformers' AutoTokenizer reads
   data/sample/train.jsonl         500 documents (seed TRAIN_SEED)
   data/sample/eval.jsonl          24 documents (seed EVAL_SEED)
 
@@ -200,8 +200,7 @@ def train_tokenizer(langs, out_dir):
     tok.train_from_iterator(texts, trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
-    special = {"bos_token": EOD, "eos_token": EOD, "unk_token": EOD}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    special = {"bos_token": EOD, "eos_token": EOD, "unk_token": EOD}  # tokenizer_config.json carries them
     config = {"add_prefix_space": False, "model_max_length": 1024, "tokenizer_class": "GPT2Tokenizer",
               "clean_up_tokenization_spaces": False, **special}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -242,7 +241,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         make(Path(tmp))
         rels = ["data/tokenizer/gpt2_style_8k/tokenizer.json", "data/tokenizer/gpt2_style_8k/tokenizer_config.json",
-                "data/tokenizer/gpt2_style_8k/special_tokens_map.json", "data/sample/train.jsonl",
+                "data/sample/train.jsonl",
                 "data/sample/eval.jsonl"]
         bad = [r for r in rels if not filecmp.cmp(Path(tmp) / r, ROOT / r, shallow=False)]
         if bad:

@@ -67,7 +67,7 @@ scripts/setup_bench_env.sh, tokenizers/transformers/sentencepiece versions of sc
 
     .deps/bench/bin/python scripts/reference/make_tokenizer_families.py [fixtures-dir] [--retrain] [--only NAME...]
 
-[fixtures-dir] holds data/tokenizer/hf_gpt2 (default: tests/fixtures/modalities).
+[fixtures-dir] holds data/tokenizer/hf_gpt2 (default: ../shared/fixtures/modalities beside the checkout).
 """
 
 import argparse
@@ -95,7 +95,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MULTILINGUAL = ROOT / "data/multilingual/multilingual.jsonl"
 HF_DATA = ROOT / "plugins/hf_tokenizer/tests/data"
 OUT = HF_DATA / "families"
-FIXTURES = ROOT / "tests/fixtures/modalities"
+FIXTURES = ROOT.parent / "shared/fixtures/modalities"
 
 TEKKEN_PATTERN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
@@ -726,7 +726,7 @@ def expected(name, folder, corpus):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("fixtures", type=Path, nargs="?", default=FIXTURES,
-                    help="Modalities fixtures directory holding data/tokenizer/hf_gpt2 (default: tests/fixtures/modalities)")
+                    help="Modalities fixtures directory holding data/tokenizer/hf_gpt2 (default: ../shared/fixtures/modalities beside the checkout)")
     ap.add_argument("--retrain", action="store_true", help="rebuild the corpus and retrain the tokenizers even if present")
     ap.add_argument("--only", nargs="*", help="(re)build only these families (implies retraining them)")
     args = ap.parse_args()

@@ -304,12 +304,12 @@ TEST_F(CliConfigValidateTest, BuildPrintsWhatEachTopLevelKeyProducedAndLogsProgr
 }
 
 TEST_F(CliConfigValidateTest, BundledTokenBudgetConfigBuildsTheSpecValues) {
-  // The README's main job: 1 300 samples of lorem_ipsum_long.pbin // (4 * 2) = 162 steps.
+  // The bundled corpus: 911 samples of data/sample/train.pbin // (4 * 2) = 113 steps.
   const std::string file = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/token_budget.toml";
   const CommandResult r = modalities({"config", "build", file});
   EXPECT_EQ(r.exit_code, 0) << r;
-  EXPECT_THAT(r.out, HasSubstr("num_target_tokens = 331776\n")) << r;
-  EXPECT_THAT(r.out, HasSubstr("num_target_steps = 162\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("num_target_tokens = 231424\n")) << r;
+  EXPECT_THAT(r.out, HasSubstr("num_target_steps = 113\n")) << r;
   EXPECT_THAT(r.out, HasSubstr("document_steps = 62\n")) << r;
 }
 
@@ -400,7 +400,7 @@ config = { model_type = "AutoModelForCausalLM", model_name = ")" + model_folder 
 [tokenizer]
 component_key = "tokenizer"
 variant_key = "pretrained_hf_tokenizer"
-config = { pretrained_model_name_or_path = ")" + root + R"(/data/tokenizer/gpt2" }
+config = { pretrained_model_name_or_path = ")" + root + R"(/data/tokenizer/gpt2_style_8k" }
 )");
 }
 
@@ -416,7 +416,7 @@ TEST(CliConvertTest, WritesAShardedTransformersFolderWithTheTokenizer) {
   EXPECT_THAT(r.out, HasSubstr("Wrote LlamaForCausalLM"));
   const std::string cfg = read_text(out / "config.json");
   EXPECT_THAT(cfg, AllOf(HasSubstr("\"model_type\": \"llama\""), HasSubstr("\"num_key_value_heads\": 2"),
-                         HasSubstr("\"bos_token_id\": 50256"), HasSubstr("\"torch_dtype\": \"float32\"")));
+                         HasSubstr("\"bos_token_id\": 0"), HasSubstr("\"torch_dtype\": \"float32\"")));
   EXPECT_THAT(read_text(out / "model.safetensors.index.json"),
               AllOf(HasSubstr("\"total_size\": 86656"), HasSubstr("model-00001-of-0000")));
   for (const char* f : {"generation_config.json", "tokenizer.json", "tokenizer_config.json"})
@@ -632,19 +632,22 @@ TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
   }
 }
 
-// Modalities' own example configs (its config_files/ and tutorials/ at the commit named in
-// tests/config/modalities_configs/README.md), imported and validated the way each is used: from
-// the folder Modalities runs it in, with the bundled lorem-ipsum data standing in for the data
-// files they name, warm-start configs with a last_checkpoint_info.json, sweep files through
-// `benchmark prepare_sweep_configs`. Every one validates except those Modalities itself rejects
-// or that name components its tutorials register from Python (docs/configs.md lists them).
+// Modalities' own example configs (its config_files/ and tutorials/, from ../shared/fixtures/
+// modalities-configs; the test skips where ../shared is absent), imported and validated the way
+// each is used: from the folder Modalities runs it in, with Modalities' lorem-ipsum data standing
+// in for the data files they name, warm-start configs with a last_checkpoint_info.json, sweep files
+// through `benchmark prepare_sweep_configs`. Every one validates except those Modalities itself
+// rejects or that name components its tutorials register from Python (docs/configs.md lists them).
 TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
   namespace fs = std::filesystem;
+  const fs::path src = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities-configs";
+  const fs::path lorem = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities" / "data";
+  if (!fs::exists(src) || !fs::exists(lorem))
+    GTEST_SKIP() << "skipped: needs " << src.string() << " and " << lorem.string()
+                 << " (Modalities' files from ../shared/fixtures, present in CI, absent here)";
   ScratchDir dir;
   const fs::path root = dir.path() / "modalities";
-  const fs::path src = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "tests" / "config" / "modalities_configs";
   fs::copy(src, root, fs::copy_options::recursive);
-  const fs::path lorem = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "lorem_ipsum";
   const auto link = [&](const fs::path& at, const std::string& file) {
     fs::create_directories(at.parent_path());
     fs::create_symlink(lorem / file, at);

@@ -11,6 +11,7 @@
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/formats/packed_file.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -26,6 +27,9 @@ using ::testing::HasSubstr;
 const std::filesystem::path kFixtures = std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR);
 const std::filesystem::path kGpt2 = kFixtures / "data" / "tokenizer" / "hf_gpt2";
 const std::filesystem::path kSpModel = kFixtures / "data" / "tokenizer" / "sentencepiece_dclm" / "en_32k_tokenizer.model";
+// The bundled corpus and tokenizer, with the .idx/.pbin Modalities 0.5.0 wrote from them (data/sample/README.md).
+const std::filesystem::path kSample = std::filesystem::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "sample";
+const std::filesystem::path kSampleTokenizer = std::filesystem::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "tokenizer" / "gpt2_style_8k";
 
 testing::CommandResult modalities(std::vector<std::string> args, const std::string& shell_prefix = {}) {
   args.insert(args.begin(), MODALITIES_TEST_BINARY);
@@ -40,7 +44,7 @@ std::string q(const std::filesystem::path& p) { return fmt::format("\"{}\"", p.s
 
 struct PackConfig {
   std::filesystem::path src, dst, index;
-  std::string tokenizer = "gpt2";  // or "sp"
+  std::string tokenizer = "sample";  // data/tokenizer/gpt2_style_8k; "gpt2" and "sp" need ../shared
   std::string eod = "<|endoftext|>";
   int num_cpus = 2;
   int batch = 10;
@@ -57,10 +61,10 @@ struct PackConfig {
     t += "raw_samples_queue_size = 3\nprocessed_samples_queue_size = 2\n";
     if (skip_invalid) t += "skip_invalid_documents = true\n";
     t += "\n[tokenizer]\ncomponent_key = \"tokenizer\"\n";
-    if (tokenizer == "gpt2")
+    if (tokenizer == "gpt2" || tokenizer == "sample")
       t += fmt::format("variant_key = \"pretrained_hf_tokenizer\"\nconfig = {{ pretrained_model_name_or_path = {}, "
                        "padding = false, truncation = false }}\n",
-                       q(kGpt2));
+                       q(tokenizer == "gpt2" ? kGpt2 : kSampleTokenizer));
     else
       t += fmt::format("variant_key = \"pretrained_sp_tokenizer\"\nconfig = {{ tokenizer_model_file = {} }}\n", q(kSpModel));
     return t;
@@ -93,8 +97,29 @@ TEST(TokenSize, FollowsTheVocabSizeRule) {
   EXPECT_THROW(token_size_for_vocab(0), Error);
 }
 
-// The shipped GPT-2 .pbin files, for several thread counts and batch sizes.
+// The bundled corpus gives the .pbin Modalities 0.5.0 wrote from it, byte for byte, for several
+// thread counts and batch sizes (stands alone: no ../shared needed).
+TEST(PackEncodedData, SampleCorpusByteIdenticalToModalities) {
+  ScratchDir dir;
+  int n = 0;
+  for (const char* stem : {"eval", "train"}) {
+    for (const auto& [cpus, batch] : {std::pair{1, 10}, std::pair{2, 1}, std::pair{3, 7}}) {
+      PackConfig c;
+      c.src = kSample / fmt::format("{}.jsonl", stem);
+      c.index = kSample / fmt::format("{}.idx", stem);
+      c.dst = dir.path() / fmt::format("{}.{}.pbin", stem, n++);
+      c.num_cpus = cpus;
+      c.batch = batch;
+      const auto r = pack(dir, c);
+      ASSERT_EQ(r.exit_code, 0) << r;
+      EXPECT_EQ(read_file(c.dst), read_file(kSample / fmt::format("{}.pbin", stem))) << stem << " cpus " << cpus << " batch " << batch;
+    }
+  }
+}
+
+// Modalities' own GPT-2 .pbin files (../shared), for several thread counts and batch sizes.
 TEST(PackEncodedData, Gpt2FixturesByteIdentical) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   ScratchDir dir;
   const std::pair<const char*, const char*> cases[] = {{"lorem_ipsum", "data/lorem_ipsum.pbin"},
                                                        {"lorem_ipsum_long", "data/lorem_ipsum_long.pbin"}};
@@ -102,6 +127,7 @@ TEST(PackEncodedData, Gpt2FixturesByteIdentical) {
   for (const auto& [stem, expected] : cases) {
     for (const auto& [cpus, batch] : {std::pair{1, 10}, std::pair{2, 1}, std::pair{3, 7}}) {
       PackConfig c;
+      c.tokenizer = "gpt2";
       c.src = kFixtures / "data" / fmt::format("{}.jsonl", stem);
       c.index = kFixtures / "data" / fmt::format("{}.idx", stem);
       c.dst = dir.path() / fmt::format("{}.{}.pbin", stem, n++);
@@ -115,6 +141,7 @@ TEST(PackEncodedData, Gpt2FixturesByteIdentical) {
 }
 
 TEST(PackEncodedData, DerivedFixturesByteIdentical) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   ScratchDir dir;
   const auto ds = kFixtures / "tests" / "data" / "datasets";
   const auto derived = kFixtures / "derived" / "tests" / "data" / "datasets";
@@ -147,14 +174,14 @@ TEST(PackEncodedData, DerivedFixturesByteIdentical) {
 
 TEST(PackEncodedData, DefaultPathsPoliciesAndSummary) {
   ScratchDir dir;
-  std::filesystem::copy_file(kFixtures / "derived" / "tiny" / "tiny.jsonl", dir.path() / "tiny.jsonl");
-  std::filesystem::copy_file(kFixtures / "derived" / "tiny" / "tiny.idx", dir.path() / "tiny.idx");
+  std::filesystem::copy_file(kSample / "eval.jsonl", dir.path() / "tiny.jsonl");
+  std::filesystem::copy_file(kSample / "eval.idx", dir.path() / "tiny.idx");
   PackConfig c;
   c.src = dir.path() / "tiny.jsonl";  // index and dst default to tiny.idx / tiny.pbin next to it
   auto r = pack(dir, c);
   ASSERT_EQ(r.exit_code, 0) << r;
-  EXPECT_THAT(r.out, HasSubstr("2 documents, 5 tokens of 2 byte(s)"));
-  EXPECT_EQ(read_file(dir.path() / "tiny.pbin"), read_file(kFixtures / "derived" / "tiny" / "tiny.pbin"));
+  EXPECT_THAT(r.out, HasSubstr("24 documents, 10285 tokens of 2 byte(s)"));
+  EXPECT_EQ(read_file(dir.path() / "tiny.pbin"), read_file(kSample / "eval.pbin"));
 
   r = pack(dir, c);
   EXPECT_EQ(r.exit_code, 1) << r;
@@ -164,7 +191,7 @@ TEST(PackEncodedData, DefaultPathsPoliciesAndSummary) {
   EXPECT_THAT(r.err, HasSubstr("skipped"));
   r = pack(dir, c, {"--file_existence_policy", "override"});
   EXPECT_EQ(r.exit_code, 0) << r;
-  EXPECT_EQ(read_file(dir.path() / "tiny.pbin"), read_file(kFixtures / "derived" / "tiny" / "tiny.pbin"));
+  EXPECT_EQ(read_file(dir.path() / "tiny.pbin"), read_file(kSample / "eval.pbin"));
 }
 
 // One bad line in the middle of many good ones: a clear error naming the file
@@ -254,7 +281,7 @@ TEST(PackEncodedData, IndexEntriesThatAreNotLinesAreFatal) {
 
 TEST(PackEncodedData, UnknownEodTokenMissingIndexAndForeignIndex) {
   ScratchDir dir;
-  std::filesystem::copy_file(kFixtures / "derived" / "tiny" / "tiny.jsonl", dir.path() / "tiny.jsonl");
+  std::filesystem::copy_file(modalities::testing::tiny_example_dir() / "tiny.jsonl", dir.path() / "tiny.jsonl");
   PackConfig c;
   c.src = dir.path() / "tiny.jsonl";
   c.dst = dir.path() / "tiny.pbin";
@@ -264,7 +291,7 @@ TEST(PackEncodedData, UnknownEodTokenMissingIndexAndForeignIndex) {
   EXPECT_THAT(r.err, HasSubstr("create it with `modalities data create_raw_index"));
 
   // An index of another, longer file.
-  std::filesystem::copy_file(kFixtures / "data" / "lorem_ipsum.idx", dir.path() / "tiny.idx");
+  std::filesystem::copy_file(kSample / "eval.idx", dir.path() / "tiny.idx");
   r = pack(dir, c);
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("does not belong to"));
@@ -275,7 +302,7 @@ TEST(PackEncodedData, UnknownEodTokenMissingIndexAndForeignIndex) {
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("tiny.idx"));
 
-  std::filesystem::copy_file(kFixtures / "derived" / "tiny" / "tiny.idx", dir.path() / "tiny.idx",
+  std::filesystem::copy_file(modalities::testing::tiny_example_dir() / "tiny.idx", dir.path() / "tiny.idx",
                              std::filesystem::copy_options::overwrite_existing);
   c.eod = "<|endoftext|";
   r = pack(dir, c);
@@ -293,8 +320,8 @@ TEST(PackEncodedData, ConfigErrorsNameTheSettingsPath) {
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("settings.src_path"));
 
-  c.src = kFixtures / "derived" / "tiny" / "tiny.jsonl";
-  c.index = kFixtures / "derived" / "tiny" / "tiny.idx";
+  c.src = modalities::testing::tiny_example_dir() / "tiny.jsonl";
+  c.index = modalities::testing::tiny_example_dir() / "tiny.idx";
   c.jq = ".text | length";
   r = pack(dir, c);
   EXPECT_EQ(r.exit_code, 1) << r;
@@ -305,8 +332,8 @@ TEST(PackEncodedData, ConfigErrorsNameTheSettingsPath) {
 TEST(PackEncodedData, UnwritableDestinationAndFullDisk) {
   ScratchDir dir;
   PackConfig c;
-  c.src = kFixtures / "data" / "lorem_ipsum_long.jsonl";
-  c.index = kFixtures / "data" / "lorem_ipsum_long.idx";
+  c.src = kSample / "train.jsonl";
+  c.index = kSample / "train.idx";
   const auto blocker = dir.write("file", "x");
   c.dst = blocker / "sub" / "out.pbin";
   auto r = pack(dir, c);

@@ -8,6 +8,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/formats/packed_file.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include "../cli/run_command.h"
 #include "../cli/scratch_dir.h"
@@ -38,8 +39,13 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAreArray;
 
-const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
-const fs::path kTiny = kFixtures / "derived" / "tiny" / "tiny.pbin";
+// The inputs of scripts/reference/data_tools_reference.py: this repository's own files, and
+// "tiny/..." for the worked example written by modalities::testing::tiny_example_dir().
+const fs::path kRoot = fs::path(MODALITIES_TEST_SOURCE_ROOT);
+fs::path input(const std::string& rel) {
+  return rel.starts_with("tiny/") ? modalities::testing::tiny_example_dir() / rel.substr(5) : kRoot / rel;
+}
+const fs::path kTiny = modalities::testing::tiny_example_dir() / "tiny.pbin";
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -103,8 +109,8 @@ TEST(MergePackedDataTest, TinyWithItselfHasCorrectOffsets) {
 
 TEST(MergePackedDataTest, DocumentsOfEveryInputSurvive) {
   ScratchDir dir;
-  const fs::path a = kFixtures / "data" / "lorem_ipsum.pbin";
-  const fs::path b = kFixtures / "data" / "lorem_ipsum_long.pbin";
+  const fs::path a = kRoot / "data" / "sample" / "eval.pbin";
+  const fs::path b = kRoot / "data" / "sample" / "train.pbin";
   const fs::path out = dir.path() / "m.pbin";
   const std::vector<fs::path> src{a, b, kTiny};
   data::merge_packed_data(src, out);
@@ -187,7 +193,7 @@ TEST(ShuffleTokenizedDataTest, MatchesPythonReference) {
     SCOPED_TRACE(std::string(v.name) + " seed " + seed);
     const fs::path out = dir.path() / "shuffled.pbin";
     fs::remove(out);
-    const data::ToolResult r = data::shuffle_tokenized_data(kFixtures / v.name, out, data::PyInt::parse(seed),
+    const data::ToolResult r = data::shuffle_tokenized_data(input(v.name), out, data::PyInt::parse(seed),
                                                             data::FileExistencePolicy::kError);
     EXPECT_EQ(fs::file_size(out), v.size);
     EXPECT_EQ(data::sha256_hex(slurp(out)), v.sha256);
@@ -263,7 +269,7 @@ TEST(ShuffleJsonlDataTest, MatchesPythonReference) {
     SCOPED_TRACE(std::string(v.name) + " seed " + seed);
     const fs::path out = dir.path() / "shuffled.jsonl";
     fs::remove(out);
-    data::shuffle_jsonl_data(kFixtures / v.name, out, data::PyInt::parse(seed), data::FileExistencePolicy::kError);
+    data::shuffle_jsonl_data(input(v.name), out, data::PyInt::parse(seed), data::FileExistencePolicy::kError);
     EXPECT_EQ(fs::file_size(out), v.size);
     EXPECT_EQ(data::sha256_hex(slurp(out)), v.sha256);
   }
@@ -340,7 +346,7 @@ fs::path write_list(const ScratchDir& dir, const char* text) { return dir.write(
 
 TEST(ChunkTest, PbinChunksMatchPythonReference) {
   ScratchDir dir;
-  const auto inputs = data::read_chunk_file_list(write_list(dir, kPbinChunkList), kFixtures, ".pbin");
+  const auto inputs = data::read_chunk_file_list(write_list(dir, kPbinChunkList), kRoot, ".pbin");
   for (const auto& v : kPbinChunks) {
     SCOPED_TRACE(fmt::format("chunk {} of {}, global seed {}", v.chunk_id, v.num_chunks, v.global_seed));
     data::ChunkJob job{inputs, dir.path() / "chunk.pbin", v.chunk_id, v.num_chunks, data::PyInt::parse(v.global_seed),
@@ -354,7 +360,7 @@ TEST(ChunkTest, PbinChunksMatchPythonReference) {
 
 TEST(ChunkTest, JsonlChunksMatchPythonReference) {
   ScratchDir dir;
-  const auto inputs = data::read_chunk_file_list(write_list(dir, kJsonlChunkList), kFixtures, ".jsonl");
+  const auto inputs = data::read_chunk_file_list(write_list(dir, kJsonlChunkList), kRoot, ".jsonl");
   for (const auto& v : kJsonlChunks) {
     SCOPED_TRACE(fmt::format("chunk {} of {}, global seed {}", v.chunk_id, v.num_chunks, v.global_seed));
     data::ChunkJob job{inputs, dir.path() / "chunk.jsonl", v.chunk_id, v.num_chunks, data::PyInt::parse(v.global_seed),
@@ -367,7 +373,7 @@ TEST(ChunkTest, JsonlChunksMatchPythonReference) {
 
 TEST(ChunkTest, ChunksPartitionTheDocuments) {
   ScratchDir dir;
-  const auto inputs = data::read_chunk_file_list(write_list(dir, kPbinChunkList), kFixtures, ".pbin");
+  const auto inputs = data::read_chunk_file_list(write_list(dir, kPbinChunkList), kRoot, ".pbin");
   std::uint64_t docs = 0, tokens = 0;
   for (std::uint64_t c = 0; c < 3; ++c) {
     data::ChunkJob job{inputs, dir.path() / fmt::format("c{}.pbin", c), c, 3, data::PyInt::from(42),
@@ -444,7 +450,7 @@ TEST(DataToolsCliTest, ShuffleTokenizedWithSeedMatchesPython) {
   ScratchDir dir;
   const auto& [seed, v] = kShuffleTokenized.front();
   const fs::path out = dir.path() / "s.pbin";
-  const CommandResult r = modalities({"shuffle_tokenized_data", "--input_data_path", (kFixtures / v.name).string(),
+  const CommandResult r = modalities({"shuffle_tokenized_data", "--input_data_path", (input(v.name)).string(),
                                       "--output_data_path", out.string(), "--seed", seed, "--batch_size", "7"});
   ASSERT_EQ(r.exit_code, 0) << r;
   EXPECT_EQ(data::sha256_hex(slurp(out)), v.sha256);
@@ -452,7 +458,7 @@ TEST(DataToolsCliTest, ShuffleTokenizedWithSeedMatchesPython) {
 
 TEST(DataToolsCliTest, MissingSeedIsDrawnAndPrinted) {
   ScratchDir dir;
-  const fs::path in = kFixtures / "data" / "lorem_ipsum.jsonl";
+  const fs::path in = kRoot / "data" / "sample" / "eval.jsonl";
   const CommandResult r = modalities({"shuffle_jsonl_data", "--input_data_path", in.string(), "--output_data_path",
                                       (dir.path() / "a.jsonl").string()});
   ASSERT_EQ(r.exit_code, 0) << r;
@@ -467,7 +473,7 @@ TEST(DataToolsCliTest, MissingSeedIsDrawnAndPrinted) {
 TEST(DataToolsCliTest, FileExistencePolicies) {
   ScratchDir dir;
   const fs::path out = dir.write("out.jsonl", "old\n");
-  const fs::path in = kFixtures / "data" / "lorem_ipsum.jsonl";
+  const fs::path in = kRoot / "data" / "sample" / "eval.jsonl";
   auto run = [&](const char* policy) {
     return modalities({"shuffle_jsonl_data", "--input_data_path", in.string(), "--output_data_path", out.string(),
                        "--seed", "1", "--file_existence_policy", policy});
@@ -495,7 +501,7 @@ TEST(DataToolsCliTest, ChunkMatchesPythonAndRejectsBadArguments) {
   const fs::path out = dir.path() / "c.jsonl";
   auto args = [&](std::string chunk_id, std::string num_chunks) {
     return std::vector<std::string>{"create_shuffled_jsonl_chunk", "--input_file_list_path", list.string(),
-                                    "--input_data_root_path", kFixtures.string(), "--output_chunk_file_path",
+                                    "--input_data_root_path", kRoot.string(), "--output_chunk_file_path",
                                     out.string(), "--chunk_id", chunk_id, "--num_chunks", num_chunks,
                                     "--global_seed", v.global_seed};
   };

@@ -1071,11 +1071,13 @@ std::vector<std::int64_t> shape_of(simdjson::dom::element e) {
 // from weights drawn with a seeded generator. This test draws the very same weights (every tensor
 // checked against the recorded SHA-256), trains our fsdp2_cpu.toml from them on 1, 2 and 4 ranks,
 // and compares every step's loss with PyTorch's at the same world size: within 1e-5 relative. The
-// grad norm is compared within 5e-4: PyTorch's float32 norm of the 6.4M-element embedding gradient
-// is itself off by up to 2e-4 (the script's float64 check), ours is computed in float64.
+// grad norm is compared with the reference's float64 norm of PyTorch's gradients (grad_norm_f64):
+// clip_grad_norm_'s own float32 norm of the 6.4M-element embedding gradient is off from it by up to
+// 1.5e-3 relative (measured on the sample corpus), ours is computed in float64.
 // And with bf16 mixed precision on 2 ranks (param_dtype BF_16, reduce_dtype FP_32 against FSDP2's
-// MixedPrecisionPolicy): losses within one bf16 step (8e-3; measured 3.4e-3, most steps equal),
-// grad norms within 1.5e-3 (measured 5.3e-4; PyTorch bf16 and fp32 differ by up to 4.4e-3).
+// MixedPrecisionPolicy): losses within one bf16 step (8e-3; measured 3.9e-3, most steps equal),
+// grad norms within 4e-3 (measured 6.5e-4 where the reference was made; see below). In fp32 the
+// grad norms agree within 2e-4 (measured 1.5e-5 to 5.8e-5 at 1, 2 and 4 ranks).
 // A world size and precision to compare with PyTorch FSDP2, with the allowed relative differences.
 struct PyTorchCase {
   int ranks;
@@ -1144,7 +1146,9 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
     const simdjson::dom::element run = ref["runs"][key];
     std::vector<double> loss, norm;
     for (auto v : run["loss"].get_array()) loss.push_back(v.get_double());
-    for (auto v : run["grad_norm"].get_array()) norm.push_back(v.get_double());
+    simdjson::dom::array norms;
+    if (run["grad_norm_f64"].get_array().get(norms) != simdjson::SUCCESS) norms = run["grad_norm"].get_array();
+    for (auto v : norms) norm.push_back(v.get_double());
     ASSERT_EQ(got.size(), loss.size()) << r;
     double worst_loss = 0, worst_norm = 0;
     int equal_losses = 0;
@@ -1168,15 +1172,15 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
 }
 
 // In the default suite: fp32 on 2 ranks.
-TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnTwoRanks) { expect_fsdp2_matches_pytorch({{2, false, 1e-5, 5e-4}}); }
+TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnTwoRanks) { expect_fsdp2_matches_pytorch({{2, false, 1e-5, 2e-4}}); }
 
 // Label `full`: fp32 on 1 and 4 ranks, bf16 on 2. The bf16 gradient norms depend on the CPU that
 // computes them (LibTorch picks its bf16 kernels by instruction set): PyTorch's own bf16 run on an
-// AMD EPYC with AVX512-BF16 (2026-11-27) differs from the committed reference, made on another
-// machine, by up to 2.4e-3, and ours differs by 4.3e-4 from that same-CPU PyTorch run; hence 4e-3
-// (it was 1.5e-3, set on the reference's machine).
+// AMD EPYC with AVX512-BF16 (2026-11-27) differed from a reference made on another machine by up
+// to 2.4e-3, and ours by 4.3e-4 from that same-CPU PyTorch run; hence 4e-3 (the reference now
+// committed, made 2026-11-28 on the sample corpus, agrees with ours within 6.5e-4 on its machine).
 TEST(DistributedRunFullTest, Fsdp2MatchesPyTorchFullyShardOnOneAndFourRanksAndInBf16) {
-  expect_fsdp2_matches_pytorch({{1, false, 1e-5, 5e-4}, {4, false, 1e-5, 5e-4}, {2, true, 8e-3, 4e-3}});
+  expect_fsdp2_matches_pytorch({{1, false, 1e-5, 2e-4}, {4, false, 1e-5, 2e-4}, {2, true, 8e-3, 4e-3}});
 }
 
 // --- sharded checkpoints ------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include "../cli/scratch_dir.h"
 
@@ -21,6 +22,8 @@ using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
 const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
+// The bundled corpus: its .idx/.pbin were written by Modalities 0.5.0 (data/sample/README.md).
+const fs::path kSample = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "sample";
 
 std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -36,8 +39,18 @@ std::string error_of(F f) {
   return "";
 }
 
+TEST(PickleIndexTest, ReproducesModalitiesIndexesOfTheSampleCorpusByteForByte) {
+  for (const fs::path& file : {kSample / "train.idx", kSample / "eval.idx", testing::tiny_example_dir() / "tiny.idx"}) {
+    const std::string original = testing::read_file(file);
+    ASSERT_FALSE(original.empty()) << file;
+    const auto entries = unpickle_index(bytes_of(original), file.string());
+    EXPECT_EQ(pickle_index(entries), original) << file;
+  }
+}
+
 TEST(PickleIndexTest, ReproducesEveryFixtureIndexByteForByte) {
-  for (const char* name : {"data/lorem_ipsum.idx", "data/lorem_ipsum_long.idx", "derived/tiny/tiny.idx",
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
+  for (const char* name : {"data/lorem_ipsum.idx", "data/lorem_ipsum_long.idx",
                            "derived/tests/data/datasets/danish_test_dataset.idx"}) {
     const std::string original = testing::read_file(kFixtures / name);
     ASSERT_FALSE(original.empty()) << name;
@@ -46,9 +59,17 @@ TEST(PickleIndexTest, ReproducesEveryFixtureIndexByteForByte) {
   }
 }
 
-TEST(PickleIndexTest, ReadsTheKnownFixtureValues) {
-  const auto tiny = read_raw_index(kFixtures / "derived/tiny/tiny.idx");
+TEST(PickleIndexTest, ReadsTheKnownValues) {
+  const auto tiny = read_raw_index(testing::tiny_example_dir() / "tiny.idx");
   EXPECT_EQ(tiny, (std::vector<IndexEntry>{{0, 17}, {18, 18}}));
+  const auto train = read_raw_index(kSample / "train.idx");  // values read with Python's pickle
+  ASSERT_EQ(train.size(), 500u);
+  EXPECT_EQ(train.front(), (IndexEntry{0, 1869}));
+  EXPECT_EQ(train.back(), (IndexEntry{1526956, 882}));
+}
+
+TEST(PickleIndexTest, ReadsTheKnownFixtureValues) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   const auto lorem = read_raw_index(kFixtures / "data/lorem_ipsum_long.idx");
   ASSERT_EQ(lorem.size(), 500u);
   EXPECT_EQ(lorem.front(), (IndexEntry{0, 53}));
@@ -56,11 +77,16 @@ TEST(PickleIndexTest, ReadsTheKnownFixtureValues) {
 }
 
 TEST(PickleIndexTest, ReproducesThePbinIndexSegments) {
-  for (const char* name : {"data/lorem_ipsum.pbin", "data/lorem_ipsum_long.pbin"}) {
-    const std::string file = testing::read_file(kFixtures / name);
-    const PackedHeader h = read_packed_header(kFixtures / name);
+  std::vector<fs::path> files = {kSample / "train.pbin", kSample / "eval.pbin"};
+  if (fs::exists(kFixtures)) {  // and Modalities' own files where ../shared is present
+    files.push_back(kFixtures / "data/lorem_ipsum.pbin");
+    files.push_back(kFixtures / "data/lorem_ipsum_long.pbin");
+  }
+  for (const fs::path& name : files) {
+    const std::string file = testing::read_file(name);
+    const PackedHeader h = read_packed_header(name);
     const std::string segment = file.substr(kPackedHeaderSize + h.data_len);
-    EXPECT_EQ(pickle_index(unpickle_index(bytes_of(segment), name)), segment) << name;
+    EXPECT_EQ(pickle_index(unpickle_index(bytes_of(segment), name.string())), segment) << name;
   }
 }
 
@@ -138,8 +164,8 @@ TEST(PickleIndexTest, ReadsEveryProtocolCPythonWrites) {
 // 0x95 silently dropped an entry (11 of 12 documents). Python's pickle refuses every such file,
 // and so must we: every single flip of that kind, in an .idx and in a .pbin index segment.
 TEST(PickleIndexTest, AFlippedMemoizeByteNeverDropsAnEntrySilently) {
-  for (const char* name : {"data/lorem_ipsum.idx", "data/lorem_ipsum_long.idx"}) {
-    const std::string original = testing::read_file(kFixtures / name);
+  for (const std::string name : {"eval.idx", "train.idx"}) {
+    const std::string original = testing::read_file(kSample / name);
     const std::size_t n = unpickle_index(bytes_of(original), name).size();
     int refused = 0;
     for (std::size_t i = 0; i < original.size(); ++i) {
@@ -215,7 +241,15 @@ TEST(PickleIndexTest, RawIndexEntriesMustBeOrderedLines) {
   EXPECT_EQ(raw_index_entry_mismatch(jsonl, {9, 40}), "it lies beyond the end of the file");
 }
 
+TEST(PackedHeaderTest, ReadsTheSampleHeader) {
+  const PackedHeader h = read_packed_header(kSample / "train.pbin");
+  EXPECT_EQ(h.data_len, 466600u);
+  EXPECT_EQ(h.token_size, 2u);
+  EXPECT_EQ(h.num_tokens(), 233300u);
+}
+
 TEST(PackedHeaderTest, ReadsFixtureHeaders) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   const PackedHeader h = read_packed_header(kFixtures / "data/lorem_ipsum_long.pbin");
   EXPECT_EQ(h.data_len, 665750u);
   EXPECT_EQ(h.token_size, 2u);
@@ -229,7 +263,7 @@ TEST(PackedHeaderTest, RejectsTruncatedAndForeignFiles) {
     std::ofstream(dir / name, std::ios::binary) << bytes;
     return dir / name;
   };
-  const std::string good = testing::read_file(kFixtures / "data/lorem_ipsum.pbin");
+  const std::string good = testing::read_file(kSample / "eval.pbin");
   EXPECT_THAT([&] {
     try { read_packed_header(write("short.pbin", "abc")); } catch (const Error& e) { return std::string(e.what()); }
     return std::string();

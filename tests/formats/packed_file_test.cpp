@@ -5,6 +5,7 @@
 #include <modalities/sdk/formats/packed_file.h>
 #include <modalities/sdk/formats/packed_writer.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include "../cli/scratch_dir.h"
 
@@ -25,6 +26,7 @@ using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
 const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
+const fs::path kSample = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "sample";
 
 // A .pbin built in memory: header, tokens of width `token_size`, pickled index.
 std::string make_pbin(std::uint32_t token_size, const std::vector<std::uint64_t>& tokens,
@@ -47,7 +49,34 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+// data/sample/eval.pbin (Modalities 0.5.0's output; the values were read with Python's struct and pickle).
+TEST(PackedFileTest, ReadsTheSampleCorpus) {
+  PackedFile f(kSample / "eval.pbin");
+  EXPECT_EQ(f.header().data_len, 20570u);
+  EXPECT_EQ(f.header().file_size, 20784u);
+  EXPECT_EQ(f.token_size(), 2u);
+  EXPECT_EQ(f.num_tokens(), 10285u);
+  EXPECT_EQ(f.data().size(), 20570u);
+  EXPECT_EQ(f.index_bytes().size(), 202u);
+  EXPECT_THAT(f.tokens(0, 4), ElementsAre(53, 5074, 334, 12));
+  EXPECT_EQ(f.token(1), 5074u);
+  ASSERT_EQ(f.num_documents(), 24u);
+  EXPECT_FALSE(f.legacy());
+  EXPECT_EQ(f.index()[0], (IndexEntry{0, 1222}));
+  EXPECT_EQ(f.index()[1], (IndexEntry{1222, 304}));
+  EXPECT_EQ(f.index()[2], (IndexEntry{1526, 1150}));
+  std::uint64_t total = 0;
+  for (std::uint64_t k = 0; k < f.num_documents(); ++k) {
+    const auto doc = f.document(k);
+    ASSERT_FALSE(doc.empty());
+    EXPECT_EQ(doc.back(), 0) << "document " << k;  // EOD <|endoftext|> of gpt2_style_8k
+    total += doc.size();
+  }
+  EXPECT_EQ(total, 10285u);
+}
+
 TEST(PackedFileTest, ReadsLoremIpsum) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   PackedFile f(kFixtures / "data/lorem_ipsum.pbin");
   EXPECT_EQ(f.header().data_len, 15978u);
   EXPECT_EQ(f.header().file_size, 16095u);
@@ -73,6 +102,7 @@ TEST(PackedFileTest, ReadsLoremIpsum) {
 }
 
 TEST(PackedFileTest, ReadsLoremIpsumLongAtTheSpecSample) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   PackedFile f(kFixtures / "data/lorem_ipsum_long.pbin");
   EXPECT_EQ(f.num_tokens(), 332875u);
   EXPECT_EQ(f.num_documents(), 500u);
@@ -82,7 +112,7 @@ TEST(PackedFileTest, ReadsLoremIpsumLongAtTheSpecSample) {
 }
 
 TEST(PackedFileTest, ReadsTinyDocuments) {
-  PackedFile f(kFixtures / "derived/tiny/tiny.pbin");
+  PackedFile f(testing::tiny_example_dir() / "tiny.pbin");
   EXPECT_EQ(f.index(), (std::vector<IndexEntry>{{0, 4}, {4, 6}}));
   EXPECT_THAT(f.document(0), ElementsAre(15496, 50256));
   EXPECT_THAT(f.document(1), ElementsAre(10603, 0, 50256));
@@ -210,7 +240,7 @@ TEST(PackedFileTest, RefusesAnIndexThatDoesNotTileTheData) {
 }
 
 TEST(PackedFileTest, RangeChecksTokenAccess) {
-  PackedFile f(kFixtures / "derived/tiny/tiny.pbin");
+  PackedFile f(testing::tiny_example_dir() / "tiny.pbin");
   EXPECT_THAT(error_of([&] { f.token(5); }), AllOf(HasSubstr("tiny.pbin"), HasSubstr("token 5 is out of range")));
   EXPECT_THAT(error_of([&] { f.tokens(3, 3); }), HasSubstr("tokens [3, 6) are out of range"));
   EXPECT_TRUE(f.tokens(5, 0).empty());
@@ -220,7 +250,7 @@ TEST(PackedFileTest, RangeChecksTokenAccess) {
 }
 
 TEST(PackedFileTest, MovesAndLoadsTheIndexOnceAcrossThreads) {
-  PackedFile f(kFixtures / "data/lorem_ipsum_long.pbin");
+  PackedFile f(kSample / "train.pbin");
   PackedFile g = std::move(f);
   EXPECT_FALSE(f.is_open());  // NOLINT(bugprone-use-after-move): moved-from state is specified
   std::vector<std::thread> threads;
@@ -244,7 +274,7 @@ TEST(PackedWriterTest, WritesTheWorkedExampleAndChecksItsInput) {
     EXPECT_EQ(w.data_len(), 10u);
     w.commit();
   }
-  const std::string expected = modalities::testing::read_file(kFixtures / "derived" / "tiny" / "tiny.pbin");
+  const std::string expected = modalities::testing::read_file(modalities::testing::tiny_example_dir() / "tiny.pbin");
   EXPECT_EQ(modalities::testing::read_file(dir.path() / "a.pbin"), expected);
 
   std::vector<std::uint16_t> both = doc0;

@@ -104,8 +104,8 @@ int fuzz_config(const std::uint8_t* data, std::size_t size) {
 // --- pickled index (.idx, index segment of .pbin) ------------------------------------------
 
 constexpr std::string_view kIdxName = "fuzz.idx";
-// Size of tests/fixtures/modalities/data/lorem_ipsum.jsonl, which the seed lorem_ipsum.idx indexes.
-constexpr std::uint64_t kCoveredJsonlSize = 21773;
+// Size of data/sample/eval.jsonl, which the seed sample_eval.idx indexes.
+constexpr std::uint64_t kCoveredJsonlSize = 64420;
 
 int fuzz_pickle_index(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);

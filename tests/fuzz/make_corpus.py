@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/seed_*).
 
-Standard library only. The seeds are the repository's own valid files (configs, fixture
-.idx/.pbin/.jsonl files, tokenizer.json variants, the checkpoint fixture, the SentencePiece test
+Standard library only. The seeds are the repository's own valid files (configs, the sample
+corpus' .idx/.pbin/.jsonl files, the tiny worked example, tokenizer.json variants, the checkpoint fixture, the SentencePiece test
 model) and hand-made adversarial inputs, one per defect class of issue 16 (deep TOML nesting, a
 flipped pickle FRAME byte, code-running pickles, truncated files, contradicting checkpoint
 manifests, ...). Inputs found by scripts/fuzz.sh and kept are stored beside them under other
@@ -17,7 +17,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "fuzz" / "corpus"
-FIX = ROOT / "tests" / "fixtures" / "modalities"
+SAMPLE = ROOT / "data" / "sample"  # our own corpus; its .idx/.pbin were written by Modalities 0.5.0
+# The worked example of the data formats (two documents "Hello" and "World!", GPT-2 ids), the same
+# bytes as core/testing/shared_fixtures.cpp writes for the tests.
+TINY_JSONL = b'{"text": "Hello"}\n{"text": "World!"}\n'
+TINY_IDX = bytes.fromhex("80049511000000000000005d94284b004b1186944b124b128694652e")
+TINY_PBIN = bytes.fromhex("0a0000000000000002000000883c50c46b29000050c4"
+                          "80049511000000000000005d94284b004b0486944b044b068694652e")
 CKPT = ROOT / "plugins" / "checkpointing" / "tests" / "data"
 CKPT_FOLDER = CKPT / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320"
 TOK = ROOT / "plugins" / "hf_tokenizer" / "tests" / "data" / "variants"
@@ -61,9 +67,11 @@ def config_seeds() -> None:
 
 
 def pickle_seeds() -> None:
-    copy("pickle_index", "lorem_ipsum.idx", FIX / "data" / "lorem_ipsum.idx")
-    copy("pickle_index", "lorem_ipsum_long.idx", FIX / "data" / "lorem_ipsum_long.idx")
-    copy("pickle_index", "tiny.idx", FIX / "derived" / "tiny" / "tiny.idx")
+    copy("pickle_index", "sample_eval.idx", SAMPLE / "eval.idx")
+    copy("pickle_index", "sample_train.idx", SAMPLE / "train.idx")
+    # (No byte-for-byte copy of the worked example: ../shared/fixtures holds the same bytes, and the
+    # provenance check refuses any tracked file equal to a file there.)
+    put("pickle_index", "tiny_plus_one.idx", pickle.dumps([(0, 17), (18, 18), (37, 15)], protocol=4))
     index = [(0, 10), (10, 300), (310, 70000), (70310, 5)]
     for protocol in range(0, 6):
         put("pickle_index", f"protocol_{protocol}.idx", pickle.dumps(index, protocol=protocol))
@@ -71,12 +79,12 @@ def pickle_seeds() -> None:
     put("pickle_index", "negative_offsets.idx", pickle.dumps([(-12, 10), (-2, 8)], protocol=4))
     put("pickle_index", "big_ints.idx", pickle.dumps([(2**63, 1), (2**70, 2**64)], protocol=4))
     # Issue 16: one 0x94 (MEMOIZE) turned into 0x95 (FRAME) made our old reader skip an entry.
-    raw = bytearray((FIX / "data" / "lorem_ipsum.idx").read_bytes())
+    raw = bytearray((SAMPLE / "eval.idx").read_bytes())
     flip = raw.index(0x94, 20)
     raw[flip] = 0x95
     put("pickle_index", "flipped_memoize_to_frame.idx", bytes(raw))
-    put("pickle_index", "truncated.idx", (FIX / "data" / "lorem_ipsum.idx").read_bytes()[:40])
-    put("pickle_index", "data_after_stop.idx", (FIX / "data" / "lorem_ipsum.idx").read_bytes() + b"\x80\x04N.")
+    put("pickle_index", "truncated.idx", (SAMPLE / "eval.idx").read_bytes()[:40])
+    put("pickle_index", "data_after_stop.idx", (SAMPLE / "eval.idx").read_bytes() + b"\x80\x04N.")
 
     class RunsCode:  # never unpickled here: only its bytes (GLOBAL/STACK_GLOBAL + REDUCE) are written
         def __reduce__(self):
@@ -87,11 +95,8 @@ def pickle_seeds() -> None:
 
 
 def pbin_seeds() -> None:
-    copy("pbin", "lorem_ipsum.pbin", FIX / "data" / "lorem_ipsum.pbin")
-    copy("pbin", "tiny.pbin", FIX / "derived" / "tiny" / "tiny.pbin")
-    derived = FIX / "derived" / "tests" / "data" / "datasets"
-    copy("pbin", "danish_sp.pbin", derived / "danish_test_dataset.sp_en32k_eod2.pbin")
-    tiny = (FIX / "derived" / "tiny" / "tiny.pbin").read_bytes()
+    copy("pbin", "sample_eval.pbin", SAMPLE / "eval.pbin")
+    tiny = TINY_PBIN
     put("pbin", "header_only.pbin", tiny[:12])
     put("pbin", "truncated_index.pbin", tiny[:-3])
     put("pbin", "huge_data_length.pbin", b"\xff" * 8 + tiny[8:])
@@ -108,9 +113,10 @@ def pbin_seeds() -> None:
 
 
 def jsonl_seeds() -> None:
-    copy("jsonl", "tiny.jsonl", FIX / "derived" / "tiny" / "tiny.jsonl")
-    copy("jsonl", "lorem_ipsum_without_last_newline.jsonl",
-         FIX / "tests" / "data" / "datasets" / "lorem_ipsum_without_last_newline.jsonl")
+    put("jsonl", "tiny_plus_one.jsonl", TINY_JSONL + b'{"text": "Bye"}\n')
+    # Nine documents of the sample corpus without the last newline.
+    put("jsonl", "sample_without_last_newline.jsonl",
+        b"".join((SAMPLE / "eval.jsonl").read_bytes().splitlines(keepends=True)[:9]).rstrip(b"\n"))
     put("jsonl", "lone_surrogates.jsonl",
         '{"text": "ok", "meta": "\\ud800"}\n{"text": "bad \\udc00 text"}\n{"text": "pair \\ud83d\\ude00"}\n')
     put("jsonl", "mixed_faults.jsonl",

@@ -60,8 +60,8 @@ std::string tiny_config(const std::string& name, const std::map<std::string, std
       {"config = { k = 2 }", "config = { k = -1 }"},
       {"warmup_steps = 10", "warmup_steps = 2"},
       {"variant_key = \"rich\"", "variant_key = \"dummy\""},
-      {"train_dataset_path = \"${modalities_env:config_folder_path}/../../data/lorem_ipsum/lorem_ipsum_long.pbin\"",
-       "train_dataset_path = \"" + (kRoot / "data/lorem_ipsum/lorem_ipsum_long.pbin").string() + "\""},
+      {"train_dataset_path = \"${modalities_env:config_folder_path}/../../data/sample/train.pbin\"",
+       "train_dataset_path = \"" + (kRoot / "data/sample/train.pbin").string() + "\""},
   };
   for (const auto& [from, to] : edits) replace_line(t, from, to);
   // The dummy progress subscriber takes an empty config.
@@ -113,7 +113,7 @@ drop_last = true
 
 [evaluation_subscriber]
 )TOML";
-  replace_line(t, "@VAL@", (kRoot / "data/lorem_ipsum/lorem_ipsum.pbin").string());
+  replace_line(t, "@VAL@", (kRoot / "data/sample/eval.pbin").string());
   return t;
 }
 
@@ -350,8 +350,8 @@ TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
 
 TEST_F(TrainingRunTest, SigintFinishesTheStepCheckpointsAndExitsWith130) {
   const fs::path train = dir_.write(
-      "train.toml", tiny_config("train.toml", {{"num_target_steps = 8", "num_target_steps = 2000"},
-                                              {"checkpointing_interval_in_steps = 4", "checkpointing_interval_in_steps = 1000"}}));
+      "train.toml", tiny_config("train.toml", {{"num_target_steps = 8", "num_target_steps = 1800"},  // 230 400 of the 233 280 tokens
+                                              {"checkpointing_interval_in_steps = 4", "checkpointing_interval_in_steps = 900"}}));
   const fs::path experiments = dir_.path() / "experiments";
   // SIGINT after 6 s, well into training (the build takes about a second, a step a few ms).
   const CommandResult r = run_command(
@@ -496,7 +496,7 @@ TEST_F(WarmStartProgressTest, BadValueInTheInfoFileIsReportedAgainstThatFile) {
 
 TEST_F(TrainingRunTest, MissingDatasetIsNamed) {
   const fs::path train = dir_.write(
-      "train.toml", tiny_config("train.toml", {{(kRoot / "data/lorem_ipsum/lorem_ipsum_long.pbin").string(),
+      "train.toml", tiny_config("train.toml", {{(kRoot / "data/sample/train.pbin").string(),
                                                 (dir_.path() / "nowhere.pbin").string()}}));
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       (dir_.path() / "experiments").string(), "--experiment_id", "missing"});

@@ -5,6 +5,7 @@
 #include <modalities/sdk/interfaces/collate_fn.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -226,6 +227,7 @@ TEST_F(CollatorsTest, CocaCollatorValidatorsNameTheConfigPath) {
 }
 
 TEST(MaskLossGpt2Test, ResolvesMarkersWithTheGpt2Tokenizer) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   const std::filesystem::path gpt2 =
       std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR) / "data/tokenizer/hf_gpt2";
   testing::Harness h{MODALITIES_TEST_PLUGIN};

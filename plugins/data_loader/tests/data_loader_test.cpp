@@ -1,5 +1,5 @@
 // data_loader/default over the real input pipeline (datasets, samplers and
-// collators plugins; lorem_ipsum_long.pbin): identical batches for 0, 1 and 4
+// collators plugins; data/sample/train.pbin): identical batches for 0, 1 and 4
 // worker threads, resuming at batch k equals the tail of a full pass, worker
 // errors surface from next() naming the batch, prefetching is bounded by
 // num_workers * prefetch_factor. A probe dataset is registered in-process.
@@ -143,22 +143,23 @@ TEST_F(DataLoaderTest, DeliversTheSpecOrder) {
   auto l = h.get<DataLoader>("train_dataloader");
   ASSERT_NE(l, nullptr);
   EXPECT_EQ(l->tag(), "train");
-  EXPECT_EQ(l->size(), 162);  // rank 0 of 2 reads 650 of 1 300 samples; 650 div 4
+  EXPECT_EQ(l->size(), 113);  // data/sample/train.pbin: rank 0 of 2 reads 455 of 911 samples; 455 div 4
   l->begin(0);
   const auto b = l->next();
   ASSERT_TRUE(b.has_value());
   const at::Tensor& x = b->samples.at("input_ids");
   EXPECT_EQ(x.sizes(), (std::vector<std::int64_t>{4, 256}));
   EXPECT_EQ(b->targets.at("target_ids").sizes(), (std::vector<std::int64_t>{4, 256}));
-  // Rank 0's first sample is 642 (plugins/samplers/README.md), which starts 2797, 3384, 2248, ... (plugins/datasets/README.md).
-  EXPECT_TRUE(x[0].slice(0, 0, 3).equal(at::tensor({2797, 3384, 2248}, at::kLong)));
-  EXPECT_EQ(b->targets.at("target_ids")[0][0].item<std::int64_t>(), 3384);
+  // Rank 0's first sample is torch.randperm(911, generator=manual_seed(42))[0] = 119 (PyTorch 2.11),
+  // whose tokens 119 * 256 ... of train.pbin start 65, 452, 300, 324 (read with Python's struct).
+  EXPECT_TRUE(x[0].slice(0, 0, 3).equal(at::tensor({65, 452, 300}, at::kLong)));
+  EXPECT_EQ(b->targets.at("target_ids")[0][0].item<std::int64_t>(), 452);
   EXPECT_EQ(b->size(), 4);
 }
 
 TEST_F(DataLoaderTest, OutputIsIdenticalForAnyNumberOfWorkers) {
   const auto reference = drain(*loader(0));
-  ASSERT_EQ(reference.size(), 162u);
+  ASSERT_EQ(reference.size(), 113u);
   for (std::int64_t workers : {1, 4}) {
     const auto batches = drain(*loader(workers));
     ASSERT_EQ(batches.size(), reference.size()) << workers << " workers";
@@ -170,7 +171,7 @@ TEST_F(DataLoaderTest, ResumingAtBatchKEqualsTheTailOfAFullPass) {
   const auto reference = drain(*loader(0));
   for (std::int64_t workers : {0, 3}) {
     auto l = loader(workers);
-    for (std::int64_t k : {1, 100, 161, 162}) {
+    for (std::int64_t k : {1, 100, 112, 113}) {
       const auto tail = drain(*l, k);
       ASSERT_EQ(tail.size(), reference.size() - k) << "k " << k;
       for (std::size_t i = 0; i < tail.size(); ++i) ASSERT_TRUE(same(tail[i], reference[k + i])) << "k " << k;
@@ -181,7 +182,7 @@ TEST_F(DataLoaderTest, ResumingAtBatchKEqualsTheTailOfAFullPass) {
     l->next();
     l->begin(50);
     ASSERT_TRUE(same(*l->next(), reference[50]));
-    EXPECT_FALSE(drain(*l, 162).size());
+    EXPECT_FALSE(drain(*l, 113).size());
     EXPECT_FALSE(l->next().has_value());  // stays exhausted
   }
 }
@@ -189,7 +190,7 @@ TEST_F(DataLoaderTest, ResumingAtBatchKEqualsTheTailOfAFullPass) {
 TEST_F(DataLoaderTest, RejectsBadBeginAndNextWithoutBegin) {
   auto l = loader(2);
   EXPECT_THAT(error_of([&] { l->next(); }), HasSubstr("data_loader 'train': next() called before begin()"));
-  EXPECT_THAT(error_of([&] { l->begin(163); }), HasSubstr("cannot begin at batch 163 of 162"));
+  EXPECT_THAT(error_of([&] { l->begin(114); }), HasSubstr("cannot begin at batch 114 of 113"));
   EXPECT_THAT(error_of([&] { l->begin(-1); }), HasSubstr("cannot begin at batch -1"));
 }
 

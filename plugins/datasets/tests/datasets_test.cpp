@@ -1,6 +1,6 @@
 // The dataset variants built through the registry from configs/example.toml:
 // the continuous packed dataset against the expected values of
-// README.md (fixtures in tests/fixtures/modalities), combined and weighted
+// README.md (data/sample, and Modalities' files from ../shared), combined and weighted
 // mixtures against their index arithmetic, the dummy dataset's shapes and
 // ranges, mem_map_dataset with an in-process byte tokenizer, and one test per
 // validator asserting that the message names the config path.
@@ -11,6 +11,7 @@
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/formats/packed_file.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -79,7 +80,31 @@ class DatasetsTest : public ::testing::Test {
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
 };
 
+// The i-th token of a .pbin with 2-byte tokens (header of 12 bytes).
+std::int64_t token_of(const std::string& pbin_bytes, std::size_t i) {
+  return static_cast<std::int64_t>(static_cast<unsigned char>(pbin_bytes[12 + 2 * i]) |
+                                   (static_cast<unsigned char>(pbin_bytes[13 + 2 * i]) << 8));
+}
+
+TEST_F(DatasetsTest, ContinuousDatasetCutsOverlappingBlocksOfTheFile) {
+  auto ds = h.get<Dataset>("train_dataset");
+  ASSERT_NE(ds, nullptr);
+  EXPECT_EQ(ds->size(), 911);  // data/sample/train.pbin: (233 300 - 1) div 256
+  EXPECT_EQ(ds->token_size_in_bytes(), 2);
+  const std::string bytes = testing::read_file(fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/train.pbin");
+  for (std::int64_t i : {0, 1, 642, 910}) {
+    const auto v = values(ds->get(i).at("input_ids"));
+    ASSERT_EQ(v.size(), 257u);
+    for (std::size_t k = 0; k < v.size(); ++k)
+      ASSERT_EQ(v[k], token_of(bytes, static_cast<std::size_t>(i) * 256 + k)) << "sample " << i << " token " << k;
+  }
+  EXPECT_EQ(values(ds->get(641).at("input_ids")).back(), values(ds->get(642).at("input_ids")).front());
+}
+
+// The worked sample of the spec (data.md) on Modalities' lorem_ipsum_long.pbin from ../shared.
 TEST_F(DatasetsTest, ContinuousDatasetReproducesTheSpecSample) {
+  MODALITIES_REQUIRE_SHARED(kFixtures / "data/lorem_ipsum_long.pbin");
+  h.set("train_dataset.config.raw_data_path", Value((kFixtures / "data/lorem_ipsum_long.pbin").string()));
   auto ds = h.get<Dataset>("train_dataset");
   ASSERT_NE(ds, nullptr);
   EXPECT_EQ(ds->size(), 1300);  // (332 875 - 1) div 256
@@ -98,20 +123,16 @@ TEST_F(DatasetsTest, ContinuousDatasetReproducesTheSpecSample) {
 TEST_F(DatasetsTest, ContinuousDatasetWithoutReuseCutsDisjointBlocks) {
   h.set("short_dataset.config.reuse_last_target", Value(false));
   auto ds = h.get<Dataset>("short_dataset");
-  EXPECT_EQ(ds->size(), 31);  // 7 989 div 256
-  const std::string bytes = testing::read_file(kFixtures / "data/lorem_ipsum.pbin");
-  auto token = [&](std::size_t i) {
-    return static_cast<std::int64_t>(static_cast<unsigned char>(bytes[12 + 2 * i]) |
-                                     (static_cast<unsigned char>(bytes[13 + 2 * i]) << 8));
-  };
-  for (std::int64_t i : {0, 1, 30}) {
+  EXPECT_EQ(ds->size(), 40);  // data/sample/eval.pbin: 10 285 div 256
+  const std::string bytes = testing::read_file(fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.pbin");
+  for (std::int64_t i : {0, 1, 39}) {
     const auto v = values(ds->get(i).at("input_ids"));
     ASSERT_EQ(v.size(), 256u);
-    for (std::size_t k = 0; k < v.size(); ++k) ASSERT_EQ(v[k], token(i * 256 + k)) << "sample " << i << " token " << k;
+    for (std::size_t k = 0; k < v.size(); ++k)
+      ASSERT_EQ(v[k], token_of(bytes, static_cast<std::size_t>(i) * 256 + k)) << "sample " << i << " token " << k;
   }
-  EXPECT_THAT(head(ds->get(0).at("input_ids"), 4), ElementsAre(15, 15639, 76, 220));
   h.set("short_dataset.config.reuse_last_target", Value(true));
-  EXPECT_EQ(h.get<Dataset>("short_dataset")->size(), 31);  // (7 989 - 1) div 256
+  EXPECT_EQ(h.get<Dataset>("short_dataset")->size(), 40);  // (10 285 - 1) div 256
 }
 
 TEST_F(DatasetsTest, ContinuousDatasetReadsLegacyFilesWithoutTheirIndex) {
@@ -119,7 +140,7 @@ TEST_F(DatasetsTest, ContinuousDatasetReadsLegacyFilesWithoutTheirIndex) {
   // the continuous dataset never reads the index.
   const fs::path dir = fs::temp_directory_path() / fmt::format("datasets_test_{}", ::getpid());
   fs::create_directories(dir);
-  std::string tiny = testing::read_file(kFixtures / "derived/tiny/tiny.pbin");
+  std::string tiny = testing::read_file(testing::tiny_example_dir() / "tiny.pbin");
   const std::string data = tiny.substr(0, 22);
   std::ofstream(dir / "legacy.pbin", std::ios::binary)
       << data << formats::pickle_index(std::vector<formats::IndexEntry>{{12, 4}, {16, 6}});
@@ -142,9 +163,9 @@ TEST_F(DatasetsTest, ContinuousDatasetValidatorsNameTheConfigPath) {
   EXPECT_THAT(h.build_error(), HasSubstr("train_dataset.config.sequence_length: expected an integer"));
   h.set("train_dataset.config.sequence_length", Value("256"));
   EXPECT_THAT(h.build_error(), HasSubstr("train_dataset.config.sequence_length: expected an integer"));
-  h.set("train_dataset.config.sequence_length", Value(332875));  // needs 332 876 tokens with reuse
+  h.set("train_dataset.config.sequence_length", Value(233300));  // needs 233 301 tokens with reuse
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("train_dataset.config.sequence_length"),
-                                     HasSubstr("holds 332875 tokens, fewer than one sample of 332876")));
+                                     HasSubstr("holds 233300 tokens, fewer than one sample of 233301")));
   h.set("train_dataset.config.reuse_last_target", Value(false));
   EXPECT_EQ(h.build_error(), "");
   EXPECT_EQ(h.get<Dataset>("train_dataset")->size(), 1);
@@ -162,7 +183,7 @@ TEST_F(DatasetsTest, ContinuousDatasetValidatorsNameTheConfigPath) {
 TEST_F(DatasetsTest, BadPbinFilesAreReportedAtRawDataPath) {
   const fs::path dir = fs::temp_directory_path() / fmt::format("datasets_test_bad_{}", ::getpid());
   fs::create_directories(dir);
-  const std::string good = testing::read_file(kFixtures / "data/lorem_ipsum.pbin");
+  const std::string good = testing::read_file(fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.pbin");
   std::ofstream(dir / "truncated.pbin", std::ios::binary) << good.substr(0, 1000);
   std::ofstream(dir / "empty.pbin", std::ios::binary) << "";
   std::string ts3 = good;
@@ -181,7 +202,7 @@ TEST_F(DatasetsTest, BadPbinFilesAreReportedAtRawDataPath) {
 
 TEST_F(DatasetsTest, OutOfRangeIndexThrows) {
   auto ds = h.get<Dataset>("train_dataset");
-  EXPECT_THROW(ds->get(1300), Error);
+  EXPECT_THROW(ds->get(911), Error);
   EXPECT_THROW(ds->get(-1), Error);
 }
 
@@ -189,13 +210,13 @@ TEST_F(DatasetsTest, CombinedConcatenates) {
   auto combined = h.get<Dataset>("combined_dataset");
   auto a = h.get<Dataset>("short_dataset");
   auto b = h.get<Dataset>("train_dataset");
-  ASSERT_EQ(combined->size(), 31 + 1300);
+  ASSERT_EQ(combined->size(), 40 + 911);
   EXPECT_EQ(combined->token_size_in_bytes(), 2);
-  for (std::int64_t g : {0, 30, 31, 32, 673, 1330}) {
-    const at::Tensor expected = g < 31 ? a->get(g).at("input_ids") : b->get(g - 31).at("input_ids");
+  for (std::int64_t g : {0, 39, 40, 41, 673, 950}) {
+    const at::Tensor expected = g < 40 ? a->get(g).at("input_ids") : b->get(g - 40).at("input_ids");
     EXPECT_TRUE(combined->get(g).at("input_ids").equal(expected)) << g;
   }
-  EXPECT_THROW(combined->get(1331), Error);
+  EXPECT_THROW(combined->get(951), Error);
   h.set("combined_dataset.config.datasets", Value(Value::List{Value(3)}));
   EXPECT_THAT(h.build_error(), HasSubstr("combined_dataset.config.datasets[0]: expected a Dataset"));
 }
@@ -205,7 +226,7 @@ TEST_F(DatasetsTest, WeightedMixtureFollowsItsSchedule) {
   auto a = h.get<Dataset>("short_dataset");
   auto b = h.get<Dataset>("train_dataset");
   ASSERT_EQ(mix->size(), 400);
-  const MixtureSchedule schedule({1.0, 3.0}, {31, 1300}, 400, 42, true);
+  const MixtureSchedule schedule({1.0, 3.0}, {40, 911}, 400, 42, true);
   std::vector<std::int64_t> from_a;
   for (std::int64_t g = 0; g < 400; ++g) {
     const auto [j, local] = schedule.at(g);
@@ -213,13 +234,13 @@ TEST_F(DatasetsTest, WeightedMixtureFollowsItsSchedule) {
     ASSERT_TRUE(mix->get(g).at("input_ids").equal(expected)) << g;
     if (j == 0) from_a.push_back(local);
   }
-  // 100 draws from a 31-sample source: three full passes (each a permutation) and 7 more.
+  // 100 draws from a 40-sample source: two full passes (each a permutation) and 20 more.
   ASSERT_EQ(from_a.size(), 100u);
-  for (int pass = 0; pass < 3; ++pass) {
-    std::set<std::int64_t> seen(from_a.begin() + 31 * pass, from_a.begin() + 31 * (pass + 1));
-    EXPECT_EQ(seen.size(), 31u) << "pass " << pass;
+  for (int pass = 0; pass < 2; ++pass) {
+    std::set<std::int64_t> seen(from_a.begin() + 40 * pass, from_a.begin() + 40 * (pass + 1));
+    EXPECT_EQ(seen.size(), 40u) << "pass " << pass;
   }
-  EXPECT_FALSE(std::equal(from_a.begin(), from_a.begin() + 31, from_a.begin() + 31)) << "passes use the same order";
+  EXPECT_FALSE(std::equal(from_a.begin(), from_a.begin() + 40, from_a.begin() + 40)) << "passes use the same order";
   // Resumable: a fresh build gives the same sample at any position.
   h.set("mixture_dataset.config.seed", Value(42));
   EXPECT_TRUE(h.get<Dataset>("mixture_dataset")->get(317).at("input_ids").equal(mix->get(317).at("input_ids")));
@@ -228,8 +249,8 @@ TEST_F(DatasetsTest, WeightedMixtureFollowsItsSchedule) {
 TEST_F(DatasetsTest, WeightedMixtureDefaultsToTheLongestMixtureWithoutRepetition) {
   h.erase("mixture_dataset.config.num_samples");
   auto mix = h.get<Dataset>("mixture_dataset");
-  // short_dataset (31 samples, weight 1/4) runs out first: its 32nd draw would be position 125.
-  EXPECT_EQ(mix->size(), 125);
+  // short_dataset (40 samples, weight 1/4) runs out first: its 41st draw would be position 161.
+  EXPECT_EQ(mix->size(), 161);
 }
 
 TEST_F(DatasetsTest, WeightedMixtureValidatorsNameTheConfigPath) {
@@ -306,7 +327,7 @@ component_key = "dataset"
 variant_key = "mem_map_dataset"
 config = {{ raw_data_path = "{}", tokenizer = {{ instance_key = "tokenizer", pass_type = "BY_REFERENCE" }}, jq_pattern = ".text", sample_key = "input_ids" }}
 )",
-                                  (kFixtures / "derived/tiny/tiny.jsonl").string()));
+                                  (testing::tiny_example_dir() / "tiny.jsonl").string()));
   }
   testing::Harness h{MODALITIES_TEST_PLUGIN};
 };
@@ -365,19 +386,20 @@ TEST_F(MemMapDatasetTest, ValidatorsNameTheConfigPath) {
   h.set("jsonl_dataset.config.jq_pattern", Value(".text"));
   h.set("jsonl_dataset.config.raw_data_path", Value("does/not/exist.jsonl"));
   EXPECT_THAT(h.build_error(), HasSubstr("jsonl_dataset.config.raw_data_path: file 'does/not/exist.jsonl' does not exist"));
-  h.set("jsonl_dataset.config.raw_data_path", Value((kFixtures / "data/lorem_ipsum.jsonl").string()));
-  h.set("jsonl_dataset.config.index_path", Value((kFixtures / "derived/tiny/tiny.jsonl").string()));  // not a pickle
+  h.set("jsonl_dataset.config.raw_data_path", Value((fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.jsonl").string()));
+  h.set("jsonl_dataset.config.index_path", Value((testing::tiny_example_dir() / "tiny.jsonl").string()));  // not a pickle
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("index pickle")));
-  h.set("jsonl_dataset.config.raw_data_path", Value((kFixtures / "derived/tiny/tiny.jsonl").string()));
-  h.set("jsonl_dataset.config.index_path", Value((kFixtures / "data/lorem_ipsum.idx").string()));  // longer file's index
+  h.set("jsonl_dataset.config.raw_data_path", Value((testing::tiny_example_dir() / "tiny.jsonl").string()));
+  h.set("jsonl_dataset.config.index_path", Value((fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.idx").string()));  // longer file's index
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("does not belong to")));
   h.erase("jsonl_dataset.config.index_path");
   h.set("jsonl_dataset.config.tokenizer", Value(7));
   EXPECT_THAT(h.build_error(), HasSubstr("jsonl_dataset.config.tokenizer: expected a Tokenizer"));
 }
 
-TEST(MemMapDatasetGpt2Test, TokensEqualThePackedDocumentsWithoutTheirEod) {
-  // lorem_ipsum.pbin = GPT-2 tokens of each lorem_ipsum.jsonl line + EOD 50256 (fixture README).
+// mem_map_dataset over `jsonl` with the tokenizer folder `tokenizer` gives the documents of
+// `pbin` (packed from the same file with that tokenizer) without their EOD `eod`.
+void expect_mem_map_equals_packed(const fs::path& tokenizer, const fs::path& jsonl, const fs::path& pbin, std::int64_t eod) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
   h.set_config_text(fmt::format(R"(
@@ -391,18 +413,31 @@ component_key = "dataset"
 variant_key = "mem_map_dataset"
 config = {{ raw_data_path = "{}", tokenizer = {{ instance_key = "tokenizer", pass_type = "BY_REFERENCE" }}, jq_pattern = ".text", sample_key = "input_ids" }}
 )",
-                                (kFixtures / "data/tokenizer/hf_gpt2").string(),
-                                (kFixtures / "data/lorem_ipsum.jsonl").string()));
+                                tokenizer.string(), jsonl.string()));
   auto ds = h.get<Dataset>("jsonl_dataset");
-  ASSERT_NE(ds, nullptr);
-  const formats::PackedFile packed(kFixtures / "data/lorem_ipsum.pbin");
+  ASSERT_NE(ds, nullptr) << h.build_error();
+  const formats::PackedFile packed(pbin);
   ASSERT_EQ(ds->size(), static_cast<std::int64_t>(packed.num_documents()));
   for (std::int64_t k = 0; k < ds->size(); ++k) {
     std::vector<std::int64_t> doc = packed.document(static_cast<std::uint64_t>(k));
-    ASSERT_EQ(doc.back(), 50256);
+    ASSERT_EQ(doc.back(), eod);
     doc.pop_back();
     EXPECT_EQ(values(ds->get(k).at("input_ids")), doc) << "document " << k;
   }
+}
+
+// data/sample/eval.pbin = Modalities 0.5.0's packing of eval.jsonl with gpt2_style_8k, EOD 0.
+TEST(MemMapDatasetSampleTest, TokensEqualThePackedDocumentsWithoutTheirEod) {
+  const fs::path root(MODALITIES_TEST_SOURCE_ROOT);
+  expect_mem_map_equals_packed(root / "data/tokenizer/gpt2_style_8k", root / "data/sample/eval.jsonl",
+                               root / "data/sample/eval.pbin", 0);
+}
+
+// Modalities' lorem_ipsum.pbin = GPT-2 tokens of each lorem_ipsum.jsonl line + EOD 50256 (../shared).
+TEST(MemMapDatasetGpt2Test, TokensEqualThePackedDocumentsWithoutTheirEod) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
+  expect_mem_map_equals_packed(kFixtures / "data/tokenizer/hf_gpt2", kFixtures / "data/lorem_ipsum.jsonl",
+                               kFixtures / "data/lorem_ipsum.pbin", 50256);
 }
 
 }  // namespace

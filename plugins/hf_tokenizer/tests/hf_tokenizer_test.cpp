@@ -13,6 +13,7 @@
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/sdk/schema.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include <absl/strings/escaping.h>
 #include <gmock/gmock.h>
@@ -40,8 +41,11 @@ const fs::path kData = kPluginDir / "tests" / "data";
 const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
 const fs::path kCorpus = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl";
 
+// "gpt2" is Modalities' copy of GPT-2 in ../shared/fixtures (tests that use it skip where it is
+// absent); "gpt2_style_8k" is the main job's own tokenizer, GPT-2's pipeline with 8 192 tokens.
 fs::path folder_of(const std::string& name) {
   if (name == "gpt2") return kFixtures / "data" / "tokenizer" / "hf_gpt2";
+  if (name == "gpt2_style_8k") return fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "tokenizer" / "gpt2_style_8k";
   return kData / name;
 }
 
@@ -173,6 +177,7 @@ class CorpusTest : public ::testing::TestWithParam<std::string> {};
 // decode of the text's ids (`tokenizers`, no clean-up) and transformers' decode.
 TEST_P(CorpusTest, MatchesHuggingFaceOnEveryLine) {
   const std::string name = GetParam();
+  if (name == "gpt2") MODALITIES_REQUIRE_SHARED(folder_of(name));
   const auto texts = texts_of(kCorpus);
   const auto expected = lines_of(kData / "expected" / (name + ".jsonl"));
   ASSERT_EQ(texts.size(), expected.size());
@@ -206,7 +211,7 @@ TEST_P(CorpusTest, MatchesHuggingFaceOnEveryLine) {
   EXPECT_EQ(hf_decode_mismatches, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, CorpusTest, ::testing::Values("gpt2", "llama3_style", "qwen2_style"));
+INSTANTIATE_TEST_SUITE_P(Tokenizers, CorpusTest, ::testing::Values("gpt2", "gpt2_style_8k", "llama3_style", "qwen2_style"));
 
 // ---------------------------------------------------------------------------
 // Tokenizer families (scripts/reference/make_tokenizer_families.py): small tokenizers built with the
@@ -227,6 +232,7 @@ class FamilyTest : public ::testing::TestWithParam<std::string> {};
 // kept); the engine alone (tokenizer.json without transformers' class rules) = `tokenizers`.
 TEST_P(FamilyTest, MatchesTransformersOnEveryDocument) {
   const std::string name = GetParam();
+  if (name == "gpt2") MODALITIES_REQUIRE_SHARED(folder_of(name));
   const auto texts = texts_of(kFamilies / "corpus.jsonl");
   const auto expected = lines_of(kFamilies / "expected" / (name + ".jsonl"));
   ASSERT_EQ(texts.size(), expected.size());
@@ -293,6 +299,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 
 TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   // data/tokenizer/tokenizer_gpt2.json: no model "type", ByteLevel without use_regex, "a b" merges.
   TokenizerJson old_json(kFixtures / "data" / "tokenizer" / "tokenizer_gpt2.json");
   const auto texts = texts_of(kCorpus);
@@ -524,6 +531,7 @@ TEST(HfTokenizerTest, ARobertaMaskTokenOfTokenizerJsonKeepsItsFlags) {
 }
 
 TEST(HfTokenizerTest, Gpt2Facts) {
+  MODALITIES_REQUIRE_SHARED(folder_of("gpt2"));
   auto tok = build_ok(folder_of("gpt2"));
   EXPECT_EQ(tok->vocab_size(), 50257);
   EXPECT_EQ(tok->token_id("<|endoftext|>"), 50256);
@@ -566,6 +574,7 @@ void expect_same_as_pbin(const fs::path& jsonl, const fs::path& pbin) {
 }
 
 TEST(HfTokenizerTest, ReproducesTheShippedGpt2PackedFiles) {
+  MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   expect_same_as_pbin(kFixtures / "data" / "lorem_ipsum.jsonl", kFixtures / "data" / "lorem_ipsum.pbin");
   expect_same_as_pbin(kFixtures / "data" / "lorem_ipsum_long.jsonl", kFixtures / "data" / "lorem_ipsum_long.pbin");
   const fs::path datasets = kFixtures / "tests" / "data" / "datasets";
@@ -576,7 +585,7 @@ TEST(HfTokenizerTest, ReproducesTheShippedGpt2PackedFiles) {
 }
 
 TEST(HfTokenizerTest, OneInstanceIsSafeToUseFromManyThreads) {
-  for (const std::string name : {"gpt2", "qwen2_style"}) {
+  for (const std::string name : {"gpt2_style_8k", "qwen2_style"}) {
     auto tok = build_ok(folder_of(name));
     const auto texts = texts_of(kCorpus);
     std::vector<std::vector<std::int64_t>> serial;
@@ -685,7 +694,7 @@ TEST(HfTokenizerTest, UnigramDuplicatePiecesTakeTheLastId) {
 // two, four and six first bytes (the last taking the byte-by-byte path) must give the same ids;
 // a token of each path must be found wherever it occurs.
 TEST(HfTokenizerTest, AddedTokensAreFoundWithAnyNumberOfFirstBytes) {
-  const fs::path file = kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json";
+  const fs::path file = folder_of("gpt2_style_8k") / "tokenizer.json";
   auto with = [&](std::vector<std::string> contents) {
     auto t = std::make_unique<TokenizerJson>(file);
     std::vector<AddedToken> tokens;
@@ -894,7 +903,7 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
                                                        "pre_tokenizer", R"({"type":"BertPreTokenizer"})"),
        true},
       {"metaspace_then_digits", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[)" + meta("always", true) + R"(,{"type":"Digits","individual_digits":true}]})"), true},
-      {"gpt2", testing::read_file(kFixtures / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json"), false},  // ByteLevel's regex
+      {"gpt2_style_8k", testing::read_file(folder_of("gpt2_style_8k") / "tokenizer.json"), false},  // ByteLevel's regex
       {"llama3_style", testing::read_file(folder_of("llama3_style") / "tokenizer.json"), true},
       {"qwen2_style", testing::read_file(folder_of("qwen2_style") / "tokenizer.json"), true},
       {"gpt4o_style", testing::read_file(kData / "families" / "gpt4o_style" / "tokenizer.json"), true},
@@ -1097,8 +1106,8 @@ TEST(HfTokenizerTest, RejectsUnsupportedTokenizerClass) {
 }
 
 TEST(HfTokenizerTest, TokenIdRefusesStringsNotInTheVocabulary) {
-  auto tok = build_ok(folder_of("gpt2"));
-  EXPECT_EQ(tok->token_id("Hello"), 15496);
+  auto tok = build_ok(folder_of("gpt2_style_8k"));
+  EXPECT_EQ(tok->token_id("<|endoftext|>"), 0);
   try {
     tok->token_id("<|endoftext|> ");
     FAIL() << "expected an error";
@@ -1108,31 +1117,31 @@ TEST(HfTokenizerTest, TokenIdRefusesStringsNotInTheVocabulary) {
 }
 
 TEST(HfTokenizerTest, SpecialTokensMustAlreadyBeInTheVocabulary) {
-  const std::string e = build_error(folder_of("gpt2"), R"(special_tokens = { pad_token = "[PAD]" })");
+  const std::string e = build_error(folder_of("gpt2_style_8k"), R"(special_tokens = { pad_token = "[PAD]" })");
   EXPECT_THAT(e, HasSubstr("tok.config.special_tokens"));
   EXPECT_THAT(e, HasSubstr("pad_token = '[PAD]' not in the vocabulary"));
-  EXPECT_THAT(build_error(folder_of("gpt2"), R"(special_tokens = { pad_tokn = "x" })"), HasSubstr("did you mean 'pad_token'"));
+  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(special_tokens = { pad_tokn = "x" })"), HasSubstr("did you mean 'pad_token'"));
 }
 
 TEST(HfTokenizerTest, RejectsBadPaddingAndLengthSettings) {
-  EXPECT_THAT(build_error(folder_of("gpt2"), R"(padding = "max_length", max_length = 8)"),
+  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(padding = "max_length", max_length = 8)"),
               HasSubstr("padding needs a pad token"));
-  EXPECT_THAT(build_error(folder_of("gpt2"), R"(padding = true)"), HasSubstr("tok.config.padding"));
-  EXPECT_THAT(build_error(folder_of("gpt2"), R"(padding = "sideways")"), HasSubstr("\"max_length\""));
-  EXPECT_THAT(build_error(folder_of("gpt2"), R"(max_length = -1)"), HasSubstr("tok.config.max_length"));
+  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(padding = true)"), HasSubstr("tok.config.padding"));
+  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(padding = "sideways")"), HasSubstr("\"max_length\""));
+  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(max_length = -1)"), HasSubstr("tok.config.max_length"));
   EXPECT_THAT(build_error(folder_of("llama3_style"), R"(truncation = true, max_length = 0)"),
               HasSubstr("leaves no room for the 1 template tokens"));
 }
 
 TEST(HfTokenizerTest, RejectsInvalidUtf8AndUnknownIds) {
-  auto tok = build_ok(folder_of("gpt2"));
+  auto tok = build_ok(folder_of("gpt2_style_8k"));
   EXPECT_THROW(tok->tokenize(std::string("ab\xff", 3)), Error);
   try {
     tok->tokenize(std::string("ab\xc3", 3));
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("not valid UTF-8 (first bad byte at offset 2"));
   }
-  EXPECT_THROW(tok->decode(std::vector<std::int64_t>{15496, 99999}), Error);
+  EXPECT_THROW(tok->decode(std::vector<std::int64_t>{44, 8192}), Error);
   EXPECT_THROW(tok->decode(std::vector<std::int64_t>{-1}), Error);
 }
 

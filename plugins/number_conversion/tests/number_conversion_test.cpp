@@ -3,6 +3,7 @@
 // and one negative test per validator with the config path in the message.
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <gmock/gmock.h>
@@ -18,7 +19,7 @@ using ::testing::AllOf;
 namespace fs = std::filesystem;
 
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
-const fs::path kFixtures = fs::path(MODALITIES_TEST_FIXTURES_DIR);
+const fs::path kSample = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "sample";
 
 // A device mesh with fixed dimensions, registered in-process for parallel_degree.
 class FixedMesh final : public DeviceMesh {
@@ -91,26 +92,37 @@ TEST(NumberConversionTest, NumStepsFromNumSamplesAcceptsTheNumRanksAlias) {
               HasSubstr("both given"));
 }
 
-TEST(NumberConversionTest, NumTokensFromPackedDatasetMatchesTheFixture) {
-  // Expected value (tests/fixtures/modalities/README.md): lorem_ipsum_long.pbin, S = 256, dp = mbs = gas = 1 -> 332 800.
-  const std::string path = (kFixtures / "data/lorem_ipsum_long.pbin").string();
+TEST(NumberConversionTest, NumTokensFromPackedDatasetMatchesTheFile) {
+  // data/sample/train.pbin holds 233 300 tokens: S = 256 -> (233 300 - 1) div 256 = 911 samples.
+  const std::string path = (kSample / "train.pbin").string();
   EXPECT_EQ(build_one("num_tokens_from_packed_mem_map_dataset_continuous",
                       "{ dataset_path = \"" + path +
                           "\", sequence_length = 256, dp_degree = 1, local_micro_batch_size = 1, "
                           "gradient_accumulation_steps = 1 }"),
-            332800);
-  // 1 300 samples // (2 * 4 * 3) = 54 steps -> 54 * 24 * 256 tokens.
+            911 * 256);
+  // 911 samples // (2 * 4 * 3) = 37 steps -> 37 * 24 * 256 tokens.
   EXPECT_EQ(build_one("num_tokens_from_packed_mem_map_dataset_continuous",
                       "{ dataset_path = \"" + path +
                           "\", sequence_length = 256, dp_degree = 2, local_micro_batch_size = 4, "
                           "gradient_accumulation_steps = 3 }"),
-            54 * 24 * 256);
-  // Without reuse_last_target: 332 875 // 256 = 1 300 samples as well.
+            37 * 24 * 256);
+  // Without reuse_last_target: 233 300 div 256 = 911 samples as well.
   EXPECT_EQ(build_one("num_tokens_from_packed_mem_map_dataset_continuous",
                       "{ dataset_path = \"" + path +
                           "\", sequence_length = 256, dp_degree = 1, local_micro_batch_size = 1, "
                           "gradient_accumulation_steps = 1, reuse_last_target = false }"),
-            332800);
+            911 * 256);
+  // S = 50 shows the difference: (233 300 - 1) div 50 = 4 665 with reuse, 233 300 div 50 = 4 666 without.
+  EXPECT_EQ(build_one("num_tokens_from_packed_mem_map_dataset_continuous",
+                      "{ dataset_path = \"" + path +
+                          "\", sequence_length = 50, dp_degree = 1, local_micro_batch_size = 1, "
+                          "gradient_accumulation_steps = 1, reuse_last_target = false }"),
+            4666 * 50);
+  EXPECT_EQ(build_one("num_tokens_from_packed_mem_map_dataset_continuous",
+                      "{ dataset_path = \"" + path +
+                          "\", sequence_length = 50, dp_degree = 1, local_micro_batch_size = 1, "
+                          "gradient_accumulation_steps = 1 }"),
+            4665 * 50);
 }
 
 TEST(NumberConversionTest, NumTokensFromPackedDatasetRejectsMissingAndTooSmallFiles) {
@@ -118,7 +130,7 @@ TEST(NumberConversionTest, NumTokensFromPackedDatasetRejectsMissingAndTooSmallFi
                        "{ dataset_path = \"/no/such.pbin\", sequence_length = 8, dp_degree = 1, local_micro_batch_size = 1, "
                        "gradient_accumulation_steps = 1 }"),
               HasSubstr("x.config.dataset_path: file '/no/such.pbin' does not exist"));
-  const std::string tiny = (kFixtures / "derived/tiny/tiny.pbin").string();  // 6 tokens
+  const std::string tiny = (testing::tiny_example_dir() / "tiny.pbin").string();  // 6 tokens
   EXPECT_THAT(error_of("num_tokens_from_packed_mem_map_dataset_continuous",
                        "{ dataset_path = \"" + tiny +
                            "\", sequence_length = 8, dp_degree = 1, local_micro_batch_size = 1, "
@@ -127,16 +139,16 @@ TEST(NumberConversionTest, NumTokensFromPackedDatasetRejectsMissingAndTooSmallFi
 }
 
 TEST(NumberConversionTest, NumStepsFromRawIndexCountsDocuments) {
-  const std::string idx = (kFixtures / "data/lorem_ipsum_long.idx").string();  // 500 documents
+  const std::string idx = (kSample / "train.idx").string();  // 500 documents
   EXPECT_EQ(build_one("num_steps_from_raw_dataset_index",
                       "{ raw_index_path = \"" + idx +
                           "\", num_ranks = 2, local_micro_batch_size = 4, gradient_accumulation_steps = 3 }"),
             500 / 2 / 4 / 3);
-  const std::string pbin = (kFixtures / "data/lorem_ipsum.pbin").string();
+  const std::string pbin = (kSample / "eval.pbin").string();
   EXPECT_THAT(error_of("num_steps_from_raw_dataset_index",
                        "{ raw_index_path = \"" + pbin +
                            "\", num_ranks = 2, local_micro_batch_size = 4, gradient_accumulation_steps = 3 }"),
-              AllOf(HasSubstr("lorem_ipsum.pbin"), HasSubstr("corrupt or unsupported index pickle")));
+              AllOf(HasSubstr("eval.pbin"), HasSubstr("corrupt or unsupported index pickle")));
 }
 
 TEST(NumberConversionTest, CheckpointPathsMustContainEachNumberExactlyOnce) {

@@ -154,7 +154,7 @@ TEST_F(SamplersTest, ResumableSamplerPadsFromTheWholePermutationWithoutDropLast)
 }
 
 TEST_F(SamplersTest, ResumableSamplerMatchesLoremIpsumVectors) {
-  // lorem_ipsum_long.pbin, S = 256 -> 1 300 samples; R = 2, seed 42.
+  // Modalities' lorem_ipsum_long.pbin, S = 256 -> 1 300 samples; R = 2, seed 42 (numpy permutation vectors).
   const std::string extra = "shuffle = true, seed = 42";
   auto r0 = all(*resumable(1300, 0, 2, extra));
   auto r1 = all(*resumable(1300, 1, 2, extra));

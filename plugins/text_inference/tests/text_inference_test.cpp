@@ -7,6 +7,7 @@
 #include <modalities/sdk/interfaces/text_inference_component.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/shared_fixtures.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -24,7 +25,9 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-const fs::path kGpt2 = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "tokenizer" / "gpt2";
+// GPT-2's tokenizer as Modalities ships it, from ../shared (the ids below are GPT-2's; the tests
+// that use it skip where ../shared is absent).
+const fs::path kGpt2 = fs::path(MODALITIES_TEST_FIXTURES_DIR) / "data" / "tokenizer" / "hf_gpt2";
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
 constexpr std::int64_t kEod = 50256;  // <|endoftext|>
 
@@ -91,6 +94,7 @@ std::vector<std::string> outputs(const std::string& session) {
 class TextInferenceTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    MODALITIES_REQUIRE_SHARED(kGpt2);
     h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
     auto problem = h.registry().register_plugin({"text_inference_test_model", "0.0.0", {}, {}, {}}, [](Registrar& r) {
       r.add<Module, NextTokenConfig>("next_token_for_test", "deterministic successor logits",

@@ -28,7 +28,7 @@ namespace modalities::formats {
 /// even damaged.
 ///
 /// \code
-///   PackedFile f("data/lorem_ipsum.pbin");
+///   PackedFile f("data/sample/train.pbin");
 ///   std::vector<std::int64_t> sample(257);
 ///   f.copy_tokens(642 * 256, sample.size(), sample.data());
 ///   const auto [offset, length] = f.index()[3];  // bytes, data-section relative
