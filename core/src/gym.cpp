@@ -353,83 +353,94 @@ class Gym {
     GymSummary summary;
     i64 i = 0;
     bool step_performed = false;
-    for (; i < num_batches_todo; ++i) {
-      std::optional<DatasetBatch> batch = c_.train_dataloader->next();
-      if (!batch) {
-        std::cerr << fmt::format(
-            "warning: train_dataloader '{}' ran out after {} micro-batches; the target needed {} "
-            "(steps {} of {}). Check the dataset size and settings.training_target.\n",
-            tag, i, num_batches_todo, S0_ + i / G_, s.training_target.num_target_steps);
-        break;
-      }
-      const std::int64_t batch_size = batch->size();
-      ledger_.add(batch->sample_ids, batch_size);
-      batch->to(o_.device, /*non_blocking=*/o_.device.is_cuda());
-      const i64 step_number = S0_ + i / G_ + 1;  // 1-based step this micro-batch belongs to
-
-      // 1. forward / backward.
-      // With accumulation, gradients are synchronised across ranks in the step's last backward only.
-      if (G_ > 1)
-        for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % G_ == 0);
-      at::Tensor loss;
-      if (pipeline_) {
-        loss = pipeline_step(*batch, /*train=*/true)
-                   .value_or(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o_.device)));
-      } else {
-        InferenceResultBatch result;
-        result.targets = std::move(batch->targets);
-        result.predictions = forward(batch->samples);
-        result.vocab_shard = vocab_shard_;
-        loss = c_.loss_fn->compute(result);
-        // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
-        // node per step) is skipped.
-        (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
-      }
-      fault_point("train_step");  // tests: a rank killed mid-step (modalities/sdk/fault.h)
-      at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
-      if (fault_point("train_loss_nan")) loss_f = at::full_like(loss_f, std::nan(""));  // tests only
-      mark_non_finite(loss_f, step_number);
-
-      // 2. step boundary.
-      step_performed = (i + 1) % G_ == 0;
-      if (step_performed) {
-        at::Tensor norm = c_.gradient_clipper->clip_gradients().detach();
-        mark_non_finite(norm, step_number);
-        optimizer_->step();
-        if (scheduler_) scheduler_->step();
-        optimizer_->zero_grad(true);
-        grad_norms_.push_back(norm);
-        ledger_.end_step(step_number);
-      }
-      // 3-6. progress and statistics.
-      progress.num_seen_steps_current_run = (i + 1) / G_;
-      progress.num_seen_tokens_current_run = tokens_per_step_ * progress.num_seen_steps_current_run;
-      loss_sum_.add_(loss_f);
-      ++loss_count_;
-      last_loss_ = loss_f;
-      local_samples_ += batch_size;
-      // 7. progress message.
-      publish_progress(progress.num_seen_steps_total(), ExperimentStatus::kTrain, tag);
-      if (step_performed) {
-        const i64 steps_total = progress.num_seen_steps_total();
-        // 8. training log.
-        if (steps_total % s.intervals.training_log_interval_in_steps == 0) log_training(progress, tag);
-        // 9. evaluation and checkpoint callbacks.
-        if (steps_total > 0 && steps_total % s.intervals.evaluation_interval_in_steps == 0) evaluate(steps_total);
-        if (steps_total > 0 && steps_total % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
-        // Every rank stops at the same step (a signal reaches the ranks at slightly different
-        // times; a rank that stopped alone would leave the others waiting in a collective).
-        if (dist::any_rank(o_.stop_request != nullptr && o_.stop_request->load() != 0)) {
-          summary.stopped_on_request = true;
-          const bool on_interval = steps_total % s.intervals.checkpointing_interval_in_steps == 0;
-          if (o_.checkpoint_on_stop && !on_interval) checkpoint(progress, /*stopping=*/true);
-          summary.checkpoint_written_on_stop = on_interval || o_.checkpoint_on_stop;
-          ++i;
+    i64 current_step = S0_ + 1;
+    try {
+      for (; i < num_batches_todo; ++i) {
+        std::optional<DatasetBatch> batch = c_.train_dataloader->next();
+        if (!batch) {
+          std::cerr << fmt::format(
+              "warning: train_dataloader '{}' ran out after {} micro-batches; the target needed {} "
+              "(steps {} of {}). Check the dataset size and settings.training_target.\n",
+              tag, i, num_batches_todo, S0_ + i / G_, s.training_target.num_target_steps);
           break;
         }
+        const std::int64_t batch_size = batch->size();
+        ledger_.add(batch->sample_ids, batch_size);
+        batch->to(o_.device, /*non_blocking=*/o_.device.is_cuda());
+        const i64 step_number = S0_ + i / G_ + 1;  // 1-based step this micro-batch belongs to
+        current_step = step_number;
+
+        // 1. forward / backward.
+        // With accumulation, gradients are synchronised across ranks in the step's last backward only.
+        if (G_ > 1)
+          for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % G_ == 0);
+        at::Tensor loss;
+        if (pipeline_) {
+          loss = pipeline_step(*batch, /*train=*/true)
+                     .value_or(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o_.device)));
+        } else {
+          InferenceResultBatch result;
+          result.targets = std::move(batch->targets);
+          result.predictions = forward(batch->samples);
+          result.vocab_shard = vocab_shard_;
+          loss = c_.loss_fn->compute(result);
+          // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
+          // node per step) is skipped.
+          (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
+        }
+        fault_point("train_step");  // tests: a rank killed mid-step (modalities/sdk/fault.h)
+        at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
+        if (fault_point("train_loss_nan")) loss_f = at::full_like(loss_f, std::nan(""));  // tests only
+        mark_non_finite(loss_f, step_number);
+
+        // 2. step boundary.
+        step_performed = (i + 1) % G_ == 0;
+        if (step_performed) {
+          at::Tensor norm = c_.gradient_clipper->clip_gradients().detach();
+          mark_non_finite(norm, step_number);
+          optimizer_->step();
+          if (scheduler_) scheduler_->step();
+          optimizer_->zero_grad(true);
+          grad_norms_.push_back(norm);
+          ledger_.end_step(step_number);
+        }
+        // 3-6. progress and statistics.
+        progress.num_seen_steps_current_run = (i + 1) / G_;
+        progress.num_seen_tokens_current_run = tokens_per_step_ * progress.num_seen_steps_current_run;
+        loss_sum_.add_(loss_f);
+        ++loss_count_;
+        last_loss_ = loss_f;
+        local_samples_ += batch_size;
+        // 7. progress message.
+        publish_progress(progress.num_seen_steps_total(), ExperimentStatus::kTrain, tag);
+        if (step_performed) {
+          const i64 steps_total = progress.num_seen_steps_total();
+          // 8. training log.
+          if (steps_total % s.intervals.training_log_interval_in_steps == 0) log_training(progress, tag);
+          // 9. evaluation and checkpoint callbacks.
+          if (steps_total > 0 && steps_total % s.intervals.evaluation_interval_in_steps == 0) evaluate(steps_total);
+          if (steps_total > 0 && steps_total % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
+          // Every rank stops at the same step (a signal reaches the ranks at slightly different
+          // times; a rank that stopped alone would leave the others waiting in a collective).
+          if (dist::any_rank(o_.stop_request != nullptr && o_.stop_request->load() != 0)) {
+            summary.stopped_on_request = true;
+            const bool on_interval = steps_total % s.intervals.checkpointing_interval_in_steps == 0;
+            if (o_.checkpoint_on_stop && !on_interval) checkpoint(progress, /*stopping=*/true);
+            summary.checkpoint_written_on_stop = on_interval || o_.checkpoint_on_stop;
+            ++i;
+            break;
+          }
+        }
+        // 10. profiler.
+        if (c_.profiler) c_.profiler->step();
       }
-      // 10. profiler.
-      if (c_.profiler) c_.profiler->step();
+    } catch (const std::exception& e) {
+      // A peer lost mid-step fails a collective with Gloo's "Connection closed by peer", which
+      // names no rank: say which one, and during what (Note [Lost peers]).
+      if (const std::string lost = dist::lost_peer_message(e, fmt::format("step {}", current_step), o_.stop_request);
+          !lost.empty())
+        throw Error(lost);
+      throw;
     }
     profiler_exit.p = nullptr;
     if (c_.profiler) c_.profiler->exit();

@@ -617,6 +617,60 @@ std::vector<std::string> gather_strings_to_rank0(const std::string& key, const s
   return gather_strings(key, value, false);
 }
 
+// Note [Lost peers], in a step: a collective fails at once when a peer's connection closes, with
+// Gloo's "[.../pair.cc:N] Connection closed by peer [IP]:PORT", which names no rank. The heartbeats
+// say which: the peer whose counter stood still for 10 s, or rank 0 when the store it hosts is gone.
+std::string lost_peer_message(const std::exception& e, const std::string& during, const std::atomic<int>* stop_request) {
+  // Our own errors (a lost store named by get_from, ...) already say what happened.
+  if (!initialized() || world_size() < 2 || dynamic_cast<const Error*>(&e) != nullptr) return "";
+  const std::string what = message_of(e);
+  constexpr std::string_view kSigns[] = {"Connection closed by peer", "Connection reset by peer", "Broken pipe"};
+  if (std::none_of(std::begin(kSigns), std::end(kSigns), [&](std::string_view s) { return what.find(s) != std::string::npos; }))
+    return "";
+  std::string cause = what.substr(0, what.find('\n'));
+  if (cause.starts_with('[') && cause.find("] ") != std::string::npos) cause = cause.substr(cause.find("] ") + 2);
+  const QuietStoreLogs quiet;
+  auto& store = *runtime().store;
+  const int n = world_size();
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::int64_t> last(static_cast<std::size_t>(n), -1);
+  std::vector<std::chrono::steady_clock::time_point> changed(static_cast<std::size_t>(n), start);
+  for (auto now = start; now - start <= kPeerLostAfter + 2 * kHeartbeatPeriod; now = std::chrono::steady_clock::now()) {
+    for (int r = 0; r < n; ++r) {
+      if (r == rank()) continue;
+      std::int64_t beat = 0;
+      try {
+        beat = store.add(heartbeat_key(r), 0);
+      } catch (const std::exception&) {
+        if (env().agent_store)
+          return fmt::format("lost the connection to another rank during {} ({}) and to the rendezvous store "
+                             "(torchrun's agent): is that node gone?",
+                             during, cause);
+        return fmt::format("rank 0 was lost during {}: its connection closed ({}), and so did the rendezvous store it "
+                           "hosts (killed, stopped by its own error, or its host failed)",
+                           during, cause);
+      }
+      const auto i = static_cast<std::size_t>(r);
+      if (beat != last[i]) {
+        last[i] = beat;
+        changed[i] = now;
+      } else if (now - changed[i] > kPeerLostAfter) {
+        return fmt::format("rank {} was lost during {}: its connection closed ({}) and it has shown no sign of life "
+                           "for {} s (killed, stopped by its own error, or its host failed)",
+                           r, during, cause, kPeerLostAfter.count());
+      }
+    }
+    if (stop_request != nullptr && stop_request->load() != 0)
+      return fmt::format("a connection to another rank closed during {} ({}); stopped on request before telling "
+                         "which rank was lost",
+                         during, cause);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return fmt::format("a connection to another rank closed during {} ({}), yet every rank still shows signs of life: "
+                     "a network problem?",
+                     during, cause);
+}
+
 void barrier() {
   if (!initialized()) return;
   world()->barrier()->wait();

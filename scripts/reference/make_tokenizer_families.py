@@ -406,6 +406,30 @@ def build_starcoder(texts, folder):
     }, {"additional_special_tokens": STARCODER_SPECIALS, "bos_token": eot, "eos_token": eot, "unk_token": eot})
 
 
+FALCON_SPECIALS = [">>TITLE<<", ">>ABSTRACT<<", ">>INTRODUCTION<<", ">>SUMMARY<<", ">>COMMENT<<", ">>ANSWER<<",
+                   ">>QUESTION<<", ">>DOMAIN<<", ">>PREFIX<<", ">>SUFFIX<<", ">>MIDDLE<<", "<|endoftext|>"]
+
+
+def build_falcon(texts, folder):
+    # Falcon's pre-tokenizer order: Punctuation, then ByteLevel, then Digits and a three-digit Split,
+    # which therefore see the byte-level characters (e.g. the UTF-8 byte 0xB2 is shown as '²', a
+    # numeric character that Digits splits off).
+    tok = train_bpe(texts, pre_tokenizers.Sequence([
+        pre_tokenizers.Punctuation(behavior="contiguous"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        pre_tokenizers.Digits(individual_digits=False),
+        pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), behavior="isolated", invert=False),
+    ]), special_tokens=FALCON_SPECIALS)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    save_tokenizer(tok, folder)
+    eot = "<|endoftext|>"
+    write_config(folder, {
+        "add_prefix_space": False, "eos_token": eot, "model_max_length": 2048,
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }, {"additional_special_tokens": FALCON_SPECIALS[:-1], "eos_token": eot})
+
+
 TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "<pad>", "[PREFIX]", "[MIDDLE]", "[SUFFIX]"]
 TEKKEN_SPECIALS += [f"<SPECIAL_{i}>" for i in range(len(TEKKEN_SPECIALS), 24)]
@@ -677,6 +701,7 @@ FAMILIES = {
     "pretok_sequences_style": build_pretok_sequences,
     "whitespace_style": build_whitespace,
     "bloom_style": build_bloom,
+    "falcon_style": build_falcon,
 }
 
 

@@ -77,6 +77,9 @@ TEST(JinjaTest, ArithmeticFiltersAndLoopsAsJinja2) {
             "102;101;");
   EXPECT_EQ(str("  {%+ if true +%}\nx{% endif %}"), "  \nx");
   EXPECT_EQ(str("{{ range(100000)|length }}"), "100000");
+  // Tuple addition (jinja2 3.1.6 in ImmutableSandboxedEnvironment renders the same).
+  EXPECT_EQ(str("{{ (1,2) + (3,) }}|{{ ((1,) + ()) }}|{{ [1] + [2] }}|{% for x in (1,) + (2, 3) %}{{ x }}{% endfor %}"),
+            "(1, 2, 3)|(1,)|[1, 2]|123");
   const auto error = [](const std::string& text) {
     try {
       Template(text).render({});
@@ -89,6 +92,8 @@ TEST(JinjaTest, ArithmeticFiltersAndLoopsAsJinja2) {
   EXPECT_THAT(error("{{ 3 ** 40 }}"), HasSubstr("integer overflow"));
   EXPECT_THAT(error("{{ (-9223372036854775807 - 1) // -1 }}"), HasSubstr("integer overflow"));
   EXPECT_THAT(error("{{ 99999999999999999999 }}"), HasSubstr("does not fit 64 bits"));
+  EXPECT_THAT(error("{{ [1] + (2,) }}"), HasSubstr("can only concatenate list (not \"tuple\") to list"));
+  EXPECT_THAT(error("{{ (1,) + [2] }}"), HasSubstr("can only concatenate tuple (not \"list\") to tuple"));
   for (const char* zero : {"{{ 1/0 }}", "{{ 1.0 % 0 }}", "{{ 1 // 0 }}", "{{ 0 ** -1 }}"})
     EXPECT_THAT(error(zero), ::testing::AnyOf(HasSubstr("division by zero"), HasSubstr("negative power"))) << zero;
   EXPECT_THAT(error("{{ range(100001)|length }}"), HasSubstr("more than 100000"));

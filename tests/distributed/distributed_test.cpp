@@ -1548,6 +1548,25 @@ TEST(DistributedFailureTest, ARankLostWhileACheckpointIsWrittenIsNamedWithinSeco
   EXPECT_LT(u.seconds, 50.0) << u.err[1];
 }
 
+// Note [Lost peers], in a step: kill -9 of rank 1 at its 7th micro-batch (step 7), with nothing
+// that stops rank 0 (srun's default). Rank 0's collective fails with Gloo's "Connection closed by
+// peer", which names no rank; rank 0 says that rank 1 was lost during step 7 once rank 1's heartbeat
+// has been still for 10 s. kill -9 of rank 0 (the store's host): rank 1 names rank 0 at once.
+TEST(DistributedFailureTest, ARankLostMidStepIsNamedWithTheStep) {
+  const modalities::testing::ScratchDir dir;
+  const TwoRanksResult t = run_two_ranks_without_launcher(dir, "mid1", "train_step@1:7", 12, 6, 60);
+  EXPECT_THAT(t.err[0], HasSubstr("error: rank 0: rank 1 was lost during step 7: its connection closed ("))
+      << t.err[0];
+  EXPECT_THAT(t.err[0], HasSubstr("no sign of life for 10 s")) << t.err[0];
+  EXPECT_THAT(t.err[0], Not(HasSubstr("frame #"))) << t.err[0];
+  EXPECT_LT(t.seconds, 50.0) << t.err[0];  // start-up, 7 steps and 10 s; not the 60 s timeout
+  std::printf("rank 1 killed mid-step: rank 0 named it and ended %.1f s after the start\n", t.seconds);
+  const TwoRanksResult u = run_two_ranks_without_launcher(dir, "mid0", "train_step@0:7", 12, 6, 60);
+  EXPECT_THAT(u.err[1], HasSubstr("error: rank 1: rank 0 was lost during step 7: its connection closed")) << u.err[1];
+  EXPECT_THAT(u.err[1], Not(HasSubstr("frame #"))) << u.err[1];
+  EXPECT_LT(u.seconds, 50.0) << u.err[1];
+}
+
 // A NaN loss on one rank only (rank 1, step 5): every rank stops with the error naming step 5 at
 // the next check (a log step), instead of rank 1 leaving and rank 0 waiting for it until the
 // (60 s) timeout; nothing is checkpointed after it.

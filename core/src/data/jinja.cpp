@@ -603,9 +603,15 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
   if (op == "+") {
     if (a.kind == Value::Kind::kString && b.kind == Value::Kind::kString) return Value::string(a.s + b.s);
     if (a.kind == Value::Kind::kList && b.kind == Value::Kind::kList) {
+      // Python: list + list is a list, tuple + tuple a tuple; mixing them is a TypeError.
+      if (a.tuple != b.tuple)
+        fail(line, fmt::format("can only concatenate {} (not \"{}\") to {}", a.tuple ? "tuple" : "list",
+                               b.tuple ? "tuple" : "list", a.tuple ? "tuple" : "list"));
       List l = *a.list;
       l.insert(l.end(), b.list->begin(), b.list->end());
-      return Value::make_list(std::move(l));
+      Value v = Value::make_list(std::move(l));
+      v.tuple = a.tuple;
+      return v;
     }
   }
   if (op == "*" && a.kind == Value::Kind::kString && b.kind == Value::Kind::kInt) {
@@ -1562,6 +1568,12 @@ class ExprParser {
       case Token::kOp:
         if (t.text == "(") {
           ++p_;
+          if (is_op(")")) {  // the empty tuple
+            ++p_;
+            auto l = make<ListExpr>();
+            l->tuple = true;
+            return l;
+          }
           ExprPtr first = expression();
           if (is_op(",")) {  // tuple
             auto l = make<ListExpr>();

@@ -1561,6 +1561,7 @@ struct TokenizerJson::Impl {
 
   // Pre-tokenizer: stages, then (optionally, always last) ByteLevel.
   std::vector<Stage> stages;
+  std::vector<Stage> post_stages;  // Note [Pre-tokenizers after ByteLevel]
   std::vector<CharSplitRun> split_runs;  // per stage: the run of Note [One pass for character splits] it starts
   bool fused_splits = true;              // false: stage by stage (tests)
   bool byte_level = false;
@@ -1640,6 +1641,9 @@ struct TokenizerJson::Impl {
   void split_added(std::string_view sentence, const Trie& trie, F&& on_split) const;
   void pre_tokenize(std::string_view piece, std::size_t stage, bool at_origin, Sink& out) const;
   void byte_level_stage(std::string_view piece, Sink& out) const;
+  void after_byte_level(std::string_view raw, Sink& out) const;
+  void post_split(std::string_view raw, std::string_view mapped, const std::vector<std::uint32_t>& at, std::size_t b,
+                  std::size_t e, std::size_t stage, Sink& out) const;
   void model(std::string_view word, Sink& out) const;
   void model_piece(std::string_view word, Sink& out) const;
   void tokenize_word(std::string_view word, std::vector<std::int32_t>& ids) const;
@@ -1855,8 +1859,10 @@ static Behavior parse_behavior(const Json& j, dom::element el, const std::string
 void TokenizerJson::Impl::parse_pre_tokenizer(const Json& j, dom::element el, const std::string& where,
                                               bool top_level) {
   const std::string type = j.type_of(el, where);
-  if (byte_level)
-    fail(file, where, fmt::format("pre-tokenizer '{}' after ByteLevel is not supported (ByteLevel must come last)", type));
+  // Note [Pre-tokenizers after ByteLevel]: those after it split the byte-level characters.
+  std::vector<Stage>& target = byte_level ? post_stages : stages;
+  if (byte_level && (type == "ByteLevel" || type == "Metaspace"))
+    fail(file, where, fmt::format("pre-tokenizer '{}' after ByteLevel is not supported", type));
   Stage s;
   if (type == "Sequence") {
     std::size_t k = 0;
@@ -1894,7 +1900,7 @@ void TokenizerJson::Impl::parse_pre_tokenizer(const Json& j, dom::element el, co
     s.kind = Stage::Kind::kChars;
     s.chars = &rust_whitespace();
     s.behavior = Behavior::kRemoved;
-    stages.push_back(std::move(s));
+    target.push_back(std::move(s));
     s = Stage{};
     s.kind = Stage::Kind::kChars;
     s.chars = &bert_punctuation();
@@ -1931,7 +1937,7 @@ void TokenizerJson::Impl::parse_pre_tokenizer(const Json& j, dom::element el, co
                 "ByteLevel, Split, Digits, WhitespaceSplit, Whitespace, Punctuation, BertPreTokenizer, "
                 "CharDelimiterSplit, Metaspace and a Sequence of them");
   }
-  stages.push_back(std::move(s));
+  target.push_back(std::move(s));
 }
 
 void TokenizerJson::Impl::parse_vocab_map(const Json& j, dom::element el) {
@@ -2598,16 +2604,53 @@ void TokenizerJson::Impl::byte_level_stage(std::string_view piece, Sink& out) co
     view = prefixed;
   }
   if (!byte_level_use_regex) {
-    model(view, out);
+    after_byte_level(view, out);
     return;
   }
   std::size_t prev = 0;
   gpt2_regex.for_each_match(view, [&](std::size_t s, std::size_t e) {
-    if (prev != s) model(view.substr(prev, s - prev), out);
-    if (e > s) model(view.substr(s, e - s), out);
+    if (prev != s) after_byte_level(view.substr(prev, s - prev), out);
+    if (e > s) after_byte_level(view.substr(s, e - s), out);
     prev = e;
   });
-  if (prev < view.size()) model(view.substr(prev), out);
+  if (prev < view.size()) after_byte_level(view.substr(prev), out);
+}
+
+// Note [Pre-tokenizers after ByteLevel]
+// `tokenizers` runs a pre-tokenizer sequence in order on the pieces' current text, and ByteLevel
+// replaces each piece's text by its byte-level characters (one per UTF-8 byte: 'Ġ' for a space, '²'
+// for the byte 0xB2, ...). So a stage after it (Falcon: Digits, then a Split of three digits) sees
+// those characters: Digits splits off '²', '³', '¹', '¼', '½', '¾' even where they stand for bytes
+// inside another character. Such stages run here on the mapped text; each piece they leave is a run
+// of whole characters, that is of whole bytes, which go to the model as bytes (it maps them again).
+void TokenizerJson::Impl::after_byte_level(std::string_view raw, Sink& out) const {
+  if (post_stages.empty() || raw.empty()) {
+    model(raw, out);
+    return;
+  }
+  const auto& abc = alphabet();
+  std::string mapped;
+  std::vector<std::uint32_t> at;  // at[k]: the raw byte that mapped byte k belongs to; at[size] = raw.size()
+  mapped.reserve(2 * raw.size());
+  at.reserve(2 * raw.size() + 1);
+  for (std::size_t i = 0; i < raw.size(); ++i) {
+    const std::string& c = abc.byte_to_utf8[static_cast<unsigned char>(raw[i])];
+    mapped += c;
+    at.insert(at.end(), c.size(), static_cast<std::uint32_t>(i));
+  }
+  at.push_back(static_cast<std::uint32_t>(raw.size()));
+  post_split(raw, mapped, at, 0, mapped.size(), 0, out);
+}
+
+void TokenizerJson::Impl::post_split(std::string_view raw, std::string_view mapped, const std::vector<std::uint32_t>& at,
+                                     std::size_t b, std::size_t e, std::size_t stage, Sink& out) const {
+  if (stage == post_stages.size()) {
+    model(raw.substr(at[b], at[e] - at[b]), out);
+    return;
+  }
+  split_one_stage(post_stages[stage], mapped.substr(b, e - b), [&](std::size_t sb, std::size_t se) {
+    post_split(raw, mapped, at, b + sb, b + se, stage + 1, out);
+  });
 }
 
 void TokenizerJson::Impl::model(std::string_view word, Sink& out) const {

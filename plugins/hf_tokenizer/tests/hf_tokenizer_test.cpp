@@ -295,7 +295,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values("gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
                       "deepseek_v3_style", "gptneox_style", "gptneox_bos_style", "roberta_style", "bloom_style",
                       "llama2_style", "mistral_style", "gemma_style", "bert_style", "bert_cased_style", "t5_style",
-                      "t5_nmt_style", "xlm_roberta_style", "unigram_style", "pretok_sequences_style", "whitespace_style"));
+                      "t5_nmt_style", "xlm_roberta_style", "unigram_style", "pretok_sequences_style", "whitespace_style",
+                      "falcon_style"));
 
 
 TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
@@ -1060,8 +1061,12 @@ TEST(HfTokenizerTest, PrecompiledShortcutsChangeNothing) {
 TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"UnicodeScripts"})")),
               HasSubstr("pre-tokenizer 'UnicodeScripts' is not supported"));
-  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"Digits","individual_digits":true}]})")),
-              HasSubstr("ByteLevel must come last"));
+  // Stages after ByteLevel are supported (Falcon; Note [Pre-tokenizers after ByteLevel]), but not a
+  // second ByteLevel or a Metaspace there.
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"ByteLevel"}]})")),
+              HasSubstr("pre-tokenizer 'ByteLevel' after ByteLevel is not supported"));
+  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"Metaspace","replacement":"_"}]})")),
+              HasSubstr("pre-tokenizer 'Metaspace' after ByteLevel is not supported"));
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"ByteLevel"})", "", R"({"type":"Whatever"})")),
               HasSubstr("post-processor 'Whatever' is not supported"));
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"ByteLevel"})", "", "null", R"({"type":"CTC"})")),

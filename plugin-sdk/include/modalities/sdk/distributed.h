@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <atomic>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -149,5 +151,14 @@ MODALITIES_SDK_API std::vector<std::string> all_gather_strings(const std::string
 
 /// Every rank's `value` on rank 0 (indexed by rank); an empty vector on the other ranks.
 MODALITIES_SDK_API std::vector<std::string> gather_strings_to_rank0(const std::string& key, const std::string& value);
+
+/// When `e` is a collective's failure because the connection to another rank closed (Gloo's
+/// "Connection closed by peer" / "Connection reset by peer", a broken pipe), the error to report
+/// instead: which rank was lost during `during` ("step 7"), found from the ranks' heartbeats in the
+/// store within about 10 s, or that rank 0 (the store's host) is gone. "" for any other error, and
+/// for one process (Note [Lost peers]). A nonzero `*stop_request` (SIGTERM from a launcher that
+/// already names the lost rank) ends the wait early.
+MODALITIES_SDK_API std::string lost_peer_message(const std::exception& e, const std::string& during,
+                                                 const std::atomic<int>* stop_request = nullptr);
 
 }  // namespace modalities::dist
