@@ -4,7 +4,8 @@
 #
 # Usage: scripts/fuzz.sh [seconds-per-target] [target ...]
 #   seconds-per-target  default 60; every target runs that long, one after the other
-#   target              config pickle_index pbin jsonl tokenizer_json checkpoint sentencepiece
+#   target              config pickle_index pbin jsonl tokenizer_json checkpoint sentencepiece yaml
+#                       jinja hf_config manifest
 #                       (default: all)
 # Environment: MODALITIES_FUZZ_SEED (default 1; libFuzzer's -seed, so a run is repeatable),
 #              MODALITIES_FUZZ_JOBS (build parallelism, default nproc).
@@ -17,7 +18,7 @@
 # replays that folder (modalities_fuzz_replay_test, label `fuzz`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-all_targets=(config pickle_index pbin jsonl tokenizer_json checkpoint sentencepiece)
+all_targets=(config pickle_index pbin jsonl tokenizer_json checkpoint sentencepiece yaml jinja hf_config manifest)
 
 seconds=60
 if [[ $# -gt 0 ]]; then

@@ -7,10 +7,12 @@
 #include "fuzz_support.h"
 
 #include <modalities/core/config_tree.h>
+#include <modalities/core/data/jinja.h>
 #include <modalities/core/data/jsonl.h>
 #include <modalities/core/graph.h>
 #include <modalities/core/interpolation.h>
 #include <modalities/core/registry.h>
+#include <modalities/core/yaml_import.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/formats/packed_data.h>
@@ -20,12 +22,15 @@
 
 // Compiled into the fuzz library from the plugins' sources (tests/fuzz/CMakeLists.txt).
 #include "checkpointing/src/format.h"
+#include "gpt2/src/huggingface.h"
 #include "hf_tokenizer/src/tokenizer_json.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <optional>
@@ -382,6 +387,119 @@ int fuzz_checkpoint(const std::uint8_t* data, std::size_t size) {
   return 0;
 }
 
+// --- YAML import (`modalities config import`) ---------------------------------------------------
+
+int fuzz_yaml(const std::uint8_t* data, std::size_t size) {
+  const fs::path file = scratch_dir() / "fuzz.yaml";
+  write_file(file, data, size);
+  try {
+    (void)core::yaml_config_to_toml(core::read_yaml_file(file.string()), file.string());
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    // TOML that does not load back is the importer's bug, whatever the input.
+    if (message.find(core::kImporterBug) != std::string::npos) report_failure("yaml: " + message);
+    else expect_names_file("yaml: yaml_config_to_toml", message, file.string());
+  }
+  return 0;
+}
+
+// --- Jinja chat templates ---------------------------------------------------------------------
+
+// The context of `data prepare_instruction_tuning_data`: a conversation and chat_template_data.
+const core::data::jinja::Dict& jinja_context() {
+  static const core::data::jinja::Value context = core::data::jinja::json_loads(R"({
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>there</b>"},
+                 {"role": "assistant", "content": "Hello!"}],
+    "chat_template_data": {"assistant_role": "assistant", "special_tokens": {"b_include_to_loss_token": "^",
+                           "e_include_to_loss_token": "$", "e_assistant_token": "\n"}},
+    "add_generation_prompt": false})");
+  return *context.dict;
+}
+
+int fuzz_jinja(const std::uint8_t* data, std::size_t size) {
+  try {
+    const core::data::jinja::Template t(as_text(data, size));
+    (void)t.render(jinja_context());
+  } catch (const Error& e) {
+    // Every refusal names the template position (compile time: "template line N: ..."; run time:
+    // the line of the failing tag).
+    expect_names_file("jinja: Template", e.what(), "template line ");
+  }
+  return 0;
+}
+
+// --- Hugging Face config.json ---------------------------------------------------------------
+
+int fuzz_hf_config(const std::uint8_t* data, std::size_t size) {
+  static const fs::path folder = [] {
+    const fs::path f = scratch_dir() / "fuzz_hf";
+    std::error_code ec;
+    fs::create_directories(f, ec);
+    if (ec) report_failure("hf_config: cannot create '" + f.string() + "': " + ec.message());
+    return f;
+  }();
+  const fs::path file = folder / "config.json";
+  write_file(file, data, size);
+  try {
+    (void)plugins::gpt2::hf::read_config(folder);
+  } catch (const Error& e) {
+    expect_names_file("hf_config: read_config", e.what(), file.string());
+  }
+  return 0;
+}
+
+// --- format-v2 manifest -----------------------------------------------------------------------
+
+// A format-v2 (sharded) checkpoint folder written once by the plugin's own writer (one process, two
+// tensors), whose manifest.json each input replaces.
+const fs::path& sharded_checkpoint_folder() {
+  static const fs::path folder = [] {
+    at::set_num_threads(1);
+    const fs::path f = scratch_dir() / "fuzz_sharded";
+    namespace ck = plugins::checkpointing;
+    const at::Tensor w = at::arange(24, at::kFloat).reshape({4, 6});
+    std::vector<ck::LocalTensor> tensors = {
+        {"model.w", w, {4, 6}, {0, 0}},
+        {"model.b", at::ones({3}, at::kBFloat16), {3}, {0}},
+    };
+    ck::CheckpointInfo info;
+    info.experiment_id = "fuzz";
+    info.progress.num_seen_steps_current_run = 2;
+    info.progress.num_seen_tokens_current_run = 64;
+    info.progress.num_target_steps = 10;
+    info.progress.num_target_tokens = 320;
+    info.writer_variant = "checkpoint_saving_execution/dcp";
+    try {
+      ck::write_sharded_checkpoint_folder(f, tensors, StateDict{}, info, [] {});
+    } catch (const std::exception& e) {
+      report_failure(std::string("manifest: cannot write the sharded checkpoint fixture: ") + e.what());
+    }
+    // The seed corpus' valid manifest comes from here (tests/fuzz/make_corpus.py says how).
+    if (const char* seed = std::getenv("MODALITIES_FUZZ_MANIFEST_SEED"); seed != nullptr && *seed != '\0') {
+      std::error_code ec;
+      fs::copy_file(f / ck::kManifestFile, seed, fs::copy_options::overwrite_existing, ec);
+      if (ec) report_failure(std::string("manifest: cannot copy the fixture's manifest to ") + seed + ": " + ec.message());
+    }
+    return f;
+  }();
+  return folder;
+}
+
+int fuzz_manifest(const std::uint8_t* data, std::size_t size) {
+  const fs::path& folder = sharded_checkpoint_folder();
+  write_file(folder / plugins::checkpointing::kManifestFile, data, size);
+  try {
+    const plugins::checkpointing::CheckpointReader reader(folder);
+    (void)reader.progress();
+    const StateDict state = reader.read_all();
+    reader.check_shapes(state);
+    (void)reader.read_regions({{"model.w", plugins::checkpointing::Box{{1, 2}, {2, 3}}}});
+  } catch (const Error& e) {
+    expect_names_file("manifest: CheckpointReader", e.what(), folder.string());
+  }
+  return 0;
+}
+
 const NamedTarget kTargets[] = {
     {"config", &modalities_fuzz_config},
     {"pickle_index", &modalities_fuzz_pickle_index},
@@ -390,6 +508,10 @@ const NamedTarget kTargets[] = {
     {"tokenizer_json", &modalities_fuzz_tokenizer_json},
     {"checkpoint", &modalities_fuzz_checkpoint},
     {"sentencepiece", &modalities_fuzz_sentencepiece},
+    {"yaml", &modalities_fuzz_yaml},
+    {"jinja", &modalities_fuzz_jinja},
+    {"hf_config", &modalities_fuzz_hf_config},
+    {"manifest", &modalities_fuzz_manifest},
 };
 
 }  // namespace
@@ -417,3 +539,11 @@ int modalities_fuzz_tokenizer_json(const std::uint8_t* data, std::size_t size) {
 int modalities_fuzz_checkpoint(const std::uint8_t* data, std::size_t size) {
   return modalities::fuzz::fuzz_checkpoint(data, size);
 }
+int modalities_fuzz_jinja(const std::uint8_t* data, std::size_t size) { return modalities::fuzz::fuzz_jinja(data, size); }
+int modalities_fuzz_hf_config(const std::uint8_t* data, std::size_t size) {
+  return modalities::fuzz::fuzz_hf_config(data, size);
+}
+int modalities_fuzz_manifest(const std::uint8_t* data, std::size_t size) {
+  return modalities::fuzz::fuzz_manifest(data, size);
+}
+int modalities_fuzz_yaml(const std::uint8_t* data, std::size_t size) { return modalities::fuzz::fuzz_yaml(data, size); }

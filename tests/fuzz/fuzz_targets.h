@@ -50,6 +50,22 @@ int modalities_fuzz_checkpoint(const std::uint8_t* data, std::size_t size);
 /// (SentencePieceProcessor::Load(path)), then the plugin's calls on it.
 int modalities_fuzz_sentencepiece(const std::uint8_t* data, std::size_t size);
 
+/// A Modalities YAML config through `modalities config import`'s conversion
+/// (core::read_yaml_file, core::yaml_config_to_toml); TOML that does not load back is a finding.
+int modalities_fuzz_yaml(const std::uint8_t* data, std::size_t size);
+
+/// A Jinja2 chat template (core::data::Template) rendered with a fixed conversation, as
+/// `data prepare_instruction_tuning_data` renders one; a refusal names the template line.
+int modalities_fuzz_jinja(const std::uint8_t* data, std::size_t size);
+
+/// A Hugging Face config.json read as `convert_pytorch_to_hf_checkpoint` / the model import read it
+/// (plugins/gpt2 hf::read_config): sizes, rope settings, duplicated keys, types.
+int modalities_fuzz_hf_config(const std::uint8_t* data, std::size_t size);
+
+/// The manifest.json of a format-v2 (sharded) checkpoint folder written by the plugin itself:
+/// CheckpointReader (manifest checksum, chunk placement), read_all(), a region read.
+int modalities_fuzz_manifest(const std::uint8_t* data, std::size_t size);
+
 namespace modalities::fuzz {
 
 using FuzzTarget = int (*)(const std::uint8_t* data, std::size_t size);

@@ -169,6 +169,99 @@ def sentencepiece_seeds() -> None:
     put("sentencepiece", "empty.model", b"")
 
 
+def yaml_seeds() -> None:
+    config = (
+        "settings:\n  experiment_id: ${modalities_env:experiment_id}\n  step_profile: &profile\n"
+        "    sequence_length: 256\n    local_train_micro_batch_size: 4\n  copy: *profile\n"
+        "model:\n  component_key: model\n  variant_key: gpt2\n  config:\n    n_layer: 2\n"
+        "    dropout: 0.0\n    bias: yes\n    eps: 1e-5\n    rope: ~\n    hex: 0x1A\n    sexagesimal: 1:30\n"
+        "    tagged: !!float 3\n    quoted: \"42\"\n    items: [1, 2.5, null, true]\n")
+    put("yaml", "config.yaml", config)
+    put("yaml", "cr_line_breaks.yaml", config.replace("\n", "\r"))
+    put("yaml", "nel_line_breaks.yaml", config.replace("\n", "\u0085"))
+    put("yaml", "second_document.yaml", config + "---\nother: 1\n")
+    put("yaml", "recursive_anchor.yaml", "a: &a [*a]\n")
+    put("yaml", "recursive_map_anchor.yaml", "a: &a {b: *a}\n")
+    laughs = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, "
+        f"*a{i - 1}, *a{i - 1}]\n" for i in range(1, 9))
+    put("yaml", "billion_laughs.yaml", laughs)
+    put("yaml", "long_number.yaml", "n: " + "9" * 27000 + "\n")
+    put("yaml", "bad_numbers.yaml", "a: 0b_\nb: 0x_\nc: 1e999\nd: -9223372036854775808\n")
+    put("yaml", "unknown_tag.yaml", "a: !!binary aGVsbG8=\n")
+    put("yaml", "merge_key.yaml", "base: &b {x: 1}\nd:\n  <<: *b\n")
+    put("yaml", "not_a_mapping.yaml", "- 1\n- 2\n")
+
+
+def jinja_seeds() -> None:
+    import tomllib
+    cfg = tomllib.loads((ROOT / "configs" / "instruction_tuning" / "apply_chat_template.toml").read_text(encoding="utf-8"))
+    put("jinja", "apply_chat_template.jinja", cfg["jinja2_chat_template"])
+    put("jinja", "loop_and_filters.jinja",
+        "{% for m in messages %}{{ loop.index }}/{{ loop.length }} {{ m.role|upper }}: {{ m.content|trim|e }}"
+        "{% if not loop.last %}\n{% endif %}{% endfor %}{{ (1, 2) + (3,) }}{{ [1] + [2] }}{{ 7 // -2 }}")
+    put("jinja", "namespace_and_set.jinja",
+        "{% set ns = namespace(n=0) %}{% for m in messages if m.role != 'system' %}{% set ns.n = ns.n + 1 %}"
+        "{% endfor %}{{ ns.n }}{{ messages|map(attribute='role')|join(',') }}{{ {'a': 1}|tojson }}")
+    put("jinja", "overflow.jinja", "{{ 9223372036854775807 + 1 }}")
+    put("jinja", "division_by_zero.jinja", "{{ 1 // 0 }}")
+    put("jinja", "big_range.jinja", "{{ range(10**9)|length }}")
+    put("jinja", "string_repeat.jinja", "{{ 'ab' * 9223372036854775807 }}")
+    put("jinja", "deep_parentheses.jinja", "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}")
+    put("jinja", "deep_blocks.jinja", "{% if true %}" * 600 + "x" + "{% endif %}" * 600)
+    put("jinja", "unterminated.jinja", "{% for x in messages %}{{ x")
+    put("jinja", "raise.jinja", "{{ raise_exception('bad role') }}")
+
+
+def hf_config_seeds() -> None:
+    for cfg in sorted((ROOT / "plugins" / "gpt2" / "tests" / "data" / "hf").glob("import_*/config.json")):
+        copy("hf_config", f"{cfg.parent.name}.json", cfg)
+    llama = json.loads((ROOT / "plugins/gpt2/tests/data/hf/import_llama/config.json").read_text())
+    put("hf_config", "rope_theta_null.json", json.dumps(dict(llama, rope_theta=None)))
+    put("hf_config", "huge_hidden.json", json.dumps(dict(llama, hidden_size=2147483648)))
+    put("hf_config", "huge_layers.json", json.dumps(dict(llama, num_hidden_layers=2147483648)))
+    put("hf_config", "rope_type_conflict.json",
+        json.dumps(dict(llama, rope_scaling={"type": "linear", "rope_type": "llama3", "factor": 2.0})))
+    text = json.dumps(llama)
+    put("hf_config", "duplicated_key.json", text[:-1] + ', "rope_theta": 5.0}')
+    put("hf_config", "not_an_object.json", "[1, 2, 3]")
+    put("hf_config", "truncated.json", text[: len(text) // 2])
+
+
+def manifest_seeds() -> None:
+    # valid_manifest.json is the manifest of the sharded folder the target writes itself: make it with
+    #   MODALITIES_FUZZ_MANIFEST_SEED=tests/fuzz/corpus/manifest/valid_manifest.json \
+    #       build/bin/modalities_fuzz_replay_test --gtest_filter='*manifest*'
+    # The seeds here are edits of it (what issue 31 found accepted silently).
+    put("manifest", "not_an_object.json", "[]")
+    valid = CORPUS / "manifest" / "valid_manifest.json"
+    if not valid.exists():
+        print(f"note: {valid.relative_to(ROOT)} is missing; manifest seeds not derived (see make_corpus.py)")
+        return
+    text = valid.read_text(encoding="utf-8")
+    m = json.loads(text)
+    put("manifest", "flipped_digit.json", text.replace('"offsets": [2', '"offsets": [3', 1) if '"offsets": [2' in text
+        else text.replace("2", "3", 1))
+    put("manifest", "truncated.json", text[: len(text) * 2 // 3])
+    def edited(fn):
+        d = json.loads(text)
+        fn(d)
+        return json.dumps(d, indent=1)
+    def swap_chunks(d):
+        for t in d.get("tensors", {}).values() if isinstance(d.get("tensors"), dict) else []:
+            ch = t.get("chunks") if isinstance(t, dict) else None
+            if isinstance(ch, list) and len(ch) >= 2:
+                ch[0]["offsets"], ch[1]["offsets"] = ch[1]["offsets"], ch[0]["offsets"]
+    def duplicate_chunk(d):
+        for t in d.get("tensors", {}).values() if isinstance(d.get("tensors"), dict) else []:
+            ch = t.get("chunks") if isinstance(t, dict) else None
+            if isinstance(ch, list) and ch:
+                ch.append(dict(ch[0]))
+    put("manifest", "swapped_chunks.json", edited(swap_chunks))
+    put("manifest", "duplicated_chunk.json", edited(duplicate_chunk))
+    put("manifest", "no_checksum.json", edited(lambda d: d.pop("manifest_sha256", None)))
+
+
 def main() -> None:
     for old in CORPUS.glob("*/seed_*"):
         old.unlink()
@@ -179,6 +272,10 @@ def main() -> None:
     tokenizer_seeds()
     checkpoint_seeds()
     sentencepiece_seeds()
+    yaml_seeds()
+    jinja_seeds()
+    hf_config_seeds()
+    manifest_seeds()
     total = sum(f.stat().st_size for f in CORPUS.rglob("*") if f.is_file())
     print(f"seeds written to {CORPUS.relative_to(ROOT)} ({total / 1024:.0f} KiB)")
 

@@ -1047,7 +1047,7 @@ struct Call : Expr {
     const Args a = args.eval(r);
     if (const auto* n = dynamic_cast<const Name*>(fn.get())) {
       if (n->name == "raise_exception")
-        throw Error(fmt::format("the chat template raised an exception: {}", a.pos.empty() ? "" : py_str(a.pos[0])));
+        fail(line, fmt::format("the chat template raised an exception: {}", a.pos.empty() ? "" : py_str(a.pos[0])));
       if (n->name == "namespace") {
         Value ns = Value::make_dict();
         ns.kind = Value::Kind::kNamespace;

@@ -417,9 +417,15 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
 
   // 1. the plan
   std::string mine;
+  std::set<std::string_view> names;
   for (const LocalTensor& t : tensors) {
     if (t.name.find_first_of("\t\n") != std::string::npos)
       throw Error(fmt::format("checkpoint: tensor name '{}' contains a tab or newline", t.name));
+    // A rank's file holds one entry per name: two chunks of one tensor from the same rank would be
+    // written as one (found by the manifest fuzz target's first fixture).
+    if (!names.insert(t.name).second)
+      throw Error(fmt::format("checkpoint: tensor '{}' is given twice by rank {}; a rank holds one chunk of a tensor",
+                              t.name, rank));
     if (t.tensor.numel() == 0) continue;  // a rank without rows of this tensor
     mine += fmt::format("{}\t{}\t{}\t{}\t{}\n", t.name, formats::safetensors_dtype_name(t.tensor.scalar_type()),
                         dims_text(t.global_shape), dims_text(t.offsets), dims_text(t.tensor.sizes().vec()));
