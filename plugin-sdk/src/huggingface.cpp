@@ -154,7 +154,9 @@ StateDict read_huggingface_weights(const fs::path& dir) {
   for (const auto& [file, names] : by_file) {
     const fs::path path = dir / file;
     if (!fs::is_regular_file(path)) throw bad(fmt::format("lists {}, which does not exist", file));
-    StateDict part = read_safetensors(path, [&](const std::string& name) { return names.count(name) > 0; });
+    // A reference, not the structured binding itself: clang before 16 cannot capture bindings.
+    const auto& wanted = names;
+    StateDict part = read_safetensors(path, [&wanted](const std::string& name) { return wanted.count(name) > 0; });
     for (const std::string& name : names)
       if (!part.count(name)) throw bad(fmt::format("says {} holds '{}', but it does not", file, name));
     out.merge(part);
