@@ -917,7 +917,10 @@ StateDict CheckpointReader::read_regions(const std::map<std::string, std::option
     boxes.emplace(name, std::move(box));
   }
   std::map<std::string, std::int64_t> filled;
-  for (const auto& [file, wanted] : per_file) {
+  for (const auto& per : per_file) {
+    // Named references, not structured bindings: clang before 16 cannot capture bindings in lambdas.
+    const std::string& file = per.first;
+    const auto& wanted = per.second;
     std::set<std::string> names;
     for (const auto& [name, c] : wanted) names.insert(*name);
     const fs::path path = folder_ / file;
@@ -973,7 +976,8 @@ StateDict CheckpointReader::read_rng(int rank) const {
   if (it == rng_.end())
     throw Error(fmt::format("checkpoint '{}' holds no generator states of rank {} (written by {} rank(s))",
                             folder_.string(), rank, saved_world_size_));
-  const auto& [file, hashes] = it->second;
+  const std::string& file = it->second.first;  // not a structured binding: captured below (clang < 16)
+  const auto& hashes = it->second.second;
   if (hashes.empty()) return {};
   StateDict out =
       formats::read_safetensors(folder_ / file, [&](const std::string& k) { return hashes.contains(k); });
