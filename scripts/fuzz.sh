@@ -8,7 +8,8 @@
 #                       jinja hf_config manifest
 #                       (default: all)
 # Environment: MODALITIES_FUZZ_SEED (default 1; libFuzzer's -seed, so a run is repeatable),
-#              MODALITIES_FUZZ_JOBS (build parallelism, default nproc).
+#              MODALITIES_FUZZ_JOBS (build parallelism, default nproc),
+#              MODALITIES_FUZZ_PARALLEL (targets fuzzed at once, one core each; default 1).
 #
 # Each target starts from its saved corpus tests/fuzz/corpus/<target>/ (read only) and writes
 # the new inputs it finds to build-fuzz/corpus/<target>/. A finding (crash, sanitizer report,
@@ -23,7 +24,7 @@ all_targets=(config pickle_index pbin jsonl tokenizer_json checkpoint sentencepi
 seconds=60
 if [[ $# -gt 0 ]]; then
   case "$1" in
-    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     ''|*[!0-9]*) echo "fuzz.sh: seconds-per-target must be a whole number, got '$1' (try --help)" >&2; exit 2 ;;
     *) seconds="$1"; shift ;;
   esac
@@ -59,23 +60,39 @@ export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:symbolize=1
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}"
 export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=${root}/scripts/sanitizers/lsan.supp:print_suppressions=0}"
 
-failed=()
-for t in "${targets[@]}"; do
-  work="${build}/corpus/${t}"
-  findings="${build}/findings/${t}"
+# One target: its log, findings and new inputs in build-fuzz/; exit status 1 on a finding.
+fuzz_one() {
+  local t="$1"
+  local work="${build}/corpus/${t}" findings="${build}/findings/${t}"
   mkdir -p "${work}" "${findings}"
   echo "[fuzz] ${t}: ${seconds} s, seed ${MODALITIES_FUZZ_SEED:-1}, corpus tests/fuzz/corpus/${t}"
   # -timeout: one input may take at most 30 s (a hang is a finding); -rss_limit_mb: 4 GiB.
   if ! "${build}/bin/fuzz_${t}" -seed="${MODALITIES_FUZZ_SEED:-1}" -max_total_time="${seconds}" \
         -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="${findings}/" \
         "${work}" "${root}/tests/fuzz/corpus/${t}" >"${build}/fuzz_${t}.log" 2>&1; then
-    failed+=("${t}")
     echo "[fuzz] ${t}: FINDING, see ${build}/fuzz_${t}.log and ${findings}/" >&2
     grep -m 5 -E "ERROR|SUMMARY|runtime error|fuzz target failure" "${build}/fuzz_${t}.log" >&2 || true
-  else
-    grep -E "stat::number_of_executed_units|stat::new_units_added" "${build}/fuzz_${t}.log" | sed "s/^/[fuzz] ${t}: /"
+    return 1
   fi
+  grep -E "stat::number_of_executed_units|stat::new_units_added" "${build}/fuzz_${t}.log" | sed "s/^/[fuzz] ${t}: /"
+}
+
+parallel="${MODALITIES_FUZZ_PARALLEL:-1}"
+[[ "${parallel}" =~ ^[1-9][0-9]*$ ]] || { echo "fuzz.sh: MODALITIES_FUZZ_PARALLEL must be a whole number >= 1, got '${parallel}'" >&2; exit 2; }
+failed=()
+pids=() names=()
+collect() {  # waits for the oldest running target
+  if ! wait "${pids[0]}"; then failed+=("${names[0]}"); fi
+  pids=("${pids[@]:1}")
+  names=("${names[@]:1}")
+}
+for t in "${targets[@]}"; do
+  (( ${#pids[@]} >= parallel )) && collect
+  fuzz_one "${t}" &
+  pids+=("$!")
+  names+=("${t}")
 done
+while (( ${#pids[@]} > 0 )); do collect; done
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "[fuzz] findings in: ${failed[*]}" >&2
   exit 1
