@@ -470,11 +470,8 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
     options.data_ledger_path = folder / "data_ledger.jsonl";
     const core::GymSummary s = core::run_gym(components, options);
     const double tokens_per_s =
-        s.seconds > 0 ? static_cast<double>(s.steps_done * components.settings.step_profile.local_train_micro_batch_size *
-                                             components.settings.step_profile.sequence_length *
-                                             components.settings.step_profile.gradient_accumulation_steps *
-                                             components.settings.step_profile.dp_degree) /
-                            s.seconds
+        s.seconds > 0 ? static_cast<double>(s.steps_done) *
+                            static_cast<double>(components.settings.step_profile.tokens_per_step()) / s.seconds
                       : 0.0;
     if (launch.rank == 0)
       std::cout << fmt::format(

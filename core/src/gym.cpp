@@ -20,6 +20,7 @@
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/dataset.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/loss.h>
 #include <modalities/sdk/interfaces/lr_scheduler.h>
@@ -252,7 +253,7 @@ class Gym {
     S0_ = s.training_progress.num_seen_steps;
     K0_ = s.training_progress.global_num_seen_tokens;
     dp_ = sp.dp_degree;
-    tokens_per_step_ = sp.local_train_micro_batch_size * sp.sequence_length * G_ * sp.dp_degree;
+    tokens_per_step_ = sp.tokens_per_step();
     parts_ = c_.app_state->model_parts();
     pipeline_ = c_.scheduled_pipeline;
     if (pipeline_ && !pipeline_->schedule())
@@ -261,18 +262,14 @@ class Gym {
     // The data-parallel size is what the samplers split the data by and what the token counts
     // assume: a dp_degree that is not the real one trains on more (or fewer) tokens per step
     // than the config says, silently.
-    i64 dp_ranks = s.cuda_env.world_size;  // without a mesh every rank is data parallel
-    std::string source = fmt::format("the world size {} (no device_mesh: every rank is data parallel)", dp_ranks);
-    if (c_.device_mesh) {
-      dp_ranks = 1;
-      bool counted = true;  // Note [Data ledger]: one rank per data-parallel rank counts its batch
-      for (const std::string& dim : c_.device_mesh->dim_names()) {
-        if (dim == "dp_replicate" || dim == "dp_shard") dp_ranks *= c_.device_mesh->size(dim);
-        else counted = counted && c_.device_mesh->coordinate(dim) == 0;
-      }
-      ledger_.set_counted(counted);
-      source = fmt::format("the device_mesh's dp_replicate x dp_shard = {}", dp_ranks);
-    }
+    // Without a mesh every rank is data parallel.
+    const ParallelDims dims = ParallelDims::of(c_.device_mesh, s.cuda_env.world_size);
+    const i64 dp_ranks = dims.dp_size();
+    const std::string source =
+        c_.device_mesh ? fmt::format("{} (device_mesh {})", dp_ranks, dims.describe())
+                       : fmt::format("the world size {} (no device_mesh: every rank is data parallel)", dp_ranks);
+    // Note [Data ledger]: one rank per data-parallel rank counts its batch.
+    if (c_.device_mesh) ledger_.set_counted(dims.counts_data());
     if (sp.dp_degree != dp_ranks)
       throw Error(fmt::format("settings.step_profile.dp_degree = {}, but the run's data-parallel size is {}: "
                               "tokens per step, step targets and throughput would count {} ranks' batches while "
@@ -739,8 +736,7 @@ std::string training_report(const GymComponents& c, i64 num_parameters) {
   r += fmt::format("  step profile:         micro batch {} x sequence {} x grad. accumulation {} x dp {} = {} "
                    "tokens/step\n",
                    sp.local_train_micro_batch_size, sp.sequence_length, sp.gradient_accumulation_steps, sp.dp_degree,
-                   sp.local_train_micro_batch_size * sp.sequence_length * sp.gradient_accumulation_steps *
-                       sp.dp_degree);
+                   sp.tokens_per_step());
   r += fmt::format("  intervals:            log every {}, evaluate every {}, checkpoint every {} steps\n",
                    iv.training_log_interval_in_steps, iv.evaluation_interval_in_steps,
                    iv.checkpointing_interval_in_steps);
@@ -755,9 +751,7 @@ std::string training_report(const GymComponents& c, i64 num_parameters) {
   // warns of a negative "missing" share under tensor or pipeline parallelism (ranks that share a
   // batch); the data-parallel degree is what feeds tokens (docs/differences.md).
   std::vector<std::string> warnings;
-  const double num_tokens = static_cast<double>(sp.local_train_micro_batch_size * sp.sequence_length *
-                                                sp.gradient_accumulation_steps * sp.dp_degree *
-                                                t.num_target_steps);
+  const double num_tokens = static_cast<double>(sp.tokens_per_step()) * static_cast<double>(t.num_target_steps);
   if (num_tokens != static_cast<double>(t.num_target_tokens))
     warnings.push_back(fmt::format("Missing {:.2f}% of target tokens",
                                    (1.0 - num_tokens / static_cast<double>(t.num_target_tokens)) * 100.0));

@@ -221,9 +221,9 @@ std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts)
 
 std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts, const DeviceMesh* mesh) {
   std::int64_t n = count_trainable_parameters(parts);
-  if (mesh == nullptr || !mesh->has_dim("pp") || mesh->size("pp") <= 1) return n;
+  if (mesh == nullptr || !mesh->has_dim(MeshDim::pp) || mesh->size(MeshDim::pp) <= 1) return n;
   std::vector<at::Tensor> t = {at::full({1}, n, at::kLong)};
-  mesh->process_group("pp")->allreduce(t)->wait();
+  mesh->process_group(MeshDim::pp)->allreduce(t)->wait();
   return t.front().item<std::int64_t>();
 }
 
@@ -342,6 +342,13 @@ void Module::apply_to_full_parameters(const std::function<void(Module&)>& fn) { 
 std::optional<tp::VocabShard> Module::vocab_shard() const { return std::nullopt; }
 void Module::retain_modules(const std::vector<std::string>&) {
   throw Error(fmt::format("this model ({}) cannot be cut into pipeline stages", module().name()));
+}
+
+void Module::apply_tensor_parallel(const ParallelDims&, const tp::Options&) {
+  throw Error(fmt::format("this model ({}) does not support tensor parallelism: its class does not implement "
+                          "Module::apply_tensor_parallel (a wrapper does not either: split the raw model first, "
+                          "before activation checkpointing, initialization, pipeline stages and FSDP)",
+                          module().name()));
 }
 
 // --- other defaults ---------------------------------------------------------------

@@ -1,6 +1,7 @@
 // tensor_parallel.h. Each op computes its forward without autograd and gives the result a
 // hand-made node whose backward is the conjugate collective (one next edge: the input's).
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/ATen.h>
@@ -25,6 +26,41 @@ VocabShard::VocabShard(VocabShard&&) noexcept = default;
 VocabShard& VocabShard::operator=(const VocabShard&) = default;
 VocabShard& VocabShard::operator=(VocabShard&&) noexcept = default;
 VocabShard::~VocabShard() = default;
+
+Plan::Plan() = default;
+Plan::Plan(const Plan&) = default;
+Plan::Plan(Plan&&) noexcept = default;
+Plan& Plan::operator=(const Plan&) = default;
+Plan& Plan::operator=(Plan&&) noexcept = default;
+Plan::~Plan() = default;
+
+Plan Plan::from(const ParallelDims& dims, const Options& options) {
+  if (!dims.enabled(MeshDim::tp))
+    throw Error(fmt::format("tensor parallelism needs a device mesh with a tp dim (tensor_parallel_degree > 1); "
+                            "this run's layout is {}",
+                            dims.describe()));
+  Plan plan;
+  plan.group = dims.group(MeshDim::tp);
+  plan.rank = dims.coordinate(MeshDim::tp);
+  plan.size = dims.degree(MeshDim::tp);
+  plan.sequence_parallel = options.sequence_parallel;
+  plan.loss_parallel = dims.loss_parallel();
+  return plan;
+}
+
+at::Tensor Plan::enter(const at::Tensor& x, std::int64_t B, std::int64_t T) const {
+  if (!sequence_parallel) return copy_to_tensor_parallel(x, group);
+  const std::int64_t d = x.size(-1);
+  return gather_sequence(x.view({B, T / size, d}), 1, group).reshape({B * T, d});
+}
+
+at::Tensor Plan::leave(const at::Tensor& partial, std::int64_t B, std::int64_t T) const {
+  const std::int64_t d = partial.size(-1);
+  if (!sequence_parallel) return reduce_from_tensor_parallel(partial, group);
+  return reduce_scatter_sequence(partial.view({B, T, d}), 1, group).reshape({B * (T / size), d});
+}
+
+at::Tensor Plan::shared(const at::Tensor& w) const { return w.defined() ? copy_to_tensor_parallel(w, group) : w; }
 
 namespace {
 

@@ -804,8 +804,8 @@ TEST(DistributedRunTest, ADpDegreeThatDisagreesWithTheMeshIsRefused) {
                                   file.string(), "--experiments_root_path", (dir.path() / "experiments").string()},
                                  120);
   EXPECT_NE(r.exit_code, 0) << r;
-  EXPECT_THAT(r.err, HasSubstr("settings.step_profile.dp_degree = 1, but the run's data-parallel size is the "
-                               "device_mesh's dp_replicate x dp_shard = 2"))
+  EXPECT_THAT(r.err, HasSubstr("settings.step_profile.dp_degree = 1, but the run's data-parallel size is 2 "
+                               "(device_mesh dp_shard 2)"))
       << r;
 }
 

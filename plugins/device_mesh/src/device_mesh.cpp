@@ -31,7 +31,9 @@ namespace {
 
 using i64 = std::int64_t;
 
-constexpr std::array<std::string_view, 5> kDimOrder = {"pp", "dp_replicate", "dp_shard", "cp", "tp"};
+// The dims this variant builds, in mesh order (kMeshDims without ep).
+constexpr std::array<MeshDim, 5> kDimOrder = {MeshDim::pp, MeshDim::dp_replicate, MeshDim::dp_shard, MeshDim::cp,
+                                              MeshDim::tp};
 
 struct DeviceMeshConfig {
   std::string device_type = "cuda";
@@ -104,7 +106,7 @@ std::array<i64, 5> resolve_degrees(const DeviceMeshConfig& c) {
 
 // State shared by a mesh and its sub-meshes.
 struct MeshState {
-  std::vector<std::string> names;  // mesh dims, in kDimOrder
+  std::vector<MeshDim> names;  // mesh dims, in kDimOrder
   std::vector<i64> sizes;
   std::vector<i64> coord;          // this rank's coordinate per dim
   std::string device_type;
@@ -118,19 +120,19 @@ class Mesh final : public DeviceMesh {
   Mesh(std::shared_ptr<const MeshState> state, std::vector<std::size_t> dims)
       : s_(std::move(state)), dims_(std::move(dims)) {}
 
-  std::vector<std::string> dim_names() const override {
-    std::vector<std::string> out;
+  std::vector<MeshDim> dims() const override {
+    std::vector<MeshDim> out;
     for (std::size_t d : dims_) out.push_back(s_->names[d]);
     return out;
   }
-  bool has_dim(std::string_view dim) const override { return find(dim).has_value(); }
+  bool has_dim(MeshDim dim) const override { return find(dim).has_value(); }
   std::int64_t size() const override {
     i64 n = 1;
     for (std::size_t d : dims_) n *= s_->sizes[d];
     return n;
   }
-  std::int64_t size(std::string_view dim) const override { return s_->sizes[at(dim)]; }
-  std::int64_t coordinate(std::string_view dim) const override { return s_->coord[at(dim)]; }
+  std::int64_t size(MeshDim dim) const override { return s_->sizes[at(dim)]; }
+  std::int64_t coordinate(MeshDim dim) const override { return s_->coord[at(dim)]; }
   std::int64_t rank() const override {
     i64 r = 0;
     for (std::size_t d : dims_) r = r * s_->sizes[d] + s_->coord[d];
@@ -138,45 +140,45 @@ class Mesh final : public DeviceMesh {
   }
   std::string device_type() const override { return s_->device_type; }
 
-  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<std::string>& dims) const override {
+  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<MeshDim>& dims) const override {
     if (dims.empty()) throw Error("device_mesh: sub_mesh needs at least one dim");
     std::vector<std::size_t> picked;
-    for (const std::string& name : dims) {
+    for (const MeshDim name : dims) {
       const std::size_t d = at(name);
       if (!picked.empty() && d <= picked.back())
-        throw Error(fmt::format("device_mesh: sub_mesh dims {} must be distinct and in mesh order ({})", dims,
-                                dim_names()));
+        throw Error(fmt::format("device_mesh: sub_mesh dims [{}] must be distinct and in mesh order ({})",
+                                join_mesh_dims(dims), join_mesh_dims(this->dims())));
       picked.push_back(d);
     }
     return std::make_shared<Mesh>(s_, std::move(picked));
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view dim) const override {
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim dim) const override {
     return group({at(dim)});
   }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return group(dims_); }
   bool loss_parallel() const override { return s_->loss_parallel; }
 
  private:
-  std::optional<std::size_t> find(std::string_view dim) const {
+  std::optional<std::size_t> find(MeshDim dim) const {
     for (std::size_t d : dims_)
       if (s_->names[d] == dim) return d;
     return std::nullopt;
   }
-  std::size_t at(std::string_view dim) const {
+  std::size_t at(MeshDim dim) const {
     if (auto d = find(dim)) return *d;
-    throw Error(fmt::format("device_mesh: no dim '{}' in this mesh (dims: {})", dim, dim_names()));
+    throw Error(fmt::format("device_mesh: no dim '{}' in this mesh (dims: {})", mesh_dim_name(dim), join_mesh_dims(dims())));
   }
   c10::intrusive_ptr<c10d::ProcessGroup> group(const std::vector<std::size_t>& dims) const {
     if (!s_->distributed)
       throw Error("device_mesh: a single-process mesh has no process groups (every dim has size 1)");
     const auto it = s_->groups.find(dims);
     if (it == s_->groups.end()) {
-      std::vector<std::string> names;
+      std::vector<MeshDim> names;
       for (std::size_t d : dims) names.push_back(s_->names[d]);
-      throw Error(fmt::format("device_mesh: no process group over {}: flattened groups exist for adjacent mesh dims "
+      throw Error(fmt::format("device_mesh: no process group over [{}]: flattened groups exist for adjacent mesh dims "
                               "only (mesh: {})",
-                              names, s_->names));
+                              join_mesh_dims(names), join_mesh_dims(s_->names)));
     }
     return it->second;
   }
@@ -191,8 +193,8 @@ std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
   state->device_type = c.device_type;
   state->loss_parallel = c.enable_loss_parallel.value_or(false);
   for (std::size_t k = 0; k < kDimOrder.size(); ++k)
-    if (degrees[k] > 1 || kDimOrder[k] == "dp_shard") {
-      state->names.emplace_back(kDimOrder[k]);
+    if (degrees[k] > 1 || kDimOrder[k] == MeshDim::dp_shard) {
+      state->names.push_back(kDimOrder[k]);
       state->sizes.push_back(degrees[k]);
     }
   const i64 world = c.world_size.value_or(1);
@@ -223,7 +225,7 @@ std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
         std::vector<std::size_t> run;
         for (std::size_t k = a; k < b; ++k) run.push_back(k);
         std::string run_name;
-        for (std::size_t k : run) run_name += (run_name.empty() ? "" : "+") + state->names[k];
+        for (std::size_t k : run) run_name += (run_name.empty() ? "" : "+") + std::string(mesh_dim_name(state->names[k]));
         // Enumerate the other dims' coordinates (row-major), then the run's (row-major): ascending ranks.
         std::vector<std::size_t> others;
         for (std::size_t k = 0; k < n; ++k)

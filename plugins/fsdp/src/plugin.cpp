@@ -56,16 +56,16 @@ struct Fsdp2Config {
 // One part (a model, or a pipeline rank's one stage) sharded with its own engine.
 std::shared_ptr<Module> wrap_part(const Fsdp2Config& c, std::shared_ptr<Module> inner) {
   const DeviceMesh& mesh = *c.device_mesh;
-  if (!mesh.has_dim("dp_shard"))
-    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", mesh.dim_names()));
+  if (!mesh.has_dim(MeshDim::dp_shard))
+    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", join_mesh_dims(mesh.dims())));
   // tp and pp dims are fine: the model was split by model/gpt2_tp, or is this rank's pipeline stage
   // (pipeline/selector MODEL_PART), and each rank shards its own part over dp_shard.
-  if (mesh.has_dim("cp"))
+  if (mesh.has_dim(MeshDim::cp))
     throw ConfigError("device_mesh", "has a 'cp' dim; context parallelism is not implemented");
   ShardingOptions o;
   if (mesh.size() > 1) {
-    o.shard_group = mesh.process_group("dp_shard");
-    if (mesh.has_dim("dp_replicate")) o.replicate_group = mesh.process_group("dp_replicate");
+    o.shard_group = mesh.process_group(MeshDim::dp_shard);
+    if (mesh.has_dim(MeshDim::dp_replicate)) o.replicate_group = mesh.process_group(MeshDim::dp_replicate);
   }
   o.reshard_after_forward = c.reshard_after_forward;
   o.blocks_per_unit = c.layers_per_fsdp_unit;

@@ -18,6 +18,7 @@
 #include <modalities/sdk/interfaces/removable_handle.h>
 #include <modalities/sdk/mixed_precision.h>
 #include <modalities/sdk/norms.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 #include <modalities/sdk/tensor_parallel.h>
@@ -532,36 +533,9 @@ at::Tensor cast(const at::Tensor& t, Dt dt) {
 
 using Remap = std::function<at::Tensor(const at::Tensor&)>;
 
-// Tensor parallelism (`model/gpt2_tp`, README.md): how this rank's part of the model talks to the
-// other `size` ranks of the tp group. Activations are [B*T, d] matrices (one row per token); with
-// sequence parallelism, between the parallel regions each rank holds the rows of its chunk of the
-// sequence, [B*(T/size), d] (chunk `rank` of dim 1 of [B, T, d]).
-struct TpPlan {
-  tp::Group group;
-  std::int64_t rank = 0, size = 1;
-  bool sequence_parallel = true;
-  bool loss_parallel = false;
-
-  // The input of a column-parallel layer, whole on every rank: gathered from the sequence chunks
-  // (backward: reduce-scatter), or the replicated activation (backward: all-reduce). Either way the
-  // backward sums the ranks' partial input gradients.
-  at::Tensor enter(const at::Tensor& x, std::int64_t B, std::int64_t T) const {
-    if (!sequence_parallel) return tp::copy_to_tensor_parallel(x, group);
-    const std::int64_t d = x.size(-1);
-    return tp::gather_sequence(x.view({B, T / size, d}), 1, group).reshape({B * T, d});
-  }
-  // The output of a row-parallel layer, partial sums [B*T, d]: their sum, replicated (all-reduce)
-  // or this rank's sequence chunk (reduce-scatter).
-  at::Tensor leave(const at::Tensor& partial, std::int64_t B, std::int64_t T) const {
-    const std::int64_t d = partial.size(-1);
-    if (!sequence_parallel) return tp::reduce_from_tensor_parallel(partial, group);
-    return tp::reduce_scatter_sequence(partial.view({B, T, d}), 1, group).reshape({B * (T / size), d});
-  }
-  // A replicated parameter that this rank applies to its part of the data only (a norm under
-  // sequence parallelism, qk-norm on the local heads): forward as is, backward the sum of the
-  // ranks' partial gradients, so every replica gets the whole gradient.
-  at::Tensor shared(const at::Tensor& w) const { return w.defined() ? tp::copy_to_tensor_parallel(w, group) : w; }
-};
+// Tensor parallelism (Module::apply_tensor_parallel, `model/gpt2_tp`, README.md): the SDK's plan
+// (modalities/sdk/tensor_parallel.h) says how this rank's part of the model talks to the others.
+using TpPlan = tp::Plan;
 
 // Note [Replacing registered tensors]
 // libtorch's Module::to() moves tensors with set_data(), which cannot turn a meta
@@ -1392,8 +1366,15 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   // Splits the model over plan.size ranks: every split parameter (tp_split_dim) is replaced by
   // this rank's chunk, the modules compute their local heads and hidden units. Works on the meta
   // device too (the chunks are meta then).
+  void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options) override {
+    if (dims.has(MeshDim::dp_replicate))
+      throw ConfigError("device_mesh", "has a dp_replicate dim; tensor parallelism composes with dp_shard only (as in "
+                                       "Modalities)");
+    parallelize(TpPlan::from(dims, options));
+  }
+
   void parallelize(const TpPlan& plan) {
-    if (tp_) throw Error("gpt2_tp: the model is split already (model/gpt2_tp applied twice)");
+    if (tp_) throw Error("gpt2_tp: the model is split already (tensor parallelism applied twice)");
     const std::int64_t p = plan.size;
     const auto divisible = [&](std::string_view field, std::int64_t value) {
       if (value % p != 0)
@@ -1554,8 +1535,8 @@ struct Gpt2TpConfig {
   bool sequence_parallel = true;
   static void describe(Schema<Gpt2TpConfig>& s) {
     s.field("model", &Gpt2TpConfig::model,
-            "The model/gpt2 to split (returned, modified): apply gpt2_tp to model_raw, before fsdp2_wrapped and "
-            "model_initialized.")
+            "The model to split (returned, modified): model/gpt2 or any model implementing "
+            "Module::apply_tensor_parallel; apply gpt2_tp to model_raw, before fsdp2_wrapped and model_initialized.")
         .required();
     s.field("device_mesh", &Gpt2TpConfig::device_mesh,
             "Mesh with a tp dim (tensor_parallel_degree > 1) and no dp_replicate; enable_loss_parallel keeps the "
@@ -1568,24 +1549,19 @@ struct Gpt2TpConfig {
   }
 };
 
-std::shared_ptr<Module> split_gpt2(const Gpt2TpConfig& c) {
-  auto* gpt2 = dynamic_cast<GPT2*>(c.model.get());
-  if (gpt2 == nullptr)
-    throw ConfigError("model", "gpt2_tp splits a model/gpt2 itself; this model is another variant or already "
-                               "wrapped: apply gpt2_tp to model_raw, then fsdp2_wrapped, then model_initialized");
-  const DeviceMesh& mesh = *c.device_mesh;
-  if (!mesh.has_dim("tp"))
+// Any model that implements Module::apply_tensor_parallel; the name is Modalities'.
+std::shared_ptr<Module> split_model(const Gpt2TpConfig& c) {
+  const ParallelDims dims(c.device_mesh.shared());
+  if (!dims.enabled(MeshDim::tp))
     throw ConfigError("device_mesh", fmt::format("has no tp dim (dims: {}); set tensor_parallel_degree > 1",
-                                                 fmt::join(mesh.dim_names(), ", ")));
-  if (mesh.has_dim("dp_replicate"))
-    throw ConfigError("device_mesh", "has a dp_replicate dim; gpt2_tp composes with dp_shard only (as in Modalities)");
-  TpPlan plan;
-  plan.group = mesh.process_group("tp");
-  plan.rank = mesh.coordinate("tp");
-  plan.size = mesh.size("tp");
-  plan.sequence_parallel = c.sequence_parallel;
-  plan.loss_parallel = mesh.loss_parallel();
-  gpt2->parallelize(plan);
+                                                 join_mesh_dims(dims.dims())));
+  try {
+    c.model->apply_tensor_parallel(dims, tp::Options{c.sequence_parallel});
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const Error& e) {
+    throw ConfigError("model", e.what());
+  }
   return c.model.shared();
 }
 
@@ -1805,10 +1781,11 @@ void register_components(Registrar& r) {
       load_huggingface);
   r.add<Module, Gpt2TpConfig>(
       "gpt2_tp",
-      "Tensor parallelism for model/gpt2 over the mesh's tp dim: column-parallel q/k/v and MLP input, row-parallel "
-      "attention and MLP outputs (local heads, GQA included), vocabulary-parallel embedding and head, sequence "
-      "parallel norms; loss parallel with enable_loss_parallel. Returns the same model, split.",
-      split_gpt2);
+      "Tensor parallelism over the mesh's tp dim for any model that implements Module::apply_tensor_parallel; "
+      "model/gpt2: column-parallel q/k/v and MLP input, row-parallel attention and MLP outputs (local heads, GQA "
+      "included), vocabulary-parallel embedding and head, sequence parallel norms; loss parallel with "
+      "enable_loss_parallel. Returns the same model, split.",
+      split_model);
   r.add<Module, MixedPrecisionConfig>(
       "mixed_precision",
       "FSDP2-style mixed precision on one process: fp32 master parameters, each use cast to param_dtype. "

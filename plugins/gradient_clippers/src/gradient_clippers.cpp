@@ -17,6 +17,7 @@
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/model_parts.h>
@@ -408,26 +409,22 @@ struct Fsdp2LoggingConfig {
   }
 };
 
-// The group whose ranks hold different shards: dp_shard (replicas along dp_replicate hold the same).
-c10::intrusive_ptr<c10d::ProcessGroup> shard_group(const DeviceMesh& mesh) {
-  if (!mesh.has_dim("dp_shard"))
-    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {} dims", mesh.dim_names().size()));
-  return mesh.size() > 1 && mesh.size("dp_shard") > 1 ? mesh.process_group("dp_shard") : nullptr;
-}
-
-// gradient_clipper/fsdp2 and fsdp2_logging_only (`clip` false): the norm combined over dp_shard, or
-// over the world (world_total_norm) when tensor or pipeline parallelism puts blocks on other ranks
-// (a parameter without a placement is then held by the world / pp ranks of its stage).
+// gradient_clipper/fsdp2 and fsdp2_logging_only (`clip` false): the norm combined over dp_shard,
+// the group whose ranks hold different shards (replicas along dp_replicate hold the same), or over
+// the world (world_total_norm) when tensor or pipeline parallelism puts blocks on other ranks (a
+// parameter without a placement is then held by the world / pp ranks of its stage).
 std::shared_ptr<Clipper> mesh_clipper(bool clip, const ModelParts& parts, const std::string& norm_type, double limit,
-                                      const DeviceMesh& mesh) {
-  if (mesh.has_dim("tp") || mesh.has_dim("pp")) {
-    const double unplaced =
-        static_cast<double>(dist::world_size()) / static_cast<double>(mesh.has_dim("pp") ? mesh.size("pp") : 1);
+                                      std::shared_ptr<const DeviceMesh> mesh) {
+  const ParallelDims dims(std::move(mesh));
+  if (!dims.has(MeshDim::dp_shard))
+    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", join_mesh_dims(dims.dims())));
+  if (dims.has(MeshDim::tp) || dims.has(MeshDim::pp)) {
+    const double unplaced = static_cast<double>(dist::world_size()) / static_cast<double>(dims.degree(MeshDim::pp));
     return std::make_shared<Clipper>(clip ? Mode::kWorld : Mode::kWorldLoggingOnly, parts.shared(),
                                      norm_order(norm_type), limit, nullptr, unplaced);
   }
   return std::make_shared<Clipper>(clip ? Mode::kSharded : Mode::kShardedLoggingOnly, parts.shared(),
-                                   norm_order(norm_type), limit, shard_group(mesh));
+                                   norm_order(norm_type), limit, dims.group(MeshDim::dp_shard));
 }
 
 }  // namespace
@@ -435,10 +432,10 @@ std::shared_ptr<Clipper> mesh_clipper(bool clip, const ModelParts& parts, const 
 void register_components(Registrar& r) {
   r.add<GradientClipper, Fsdp2Config>(
       "fsdp2", "Clips a sharded model's gradients to max_norm of the whole gradient (norm combined over dp_shard).",
-      [](const Fsdp2Config& c) { return mesh_clipper(true, c.model_parts, c.norm_type, c.max_norm, *c.device_mesh); });
+      [](const Fsdp2Config& c) { return mesh_clipper(true, c.model_parts, c.norm_type, c.max_norm, c.device_mesh.shared()); });
   r.add<GradientClipper, Fsdp2LoggingConfig>(
       "fsdp2_logging_only", "The whole gradient's norm of a sharded model (combined over dp_shard); no clipping.",
-      [](const Fsdp2LoggingConfig& c) { return mesh_clipper(false, c.model_parts, c.norm_type, 0.0, *c.device_mesh); });
+      [](const Fsdp2LoggingConfig& c) { return mesh_clipper(false, c.model_parts, c.norm_type, 0.0, c.device_mesh.shared()); });
   r.add<GradientClipper, Fsdp1Config>(
       "fsdp1", "FSDP1 clip_grad_norm_: clips to max_norm, returns the total norm (over all ranks for a sharded model).",
       [](const Fsdp1Config& c) {

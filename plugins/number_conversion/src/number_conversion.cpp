@@ -9,6 +9,7 @@
 //     divide the target tokens; Modalities' check can never fire.
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 
 #include <cstdint>
@@ -33,14 +34,14 @@ struct ParallelDegreeConfig {
             "Mesh dimensions to multiply, e.g. [\"dp_shard\", \"dp_replicate\"] for the data-parallel degree.")
         .required()
         .non_empty()
-        .one_of({"dp_replicate", "dp_shard", "cp", "tp", "pp"});
+        .one_of(mesh_dim_names());
   }
 };
 
 i64 parallel_degree(const ParallelDegreeConfig& c) {
+  const ParallelDims dims(c.device_mesh.shared());
   i64 degree = 1;
-  for (const auto& dim : c.parallelism_methods)
-    if (c.device_mesh->has_dim(dim)) degree *= c.device_mesh->size(dim);  // absent dims count as 1
+  for (const auto& name : c.parallelism_methods) degree *= dims.degree(*parse_mesh_dim(name));  // absent: 1
   return degree;
 }
 
@@ -284,8 +285,8 @@ void register_components(Registrar& r) {
       kKey, "num_tokens_from_num_steps",
       "num_steps * dp_degree * local_micro_batch_size * sequence_length * gradient_accumulation_steps.",
       [](const NumTokensFromNumStepsConfig& c) {
-        return checked_product({c.num_steps, c.dp_degree, c.local_micro_batch_size, c.sequence_length,
-                                c.gradient_accumulation_steps});
+        return checked_product({c.num_steps, tokens_per_step(c.local_micro_batch_size, c.sequence_length,
+                                                             c.gradient_accumulation_steps, c.dp_degree)});
       });
   r.add_value<i64, CheckpointPathConfig>(
       kKey, "last_step_from_checkpoint_path", "seen_steps_<n> of the checkpoint path, minus 1.",
@@ -311,8 +312,8 @@ void register_components(Registrar& r) {
         const i64 samples = continuous_num_samples(c);
         const i64 steps = num_steps_from_num_tokens(checked_product({samples, c.sequence_length}), c.sequence_length,
                                                     c.dp_degree, c.local_micro_batch_size, c.gradient_accumulation_steps);
-        return checked_product({steps, c.dp_degree, c.local_micro_batch_size, c.sequence_length,
-                                c.gradient_accumulation_steps});
+        return checked_product({steps, tokens_per_step(c.local_micro_batch_size, c.sequence_length,
+                                                       c.gradient_accumulation_steps, c.dp_degree)});
       });
   r.add_value<i64, NumStepsFromRawIndexConfig>(
       kKey, "num_steps_from_raw_dataset_index",

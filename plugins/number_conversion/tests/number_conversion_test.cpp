@@ -24,15 +24,19 @@ const fs::path kSample = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "sampl
 // A device mesh with fixed dimensions, registered in-process for parallel_degree.
 class FixedMesh final : public DeviceMesh {
  public:
-  std::vector<std::string> dim_names() const override { return {"dp_replicate", "dp_shard", "tp"}; }
-  bool has_dim(std::string_view d) const override { return d == "dp_replicate" || d == "dp_shard" || d == "tp"; }
+  std::vector<MeshDim> dims() const override { return {MeshDim::dp_replicate, MeshDim::dp_shard, MeshDim::tp}; }
+  bool has_dim(MeshDim d) const override {
+    return d == MeshDim::dp_replicate || d == MeshDim::dp_shard || d == MeshDim::tp;
+  }
   std::int64_t size() const override { return 24; }
-  std::int64_t size(std::string_view d) const override { return d == "dp_replicate" ? 2 : d == "dp_shard" ? 3 : 4; }
-  std::int64_t coordinate(std::string_view) const override { return 0; }
+  std::int64_t size(MeshDim d) const override {
+    return d == MeshDim::dp_replicate ? 2 : d == MeshDim::dp_shard ? 3 : 4;
+  }
+  std::int64_t coordinate(MeshDim) const override { return 0; }
   std::int64_t rank() const override { return 0; }
   std::string device_type() const override { return "cpu"; }
-  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<std::string>&) const override { return nullptr; }
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view) const override { return {}; }
+  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<MeshDim>&) const override { return nullptr; }
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim) const override { return {}; }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return {}; }
   bool loss_parallel() const override { return false; }
 };

@@ -349,10 +349,10 @@ struct StagedConfig {
 std::shared_ptr<Pipeline> build_staged(const StagedConfig& c) {
   const ScheduleKind kind = parse_schedule(c.pp_schedule_name, "pp_schedule_name");
   const DeviceMesh& mesh = *c.device_mesh;
-  if (!mesh.has_dim("pp"))
+  if (!mesh.has_dim(MeshDim::pp))
     throw ConfigError("device_mesh", fmt::format("has no pp dim (dims: {}); set pipeline_parallel_degree > 1",
-                                                 fmt::join(mesh.dim_names(), ", ")));
-  const i64 pp = mesh.size("pp"), rank = mesh.coordinate("pp");
+                                                 join_mesh_dims(mesh.dims())));
+  const i64 pp = mesh.size(MeshDim::pp), rank = mesh.coordinate(MeshDim::pp);
   const std::vector<std::vector<std::string>> fqns = c.stages_generator->stages(c.num_layers_per_stage, pp);
   const i64 n = static_cast<i64>(fqns.size());
   if (one_stage_per_rank(kind) && n != pp)
@@ -363,7 +363,7 @@ std::shared_ptr<Pipeline> build_staged(const StagedConfig& c) {
   if (n % pp != 0)
     throw ConfigError("num_layers_per_stage",
                       fmt::format("gives {} stages, not a multiple of the {} pipeline ranks", n, pp));
-  const Group group = mesh.process_group("pp");
+  const Group group = mesh.process_group(MeshDim::pp);
   std::vector<std::shared_ptr<Stage>> stages;
   for (i64 s = rank; s < n; s += pp) {
     std::shared_ptr<Module> part = c.whole_model->clone();

@@ -11,6 +11,7 @@
 // permutation, cyclically; rank r reads rest[r], rest[r + R], ...
 #include <modalities/sdk/interfaces/dataset.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/interfaces/sampler.h>
 #include <modalities/sdk/plugin.h>
 
@@ -164,7 +165,7 @@ struct MultiDimSamplerConfig {
     s.field("data_parallel_key", &C::data_parallel_key,
             "Mesh dimension that splits the data: rank = coordinate along it, replicas = its size.")
         .required()
-        .one_of({"dp_replicate", "dp_shard", "cp", "tp", "pp"});
+        .one_of(mesh_dim_names());
     describe_resumable_order(s);
   }
 };
@@ -253,15 +254,13 @@ void register_components(Registrar& r) {
       "resumable_distributed_sampler with rank and replicas taken from one device-mesh dimension.",
       [](const MultiDimSamplerConfig& c) {
         const DeviceMesh& mesh = *c.device_mesh;
-        if (!mesh.has_dim(c.data_parallel_key)) {
-          std::string dims;
-          for (const auto& d : mesh.dim_names()) dims += (dims.empty() ? "" : ", ") + d;
+        const MeshDim dim = *parse_mesh_dim(c.data_parallel_key);  // one_of(mesh_dim_names())
+        if (!mesh.has_dim(dim))
           throw ConfigError("data_parallel_key", fmt::format("the device mesh has no dimension '{}' (it has: {})",
-                                                             c.data_parallel_key, dims.empty() ? "none" : dims));
-        }
+                                                             c.data_parallel_key, join_mesh_dims(mesh.dims())));
         return std::make_shared<DistributedOrder>(
             c.dataset->size(),
-            Order{mesh.coordinate(c.data_parallel_key), mesh.size(c.data_parallel_key), c.epoch,
+            Order{mesh.coordinate(dim), mesh.size(dim), c.epoch,
                   c.shuffle.value_or(false), c.seed.value_or(0), c.drop_last, c.skip_num_global_samples},
             "skip_num_global_samples");
       });

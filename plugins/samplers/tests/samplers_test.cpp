@@ -53,35 +53,38 @@ struct MeshConfig {
 };
 class FixedMesh final : public DeviceMesh {
  public:
-  explicit FixedMesh(MeshConfig c) : c_(std::move(c)) {}
-  std::vector<std::string> dim_names() const override { return c_.dims; }
-  bool has_dim(std::string_view dim) const override { return find(dim) >= 0; }
+  explicit FixedMesh(MeshConfig c) : c_(std::move(c)) {
+    for (const std::string& name : c_.dims) dims_.push_back(parse_mesh_dim(name).value());
+  }
+  std::vector<MeshDim> dims() const override { return dims_; }
+  bool has_dim(MeshDim dim) const override { return find(dim) >= 0; }
   std::int64_t size() const override {
     return std::accumulate(c_.sizes.begin(), c_.sizes.end(), std::int64_t{1}, std::multiplies<>());
   }
-  std::int64_t size(std::string_view dim) const override { return c_.sizes.at(at_dim(dim)); }
-  std::int64_t coordinate(std::string_view dim) const override { return c_.coordinates.at(at_dim(dim)); }
+  std::int64_t size(MeshDim dim) const override { return c_.sizes.at(at_dim(dim)); }
+  std::int64_t coordinate(MeshDim dim) const override { return c_.coordinates.at(at_dim(dim)); }
   std::int64_t rank() const override { return 0; }
   std::string device_type() const override { return "cpu"; }
-  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<std::string>&) const override {
+  std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<MeshDim>&) const override {
     throw Error("not needed in this test");
   }
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view) const override { return {}; }
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim) const override { return {}; }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return {}; }
   bool loss_parallel() const override { return false; }
 
  private:
-  std::int64_t find(std::string_view dim) const {
-    for (std::size_t i = 0; i < c_.dims.size(); ++i)
-      if (c_.dims[i] == dim) return static_cast<std::int64_t>(i);
+  std::int64_t find(MeshDim dim) const {
+    for (std::size_t i = 0; i < dims_.size(); ++i)
+      if (dims_[i] == dim) return static_cast<std::int64_t>(i);
     return -1;
   }
-  std::size_t at_dim(std::string_view dim) const {
+  std::size_t at_dim(MeshDim dim) const {
     const std::int64_t i = find(dim);
-    if (i < 0) throw Error(fmt::format("no dim '{}'", dim));
+    if (i < 0) throw Error(fmt::format("no dim '{}'", mesh_dim_name(dim)));
     return static_cast<std::size_t>(i);
   }
   MeshConfig c_;
+  std::vector<MeshDim> dims_;
 };
 
 void register_fakes(testing::Harness& h) {

@@ -5,6 +5,8 @@
 // reported instead of dividing by zero.
 #pragma once
 
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/schema.h>
 
 #include <fmt/core.h>
@@ -67,6 +69,11 @@ struct StepProfile {
     s.field("local_train_micro_batch_size", &C::local_train_micro_batch_size, "Samples per micro batch on one rank.").required().at_least(1);
     s.field("sequence_length", &C::sequence_length, "Tokens per sample.").required().at_least(1);
     s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().at_least(1);
+  }
+  /// Tokens of one optimizer step over all ranks (modalities::tokens_per_step).
+  i64 tokens_per_step() const {
+    return modalities::tokens_per_step(local_train_micro_batch_size, sequence_length, gradient_accumulation_steps,
+                                       dp_degree);
   }
 };
 
@@ -161,7 +168,13 @@ struct TrainingSettings {
     const i64 steps_left = c.training_target.num_target_steps - c.training_progress.num_seen_steps;
     const i64 tokens_left = c.training_target.num_target_tokens - c.training_progress.global_num_seen_tokens;
     const auto& p = c.step_profile;
-    const i64 per_step = p.local_train_micro_batch_size * p.sequence_length * p.gradient_accumulation_steps * p.dp_degree;
+    i64 per_step = 0;
+    try {
+      per_step = p.tokens_per_step();
+    } catch (const Error& error) {
+      ctx.fail("step_profile", error.what());
+      return;
+    }
     if (steps_left <= 0) {
       ctx.fail("training_target.num_target_steps",
                fmt::format("no steps left to train: num_target_steps ({}) <= training_progress.num_seen_steps ({})",

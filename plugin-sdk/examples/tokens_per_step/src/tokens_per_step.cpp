@@ -1,6 +1,7 @@
 // Example third-party plugin: adds the variant number_conversion/tokens_per_step
 // (global tokens per optimizer step) to an existing component key. Built out
 // of tree against the installed SDK; see ../CMakeLists.txt and docs/plugins.md.
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 
 #include <cstdint>
@@ -31,7 +32,8 @@ void register_components(modalities::Registrar& r) {
       "number_conversion", "tokens_per_step",
       "sequence_length * local_micro_batch_size * gradient_accumulation_steps * dp_degree.",
       [](const TokensPerStepConfig& c) {
-        return c.sequence_length * c.local_micro_batch_size * c.gradient_accumulation_steps * c.dp_degree;
+        return modalities::tokens_per_step(c.local_micro_batch_size, c.sequence_length, c.gradient_accumulation_steps,
+                                           c.dp_degree);
       });
 }
 

@@ -22,6 +22,10 @@ namespace c10d {
 class ProcessGroup;
 }  // namespace c10d
 
+namespace modalities {
+class ParallelDims;
+}  // namespace modalities
+
 namespace modalities::tp {
 
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
@@ -43,6 +47,50 @@ struct MODALITIES_SDK_API VocabShard {
   Group group;
   std::int64_t start = 0;
   std::int64_t vocab_size = 0;  // of the whole vocabulary
+};
+
+/// How a model takes part in tensor parallelism (Module::apply_tensor_parallel): options a
+/// config sets. Since: SDK 0.1 (ABI 6).
+struct Options {
+  /// Norms, dropout and residuals run on each rank's chunk of the sequence between the parallel
+  /// regions (all-gather / reduce-scatter at their edges); false: replicated activations
+  /// (all-reduce after each row-parallel layer).
+  bool sequence_parallel = true;
+};
+
+/// How this rank's part of a split model talks to the other `size` ranks of the tp group: the
+/// group, this rank's place in it, and the edges of a parallel region (Megatron-LM's f and g, with
+/// or without sequence parallelism). Activations are [B*T, d] matrices, one row per token; with
+/// sequence parallelism, between the parallel regions each rank holds the rows of its chunk of the
+/// sequence, [B*(T/size), d] (chunk `rank` of dim 1 of [B, T, d]). Since: SDK 0.1 (ABI 6).
+struct MODALITIES_SDK_API Plan {
+  /// The plan of the tp dim of `dims` with `options`; throws modalities::Error when dims has no tp
+  /// dim of degree > 1.
+  static Plan from(const ParallelDims& dims, const Options& options);
+
+  Plan();
+  Plan(const Plan&);
+  Plan(Plan&&) noexcept;
+  Plan& operator=(const Plan&);
+  Plan& operator=(Plan&&) noexcept;
+  ~Plan();
+
+  Group group;
+  std::int64_t rank = 0, size = 1;
+  bool sequence_parallel = true;
+  bool loss_parallel = false;  // the mesh's enable_loss_parallel: logits stay split on the vocabulary
+
+  /// The input of a column-parallel layer, whole on every rank: gathered from the sequence chunks
+  /// (backward: reduce-scatter), or the replicated activation (backward: all-reduce). Either way
+  /// the backward sums the ranks' partial input gradients.
+  at::Tensor enter(const at::Tensor& x, std::int64_t B, std::int64_t T) const;
+  /// The output of a row-parallel layer, partial sums [B*T, d]: their sum, replicated
+  /// (all-reduce) or this rank's sequence chunk (reduce-scatter).
+  at::Tensor leave(const at::Tensor& partial, std::int64_t B, std::int64_t T) const;
+  /// A replicated parameter that this rank applies to its part of the data only (a norm under
+  /// sequence parallelism, qk-norm on the local heads): forward as is, backward the sum of the
+  /// ranks' partial gradients, so every replica gets the whole gradient. Undefined stays undefined.
+  at::Tensor shared(const at::Tensor& w) const;
 };
 
 /// Forward: x. Backward: the sum of the gradients over the group (all-reduce). Before a

@@ -1,11 +1,12 @@
-// The device-mesh interface: the ranks of a run arranged in named dimensions
-// (pp, dp_replicate, dp_shard, cp, tp), with this rank's coordinates and a
-// process group per dimension. LibTorch has no DeviceMesh, so this is the
+// The device-mesh interface: the ranks of a run arranged in typed dimensions
+// (MeshDim: pp, dp_replicate, dp_shard, cp, tp), with this rank's coordinates and a
+// process group per dimension. Most code asks through ParallelDims (parallel.h). LibTorch has no DeviceMesh, so this is the
 // SDK's own, built on c10d process groups (`device_mesh/default`). Maps
 // torch.distributed.DeviceMesh as Modalities uses it.
 #pragma once
 
 #include <modalities/sdk/export.h>
+#include <modalities/sdk/parallel.h>
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -32,16 +33,15 @@ namespace modalities {
 /// calculator, `number_conversion/parallel_degree`) query it at build time.
 ///
 /// \code
-///   std::int64_t dp = (mesh->has_dim("dp_replicate") ? mesh->size("dp_replicate") : 1)
-///                   * mesh->size("dp_shard");
-///   std::int64_t data_rank = mesh->coordinate("dp_shard");
-///   auto shard = mesh->sub_mesh({"dp_replicate", "dp_shard"});  // hybrid sharding
+///   std::int64_t data_rank = mesh->coordinate(MeshDim::dp_shard);
+///   auto shard = mesh->sub_mesh({MeshDim::dp_replicate, MeshDim::dp_shard});  // hybrid sharding
 ///   shard->flattened_process_group()->allreduce(tensors)->wait();
+///   std::int64_t dp = ParallelDims(mesh).dp_size();  // degrees of absent dims count 1
 /// \endcode
 ///
 /// Ownership: the host owns the instance (std::shared_ptr); sub-meshes and
 /// process groups are shared with it and stay valid while anyone holds them.
-/// Errors: an unknown dim name throws modalities::Error; never exit().
+/// Errors: a dim the mesh does not have throws modalities::Error naming the mesh's dims; never exit().
 /// Since: SDK 0.1.
 /// ABI: adding, removing or reordering virtuals bumps MODALITIES_PLUGIN_ABI_VERSION.
 class MODALITIES_SDK_API DeviceMesh {
@@ -54,22 +54,22 @@ class MODALITIES_SDK_API DeviceMesh {
   DeviceMesh& operator=(const DeviceMesh&) = delete;
   virtual ~DeviceMesh();  // defined in the SDK library: one vtable, one typeinfo
 
-  /// Dim names in mesh order, a subsequence of pp, dp_replicate, dp_shard, cp, tp.
-  virtual std::vector<std::string> dim_names() const = 0;
+  /// The mesh's dims, a subsequence of kMeshDims (mesh order).
+  virtual std::vector<MeshDim> dims() const = 0;
 
-  /// Whether `dim` is one of dim_names(). Absent dims count as size 1 for
-  /// degree computations.
-  virtual bool has_dim(std::string_view dim) const = 0;
+  /// Whether `dim` is one of dims(). Absent dims count as size 1 for
+  /// degree computations (ParallelDims).
+  virtual bool has_dim(MeshDim dim) const = 0;
 
   /// Number of ranks in the mesh (product of all dim sizes).
   virtual std::int64_t size() const = 0;
 
   /// Size of one dim.
-  virtual std::int64_t size(std::string_view dim) const = 0;
+  virtual std::int64_t size(MeshDim dim) const = 0;
 
   /// This rank's coordinate along `dim`, in [0, size(dim)): the data-parallel
   /// rank for samplers, the pipeline rank, ...
-  virtual std::int64_t coordinate(std::string_view dim) const = 0;
+  virtual std::int64_t coordinate(MeshDim dim) const = 0;
 
   /// This rank's position in the whole (sub-)mesh, row-major over its dims:
   /// the "local rank within a sub-mesh" of Modalities.
@@ -79,10 +79,10 @@ class MODALITIES_SDK_API DeviceMesh {
   virtual std::string device_type() const = 0;
 
   /// The sub-mesh over `dims` (listed in mesh order) that contains this rank.
-  virtual std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<std::string>& dims) const = 0;
+  virtual std::shared_ptr<const DeviceMesh> sub_mesh(const std::vector<MeshDim>& dims) const = 0;
 
   /// Communicator of the ranks that differ from this one only along `dim`.
-  virtual c10::intrusive_ptr<c10d::ProcessGroup> process_group(std::string_view dim) const = 0;
+  virtual c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim dim) const = 0;
 
   /// Communicator over all ranks of this (sub-)mesh, its dims flattened
   /// (e.g. dp_replicate x dp_shard for data-parallel reductions).

@@ -28,6 +28,7 @@
 namespace modalities {
 
 class RemovableHandle;
+class ParallelDims;
 
 /// (fully qualified name, tensor) pairs in registration order. A vector, not a
 /// map, because optimizers group parameters in this order.
@@ -259,6 +260,17 @@ class MODALITIES_SDK_API Module {
   /// stage's part (`pipeline/staged` calls it on a clone of the whole model). Default: throws
   /// (the model cannot be cut into stages).
   virtual void retain_modules(const std::vector<std::string>& module_fqns);
+
+  /// Tensor parallelism: splits this model's layers over the tp dim of `dims` (tp::Plan::from
+  /// gives the group, this rank's place and the region edges), in place, before any other wrapper
+  /// (activation checkpointing, initialization, pipeline split, FSDP). Afterwards forward() takes
+  /// the whole batch on every tp rank and returns what the unsplit model returns (logits split on
+  /// the vocabulary under loss parallelism: vocab_shard() says where), and shard_placements()
+  /// places every split tensor in its full one, so checkpoints, norms and parameter counts see
+  /// the unsplit model. An architecture opts in with this one method (`model/gpt2_tp` calls it
+  /// on any model). Default: throws modalities::Error ("does not support tensor parallelism").
+  /// Since: SDK 0.1 (ABI 6).
+  virtual void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options);
 };
 
 }  // namespace modalities
