@@ -11,6 +11,7 @@
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/huggingface.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/tokenizer.h>
 
 #include <fmt/format.h>
 #include <simdjson.h>
@@ -28,24 +29,6 @@ namespace fs = std::filesystem;
 constexpr const char* kTokenizerFiles[] = {"tokenizer.json",    "tokenizer_config.json", "special_tokens_map.json",
                                            "vocab.json",        "merges.txt",            "added_tokens.json",
                                            "tokenizer.model",   "vocab.txt",             "chat_template.jinja"};
-
-// The tokenizer folder named by the config's top-level `tokenizer` (pretrained_hf_tokenizer), if any.
-std::optional<fs::path> tokenizer_folder_of(const core::ConfigNode& root) {
-  const core::ConfigNode* t = root.find("tokenizer");
-  if (t == nullptr || !t->is_table()) return std::nullopt;
-  const core::ConfigNode* variant = t->find("variant_key");
-  const core::ConfigNode* config = t->find("config");
-  if (variant == nullptr || !variant->is_string() || config == nullptr || !config->is_table()) return std::nullopt;
-  if (variant->as_string() != "pretrained_hf_tokenizer") {
-    print_warning(fmt::format("the config's tokenizer is {}; only Hugging Face tokenizer folders "
-                              "(pretrained_hf_tokenizer) are copied into the export (give one with --tokenizer_path)",
-                              variant->as_string()));
-    return std::nullopt;
-  }
-  const core::ConfigNode* path = config->find("pretrained_model_name_or_path");
-  if (path == nullptr || !path->is_string()) return std::nullopt;
-  return fs::path(path->as_string());
-}
 
 // Special-token ids from tokenizer_config.json (bos_token, eos_token, pad_token as strings or
 // {"content": ...}) looked up in tokenizer.json's added_tokens.
@@ -112,7 +95,7 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
       "max_shard_size", po::value(&max_shard_size)->default_value("5GB"),
       "larger weights are split into model-0000i-of-0000n.safetensors shards with an index (as transformers)")(
       "tokenizer_path", po::value(&tokenizer_path),
-      "Hugging Face tokenizer folder to copy into the export (default: the config's pretrained_hf_tokenizer)");
+      "Hugging Face tokenizer folder to copy into the export (default: the folder of the config's tokenizer)");
   desc.add(plugin_options(popts));
   po::variables_map vm;
   int status = kOk;
@@ -139,7 +122,9 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
       throw Error(fmt::format("{}: no top-level checkpointed_model or model to convert", config_file_path));
     const core::PipelineProfile profile{"hf_conversion",
                                         "`modalities convert_pytorch_to_hf_checkpoint`",
-                                        {{key, "Module", true, "the model with the weights to export"}}};
+                                        {{key, "Module", true, "the model with the weights to export"},
+                                         {"tokenizer", "Tokenizer", false,
+                                          "its Hugging Face folder's files are copied into the export"}}};
     core::ComponentGraph graph(registry, root, &profile);
     const core::BuiltGraph built =
         graph.build([](const std::string&) {}, [](const std::string& line) { std::cerr << line << "\n"; });
@@ -159,7 +144,17 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
     HuggingFaceExportOptions options;
     options.dtype = export_dtype;
     std::vector<fs::path> extra;
-    std::optional<fs::path> tok = tokenizer_path.empty() ? tokenizer_folder_of(root) : fs::path(tokenizer_path);
+    // The tokenizer's own files, when it has a Hugging Face form (Tokenizer::huggingface_folder).
+    std::optional<fs::path> tok;
+    if (!tokenizer_path.empty()) {
+      tok = fs::path(tokenizer_path);
+    } else if (const Value* t = built.get("tokenizer"); t != nullptr && t->is_object()) {
+      if (t->as_object().interface == Tokenizer::kInterface)
+        tok = std::static_pointer_cast<Tokenizer>(t->as_object().ptr)->huggingface_folder();
+      if (!tok)
+        print_warning("the config's tokenizer has no Hugging Face folder, so its files are not copied into the "
+                      "export (give them with --tokenizer_path)");
+    }
     if (tok) {
       if (!fs::is_directory(*tok)) throw Error(fmt::format("tokenizer folder {} does not exist", tok->string()));
       for (const char* f : kTokenizerFiles)
@@ -169,8 +164,8 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
       options.eos_token_id = ids.eos;
       options.pad_token_id = ids.pad;
     } else {
-      print_warning("no tokenizer files are written (the config has no pretrained_hf_tokenizer; give "
-                    "--tokenizer_path to add them)");
+      print_warning("no tokenizer files are written (the config's tokenizer has no Hugging Face folder, or there "
+                    "is none; give --tokenizer_path to add them)");
     }
     const HuggingFaceCheckpoint checkpoint = exportable->to_huggingface(options);
     formats::write_huggingface_folder(output_dir, checkpoint, shard_bytes, extra);

@@ -86,6 +86,7 @@ SteppableComponent::~SteppableComponent() = default;
 SteppableProfiler::~SteppableProfiler() = default;
 TextInferenceComponent::~TextInferenceComponent() = default;
 Tokenizer::~Tokenizer() = default;
+std::optional<std::filesystem::path> Tokenizer::huggingface_folder() const { return std::nullopt; }
 
 namespace {
 

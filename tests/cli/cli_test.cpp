@@ -432,6 +432,29 @@ TEST(CliConvertTest, WritesAShardedTransformersFolderWithTheTokenizer) {
   EXPECT_EQ(std::filesystem::file_size(dir2.path() / "bf16" / "model.safetensors") < 86656 / 2 + 4096, true);
 }
 
+// The files that go along come from the tokenizer itself (Tokenizer::huggingface_folder), not from
+// the config's variant name: a SentencePiece model has no Hugging Face folder, which is said, and
+// --tokenizer_path still adds one.
+TEST(CliConvertTest, TheTokenizerSaysWhichFilesGoAlong) {
+  ScratchDir dir;
+  const std::string root = MODALITIES_TEST_SOURCE_ROOT;
+  std::string text = read_text(conversion_config(dir, root + "/plugins/gpt2/tests/data/hf/import_llama"));
+  text.replace(text.find("[tokenizer]"), std::string::npos,
+               "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_sp_tokenizer\"\n"
+               "config = { tokenizer_model_file = \"" + root + "/plugins/sp_tokenizer/tests/data/tiny_bpe.model\" }\n");
+  const auto config = dir.write("convert_sp.toml", text);
+  CommandResult r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
+                                "--output_hf_checkpoint_dir", (dir.path() / "sp").string()});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.err, HasSubstr("the config's tokenizer has no Hugging Face folder"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "sp" / "tokenizer.json"));
+  r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
+                  "--output_hf_checkpoint_dir", (dir.path() / "sp2").string(), "--tokenizer_path",
+                  root + "/data/tokenizer/gpt2_style_8k"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "sp2" / "tokenizer.json"));
+}
+
 TEST(CliConvertTest, RefusesToOverwriteAndNamesWrongFlags) {
   ScratchDir dir;
   const std::string src = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/plugins/gpt2/tests/data/hf/import_gpt2";

@@ -283,6 +283,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
                       "--local-dir <folder>`)",
                       dir.string(), dir.string()));
     }
+    folder_ = dir;
     const fs::path json = dir / "tokenizer.json";
     if (!fs::is_regular_file(json, ec))
       throw ConfigError("pretrained_model_name_or_path",
@@ -339,6 +340,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
   }
 
   bool is_special_token_id(std::int64_t id) const override { return special_ids_.contains(id); }
+  // The folder it was loaded from (special tokens that the config adds are not in its files).
+  std::optional<fs::path> huggingface_folder() const override { return folder_; }
 
  private:
   void load_transformers_config(const fs::path& dir, BuildContext& ctx) {
@@ -738,6 +741,7 @@ class PretrainedHfTokenizer final : public Tokenizer {
     }
   }
 
+  fs::path folder_;
   std::unique_ptr<TokenizerJson> tok_;
   double model_max_length_ = 1e30;  // transformers' VERY_LARGE_INTEGER when unset
   bool clean_up_ = false;

@@ -7,6 +7,8 @@
 #include <modalities/sdk/export.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -59,6 +61,12 @@ class MODALITIES_SDK_API Tokenizer {
   /// Whether `id` is a special token (BOS/EOS/PAD/...), e.g. to skip it when
   /// printing generated text.
   virtual bool is_special_token_id(std::int64_t id) const = 0;
+
+  /// The Hugging Face tokenizer folder whose files reproduce this tokenizer with AutoTokenizer
+  /// (`tokenizer/pretrained_hf_tokenizer`'s folder), or nullopt when it has no such form. An
+  /// export to a transformers folder (`convert_pytorch_to_hf_checkpoint`) copies its files.
+  /// Default: nullopt. Since: SDK 0.1 (ABI 6).
+  virtual std::optional<std::filesystem::path> huggingface_folder() const;
 };
 
 }  // namespace modalities
