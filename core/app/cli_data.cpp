@@ -173,7 +173,7 @@ int pack_encoded_data(const std::vector<std::string>& args) {
   fmt::print("wrote {}: {} documents, {} tokens of {} byte(s){} in {:.3f} s ({}, {} tokens/s)\n", r.dst.lexically_normal().string(),
              r.documents, r.tokens, r.token_size, r.skipped ? fmt::format(", {} documents skipped", r.skipped) : "",
              r.seconds, mib_per_s(src_bytes, r.seconds),
-             core::human_count(static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9)));
+             modalities::human_count(static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9)));
   return kOk;
 }
 

@@ -10,21 +10,6 @@
 
 namespace modalities::core {
 
-std::string human_count(double v) {
-  const double a = std::fabs(v);
-  if (a >= 1e9) return fmt::format("{:.2f}G", v / 1e9);
-  if (a >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
-  if (a >= 1e4) return fmt::format("{:.1f}k", v / 1e3);
-  return fmt::format("{:.0f}", v);
-}
-
-std::string human_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const auto s = static_cast<long long>(seconds + 0.5);
-  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
-  return fmt::format("{}:{:02}", s / 60, s % 60);
-}
-
 ProgressBar::ProgressBar(std::string label, std::uint64_t total, std::string unit, double log_interval_s)
     : label_(std::move(label)),
       unit_(std::move(unit)),

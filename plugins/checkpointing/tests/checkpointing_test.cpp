@@ -17,6 +17,7 @@
 #include <modalities/sdk/interfaces/optimizer.h>
 #include <modalities/sdk/run_context.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/scratch_dir.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -175,23 +176,7 @@ class TinyDecay final : public LRScheduler {
 
 // --- helpers --------------------------------------------------------------------------
 
-class ScratchDir {
- public:
-  ScratchDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() / fmt::format("modalities_ckpt_test_{}_{}", ::getpid(), counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using ScratchDir = modalities::testing::ScratchDir;
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);

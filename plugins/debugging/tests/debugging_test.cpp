@@ -5,6 +5,7 @@
 #include <modalities/sdk/interfaces/debugging.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/scratch_dir.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -26,19 +27,7 @@ using ::testing::HasSubstr;
 
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
 
-class TempDir {
- public:
-  TempDir() : path_(fs::temp_directory_path() / ("debugging_test_" + std::to_string(::getpid()) + "_" +
-                                                 std::to_string(counter_++))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-  static inline int counter_ = 0;
-};
+using TempDir = modalities::testing::ScratchDir;
 
 std::unique_ptr<testing::Harness> harness(const fs::path& out) {
   auto h = std::make_unique<testing::Harness>(MODALITIES_TEST_PLUGIN);

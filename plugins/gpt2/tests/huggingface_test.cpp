@@ -15,6 +15,7 @@
 #include <modalities/sdk/huggingface.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/scratch_dir.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -43,22 +44,7 @@ const char* const kImports[] = {"llama", "llama3_scaled_bias", "mistral_window",
                                 "gpt2_gelu_untied"};
 const char* const kExports[] = {"llama", "qwen2_llama3_rope", "mistral_window", "gpt2"};
 
-class TempDir {
- public:
-  TempDir() : path_(fs::temp_directory_path() / fmt::format("modalities_hf_test_{}_{}", ::getpid(), counter_++)) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
+using TempDir = modalities::testing::ScratchDir;
 
 std::string import_toml(const fs::path& folder, const std::string& extra = "") {
   return fmt::format(R"([model]

@@ -13,6 +13,7 @@
 #include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/sdk/schema.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/scratch_dir.h>
 #include <modalities/testing/shared_fixtures.h>
 
 #include <absl/strings/escaping.h>
@@ -149,23 +150,7 @@ std::string build_error(const fs::path& folder, const std::string& extra = "") {
   return build(folder_config(folder, extra)).error;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("hf_tokenizer_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-  void write(const std::string& name, const std::string& text) const {
-    std::ofstream(path_ / name, std::ios::binary) << text;
-  }
-
- private:
-  fs::path path_;
-  static inline int counter_ = 0;
-};
+using TempDir = modalities::testing::ScratchDir;
 
 // ---------------------------------------------------------------------------
 

@@ -3,10 +3,10 @@
 // selective-layer checkpointing of the blocks under `layers_fqn`) and
 // `model/activation_checkpointed_fsdp1` (Modalities' FSDP1 variant: the submodules of the listed
 // classes). And `model/compiled` (Note [model/compiled]). The first two return the model, its chosen blocks now run
-// through checkpointed() (checkpoint.h) by way of Module::add_block_runner, so they compose with
+// through checkpointed() (activation_checkpointing.h) by way of Module::add_block_runner, so they compose with
 // any wrapper that forwards the runner (fsdp2_wrapped, fsdp1_wrapped) and any model that runs its
 // blocks through ModuleHooks::around.
-#include "checkpoint.h"
+#include "activation_checkpointing.h"
 
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>

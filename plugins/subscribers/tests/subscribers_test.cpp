@@ -8,6 +8,7 @@
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/python_format.h>
 #include <modalities/testing/harness.h>
+#include <modalities/testing/scratch_dir.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -80,18 +81,7 @@ Message progress(std::int64_t n, ExperimentStatus status, std::string tag) {
   return Message{MessageType::kBatchProgressUpdate, ProgressUpdate{n, status, std::move(tag)}, 0, 0};
 }
 
-class TempDir {
- public:
-  TempDir() : path_(fs::temp_directory_path() / fmt::format("subscribers_test_{}_{}", ::getpid(), counter_++)) {
-    fs::remove_all(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
+using TempDir = modalities::testing::ScratchDir;
 
 // ---------------------------------------------------------------------------
 // Python spelling of numbers and strings

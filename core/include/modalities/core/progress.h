@@ -4,6 +4,8 @@
 // `log_interval` seconds instead. MODALITIES_PROGRESS=0 silences it.
 #pragma once
 
+#include <modalities/sdk/human_format.h>  // human_count, human_duration for the bars
+
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -39,10 +41,5 @@ class ProgressBar {
   std::chrono::steady_clock::time_point start_, last_draw_;
   std::mutex mutex_;
 };
-
-/// "1.23M", "456.7k", "12" — for rates and counts in progress lines.
-std::string human_count(double v);
-/// "1:02:03" / "4:05" for a duration in seconds.
-std::string human_duration(double seconds);
 
 }  // namespace modalities::core

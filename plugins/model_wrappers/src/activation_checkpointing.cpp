@@ -10,7 +10,7 @@
 // the second, so dropout masks are the same and gradients equal those of the unchecked block bit
 // for bit. (Modalities' full_activation_checkpointing does not preserve it; its FSDP1 variant
 // does.) Hooks around the block (sharding) are outside: the runner only sees the block itself.
-#include "checkpoint.h"
+#include "activation_checkpointing.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,5 +1,5 @@
 // Activation checkpointing of one block: LibTorch has no torch.utils.checkpoint, so this is the
-// autograd node that does it (Note [Recomputing a block] in checkpoint.cpp).
+// autograd node that does it (Note [Recomputing a block] in activation_checkpointing.cpp).
 #pragma once
 
 #include <modalities/sdk/interfaces/module.h>
