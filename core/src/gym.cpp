@@ -224,7 +224,7 @@ class Gym {
           "settings.training_progress.num_seen_steps = {} (the step this run resumes from; a warm start reads it "
           "from the checkpoint folder's name), but {} = {}: the loaded checkpoint does not hold the state of step {}; "
           "was the checkpoint folder renamed or swapped?",
-          S0_, what, value, S0_));
+          steps_seen_before_, what, value, steps_seen_before_));
     };
     if (optimizer_) {
       double steps = -1;
@@ -234,24 +234,28 @@ class Gym {
           const double x = v.item<double>();
           if (x > steps) steps = x, key = k;
         }
-      if (steps > 0 && steps != static_cast<double>(S0_)) throw contradiction("the optimizer's " + key, steps);
+      if (steps > 0 && steps != static_cast<double>(steps_seen_before_)) throw contradiction("the optimizer's " + key, steps);
     }
     if (scheduler_) {
       const StateDict sd = scheduler_->state_dict();
       if (auto it = sd.find("last_epoch"); it != sd.end() && it->second.defined() && it->second.numel() == 1) {
         const double last_epoch = it->second.item<double>();
-        if (last_epoch > 0 && last_epoch != static_cast<double>(S0_))
+        if (last_epoch > 0 && last_epoch != static_cast<double>(steps_seen_before_))
           throw contradiction("the learning-rate scheduler's last_epoch", last_epoch);
       }
     }
   }
 
-  GymSummary run() {
+  // Reads the step profile and the components, and refuses what cannot train: a wrong
+  // data-parallel degree, unsynchronised parts on several ranks, a loss that cannot take split
+  // logits, a resumed state that contradicts the settings, unallocated (meta) parameters. Moves
+  // the parts to the run device.
+  void prepare() {
     const auto& s = c_.settings;
     const auto& sp = s.step_profile;
-    G_ = sp.gradient_accumulation_steps;
-    S0_ = s.training_progress.num_seen_steps;
-    K0_ = s.training_progress.global_num_seen_tokens;
+    accumulation_steps_ = sp.gradient_accumulation_steps;
+    steps_seen_before_ = s.training_progress.num_seen_steps;
+    tokens_seen_before_ = s.training_progress.global_num_seen_tokens;
     dp_ = sp.dp_degree;
     tokens_per_step_ = sp.tokens_per_step();
     parts_ = c_.app_state->model_parts();
@@ -314,6 +318,11 @@ class Gym {
       part->to(o_.device, std::nullopt);
     }
 
+  }
+
+  GymSummary run() {
+    prepare();
+    const auto& s = c_.settings;
     // Setup before the first micro-batch.
     for (auto& part : parts_) part->train(true);
     const auto fopts = at::TensorOptions().dtype(at::kFloat).device(o_.device);
@@ -324,15 +333,15 @@ class Gym {
     const auto run_start = Clock::now();
 
     TrainingProgress progress;
-    progress.num_seen_steps_previous_run = S0_;
-    progress.num_seen_tokens_previous_run = K0_;
+    progress.num_seen_steps_previous_run = steps_seen_before_;
+    progress.num_seen_tokens_previous_run = tokens_seen_before_;
     progress.num_target_steps = s.training_target.num_target_steps;
     progress.num_target_tokens = s.training_target.num_target_tokens;
 
-    if (S0_ > 0 && S0_ % s.intervals.evaluation_interval_in_steps == 0) evaluate(S0_);
-    if (S0_ > 0 && S0_ % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
+    if (steps_seen_before_ > 0 && steps_seen_before_ % s.intervals.evaluation_interval_in_steps == 0) evaluate(steps_seen_before_);
+    if (steps_seen_before_ > 0 && steps_seen_before_ % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
 
-    const i64 num_batches_todo = (s.training_target.num_target_steps - S0_) * G_;
+    const i64 num_batches_todo = (s.training_target.num_target_steps - steps_seen_before_) * accumulation_steps_;
     if (c_.profiler) c_.profiler->enter();
     // The profiler is closed (and writes its trace) also when training fails.
     struct ProfilerExit {
@@ -350,7 +359,7 @@ class Gym {
     GymSummary summary;
     i64 i = 0;
     bool step_performed = false;
-    i64 current_step = S0_ + 1;
+    i64 current_step = steps_seen_before_ + 1;
     try {
       for (; i < num_batches_todo; ++i) {
         std::optional<DatasetBatch> batch = c_.train_dataloader->next();
@@ -358,19 +367,19 @@ class Gym {
           std::cerr << fmt::format(
               "warning: train_dataloader '{}' ran out after {} micro-batches; the target needed {} "
               "(steps {} of {}). Check the dataset size and settings.training_target.\n",
-              tag, i, num_batches_todo, S0_ + i / G_, s.training_target.num_target_steps);
+              tag, i, num_batches_todo, steps_seen_before_ + i / accumulation_steps_, s.training_target.num_target_steps);
           break;
         }
         const std::int64_t batch_size = batch->size();
         ledger_.add(batch->sample_ids, batch_size);
         batch->to(o_.device, /*non_blocking=*/o_.device.is_cuda());
-        const i64 step_number = S0_ + i / G_ + 1;  // 1-based step this micro-batch belongs to
+        const i64 step_number = steps_seen_before_ + i / accumulation_steps_ + 1;  // 1-based step this micro-batch belongs to
         current_step = step_number;
 
         // 1. forward / backward.
         // With accumulation, gradients are synchronised across ranks in the step's last backward only.
-        if (G_ > 1)
-          for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % G_ == 0);
+        if (accumulation_steps_ > 1)
+          for (auto& part : parts_) part->set_requires_gradient_sync((i + 1) % accumulation_steps_ == 0);
         at::Tensor loss;
         if (pipeline_) {
           loss = pipeline_step(*batch, /*train=*/true)
@@ -383,7 +392,7 @@ class Gym {
           loss = c_.loss_fn->compute(result);
           // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
           // node per step) is skipped.
-          (G_ == 1 ? loss : loss / static_cast<double>(G_)).backward();
+          (accumulation_steps_ == 1 ? loss : loss / static_cast<double>(accumulation_steps_)).backward();
         }
         fault_point("train_step");  // tests: a rank killed mid-step (modalities/sdk/fault.h)
         at::Tensor loss_f = loss.scalar_type() == at::kFloat ? loss.detach() : loss.detach().to(at::kFloat);
@@ -391,7 +400,7 @@ class Gym {
         mark_non_finite(loss_f, step_number);
 
         // 2. step boundary.
-        step_performed = (i + 1) % G_ == 0;
+        step_performed = (i + 1) % accumulation_steps_ == 0;
         if (step_performed) {
           at::Tensor norm = c_.gradient_clipper->clip_gradients().detach();
           mark_non_finite(norm, step_number);
@@ -402,7 +411,7 @@ class Gym {
           ledger_.end_step(step_number);
         }
         // 3-6. progress and statistics.
-        progress.num_seen_steps_current_run = (i + 1) / G_;
+        progress.num_seen_steps_current_run = (i + 1) / accumulation_steps_;
         progress.num_seen_tokens_current_run = tokens_per_step_ * progress.num_seen_steps_current_run;
         loss_sum_.add_(loss_f);
         ++loss_count_;
@@ -465,7 +474,7 @@ class Gym {
     std::optional<at::Tensor> input, target;
     if (pipeline_->has_first_stage()) input = batch.samples.at(parts_.front()->sample_key()).contiguous();
     if (pipeline_->has_last_stage()) target = batch.targets.at(c_.loss_fn->target_key());
-    if (train) schedule.set_loss_scale(1.0 / static_cast<double>(G_));
+    if (train) schedule.set_loss_scale(1.0 / static_cast<double>(accumulation_steps_));
     const std::vector<at::Tensor> losses = train ? schedule.step(input, target) : schedule.eval(input, target);
     if (losses.empty()) return std::nullopt;
     return at::stack(losses).mean();
@@ -663,7 +672,12 @@ class Gym {
   const GymOptions& o_;
   std::ostream& out_;
   DataLedger ledger_{o_.data_ledger_path};
-  i64 G_ = 1, S0_ = 0, K0_ = 0, dp_ = 1, tokens_per_step_ = 0;
+  // The step profile, and the progress of the runs before this one (a warm start or resume).
+  i64 accumulation_steps_ = 1;  // micro-batches per optimizer step
+  i64 steps_seen_before_ = 0;   // optimizer steps of the earlier runs
+  i64 tokens_seen_before_ = 0;  // tokens of the earlier runs
+  i64 dp_ = 1;                  // data-parallel degree
+  i64 tokens_per_step_ = 0;
   std::shared_ptr<Pipeline> pipeline_;          // pipeline parallelism: the scheduled pipeline, else null
   std::optional<tp::VocabShard> vocab_shard_;  // loss parallel: the model's logits are split on the vocabulary
   std::vector<std::shared_ptr<Module>> parts_;
