@@ -269,7 +269,8 @@ TEST_F(SamplersTest, MultiDimSamplerValidatorsNameTheConfigPath) {
   EXPECT_THAT(h.build_error(),
               HasSubstr("s.config.data_parallel_key: the device mesh has no dimension 'dp_replicate' (it has: dp_shard, tp)"));
   h.set_config_text(mesh_config(0, 0, "dp", ""));
-  EXPECT_THAT(h.build_error(), HasSubstr("s.config.data_parallel_key: must be one of 'dp_replicate', 'dp_shard'"));
+  EXPECT_THAT(h.build_error(), HasSubstr("s.config.data_parallel_key: must be one of 'pp', 'dp_replicate', 'dp_shard', "
+                                         "'cp', 'tp', 'ep', got 'dp'"));
   h.set_config_text(mesh_config(0, 0, "dp_shard", ", skip_num_global_samples = 33"));
   EXPECT_THAT(h.build_error(), HasSubstr("s.config.skip_num_global_samples: cannot skip 33"));
   h.set_config_text(mesh_config(0, 0, "dp_shard", ""));
