@@ -138,5 +138,24 @@ TEST(JinjaTest, RefusesWhatItDoesNotImplement) {
               ::testing::ThrowsMessage<Error>(HasSubstr("tojson with arguments")));
 }
 
+// An error shows the start of a long operand, not all of it: the repr of a 20 MB string took
+// minutes (found by fuzzing, tests/fuzz/corpus/jinja/long_operand_in_an_error.jinja).
+TEST(JinjaTest, AnErrorShowsOnlyTheStartOfALongOperand) {
+  const auto message = [](const std::string& text) {
+    try {
+      Template(text).render({});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(rendered)");
+  };
+  const std::string m = message("{{ 'ab' * 10000000 / 3 }}");
+  EXPECT_THAT(m, HasSubstr("template line 1"));
+  EXPECT_THAT(m, HasSubstr("... (20000000 bytes) and 3"));
+  EXPECT_LT(m.size(), 1000u);
+  EXPECT_THAT(message("{{ (range(100) | list) - 1 }}"),
+              HasSubstr("[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... (100 items)] and 1"));
+}
+
 }  // namespace
 }  // namespace modalities::core::data::jinja

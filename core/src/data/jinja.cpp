@@ -212,6 +212,30 @@ std::string py_repr(const Value& v) {
   }
 }
 
+// A value as an error message shows it: Python's repr, but of at most the first 80 bytes of a
+// string and the first 10 items of a list (an operand can be a string of 100 MB, whose whole repr
+// took minutes; the message needs only its start).
+std::string error_repr(const Value& v) {
+  constexpr std::size_t kBytes = 80, kItems = 10;
+  if (v.kind == Value::Kind::kString && v.s.size() > kBytes) {
+    std::size_t cut = kBytes;
+    while (cut > 0 && (static_cast<unsigned char>(v.s[cut]) & 0xC0u) == 0x80u) --cut;  // a whole character
+    return fmt::format("{}... ({} bytes)", str_repr(v.s.substr(0, cut)), v.s.size());
+  }
+  if (v.kind == Value::Kind::kList && v.list->size() > kItems) {
+    std::string s = v.tuple ? "(" : "[";
+    for (std::size_t i = 0; i < kItems; ++i) s += (i ? ", " : "") + error_repr((*v.list)[i]);
+    return s + fmt::format(", ... ({} items){}", v.list->size(), v.tuple ? ")" : "]");
+  }
+  if (v.kind == Value::Kind::kList) {
+    std::string s = v.tuple ? "(" : "[";
+    for (std::size_t i = 0; i < v.list->size(); ++i) s += (i ? ", " : "") + error_repr((*v.list)[i]);
+    if (v.tuple && v.list->size() == 1) s += ",";
+    return s + (v.tuple ? ")" : "]");
+  }
+  return py_repr(v);
+}
+
 bool truthy(const Value& v) {
   switch (v.kind) {
     case Value::Kind::kUndefined:
@@ -623,14 +647,14 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
     return Value::string(s);
   }
   if (!is_number(a) || !is_number(b))
-    fail(line, fmt::format("unsupported operands for {}: {} and {}", op, py_repr(a), py_repr(b)));
+    fail(line, fmt::format("unsupported operands for {}: {} and {}", op, error_repr(a), error_repr(b)));
   // Python's arithmetic: division, floor division and modulo by zero and 0 ** -1 raise
   // ZeroDivisionError; integers are unbounded there, so a result beyond 64 bits is an error here
   // rather than a wrapped value.
   const bool fl = a.kind == Value::Kind::kFloat || b.kind == Value::Kind::kFloat;
   const bool by_zero = as_double(b) == 0.0;
-  if ((op == "/" || op == "//" || op == "%") && by_zero) fail(line, fmt::format("division by zero ({} {} {})", py_repr(a), op, py_repr(b)));
-  if (op == "**" && as_double(a) == 0.0 && as_double(b) < 0) fail(line, fmt::format("0 cannot be raised to the negative power {}", py_repr(b)));
+  if ((op == "/" || op == "//" || op == "%") && by_zero) fail(line, fmt::format("division by zero ({} {} {})", error_repr(a), op, error_repr(b)));
+  if (op == "**" && as_double(a) == 0.0 && as_double(b) < 0) fail(line, fmt::format("0 cannot be raised to the negative power {}", error_repr(b)));
   if (op == "/") return Value::real(as_double(a) / as_double(b));
   if (fl) {
     const double x = as_double(a), y = as_double(b);
@@ -675,7 +699,7 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
 bool less(const Value& a, const Value& b, int line) {
   if (is_number(a) && is_number(b)) return as_double(a) < as_double(b);
   if (a.kind == Value::Kind::kString && b.kind == Value::Kind::kString) return a.s < b.s;
-  fail(line, fmt::format("cannot compare {} and {}", py_repr(a), py_repr(b)));
+  fail(line, fmt::format("cannot compare {} and {}", error_repr(a), error_repr(b)));
 }
 
 struct Binary : Expr {
@@ -763,7 +787,7 @@ Value to_list(const Value& v, int line) {
       return Value::make_list(std::move(l));
     }
     case Value::Kind::kUndefined: return Value::make_list();
-    default: fail(line, fmt::format("{} is not iterable", py_repr(v)));
+    default: fail(line, fmt::format("{} is not iterable", error_repr(v)));
   }
 }
 
@@ -1157,7 +1181,7 @@ struct Call : Expr {
         return v ? *v : (a.pos.size() > 1 ? a.pos[1] : Value::none());
       }
     }
-    fail(line, fmt::format("method '{}' of {} is not supported", m, py_repr(self)));
+    fail(line, fmt::format("method '{}' of {} is not supported", m, error_repr(self)));
   }
 };
 

@@ -572,6 +572,19 @@ void write_sharded_checkpoint_folder(const fs::path& folder, const std::vector<L
 
 // --- reading --------------------------------------------------------------------
 
+namespace {
+
+c10::ScalarType scalar_type_of(std::string_view dtype) {
+  static const std::map<std::string_view, c10::ScalarType> kTypes = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16}, {"I64", at::kLong},
+      {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},  {"U8", at::kByte},       {"BOOL", at::kBool}};
+  const auto it = kTypes.find(dtype);
+  if (it == kTypes.end()) throw Error(fmt::format("unsupported dtype '{}' in a checkpoint", dtype));
+  return it->second;
+}
+
+}  // namespace
+
 CheckpointReader::CheckpointReader(const fs::path& path) {
   std::error_code ec;
   folder_ = path;
@@ -676,6 +689,11 @@ void CheckpointReader::read_v1(const simdjson::dom::element& root, const std::fu
     if (field.value["dtype"].get_string().get(dtype) || field.value["sha256"].get_string().get(sha) ||
         field.value["shape"].get(shape))
       throw bad(fmt::format("tensor '{}' lacks dtype, shape or sha256", name));
+    try {
+      (void)scalar_type_of(dtype);
+    } catch (const Error& e) {
+      throw bad(fmt::format("tensor '{}': {}", name, e.what()));
+    }
     TensorRecord& r = tensors_[name];
     r.dtype = std::string(dtype);
     r.shape = int_array(shape, bad, fmt::format("tensor '{}': shape", name));
@@ -753,6 +771,11 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
     if (field.value["dtype"].get_string().get(dtype) || field.value["shape"].get(shape) ||
         field.value["chunks"].get_array().get(chunks))
       throw bad(fmt::format("tensor '{}' lacks dtype, shape or chunks", name));
+    try {
+      (void)scalar_type_of(dtype);
+    } catch (const Error& e) {
+      throw bad(fmt::format("tensor '{}': {}", name, e.what()));
+    }
     TensorRecord& r = tensors_[name];
     r.dtype = std::string(dtype);
     r.shape = int_array(shape, bad, fmt::format("tensor '{}': shape", name));
@@ -868,18 +891,6 @@ void CheckpointReader::check_shapes(const std::map<std::string, std::vector<std:
   }
 }
 
-namespace {
-
-c10::ScalarType scalar_type_of(std::string_view dtype) {
-  static const std::map<std::string_view, c10::ScalarType> kTypes = {
-      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16}, {"I64", at::kLong},
-      {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},  {"U8", at::kByte},       {"BOOL", at::kBool}};
-  const auto it = kTypes.find(dtype);
-  if (it == kTypes.end()) throw Error(fmt::format("unsupported dtype '{}' in a checkpoint", dtype));
-  return it->second;
-}
-
-}  // namespace
 
 StateDict CheckpointReader::read(const std::function<bool(const std::string&)>& select) const {
   std::map<std::string, std::optional<Box>> regions;
