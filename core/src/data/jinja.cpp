@@ -28,7 +28,6 @@ namespace {
 // keep a hostile template from exhausting memory or the stack).
 constexpr std::int64_t kMaxRange = 100'000;
 constexpr std::uint64_t kMaxRepeatBytes = 100'000'000;
-constexpr int kMaxNesting = 256;
 
 [[noreturn]] void fail(int line, const std::string& what) {
   throw Error(fmt::format("template line {}: {}", line, what));

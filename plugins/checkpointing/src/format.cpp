@@ -694,9 +694,16 @@ void CheckpointReader::read_v1(const simdjson::dom::element& root, const std::fu
     } catch (const Error& e) {
       throw bad(fmt::format("tensor '{}': {}", name, e.what()));
     }
+    // A JSON key twice (simdjson keeps both) would add chunks of one tensor to another's record.
+    if (tensors_.contains(name)) throw bad(fmt::format("tensor '{}' is listed twice", name));
     TensorRecord& r = tensors_[name];
     r.dtype = std::string(dtype);
     r.shape = int_array(shape, bad, fmt::format("tensor '{}': shape", name));
+    std::int64_t elements = 1;
+    for (const std::int64_t d : r.shape)
+      if (__builtin_mul_overflow(elements, d, &elements))
+        throw bad(fmt::format("tensor '{}' has shape {}, more elements than 64 bits count", name,
+                              shape_string(r.shape)));
     r.chunks.push_back({file, std::vector<std::int64_t>(r.shape.size(), 0), r.shape, std::string(sha)});
     if (name.starts_with(kRngPrefix)) rng_[0].second[name] = std::string(sha);
   }
@@ -776,9 +783,16 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
     } catch (const Error& e) {
       throw bad(fmt::format("tensor '{}': {}", name, e.what()));
     }
+    // A JSON key twice (simdjson keeps both) would add chunks of one tensor to another's record.
+    if (tensors_.contains(name)) throw bad(fmt::format("tensor '{}' is listed twice", name));
     TensorRecord& r = tensors_[name];
     r.dtype = std::string(dtype);
     r.shape = int_array(shape, bad, fmt::format("tensor '{}': shape", name));
+    std::int64_t elements = 1;
+    for (const std::int64_t d : r.shape)
+      if (__builtin_mul_overflow(elements, d, &elements))
+        throw bad(fmt::format("tensor '{}' has shape {}, more elements than 64 bits count", name,
+                              shape_string(r.shape)));
     std::int64_t covered = 0;
     for (auto c : chunks) {
       std::string_view file, sha;
@@ -794,7 +808,7 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
         throw bad(fmt::format("a chunk of tensor '{}' has {} offsets and {} dims for a tensor of {} dims", name,
                               chunk.offsets.size(), chunk.shape.size(), r.shape.size()));
       for (std::size_t d = 0; d < r.shape.size(); ++d)
-        if (chunk.offsets[d] + chunk.shape[d] > r.shape[d])
+        if (chunk.shape[d] > r.shape[d] || chunk.offsets[d] > r.shape[d] - chunk.shape[d])  // no overflow
           throw bad(fmt::format("a chunk of tensor '{}' ({} at {}) reaches outside its shape {}", name,
                                 shape_string(chunk.shape), shape_string(chunk.offsets), shape_string(r.shape)));
       covered += volume(chunk.shape);

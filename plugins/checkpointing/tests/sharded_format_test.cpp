@@ -162,6 +162,27 @@ TEST(ShardedFormatTest, OverlappingChunksAreRefusedEvenWhenTheCountAddsUp) {
                     HasSubstr("[2,3] at [2,0] in rank_00001")));
 }
 
+// Found by fuzzing (tests/fuzz/corpus/manifest/tensor_listed_twice.json, unsupported_dtype.json): a
+// tensor listed twice added the chunks of one shape to the record of another (a heap overflow in
+// the overlap check), an unknown dtype failed only when read and without the folder, and shapes
+// whose element count overflows 64 bits were counted wrapped.
+TEST(ShardedFormatTest, ATensorListedTwiceAnUnknownDtypeAndAnUncountableShapeAreRefused) {
+  const TwoRankFolder f;
+  f.write_manifest(R"("tensors": {"model.w": {"dtype": "F32", "shape": [3], "chunks": [
+        {"file": "rank_00000.safetensors", "offsets": [0], "shape": [3], "sha256": "00"}]},
+      "model.w": {"dtype": "F32", "shape": [5, 3], "chunks": [
+        {"file": "rank_00000.safetensors", "offsets": [0, 0], "shape": [5, 3], "sha256": "00"}]}})");
+  EXPECT_THAT(error_of([&] { CheckpointReader r(f.folder); }),
+              AllOf(HasSubstr(kName), HasSubstr("tensor 'model.w' is listed twice")));
+  f.write_manifest(R"("tensors": {"model.w": {"dtype": "I16F32", "shape": [5, 3], "chunks": [
+        {"file": "rank_00000.safetensors", "offsets": [0, 0], "shape": [5, 3], "sha256": "00"}]}})");
+  EXPECT_THAT(error_of([&] { CheckpointReader r(f.folder); }),
+              AllOf(HasSubstr(kName), HasSubstr("tensor 'model.w': unsupported dtype 'I16F32'")));
+  f.write_manifest(R"("tensors": {"model.w": {"dtype": "F32", "shape": [4294967296, 4294967296], "chunks": [
+        {"file": "rank_00000.safetensors", "offsets": [0, 0], "shape": [4294967296, 4294967296], "sha256": "00"}]}})");
+  EXPECT_THAT(error_of([&] { CheckpointReader r(f.folder); }), HasSubstr("more elements than 64 bits count"));
+}
+
 // Note [Manifest checksum]: a manifest the writer made records its own SHA-256, so an edited or
 // damaged placement (one digit of an offset, a shape, a swapped file name) is refused when the
 // checkpoint is opened, before a chunk could land in the wrong place with exit 0.
