@@ -10,6 +10,7 @@
 #include <modalities/sdk/error.h>
 
 #include <fmt/format.h>
+#include <simdjson.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -303,6 +304,17 @@ std::string read_with_line_feeds(const std::string& path) {
 std::string read_yaml_file(const std::string& path) { return read_with_line_feeds(path); }
 
 std::string yaml_config_to_toml(std::string_view yaml_text, const std::string& file) {
+  // YAML is Unicode text (PyYAML refuses other bytes); yaml-cpp passes them through into TOML,
+  // which would then not load back. The line of the first bad byte is named.
+  if (!simdjson::validate_utf8(yaml_text.data(), yaml_text.size())) {
+    std::size_t line = 1, begin = 0;
+    for (std::size_t end; (end = yaml_text.find('\n', begin)) != std::string_view::npos || begin < yaml_text.size();
+         begin = end + 1, ++line) {
+      if (end == std::string_view::npos) end = yaml_text.size();
+      if (!simdjson::validate_utf8(yaml_text.data() + begin, end - begin)) break;
+    }
+    throw Error(fmt::format("{}:{}: not UTF-8 text (a YAML config is Unicode; PyYAML refuses it too)", file, line));
+  }
   std::vector<YAML::Node> docs;
   try {
     docs = YAML::LoadAll(std::string(yaml_text));

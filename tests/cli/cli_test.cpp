@@ -644,6 +644,7 @@ TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
            {"recursive_map.yaml", "a: &a {b: *a}\n", "recursive_map.yaml:1:4: an alias refers to a node that contains it"},
            {"long_int.yaml", "a: " + std::string(30000, '9') + "\n", "long_int.yaml:1:4: the integer 9999"},
            {"laughs.yaml", laughs, "the document expands to more than 100000 values"},
+           {"not_utf8.yaml", "a: 1\nb: \xd8<\n", "not_utf8.yaml:2: not UTF-8 text"},
            {"bin.yaml", "a: 0b_\n", "bin.yaml:1:4: '0b_' cannot be read as an integer"},
            {"hex.yaml", "a: 0x_\n", "hex.yaml:1:4: '0x_' cannot be read as an integer"},
            {"tag.yaml", "a: !!int x\n", "tag.yaml:1:4: 'x' cannot be read as an integer"},

@@ -153,6 +153,12 @@ TEST(JinjaTest, AnErrorShowsOnlyTheStartOfALongOperand) {
   EXPECT_THAT(m, HasSubstr("template line 1"));
   EXPECT_THAT(m, HasSubstr("... (20000000 bytes) and 3"));
   EXPECT_LT(m.size(), 1000u);
+  // Escapes as Python reads them (found by fuzzing: '\u\\\\' ended the process in std::stoul).
+  EXPECT_THAT(message("{{ '\\u\\\\\\\\' }}"), HasSubstr("template line 1: truncated \\u escape"));
+  EXPECT_THAT(message("{{ '\\u12zz' }}"), HasSubstr("truncated \\u escape"));
+  EXPECT_THAT(message("{{ '\\U00110000' }}"), HasSubstr("illegal Unicode character"));
+  EXPECT_THAT(message("{{ '\\ud800' }}"), HasSubstr("surrogate"));
+  EXPECT_EQ(message("{{ '\\u00e9\\x41' }}"), "(rendered)");
   EXPECT_THAT(message("{{ (range(100) | list) - 1 }}"),
               HasSubstr("[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... (100 items)] and 1"));
 }

@@ -364,8 +364,22 @@ std::vector<Token> tokenize(std::string_view s, int line) {
             case 'u':
             case 'U': {
               const std::size_t n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
-              if (j + n >= s.size()) fail(line, "truncated escape in a string literal");
-              const auto cp = static_cast<char32_t>(std::stoul(std::string(s.substr(j + 1, n)), nullptr, 16));
+              // Python's rules: exactly n hex digits, a code point up to U+10FFFF; a lone
+              // surrogate could not be written as UTF-8.
+              if (j + n >= s.size()) fail(line, fmt::format("truncated \\{} escape in a string literal", e));
+              char32_t cp = 0;
+              for (std::size_t k = 1; k <= n; ++k) {
+                const char h = s[j + k];
+                const int d = h >= '0' && h <= '9' ? h - '0'
+                              : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                              : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                                     : -1;
+                if (d < 0) fail(line, fmt::format("truncated \\{} escape in a string literal", e));
+                cp = cp * 16 + static_cast<char32_t>(d);
+              }
+              if (cp > 0x10FFFF) fail(line, "illegal Unicode character in a string literal");
+              if (cp >= 0xD800 && cp <= 0xDFFF)
+                fail(line, "a surrogate escape in a string literal cannot be written as UTF-8");
               j += n;
               append_utf8(v, cp);
               break;
