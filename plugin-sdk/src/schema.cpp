@@ -76,7 +76,8 @@ std::string toml_quote(std::string_view s, bool escape_interpolation) {
         out += (escape_interpolation && i + 1 < s.size() && s[i + 1] == '{') ? "\\\\$" : "$";
         break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\u{:04X}", static_cast<int>(c));
+        // TOML forbids raw control characters (U+0000..U+001F but tab, and U+007F) in strings.
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) out += fmt::format("\\u{:04X}", static_cast<int>(c));
         else out += c;
     }
   }

@@ -3,6 +3,7 @@
 // TOML writer used by `config resolve` round-tripping.
 #include <modalities/core/config_tree.h>
 #include <modalities/core/interpolation.h>
+#include <modalities/sdk/schema.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -56,6 +57,23 @@ TEST(TomlLoaderTest, ArrayOfTablesKeepsElementOrderAndPositions) {
 TEST(TomlLoaderTest, SyntaxErrorNamesFileLineAndColumn) {
   EXPECT_THAT(error_of("a = 1\nb = = 2\n"), HasSubstr("bad.toml:2:"));
   EXPECT_THAT(error_of("a = 1\nb = = 2\n"), HasSubstr("TOML syntax error"));
+}
+
+// Every control character a key or string may hold is written escaped, so what to_toml writes
+// loads back (U+007F was written raw; found by fuzzing the YAML import, tests/fuzz/corpus/yaml/
+// del_in_a_key.yaml).
+TEST(TomlLoaderTest, ControlCharactersInKeysAndStringsRoundTrip) {
+  std::string text;
+  for (int c = 1; c < 0x20; ++c) text += static_cast<char>(c);
+  text += '\x7F';
+  const ConfigNode root = load_toml_string(std::string("[t]\n") + toml_quote("k" + text) + " = " + toml_quote(text) + "\n",
+                                           "control.toml");
+  const ConfigNode again = load_toml_string(to_toml(root), "again.toml");
+  const ConfigNode* t = again.find("t");
+  ASSERT_NE(t, nullptr);
+  const ConfigNode* v = t->find("k" + text);
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(v->as_string(), text);
 }
 
 TEST(TomlLoaderTest, DuplicateKeyIsAnError) { EXPECT_THAT(error_of("a = 1\na = 2\n"), HasSubstr("bad.toml:2:")); }
