@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 #include <simdjson.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include <iterator>
 #include <memory>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <unordered_set>
@@ -337,16 +339,49 @@ std::string yaml_config_to_toml(std::string_view yaml_text, const std::string& f
       i += n;
     }
   }
-  std::vector<YAML::Node> docs;
+  // Documents are counted with yaml-cpp's event parser, at most two: YAML::LoadAll loops forever
+  // on a ',' outside a flow collection (yaml-cpp 0.7 returns an empty document for it again and
+  // again without consuming it; found by fuzzing, tests/fuzz/corpus/yaml/stray_comma.yaml).
+  const std::string yaml(yaml_text);
+  YAML::Node doc;
   try {
-    docs = YAML::LoadAll(std::string(yaml_text));
+    struct DocumentStarts final : YAML::EventHandler {
+      std::vector<YAML::Mark> starts, first_nodes;  // per document: its start, its first node
+      void node(const YAML::Mark& m) {
+        if (first_nodes.size() < starts.size()) first_nodes.push_back(m);
+      }
+      void OnDocumentStart(const YAML::Mark& m) override { starts.push_back(m); }
+      void OnDocumentEnd() override {}
+      void OnNull(const YAML::Mark& m, YAML::anchor_t) override { node(m); }
+      void OnAlias(const YAML::Mark& m, YAML::anchor_t) override { node(m); }
+      void OnScalar(const YAML::Mark& m, const std::string&, YAML::anchor_t, const std::string&) override { node(m); }
+      void OnSequenceStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+        node(m);
+      }
+      void OnSequenceEnd() override {}
+      void OnMapStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+        node(m);
+      }
+      void OnMapEnd() override {}
+    } counter;
+    std::istringstream in(yaml);
+    YAML::Parser parser(in);
+    for (int k = 0; k < 2 && parser.HandleNextDocument(counter); ++k) {
+    }
+    if (counter.starts.size() > 1) {
+      const YAML::Mark& second = counter.starts[1];
+      if (second.pos == counter.starts[0].pos)  // no progress: yaml-cpp's stray-',' loop
+        throw Error(fmt::format("{}:{}:{}: expected a document, found a ',' outside a flow collection (PyYAML "
+                                "refuses it too)",
+                                file, second.line + 1, second.column + 1));
+      const YAML::Mark& at = counter.first_nodes.size() > 1 ? counter.first_nodes[1] : second;
+      throw Error(fmt::format("{}:{}: a second YAML document; a config is one document (OmegaConf refuses more)",
+                              file, at.line + 1));
+    }
+    doc = YAML::Load(yaml);
   } catch (const YAML::Exception& e) {
     throw Error(fmt::format("{}:{}:{}: {}", file, e.mark.line + 1, e.mark.column + 1, e.msg));
   }
-  if (docs.size() > 1)
-    throw Error(fmt::format("{}:{}: a second YAML document; a config is one document (OmegaConf refuses more)", file,
-                            docs[1].Mark().line + 1));
-  const YAML::Node doc = docs.empty() ? YAML::Node() : docs.front();
   if (!doc.IsMap()) throw Error(fmt::format("{}: the document is not a mapping (a config is a mapping of top-level keys)", file));
   const ConfigNode root = Converter(std::make_shared<const std::string>(file)).convert(doc);
   const std::string text =

@@ -645,6 +645,8 @@ TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
            {"long_int.yaml", "a: " + std::string(30000, '9') + "\n", "long_int.yaml:1:4: the integer 9999"},
            {"laughs.yaml", laughs, "the document expands to more than 100000 values"},
            {"not_utf8.yaml", "a: 1\nb: \xd8<\n", "not_utf8.yaml:2: not UTF-8 text"},
+           {"stray_comma.yaml", ",\n", "stray_comma.yaml:1:1: expected a document, found a ','"},
+           {"stray_comma2.yaml", "[1]\n,\n", "stray_comma2.yaml:"},
            {"control.yaml", std::string("a: 1\nb\x01", 7) + std::string(1, '\0') + ": 2\n",
             "control.yaml:2: the character U+0001 is not allowed in YAML"},
            {"del.yaml", "a: 1\n\nb\x7f: 2\n", "del.yaml:3: the character U+007F is not allowed in YAML"},
