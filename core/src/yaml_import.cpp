@@ -8,6 +8,7 @@
 
 #include <modalities/core/config_tree.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/utf8.h>
 
 #include <fmt/format.h>
 #include <simdjson.h>
@@ -323,20 +324,14 @@ std::string yaml_config_to_toml(std::string_view yaml_text, const std::string& f
   {
     std::size_t line = 1;
     for (std::size_t i = 0; i < yaml_text.size();) {
-      const auto b = static_cast<unsigned char>(yaml_text[i]);
-      const std::size_t n = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;  // valid UTF-8, checked above
-      char32_t cp = b;
-      if (n == 2) cp = ((b & 0x1Fu) << 6) | (static_cast<unsigned char>(yaml_text[i + 1]) & 0x3Fu);
-      if (n == 3)
-        cp = ((b & 0x0Fu) << 12) | ((static_cast<unsigned char>(yaml_text[i + 1]) & 0x3Fu) << 6) |
-             (static_cast<unsigned char>(yaml_text[i + 2]) & 0x3Fu);
+      const std::size_t at = i;
+      const char32_t cp = next_utf8(yaml_text, i);  // valid UTF-8, checked above
       const bool printable = cp == 0x09 || cp == 0x0A || cp == 0x0D || (cp >= 0x20 && cp <= 0x7E) || cp == 0x85 ||
                              (cp >= 0xA0 && cp <= 0xD7FF) || (cp >= 0xE000 && cp <= 0xFFFD) || cp > 0xFFFF;
       if (!printable)
         throw Error(fmt::format("{}:{}: the character U+{:04X} is not allowed in YAML (PyYAML refuses it too)", file,
                                 line, static_cast<std::uint32_t>(cp)));
-      if (cp == '\n' || (cp == '\r' && (i + 1 == yaml_text.size() || yaml_text[i + 1] != '\n'))) ++line;
-      i += n;
+      if (cp == '\n' || (cp == '\r' && (at + 1 == yaml_text.size() || yaml_text[at + 1] != '\n'))) ++line;
     }
   }
   // Documents are counted with yaml-cpp's event parser, at most two: YAML::LoadAll loops forever

@@ -161,19 +161,11 @@ std::string str_repr(const std::string& s) {
   const char q = dq ? '"' : '\'';
   std::string out(1, q);
   for (std::size_t i = 0; i < s.size();) {
-    const auto c0 = static_cast<unsigned char>(s[i]);
-    const std::size_t n = std::min<std::size_t>(c0 >= 0xF0 ? 4 : c0 >= 0xE0 ? 3 : c0 >= 0xC0 ? 2 : 1, s.size() - i);
-    const std::string_view piece(s.data() + i, n);
+    const std::size_t start = i;
     const char ch = s[i];
-    char32_t c = c0;
-    if (n == 2) c = ((c0 & 0x1Fu) << 6) | (static_cast<unsigned char>(s[i + 1]) & 0x3Fu);
-    else if (n == 3)
-      c = ((c0 & 0x0Fu) << 12) | ((static_cast<unsigned char>(s[i + 1]) & 0x3Fu) << 6) |
-          (static_cast<unsigned char>(s[i + 2]) & 0x3Fu);
-    else if (n == 4)
-      c = ((c0 & 0x07u) << 18) | ((static_cast<unsigned char>(s[i + 1]) & 0x3Fu) << 12) |
-          ((static_cast<unsigned char>(s[i + 2]) & 0x3Fu) << 6) | (static_cast<unsigned char>(s[i + 3]) & 0x3Fu);
-    i += n;
+    const char32_t c = next_utf8(s, i);
+    const std::size_t n = i - start;
+    const std::string_view piece(s.data() + start, n);
     if (n == 1 && (ch == q || ch == '\\')) out += std::string("\\") + ch;
     else if (c == '\n') out += "\\n";
     else if (c == '\r') out += "\\r";
