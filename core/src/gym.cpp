@@ -718,6 +718,14 @@ GymComponents GymComponents::from(const BuiltGraph& built) {
   c.gradient_clipper = object_of<GradientClipper>(built, "gradient_clipper", true);
   c.mfu_calculator = object_of<MFUCalculator>(built, "mfu_calculator", false);
   c.scheduled_pipeline = object_of<Pipeline>(built, "scheduled_pipeline", false);
+  if (!c.scheduled_pipeline) {
+    // A model whose variant also scheduled its pipeline brings it along (Module::pipeline).
+    for (const auto& part : c.app_state->model_parts())
+      if (std::shared_ptr<Pipeline> p = part->pipeline()) {
+        c.scheduled_pipeline = std::move(p);
+        break;
+      }
+  }
   c.profiler = object_of<SteppableProfiler>(built, "profiler", false);
   c.device_mesh = object_of<DeviceMesh>(built, "device_mesh", false);
   return c;

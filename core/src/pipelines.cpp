@@ -25,7 +25,7 @@ const std::vector<PipelineProfile>& builtin_pipelines() {
            {"model_raw", "Module", true, "the unwrapped model"},
            {"profiler", "SteppableProfiler", false, "wraps the training loop"},
            {"mfu_calculator", "MFUCalculator", false, "model FLOPs utilisation"},
-           {"scheduled_pipeline", "Pipeline", false, "enables the pipeline-parallel path"},
+           {"scheduled_pipeline", "Pipeline", false, "enables the pipeline-parallel path (or the model brings it: Module::pipeline)"},
            {"device_mesh", "DeviceMesh", false, "parallelism layout; without it DP degree = world size"},
        },
        check_training_set},

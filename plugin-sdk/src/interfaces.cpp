@@ -352,6 +352,8 @@ void Module::apply_tensor_parallel(const ParallelDims&, const tp::Options&) {
                           module().name()));
 }
 
+std::shared_ptr<Pipeline> Module::pipeline() const { return nullptr; }
+
 // --- other defaults ---------------------------------------------------------------
 
 std::int64_t Dataset::token_size_in_bytes() const { return 0; }

@@ -949,6 +949,53 @@ config = {{ ac_variant = "{}", layers_fqn = "transformer.h", model = {{ instance
   EXPECT_EQ(curves[2], curves[0]) << "selective_op";
 }
 
+// A chained-wrapper config of configs/distributed/, its model/parallelized twin, and the ranks both
+// run on.
+struct Twin {
+  std::string chained;
+  std::string parallelized;
+  int ranks;
+};
+
+// Each twin and its chained config train `steps` steps on the same ranks: every logged loss and
+// grad norm is the same double (bit for bit), each curve printed.
+void expect_twins_train_alike(int steps, const std::vector<Twin>& twins) {
+  const modalities::testing::ScratchDir dir;
+  const auto root = dir.path() / "experiments";
+  for (const Twin& t : twins) {
+    std::vector<std::vector<std::pair<double, double>>> curves;
+    for (const std::string& file : {t.chained, t.parallelized}) {
+      const std::string id = file.substr(0, file.find('.'));
+      const CommandResult r = train(t.ranks, dir.write(id + ".toml", distributed_config(file, steps)), root, id);
+      ASSERT_EQ(r.exit_code, 0) << file << "\n" << r;
+      curves.push_back(curve_of(root, id));
+    }
+    ASSERT_EQ(curves[0].size(), static_cast<std::size_t>(steps)) << t.chained;
+    for (int k = 0; k < steps; ++k)
+      std::printf("%-30s step %d  loss %.9g (chained %.9g)  grad norm %.9g (chained %.9g)\n", t.parallelized.c_str(),
+                  k + 1, curves[1][k].first, curves[0][k].first, curves[1][k].second, curves[0][k].second);
+    EXPECT_EQ(curves[1], curves[0]) << t.parallelized << " vs " << t.chained << " on " << t.ranks << " ranks";
+  }
+}
+
+// model/parallelized (the initialization and FSDP2 from one node) on 2 ranks: the losses and grad
+// norms of fsdp2_cpu.toml's chained wrappers, bit for bit.
+TEST(DistributedRunTest, ParallelizedFsdp2TrainsBitForBitLikeTheChainedWrappers) {
+  expect_twins_train_alike(5, {{"fsdp2_cpu.toml", "fsdp2_parallelized_cpu.toml", 2}});
+}
+
+// Every parallelized twin of configs/distributed/ (issue 32's acceptance, label `full`): FSDP2,
+// HSDP 2 x 2, activation checkpointing, FSDP2 2 x TP2, PP2 and PP2 x FSDP2 2, each bit for bit
+// like its chained config on the same ranks.
+TEST(DistributedParallelizedFullTest, EveryTwinTrainsBitForBitLikeItsChainedConfig) {
+  expect_twins_train_alike(6, {{"fsdp2_cpu.toml", "fsdp2_parallelized_cpu.toml", 4},
+                               {"hsdp_cpu.toml", "hsdp_parallelized_cpu.toml", 4},
+                               {"ac_cpu.toml", "ac_parallelized_cpu.toml", 2},
+                               {"tp_cpu.toml", "tp_parallelized_cpu.toml", 4},
+                               {"pp_cpu.toml", "pp_parallelized_cpu.toml", 2},
+                               {"pp_fsdp2_cpu.toml", "pp_fsdp2_parallelized_cpu.toml", 4}});
+}
+
 // bf16 all the way (param_dtype and reduce_dtype BF_16: bf16 gathers, bf16 reduce-scatter over the
 // shards and bf16 all-reduce over the replicas) on HSDP 2 x 2 trains like fp32: every logged loss
 // within 2% (bf16 has 8 bits of mantissa; measured 1.0%) and grad norm within 3% (measured 0.6%).

@@ -375,7 +375,19 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
       {"configs/distributed/fsdp2_cpu.toml", "4"},   {"configs/distributed/fsdp1_cpu.toml", "2"},
       {"configs/distributed/tp_gpu_8.toml", "8"},    {"configs/distributed/tp_cpu.toml", "4"},
       {"configs/distributed/pp_cpu.toml", "2"},      {"configs/distributed/pp_fsdp2_cpu.toml", "4"},
-      {"configs/distributed/pp_gpu_8.toml", "8"}};
+      {"configs/distributed/pp_gpu_8.toml", "8"},
+      // model/parallelized twins and the chained configs added with them
+      {"configs/distributed/hsdp_cpu.toml", "4"},    {"configs/distributed/ac_cpu.toml", "2"},
+      {"configs/distributed/fsdp2_parallelized_cpu.toml", "4"},
+      {"configs/distributed/hsdp_parallelized_cpu.toml", "4"},
+      {"configs/distributed/ac_parallelized_cpu.toml", "2"},
+      {"configs/distributed/tp_parallelized_cpu.toml", "4"},
+      {"configs/distributed/pp_parallelized_cpu.toml", "2"},
+      {"configs/distributed/pp_fsdp2_parallelized_cpu.toml", "4"},
+      {"configs/distributed/fsdp2_parallelized_gpu_8.toml", "8"},
+      {"configs/distributed/hsdp_parallelized_gpu_8.toml", "8"},
+      {"configs/distributed/tp_parallelized_gpu_8.toml", "8"},
+      {"configs/distributed/pp_parallelized_gpu_8.toml", "8"}};
   for (const auto& [name, world] : configs) {
     const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline",
                                          "training", "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},

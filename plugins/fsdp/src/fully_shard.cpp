@@ -15,8 +15,10 @@
 #include "fully_shard.h"
 
 #include <modalities/sdk/error.h>
-#include <modalities/sdk/run_context.h>
+#include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/removable_handle.h>
+#include <modalities/sdk/parallel.h>
+#include <modalities/sdk/run_context.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
@@ -687,6 +689,31 @@ class FullyShardedModule final : public Module {
 std::shared_ptr<Module> fully_shard(std::shared_ptr<Module> inner, ShardingOptions options) {
   if (!inner) throw Error("fsdp: no model to wrap");
   return std::make_shared<FullyShardedModule>(std::move(inner), std::move(options));
+}
+
+std::shared_ptr<Module> shard_over_mesh(std::shared_ptr<Module> inner, const DeviceMesh& mesh,
+                                        const Fsdp2Options& options) {
+  if (!mesh.has_dim(MeshDim::dp_shard))
+    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", join_mesh_dims(mesh.dims())));
+  // tp and pp dims are fine: the model was split for tensor parallelism, or is this rank's
+  // pipeline stage, and each rank shards its own part over dp_shard.
+  if (mesh.has_dim(MeshDim::cp))
+    throw ConfigError("device_mesh", "has a 'cp' dim; context parallelism is not implemented");
+  ShardingOptions o;
+  if (mesh.size() > 1) {
+    o.shard_group = mesh.process_group(MeshDim::dp_shard);
+    if (mesh.has_dim(MeshDim::dp_replicate)) o.replicate_group = mesh.process_group(MeshDim::dp_replicate);
+  }
+  o.reshard_after_forward = options.reshard_after_forward;
+  o.blocks_per_unit = options.layers_per_fsdp_unit;
+  o.prefetch = options.prefetch;
+  o.param_dtype = mixed_precision_dtype(options.mixed_precision_settings.param_dtype);
+  if (*o.param_dtype == at::kFloat) o.param_dtype.reset();
+  o.reduce_dtype = mixed_precision_dtype(options.mixed_precision_settings.reduce_dtype);
+  for (const std::string& name : options.block_names)
+    for (const std::string& fqn : inner->submodules_of_class(name))
+      if (std::find(o.block_fqns.begin(), o.block_fqns.end(), fqn) == o.block_fqns.end()) o.block_fqns.push_back(fqn);
+  return fully_shard(std::move(inner), std::move(o));
 }
 
 }  // namespace modalities::plugins::fsdp

@@ -18,6 +18,8 @@
 #pragma once
 
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/mixed_precision.h>
+#include <modalities/sdk/schema.h>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
@@ -31,6 +33,10 @@
 namespace c10d {
 class ProcessGroup;
 }  // namespace c10d
+
+namespace modalities {
+class DeviceMesh;
+}  // namespace modalities
 
 namespace modalities::plugins::fsdp {
 
@@ -59,5 +65,42 @@ struct ShardingOptions {
 /// named_parameters() / state_dict() expose this rank's shards under the canonical names, with
 /// their placement (shard_placements()).
 std::shared_ptr<Module> fully_shard(std::shared_ptr<Module> inner, ShardingOptions options);
+
+/// What model/fsdp2_wrapped (flat in its config) and model/parallelized (its `fully_shard`
+/// table) say about sharding over a device mesh's dp_shard (and dp_replicate) dims.
+struct Fsdp2Options {
+  std::vector<std::string> block_names;
+  MixedPrecisionSettings mixed_precision_settings;
+  bool reshard_after_forward = true;
+  std::int64_t layers_per_fsdp_unit = 1;
+  bool prefetch = true;
+
+  /// Declares the five fields in the schema of a config C that has them (fsdp2_wrapped's, and
+  /// this struct's own for a nested table): one list of names, defaults and help texts.
+  template <class C>
+  static void describe_fields(Schema<C>& s) {
+    s.field("block_names", &C::block_names,
+            "Class names of the blocks sharded as units, e.g. [\"GPT2Block\"]; names the model does not have are "
+            "ignored, as in Modalities.")
+        .required();
+    s.field("mixed_precision_settings", &C::mixed_precision_settings, "{param_dtype, reduce_dtype}.").required();
+    s.field("reshard_after_forward", &C::reshard_after_forward,
+            "Free each unit's gathered parameters after its forward (gather again for backward).");
+    s.field("layers_per_fsdp_unit", &C::layers_per_fsdp_unit, "Consecutive blocks per unit.").positive();
+    s.field("prefetch", &C::prefetch,
+            "Ours: start the next unit's all-gather while the current one computes (false: for measurement).");
+  }
+  static void describe(Schema<Fsdp2Options>& s) { describe_fields(s); }
+
+  template <class C>
+  static Fsdp2Options of(const C& c) {
+    return {c.block_names, c.mixed_precision_settings, c.reshard_after_forward, c.layers_per_fsdp_unit, c.prefetch};
+  }
+};
+
+/// One model (or one pipeline stage's module) sharded over `mesh`'s dp_shard group, replicated
+/// over dp_replicate (HSDP). Throws ConfigError("device_mesh", ...) for a mesh without dp_shard.
+std::shared_ptr<Module> shard_over_mesh(std::shared_ptr<Module> inner, const DeviceMesh& mesh,
+                                        const Fsdp2Options& options);
 
 }  // namespace modalities::plugins::fsdp

@@ -39,45 +39,10 @@ struct Fsdp2Config {
             "The model to shard (materialized; a CPU model moves to the run device), or a list of parts (a pipeline "
             "rank's stages), which gives the list of their sharded modules.")
         .required();
-    s.field("block_names", &C::block_names,
-            "Class names of the blocks sharded as units, e.g. [\"GPT2Block\"]; names the model does not have are "
-            "ignored, as in Modalities.")
-        .required();
-    s.field("mixed_precision_settings", &C::mixed_precision_settings, "{param_dtype, reduce_dtype}.").required();
-    s.field("reshard_after_forward", &C::reshard_after_forward,
-            "Free each unit's gathered parameters after its forward (gather again for backward).");
+    Fsdp2Options::describe_fields(s);
     s.field("device_mesh", &C::device_mesh, "Mesh with a dp_shard dim (and dp_replicate for HSDP).").required();
-    s.field("layers_per_fsdp_unit", &C::layers_per_fsdp_unit, "Consecutive blocks per unit.").positive();
-    s.field("prefetch", &C::prefetch,
-            "Ours: start the next unit's all-gather while the current one computes (false: for measurement).");
   }
 };
-
-// One part (a model, or a pipeline rank's one stage) sharded with its own engine.
-std::shared_ptr<Module> wrap_part(const Fsdp2Config& c, std::shared_ptr<Module> inner) {
-  const DeviceMesh& mesh = *c.device_mesh;
-  if (!mesh.has_dim(MeshDim::dp_shard))
-    throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", join_mesh_dims(mesh.dims())));
-  // tp and pp dims are fine: the model was split by model/gpt2_tp, or is this rank's pipeline stage
-  // (pipeline/selector MODEL_PART), and each rank shards its own part over dp_shard.
-  if (mesh.has_dim(MeshDim::cp))
-    throw ConfigError("device_mesh", "has a 'cp' dim; context parallelism is not implemented");
-  ShardingOptions o;
-  if (mesh.size() > 1) {
-    o.shard_group = mesh.process_group(MeshDim::dp_shard);
-    if (mesh.has_dim(MeshDim::dp_replicate)) o.replicate_group = mesh.process_group(MeshDim::dp_replicate);
-  }
-  o.reshard_after_forward = c.reshard_after_forward;
-  o.blocks_per_unit = c.layers_per_fsdp_unit;
-  o.prefetch = c.prefetch;
-  o.param_dtype = mixed_precision_dtype(c.mixed_precision_settings.param_dtype);
-  if (*o.param_dtype == at::kFloat) o.param_dtype.reset();
-  o.reduce_dtype = mixed_precision_dtype(c.mixed_precision_settings.reduce_dtype);
-  for (const std::string& name : c.block_names)
-    for (const std::string& fqn : inner->submodules_of_class(name))
-      if (std::find(o.block_fqns.begin(), o.block_fqns.end(), fqn) == o.block_fqns.end()) o.block_fqns.push_back(fqn);
-  return fully_shard(std::move(inner), std::move(o));
-}
 
 // --- model/fsdp1_wrapped -----------------------------------------------------------------
 
@@ -188,7 +153,9 @@ std::shared_ptr<Module> wrap_fsdp1(const Fsdp1Config& c) {
 // Modalities' one-model configs expect.
 Value wrap_all(const Fsdp2Config& c, const std::string& origin) {
   const auto wrapped = [&](const Ref<Module>& part) -> Value {
-    return Object{std::string(Module::kInterface), std::static_pointer_cast<void>(wrap_part(c, part.shared())), origin};
+    return Object{std::string(Module::kInterface),
+                  std::static_pointer_cast<void>(shard_over_mesh(part.shared(), *c.device_mesh, Fsdp2Options::of(c))),
+                  origin};
   };
   if (c.model.parts.size() == 1) return wrapped(c.model.parts.front());
   Value::List out;

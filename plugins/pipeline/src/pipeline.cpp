@@ -347,30 +347,8 @@ struct StagedConfig {
 };
 
 std::shared_ptr<Pipeline> build_staged(const StagedConfig& c) {
-  const ScheduleKind kind = parse_schedule(c.pp_schedule_name, "pp_schedule_name");
-  const DeviceMesh& mesh = *c.device_mesh;
-  if (!mesh.has_dim(MeshDim::pp))
-    throw ConfigError("device_mesh", fmt::format("has no pp dim (dims: {}); set pipeline_parallel_degree > 1",
-                                                 join_mesh_dims(mesh.dims())));
-  const i64 pp = mesh.size(MeshDim::pp), rank = mesh.coordinate(MeshDim::pp);
-  const std::vector<std::vector<std::string>> fqns = c.stages_generator->stages(c.num_layers_per_stage, pp);
-  const i64 n = static_cast<i64>(fqns.size());
-  if (one_stage_per_rank(kind) && n != pp)
-    throw ConfigError("num_layers_per_stage",
-                      fmt::format("gives {} stages for {} pipeline ranks, but schedule '{}' runs exactly one stage per "
-                                  "rank (raise num_layers_per_stage, or use Interleaved1F1B / LoopedBFS)",
-                                  n, pp, c.pp_schedule_name));
-  if (n % pp != 0)
-    throw ConfigError("num_layers_per_stage",
-                      fmt::format("gives {} stages, not a multiple of the {} pipeline ranks", n, pp));
-  const Group group = mesh.process_group(MeshDim::pp);
-  std::vector<std::shared_ptr<Stage>> stages;
-  for (i64 s = rank; s < n; s += pp) {
-    std::shared_ptr<Module> part = c.whole_model->clone();
-    part->retain_modules(fqns[static_cast<std::size_t>(s)]);
-    stages.push_back(std::make_shared<Stage>(s, n, std::move(part), group, rank, pp));
-  }
-  return std::make_shared<PipelineImpl>(std::move(stages), c.pp_schedule_name);
+  return stage_model(c.whole_model.shared(), *c.stages_generator, *c.device_mesh, c.pp_schedule_name,
+                     c.num_layers_per_stage);
 }
 
 struct ScheduledConfig {
@@ -405,25 +383,10 @@ PipelineImpl& concrete(Pipeline& p, const char* field) {
 
 std::shared_ptr<Pipeline> build_scheduled(const ScheduledConfig& c) {
   PipelineImpl& p = concrete(*c.pipeline, "pipeline");
-  const ScheduleKind kind = parse_schedule(c.pp_schedule_name, "pp_schedule_name");
-  if (!p.schedule_name().empty() && schedule_kind(p.schedule_name()) != kind)  // pipeline/builder's: no name
-    throw ConfigError("pp_schedule_name", fmt::format("is '{}', but the pipeline was staged for '{}'",
-                                                      c.pp_schedule_name, p.schedule_name()));
-  const auto& stages = p.local_stages();
-  if (stages.empty()) throw ConfigError("pipeline", "has no stage on this rank");
-  const i64 pp = stages.front()->pp_size();
-  if (c.pp_degree != pp)
-    throw ConfigError("pp_degree", fmt::format("is {}, but the mesh's pp dim has {} ranks", c.pp_degree, pp));
-  if (c.batch_size % c.microbatch_size != 0)
-    throw ConfigError("microbatch_size", fmt::format("{} does not divide batch_size {}", c.microbatch_size,
-                                                     c.batch_size));
-  const i64 m = c.batch_size / c.microbatch_size;
-  if (kind == ScheduleKind::kInterleaved1F1B && m % pp != 0)
-    throw ConfigError("microbatch_size",
-                      fmt::format("gives {} pipeline micro-batches (batch_size {} / microbatch_size {}); "
-                                  "Interleaved1F1B needs a multiple of the {} pipeline ranks",
-                                  m, c.batch_size, c.microbatch_size, pp));
-  p.set_schedule(std::make_shared<Schedule>(stages, c.loss_fn.shared(), kind, m));
+  if (!p.local_stages().empty() && c.pp_degree != p.local_stages().front()->pp_size())
+    throw ConfigError("pp_degree", fmt::format("is {}, but the mesh's pp dim has {} ranks", c.pp_degree,
+                                               p.local_stages().front()->pp_size()));
+  attach_schedule(p, c.loss_fn.shared(), c.pp_schedule_name, c.batch_size, c.microbatch_size);
   return c.pipeline.shared();
 }
 
@@ -520,6 +483,68 @@ Value select(const SelectorConfig& c, const std::string& origin) {
 }
 
 }  // namespace
+
+// --- the engine (pipeline.h) --------------------------------------------------------------
+
+std::shared_ptr<Pipeline> stage_model(const std::shared_ptr<Module>& whole_model, const StagesGenerator& generator,
+                                      const DeviceMesh& mesh, const std::string& schedule_name,
+                                      std::int64_t num_layers_per_stage) {
+  const ScheduleKind kind = parse_schedule(schedule_name, "pp_schedule_name");
+  if (!mesh.has_dim(MeshDim::pp))
+    throw ConfigError("device_mesh", fmt::format("has no pp dim (dims: {}); set pipeline_parallel_degree > 1",
+                                                 join_mesh_dims(mesh.dims())));
+  const i64 pp = mesh.size(MeshDim::pp), rank = mesh.coordinate(MeshDim::pp);
+  const std::vector<std::vector<std::string>> fqns = generator.stages(num_layers_per_stage, pp);
+  const i64 n = static_cast<i64>(fqns.size());
+  if (one_stage_per_rank(kind) && n != pp)
+    throw ConfigError("num_layers_per_stage",
+                      fmt::format("gives {} stages for {} pipeline ranks, but schedule '{}' runs exactly one stage per "
+                                  "rank (raise num_layers_per_stage, or use Interleaved1F1B / LoopedBFS)",
+                                  n, pp, schedule_name));
+  if (n % pp != 0)
+    throw ConfigError("num_layers_per_stage",
+                      fmt::format("gives {} stages, not a multiple of the {} pipeline ranks", n, pp));
+  const Group group = mesh.process_group(MeshDim::pp);
+  std::vector<std::shared_ptr<Stage>> stages;
+  for (i64 s = rank; s < n; s += pp) {
+    std::shared_ptr<Module> part = whole_model->clone();
+    part->retain_modules(fqns[static_cast<std::size_t>(s)]);
+    stages.push_back(std::make_shared<Stage>(s, n, std::move(part), group, rank, pp));
+  }
+  return std::make_shared<PipelineImpl>(std::move(stages), schedule_name);
+}
+
+std::shared_ptr<Pipeline> with_model_parts(const Pipeline& staged, const std::vector<std::shared_ptr<Module>>& parts) {
+  const auto* impl = dynamic_cast<const PipelineImpl*>(&staged);
+  if (impl == nullptr) throw Error("with_model_parts: not a pipeline of stage_model()");
+  const auto& in = impl->local_stages();
+  if (parts.size() != in.size())
+    throw Error(fmt::format("with_model_parts: {} part(s) for {} stage(s)", parts.size(), in.size()));
+  std::vector<std::shared_ptr<Stage>> stages;
+  for (std::size_t i = 0; i < parts.size(); ++i) stages.push_back(in[i]->with_part(parts[i]));
+  return std::make_shared<PipelineImpl>(std::move(stages), impl->schedule_name());
+}
+
+void attach_schedule(Pipeline& pipeline, std::shared_ptr<Loss> loss, const std::string& schedule_name,
+                     std::int64_t batch_size, std::int64_t microbatch_size) {
+  PipelineImpl& p = concrete(pipeline, "pipeline");
+  const ScheduleKind kind = parse_schedule(schedule_name, "pp_schedule_name");
+  if (!p.schedule_name().empty() && schedule_kind(p.schedule_name()) != kind)  // pipeline/builder's: no name
+    throw ConfigError("pp_schedule_name", fmt::format("is '{}', but the pipeline was staged for '{}'",
+                                                      schedule_name, p.schedule_name()));
+  const auto& stages = p.local_stages();
+  if (stages.empty()) throw ConfigError("pipeline", "has no stage on this rank");
+  const i64 pp = stages.front()->pp_size();
+  if (batch_size % microbatch_size != 0)
+    throw ConfigError("microbatch_size", fmt::format("{} does not divide batch_size {}", microbatch_size, batch_size));
+  const i64 m = batch_size / microbatch_size;
+  if (kind == ScheduleKind::kInterleaved1F1B && m % pp != 0)
+    throw ConfigError("microbatch_size",
+                      fmt::format("gives {} pipeline micro-batches (batch_size {} / microbatch_size {}); "
+                                  "Interleaved1F1B needs a multiple of the {} pipeline ranks",
+                                  m, batch_size, microbatch_size, pp));
+  p.set_schedule(std::make_shared<Schedule>(stages, std::move(loss), kind, m));
+}
 
 void register_pipeline(Registrar& r) {
   r.add<Pipeline, StagedConfig>(

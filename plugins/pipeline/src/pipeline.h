@@ -5,9 +5,18 @@
 #include <modalities/sdk/registrar.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+namespace modalities {
+class DeviceMesh;
+class Loss;
+class Module;
+class Pipeline;
+class StagesGenerator;
+}  // namespace modalities
 
 namespace modalities::plugins::pipeline {
 
@@ -49,6 +58,24 @@ struct Timeline {
 std::optional<Timeline> simulate(ScheduleKind kind, std::int64_t pp, std::int64_t v, std::int64_t m);
 
 std::string lower(std::string s);
+
+// --- the engine of pipeline/staged, pipeline/scheduled and model/parallelized's `pipeline` ----
+// Errors are ConfigErrors naming the fields of pipeline/staged and pipeline/scheduled
+// (pp_schedule_name, device_mesh, num_layers_per_stage, microbatch_size).
+
+/// This rank's stages of `whole_model` (pruned clones, stages r, r + pp, ... of the generator's
+/// split) over the mesh's pp dim, staged for `schedule_name`; no schedule yet.
+std::shared_ptr<Pipeline> stage_model(const std::shared_ptr<Module>& whole_model, const StagesGenerator& generator,
+                                      const DeviceMesh& mesh, const std::string& schedule_name,
+                                      std::int64_t num_layers_per_stage);
+
+/// The same stages of a stage_model() pipeline running `parts` (their wrapped modules, in order).
+std::shared_ptr<Pipeline> with_model_parts(const Pipeline& staged, const std::vector<std::shared_ptr<Module>>& parts);
+
+/// Attaches the schedule `schedule_name` over batch_size / microbatch_size micro-batches, whose
+/// last stage computes `loss`.
+void attach_schedule(Pipeline& pipeline, std::shared_ptr<Loss> loss, const std::string& schedule_name,
+                     std::int64_t batch_size, std::int64_t microbatch_size);
 
 void register_pipeline(Registrar& r);
 void register_stages_generator(Registrar& r);

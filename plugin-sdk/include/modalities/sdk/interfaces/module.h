@@ -29,6 +29,7 @@ namespace modalities {
 
 class RemovableHandle;
 class ParallelDims;
+class Pipeline;
 
 /// (fully qualified name, tensor) pairs in registration order. A vector, not a
 /// map, because optimizers group parameters in this order.
@@ -271,6 +272,12 @@ class MODALITIES_SDK_API Module {
   /// on any model). Default: throws modalities::Error ("does not support tensor parallelism").
   /// Since: SDK 0.1 (ABI 6).
   virtual void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options);
+
+  /// Pipeline parallelism: the scheduled pipeline whose stage this module is, when the variant
+  /// that built it also scheduled the pipeline (`model/parallelized` with a `pipeline` table);
+  /// the gym runs it when the config has no `scheduled_pipeline`. Default: null (a wrapper around
+  /// a stage module of pipeline/selector is not one). Since: SDK 0.1 (ABI 6).
+  virtual std::shared_ptr<Pipeline> pipeline() const;
 };
 
 }  // namespace modalities
