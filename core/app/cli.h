@@ -59,10 +59,6 @@ void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& i
 std::string run_default_experiment_id(const std::string& config_file_path);
 /// `modalities profile [distributed]` (cli_run.cpp): a steppable component under a profiler.
 int run_profile(const std::vector<std::string>& args);
-/// For one-process verbs (cli_run.cpp): with nullptr exports the launcher's RANK/WORLD_SIZE/...
-/// (one process where unset); with the resolved config records the plugin versions and picks the
-/// run device from MODALITIES_DEVICE or settings.device.
-void prepare_one_process_verb(const core::Registry& registry, const core::ConfigNode* resolved);
 /// `modalities convert_pytorch_to_hf_checkpoint` (cli_convert.cpp).
 int run_convert_to_hf(const std::vector<std::string>& args);
 /// `modalities data prepare_instruction_tuning_data` (cli_instruction.cpp).

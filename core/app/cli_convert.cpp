@@ -6,6 +6,7 @@
 // tokenizer's files. Modalities itself writes a pickle of its own model class wrapped in a
 // custom HF adapter that needs Modalities to load; docs/huggingface.md says why we differ.
 #include "cli.h"
+#include "prelude.h"
 
 #include <modalities/core/graph.h>
 #include <modalities/sdk/error.h>
@@ -111,12 +112,10 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
   try {
     const std::optional<c10::ScalarType> export_dtype = parse_dtype(dtype);
     const std::uint64_t shard_bytes = formats::parse_byte_size(max_shard_size);
-    core::Registry registry;
-    prepare_one_process_verb(registry, nullptr);
-    core::PluginHost host(registry);
-    if (!load_plugins_or_report(host, popts)) return kPluginError;
-    const core::ConfigNode root = core::load_resolved(config_file_path, registry, core::env_for_config(config_file_path));
-    prepare_one_process_verb(registry, &root);
+    VerbPrelude prelude;  // Note [Verb prelude]
+    if (const auto stop = prelude.start(popts)) return *stop;
+    const core::Registry& registry = prelude.registry();
+    const core::ConfigNode root = prelude.config(config_file_path);
     const char* key = root.has("checkpointed_model") ? "checkpointed_model" : "model";
     if (!root.has(key))
       throw Error(fmt::format("{}: no top-level checkpointed_model or model to convert", config_file_path));

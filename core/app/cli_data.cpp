@@ -1,6 +1,7 @@
 // `modalities data <verb>`: raw index, packing and inspection here; the verbs
 // that rewrite packed/JSONL files (merge, shuffles, chunks) in cli_data_tools.cpp.
 #include "cli.h"
+#include "prelude.h"
 
 #include <modalities/core/data/jsonl.h>
 #include <modalities/core/data/packing.h>
@@ -95,8 +96,7 @@ int create_raw_index(const std::vector<std::string>& args) {
 // --- components from a config --------------------------------------------------
 
 struct BuiltConfig {
-  core::Registry registry;
-  core::PluginHost host{registry};
+  VerbPrelude prelude;  // Note [Verb prelude]
   core::ConfigNode root;
   core::BuiltGraph built;
 };
@@ -106,13 +106,13 @@ struct BuiltConfig {
 std::unique_ptr<BuiltConfig> build_config(const std::string& file, const core::PipelineProfile& profile,
                                           const core::PluginOptions& popts, int& status) {
   auto b = std::make_unique<BuiltConfig>();
-  if (!load_plugins_or_report(b->host, popts)) {
-    status = kPluginError;
+  if (const auto stop = b->prelude.start(popts)) {
+    status = *stop;
     return nullptr;
   }
   try {
-    b->root = core::load_resolved(file, b->registry, core::env_for_config(file));
-    core::ComponentGraph graph(b->registry, b->root, &profile);
+    b->root = b->prelude.config(file);
+    core::ComponentGraph graph(b->prelude.registry(), b->root, &profile);
     b->built = graph.build([](const std::string& line) { std::cerr << line << "\n"; });
   } catch (const core::ConfigFileError& e) {
     std::size_t errors = 0;

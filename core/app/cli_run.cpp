@@ -2,6 +2,7 @@
 // (docs/training.md): load plugins and the config, create the
 // experiment folder, build the component graph, hand it to the gym.
 #include "cli.h"
+#include "prelude.h"
 
 #include <modalities/core/data/pbin_tools.h>
 #include <modalities/core/graph.h>
@@ -79,18 +80,6 @@ class StopSignals {
   void (*old_int_)(int) = SIG_DFL;
   void (*old_term_)(int) = SIG_DFL;
 };
-
-/// The launch environment (torchrun, `modalities launch`, SLURM, or one process without a
-/// launcher), exported as RANK / WORLD_SIZE / LOCAL_RANK so that ${cuda_env:...} in configs reads
-/// the same values under srun as under torchrun.
-dist::LaunchEnv export_launcher_env() {
-  const dist::LaunchEnv e = dist::launch_env();
-  setenv("RANK", std::to_string(e.rank).c_str(), 0);
-  setenv("WORLD_SIZE", std::to_string(e.world_size).c_str(), 0);
-  setenv("LOCAL_RANK", std::to_string(e.local_rank).c_str(), 0);
-  setenv("LOCAL_WORLD_SIZE", std::to_string(e.local_world_size).c_str(), 0);
-  return e;
-}
 
 /// "rank N: " in front of messages of a multi-process run, nothing for one process.
 std::string rank_prefix(const dist::LaunchEnv& e) {
@@ -205,55 +194,37 @@ void check_rank_fingerprints(const core::Registry& registry, const std::string& 
 
 /// Note [Resuming a run config]
 /// `run --resume_from_checkpoint_info F` turns the training config into its warm-start form when F
-/// exists, by the same edits a warm-start config makes by hand (configs/quickstart/warmstart.toml):
-/// settings.training_progress is read from the checkpoint folder's name by number_conversion
-/// components, and app_state/raw is wrapped in app_state/dcp, which restores it from the folder.
-/// The edits happen before interpolation, so everything that reads
-/// ${settings.training_progress.*} (the sampler's skip) sees the resumed values.
-/// Returns the checkpoint folder, or nothing when F does not exist (a fresh start).
-std::optional<std::string> resume_config_from(core::ConfigNode& root, const fs::path& info_file) {
+/// exists: the plugin that registered the run resume (RunResumeSpec; the bundled checkpointing
+/// plugin) returns the nodes that replace settings.training_progress and app_state. The edits
+/// happen before interpolation, so everything that reads ${settings.training_progress.*} (the
+/// sampler's skip) sees the resumed values. Returns the checkpoint folder, or nothing when F does
+/// not exist (a fresh start).
+std::optional<std::string> resume_config_from(const core::Registry& registry, core::ConfigNode& root,
+                                              const fs::path& info_file) {
   std::error_code ec;
   if (!fs::exists(info_file, ec)) return std::nullopt;
-  const Value info = warmstart_resolver(info_file).resolve("checkpoint_paths");
-  const Value* folder_value = info.find("checkpoint_folder_path");
-  if (folder_value == nullptr || !folder_value->is_string())
-    throw Error(fmt::format("--resume_from_checkpoint_info {}: no \"checkpoint_folder_path\" in it", info_file.string()));
-  const std::string folder = folder_value->as_string();
+  const RunResumeSpec* resume = registry.run_resume();
+  if (resume == nullptr)
+    throw Error(fmt::format("--resume_from_checkpoint_info {}: no loaded plugin says how a run continues from a "
+                            "checkpoint (the bundled checkpointing plugin does; `modalities plugins list`)",
+                            info_file.string()));
   core::ConfigNode* settings = root.find("settings");
   core::ConfigNode* progress = settings && settings->is_table() ? settings->find("training_progress") : nullptr;
   core::ConfigNode* app_state = root.find("app_state");
   if (progress == nullptr || !progress->is_table())
     throw Error(fmt::format("--resume_from_checkpoint_info: {} has no settings.training_progress table to resume",
                             root.where().str()));
-  if (app_state == nullptr || !app_state->is_table() || !app_state->find("variant_key") ||
-      !app_state->find("variant_key")->is_string() || app_state->find("variant_key")->as_string() != "raw")
-    throw Error(fmt::format("--resume_from_checkpoint_info: app_state must be app_state/raw (the run config, not a "
-                            "warm-start config) in {}",
-                            root.where().str()));
-  const core::SourceLocation where = progress->where();
-  const auto node = [&](core::ConfigNode::Data d) { return core::ConfigNode(std::move(d), where); };
-  const auto table = [&](core::ConfigNode::Table t) { return node(std::move(t)); };
-  const auto from_path = [&](const std::string& variant) {
-    return table({{"component_key", node(std::string("number_conversion"))},
-                  {"variant_key", node(variant)},
-                  {"config", table({{"checkpoint_path", node(folder)}})}});
-  };
-  core::ConfigNode::Table resumed;
-  resumed.emplace_back("global_num_seen_tokens", from_path("global_num_seen_tokens_from_checkpoint_path"));
-  resumed.emplace_back("num_seen_steps", from_path("num_seen_steps_from_checkpoint_path"));
-  resumed.emplace_back(
-      "num_seen_samples",
-      table({{"component_key", node(std::string("number_conversion"))},
-             {"variant_key", node(std::string("num_samples_from_num_tokens"))},
-             {"config", table({{"num_tokens", node(std::string("${settings.training_progress.global_num_seen_tokens}"))},
-                               {"sequence_length", node(std::string("${settings.step_profile.sequence_length}"))}})}}));
-  resumed.emplace_back("last_step", from_path("last_step_from_checkpoint_path"));
-  *progress = table(std::move(resumed));
-  core::ConfigNode raw = std::move(*app_state);
-  *app_state = table({{"component_key", node(std::string("app_state"))},
-                      {"variant_key", node(std::string("dcp"))},
-                      {"config", table({{"checkpoint_dir_path", node(folder)}, {"raw_app_state", std::move(raw)}})}});
-  return folder;
+  if (app_state == nullptr)
+    throw Error(fmt::format("--resume_from_checkpoint_info: {} has no app_state to resume", root.where().str()));
+  ResumedRun r;
+  try {
+    r = resume->resume(info_file.string(), app_state->to_value());
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("--resume_from_checkpoint_info ({}): {}", registry.run_resume_owner(), e.what()));
+  }
+  *progress = core::ConfigNode::from_value(r.training_progress, progress->where());
+  *app_state = core::ConfigNode::from_value(r.app_state, app_state->where());
+  return r.checkpoint_folder;
 }
 
 struct RunArgs {
@@ -322,23 +293,6 @@ void write_error_log(const std::string& folder, const std::string& type, const s
   }
 }
 
-void choose_device(const core::ConfigNode& root) {
-  if (const char* env = std::getenv("MODALITIES_DEVICE")) {
-    set_run_device(parse_run_device(env, "MODALITIES_DEVICE"));
-    return;
-  }
-  const core::ConfigNode* settings = root.find("settings");
-  const core::ConfigNode* device = settings && settings->is_table() ? settings->find("device") : nullptr;
-  if (device != nullptr && device->is_string()) set_run_device(parse_run_device(device->as_string(), "settings.device"));
-  else set_run_device(parse_run_device("auto", "settings.device"));
-}
-
-void record_plugin_versions(const core::Registry& registry) {
-  std::map<std::string, std::string> versions;
-  for (const auto& p : registry.plugins()) versions[p->name] = p->version;
-  set_loaded_plugin_versions(std::move(versions));
-}
-
 /// Creates <root>/<id>/, copies the config and writes the resolved config next to it.
 fs::path prepare_experiment_folder(const RunArgs& a, const core::ConfigNode& resolved) {
   const fs::path folder = fs::path(a.experiments_root_path) / a.experiment_id;
@@ -386,22 +340,15 @@ double process_group_timeout(const RunArgs& a, const core::ConfigNode& root) {
 }
 
 int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
-  dist::LaunchEnv launch;
-  try {
-    launch = export_launcher_env();
-  } catch (const std::exception& e) {
-    print_error(e.what());
-    return kFailed;
-  }
+  VerbPrelude prelude;  // Note [Verb prelude]
+  if (const auto stop = prelude.start(popts)) return *stop;
+  const dist::LaunchEnv& launch = prelude.launch();
+  const core::Registry& registry = prelude.registry();
   const std::string who = rank_prefix(launch);
-  core::Registry registry;
-  core::PluginHost host(registry);
-  if (!load_plugins_or_report(host, popts)) return kPluginError;
-  record_plugin_versions(registry);
   try {
     // Read once: the process-group timeout comes from it before the group exists; interpolation and
     // the warm-start form come after.
-    core::ConfigNode root = core::load_toml_file(a.config_file_path);
+    core::ConfigNode root = VerbPrelude::read(a.config_file_path);
     if (launch.distributed()) {
       const double timeout_s = process_group_timeout(a, root);
       dist::RuntimeOptions ro;
@@ -411,19 +358,18 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
       a.experiment_id = dist::broadcast_from_rank0("experiment_id", a.experiment_id);
       check_rank_fingerprints(registry, a.config_file_path);  // Note [Rank fingerprint]
     }
-    core::ModalitiesEnv env = core::env_for_config(a.config_file_path);
-    env.values["experiments_root_path"] = fs::absolute(a.experiments_root_path).string();
-    env.values["experiment_id"] = a.experiment_id;
-    core::ResolverTable resolvers = core::resolvers_for(registry, env);
+    std::vector<ResolverSpec> extra;
     if (warmstart) {
       if (!fs::is_regular_file(a.last_checkpoint_info_file_path))
         throw Error(fmt::format("--last_checkpoint_info_file_path {}: no such file", a.last_checkpoint_info_file_path));
-      resolvers.add(warmstart_resolver(a.last_checkpoint_info_file_path));
+      extra.push_back(warmstart_resolver(a.last_checkpoint_info_file_path));
     }
     std::optional<std::string> resumed;
-    if (!a.resume_from.empty()) resumed = resume_config_from(root, a.resume_from);
-    core::resolve_interpolations(root, resolvers);
-    choose_device(root);
+    if (!a.resume_from.empty()) resumed = resume_config_from(registry, root, a.resume_from);
+    prelude.resolve(root, a.config_file_path,
+                    {{"experiments_root_path", fs::absolute(a.experiments_root_path).string()},
+                     {"experiment_id", a.experiment_id}},
+                    extra);
     if (a.test_comm && launch.distributed()) check_collective_values();
     // Rank 0 writes the experiment folder; the others wait for it (same order of collectives everywhere).
     const fs::path folder = fs::path(a.experiments_root_path) / a.experiment_id;
@@ -558,20 +504,13 @@ int run_profile(const std::vector<std::string>& raw_args) {
              status))
     return status;
   if (a.experiment_id.empty()) a.experiment_id = default_experiment_id(a.config_file_path);
-  dist::LaunchEnv launch;
-  try {
-    launch = export_launcher_env();
-  } catch (const std::exception& e) {
-    print_error(e.what());
-    return kFailed;
-  }
+  VerbPrelude prelude;  // Note [Verb prelude]
+  if (const auto stop = prelude.start(popts)) return *stop;
+  const dist::LaunchEnv& launch = prelude.launch();
+  const core::Registry& registry = prelude.registry();
   const std::string who = rank_prefix(launch);
-  core::Registry registry;
-  core::PluginHost host(registry);
-  if (!load_plugins_or_report(host, popts)) return kPluginError;
-  record_plugin_versions(registry);
   try {
-    core::ConfigNode root = core::load_toml_file(a.config_file_path);
+    core::ConfigNode root = VerbPrelude::read(a.config_file_path);
     if (launch.distributed()) {
       dist::RuntimeOptions ro;
       ro.timeout = std::chrono::milliseconds(static_cast<long>(process_group_timeout(a, root) * 1000));
@@ -579,11 +518,8 @@ int run_profile(const std::vector<std::string>& raw_args) {
       a.experiment_id = dist::broadcast_from_rank0("experiment_id", a.experiment_id);
     }
     const fs::path folder = fs::absolute(fs::path(a.experiments_root_path) / a.experiment_id);
-    core::ModalitiesEnv env = core::env_for_config(a.config_file_path);
-    env.values["experiments_root_path"] = folder.string();
-    env.values["experiment_id"] = a.experiment_id;
-    core::resolve_interpolations(root, core::resolvers_for(registry, env));
-    choose_device(root);
+    prelude.resolve(root, a.config_file_path,
+                    {{"experiments_root_path", folder.string()}, {"experiment_id", a.experiment_id}});
     if (launch.rank == 0) {
       prepare_experiment_folder(a, root);
       std::cerr << fmt::format("profiling {} in {} (device {}{})\n", a.experiment_id, folder.string(),
@@ -645,15 +581,6 @@ void add_warmstart_resolver(core::ResolverTable& resolvers, const std::string& i
   resolvers.add(warmstart_resolver(info_file));
 }
 
-void prepare_one_process_verb(const core::Registry& registry, const core::ConfigNode* resolved) {
-  if (resolved == nullptr) {
-    (void)export_launcher_env();
-    return;
-  }
-  record_plugin_versions(registry);
-  choose_device(*resolved);
-}
-
 std::string run_default_experiment_id(const std::string& config_file_path) {
   return default_experiment_id(config_file_path);
 }
@@ -674,20 +601,11 @@ int run_generate_text(const std::vector<std::string>& args) {
              "prompt template on stdin (pipe the answers in for non-interactive use).",
              status))
     return status;
+  VerbPrelude prelude;  // Note [Verb prelude]
+  if (const auto stop = prelude.start(popts)) return *stop;
   try {
-    (void)export_launcher_env();
-  } catch (const std::exception& e) {
-    print_error(e.what());
-    return kFailed;
-  }
-  core::Registry registry;
-  core::PluginHost host(registry);
-  if (!load_plugins_or_report(host, popts)) return kPluginError;
-  record_plugin_versions(registry);
-  try {
-    const core::ConfigNode root = core::load_resolved(config_file_path, registry, core::env_for_config(config_file_path));
-    choose_device(root);
-    core::ComponentGraph graph(registry, root, core::find_pipeline("text_generation"));
+    const core::ConfigNode root = prelude.config(config_file_path);
+    core::ComponentGraph graph(prelude.registry(), root, core::find_pipeline("text_generation"));
     const core::BuiltGraph built =
         graph.build([](const std::string&) {}, [](const std::string& line) { std::cerr << line << "\n"; });
     const Value* v = built.get("text_inference_component");

@@ -56,8 +56,14 @@ class StagingRegistrar final : public Registrar {
     resolvers.push_back(std::move(spec));
   }
   void set_example_config(std::string_view toml) override { example = std::string(toml); }
+  void add_run_resume(RunResumeSpec spec) override {
+    if (!spec.resume) throw Error("a run resume was registered without a function");
+    if (resume) throw Error("a run resume is registered twice");
+    resume = std::move(spec);
+  }
 
   std::vector<VariantSpec> variants;
+  std::optional<RunResumeSpec> resume;
   std::vector<ResolverSpec> resolvers;
   std::string example;
 };
@@ -97,6 +103,8 @@ std::optional<std::string> Registry::register_plugin(PluginInfo info,
     if (auto it = resolver_owner_.find(r.name); it != resolver_owner_.end())
       return fmt::format("resolver '{}' registered twice: {} and {}", r.name, it->second, who);
   }
+  if (staging.resume && run_resume_)
+    return fmt::format("a run resume is registered twice: {} and {}", run_resume_owner_, who);
 
   info.example_config = std::move(staging.example);
   for (const auto& spec : staging.variants) info.variants.push_back(spec.id());
@@ -108,6 +116,10 @@ std::optional<std::string> Registry::register_plugin(PluginInfo info,
   for (auto& r : staging.resolvers) {
     resolver_owner_[r.name] = who;
     resolvers_.push_back(std::move(r));
+  }
+  if (staging.resume) {
+    run_resume_ = std::move(staging.resume);
+    run_resume_owner_ = who;
   }
   plugins_.push_back(std::move(plugin));
   return std::nullopt;

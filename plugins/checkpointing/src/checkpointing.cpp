@@ -4,6 +4,7 @@
 // (`raw`, `dcp` = raw + load at build time) and the loaders (`dcp` into an
 // AppState, `torch` a model for inference).
 #include "format.h"
+#include "resume.h"
 
 #include <modalities/sdk/device_setting.h>
 #include <modalities/sdk/distributed.h>
@@ -749,6 +750,8 @@ void register_components(Registrar& r) {
   r.add<CheckpointLoading, TorchLoadingConfig>(
       "torch", "Loads the model of a checkpoint folder or .safetensors file (inference).",
       [](const TorchLoadingConfig& c) { return std::make_shared<TorchCheckpointLoading>(c); });
+  r.add_run_resume({"app_state/raw wrapped in app_state/dcp, training progress from the checkpoint folder's name",
+                    resume_run});
 }
 
 }  // namespace modalities::plugins::checkpointing

@@ -21,6 +21,7 @@
 #include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
+#include <modalities/sdk/tagged_union.h>
 #include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/ATen.h>
@@ -136,49 +137,82 @@ struct QkvTransformConfig {
 struct FromPretrainedArgs {};
 struct FromPretrainedKwargs {};
 
-const std::vector<std::string> kNormTypes = {"layer_norm", "rms_norm", "pytorch_rms_norm"};
-const std::vector<std::string> kTransformTypes = {"IdentityTransform", "RotaryTransform"};
 
-// Checks a `{<tag_key> = "...", config = {...}}` table: known keys only, the tag
-// one of `tags`. On success `tag` and `config` are set.
-Parsed parse_tagged(const Value& v, const std::string& tag_key, const std::vector<std::string>& tags,
-                    const std::string& path, ParseContext& ctx, std::string& tag, const Value*& config) {
-  if (!v.is_table())
-    return detail::type_error(v, fmt::format("a table {{ {} = \"...\", config = {{ ... }} }}", tag_key), path, ctx);
-  const std::size_t before = ctx.error_count();
-  const std::vector<std::string> known = {tag_key, "config"};
-  for (const auto& [key, item] : v.as_table()) {
-    if (key == tag_key || key == "config") continue;
-    const std::string near = closest_match(key, known);
-    ctx.fail(join_path(path, key), "unknown key",
-             near.empty() ? "valid keys: " + quoted_list(known) : fmt::format("did you mean '{}'?", near));
-  }
-  const Value* t = v.find(tag_key);
-  config = v.find("config");
-  const std::string tpath = join_path(path, tag_key);
-  if (t == nullptr) {
-    ctx.fail(tpath, fmt::format("missing required key (one of {})", quoted_list(tags)));
-  } else if (!t->is_string()) {
-    detail::type_error(*t, "a string", tpath, ctx);
-  } else if (std::find(tags.begin(), tags.end(), t->as_string()) == tags.end()) {
-    const std::string near = closest_match(t->as_string(), tags);
-    ctx.fail(tpath, fmt::format("must be one of {}, got '{}'", quoted_list(tags), t->as_string()),
-             near.empty() ? std::string{} : fmt::format("did you mean '{}'?", near));
-  } else {
-    tag = t->as_string();
-  }
-  if (config == nullptr) ctx.fail(join_path(path, "config"), "missing required key (table: settings of the chosen type)");
-  return ctx.error_count() == before ? Parsed::kOk : Parsed::kError;
+// Modalities' two tagged unions of the GPT-2 config (modalities/sdk/tagged_union.h).
+const TaggedUnion<NormWrapperConfig>& norm_union() {
+  using U = TaggedUnion<NormWrapperConfig>;
+  static const U u{
+      "norm_type",
+      "Norm module: layer_norm (LayerNorm), rms_norm (Modalities' RMSLayerNorm, deprecated), pytorch_rms_norm "
+      "(RMSNorm).",
+      "Settings; the schema depends on norm_type.",
+      {U::alternative<norms::LayerNormConfig>(
+           "layer_norm",
+           "LayerNorm keys; eps defaults to 1e-5 unless elementwise_affine or bias is given, then 1e-6 (Modalities' "
+           "config-union resolution)",
+           [](const norms::LayerNormConfig& f, const Value& config, NormWrapperConfig& out, const std::string&,
+              ParseContext&) {
+             out.norm_type = "layer_norm";
+             out.kind = norms::Kind::kLayerNorm;
+             out.size = f.normalized_shape;
+             out.size_key = "normalized_shape";
+             // Note [layer_norm eps default]: Modalities parses the config with a pydantic
+             // union tried as (RMSNorm config, RMSLayerNorm config, LayerNorm config); a table
+             // giving neither elementwise_affine nor bias is taken by the RMSNorm config class,
+             // whose eps default is 1e-5. Only with one of them present does the LayerNorm
+             // class (default 1e-6) win. README.md describes it for users.
+             const bool layer_norm_class = config.find("elementwise_affine") != nullptr || config.find("bias") != nullptr;
+             out.eps = config.find("eps") != nullptr ? f.eps : (layer_norm_class ? 1e-6 : 1e-5);
+             out.weight = f.elementwise_affine;
+             out.bias = f.elementwise_affine && f.bias;
+           }),
+       U::alternative<norms::RmsLayerNormConfig>(
+           "rms_norm", "RMSLayerNorm keys",
+           [](const norms::RmsLayerNormConfig& f, const Value&, NormWrapperConfig& out, const std::string& path,
+              ParseContext& ctx) {
+             out.norm_type = "rms_norm";
+             out.kind = norms::Kind::kRmsLayerNorm;
+             out.size = f.ndim;
+             out.size_key = "ndim";
+             out.eps = f.epsilon;
+             out.weight = true;
+             out.bias = f.bias;
+             ctx.warn(join_path(path, "norm_type"),
+                      "rms_norm (Modalities' RMSLayerNorm) is deprecated in Modalities; prefer pytorch_rms_norm");
+           }),
+       U::alternative<norms::TorchRmsNormConfig>(
+           "pytorch_rms_norm", "RMSNorm keys",
+           [](const norms::TorchRmsNormConfig& f, const Value&, NormWrapperConfig& out, const std::string&,
+              ParseContext&) {
+             out.norm_type = "pytorch_rms_norm";
+             out.kind = norms::Kind::kTorchRmsNorm;
+             out.size = f.normalized_shape;
+             out.size_key = "normalized_shape";
+             out.eps = f.eps;
+             out.weight = true;
+             out.bias = false;
+           })}};
+  return u;
 }
 
-FieldInfo schema_as_field(std::string name, std::string help, std::vector<FieldInfo> children) {
-  FieldInfo f;
-  f.name = std::move(name);
-  f.type = "table";
-  f.help = std::move(help);
-  f.required = true;
-  f.children = std::move(children);
-  return f;
+const TaggedUnion<QkvTransformConfig>& qkv_transform_union() {
+  using U = TaggedUnion<QkvTransformConfig>;
+  static const U u{"type_hint", "Transform class applied to (q, k, v) after the head split.",
+                   "IdentityTransform: {}; RotaryTransform: the fields below.",
+                   {U::alternative<IdentityFields>("IdentityTransform", "no keys",
+                                                   [](const IdentityFields&, const Value&, QkvTransformConfig& out,
+                                                      const std::string&, ParseContext&) {
+                                                     out.type_hint = "IdentityTransform";
+                                                     out.rotary = false;
+                                                   }),
+                    U::alternative<RotaryFields>("RotaryTransform", "RoPE keys",
+                                                 [](const RotaryFields& f, const Value&, QkvTransformConfig& out,
+                                                    const std::string&, ParseContext&) {
+                                                   out.type_hint = "RotaryTransform";
+                                                   out.rotary = true;
+                                                   out.rope = f;
+                                                 })}};
+  return u;
 }
 
 }  // namespace
@@ -189,78 +223,11 @@ namespace modalities {
 template <>
 struct Codec<plugins::gpt2::NormWrapperConfig> {
   using T = plugins::gpt2::NormWrapperConfig;
-  static std::string type_name() { return "table {norm_type, config}"; }
+  static std::string type_name() { return plugins::gpt2::norm_union().type_name(); }
   static std::string repr(const T&) { return "{...}"; }
-  static void annotate(FieldInfo& info) {
-    using namespace plugins::gpt2;
-    FieldInfo type;
-    type.name = "norm_type";
-    type.type = "string";
-    type.help = "Norm module: layer_norm (LayerNorm), rms_norm (Modalities' RMSLayerNorm, deprecated), "
-                "pytorch_rms_norm (RMSNorm).";
-    type.required = true;
-    type.constraints.push_back("one of " + quoted_list(kNormTypes));
-    FieldInfo config;
-    config.name = "config";
-    config.type = "table";
-    config.required = true;
-    config.help = "Settings; the schema depends on norm_type.";
-    config.children = {
-        schema_as_field("[norm_type = layer_norm] config",
-                        "LayerNorm keys; eps defaults to 1e-5 unless elementwise_affine or bias is given, then 1e-6 "
-                        "(Modalities' config-union resolution)",
-                        Schema<norms::LayerNormConfig>::instance().fields()),
-        schema_as_field("[norm_type = rms_norm] config", "RMSLayerNorm keys",
-                        Schema<norms::RmsLayerNormConfig>::instance().fields()),
-        schema_as_field("[norm_type = pytorch_rms_norm] config", "RMSNorm keys",
-                        Schema<norms::TorchRmsNormConfig>::instance().fields())};
-    info.children = {type, config};
-  }
+  static void annotate(FieldInfo& info) { plugins::gpt2::norm_union().annotate(info); }
   static Parsed parse(const Value& v, T& out, const std::string& path, ParseContext& ctx) {
-    using namespace plugins::gpt2;
-    std::string tag;
-    const Value* cfg = nullptr;
-    if (parse_tagged(v, "norm_type", kNormTypes, path, ctx, tag, cfg) != Parsed::kOk) return Parsed::kError;
-    const std::string cpath = join_path(path, "config");
-    out.norm_type = tag;
-    Parsed r = Parsed::kOk;
-    if (tag == "layer_norm") {
-      norms::LayerNormConfig f;
-      r = Schema<norms::LayerNormConfig>::instance().parse(*cfg, f, cpath, ctx);
-      out.kind = norms::Kind::kLayerNorm;
-      out.size = f.normalized_shape;
-      out.size_key = "normalized_shape";
-      // Note [layer_norm eps default]: Modalities parses the config with a pydantic
-      // union tried as (RMSNorm config, RMSLayerNorm config, LayerNorm config); a table
-      // giving neither elementwise_affine nor bias is taken by the RMSNorm config class,
-      // whose eps default is 1e-5. Only with one of them present does the LayerNorm
-      // class (default 1e-6) win. README.md describes it for users.
-      const bool layer_norm_class = cfg->find("elementwise_affine") != nullptr || cfg->find("bias") != nullptr;
-      out.eps = cfg->find("eps") != nullptr ? f.eps : (layer_norm_class ? 1e-6 : 1e-5);
-      out.weight = f.elementwise_affine;
-      out.bias = f.elementwise_affine && f.bias;
-    } else if (tag == "rms_norm") {
-      norms::RmsLayerNormConfig f;
-      r = Schema<norms::RmsLayerNormConfig>::instance().parse(*cfg, f, cpath, ctx);
-      out.kind = norms::Kind::kRmsLayerNorm;
-      out.size = f.ndim;
-      out.size_key = "ndim";
-      out.eps = f.epsilon;
-      out.weight = true;
-      out.bias = f.bias;
-      ctx.warn(join_path(path, "norm_type"),
-               "rms_norm (Modalities' RMSLayerNorm) is deprecated in Modalities; prefer pytorch_rms_norm");
-    } else {
-      norms::TorchRmsNormConfig f;
-      r = Schema<norms::TorchRmsNormConfig>::instance().parse(*cfg, f, cpath, ctx);
-      out.kind = norms::Kind::kTorchRmsNorm;
-      out.size = f.normalized_shape;
-      out.size_key = "normalized_shape";
-      out.eps = f.eps;
-      out.weight = true;
-      out.bias = false;
-    }
-    return r;
+    return plugins::gpt2::norm_union().parse(v, out, path, ctx);
   }
 };
 
@@ -306,36 +273,11 @@ struct Codec<plugins::gpt2::FromPretrainedKwargs> {
 template <>
 struct Codec<plugins::gpt2::QkvTransformConfig> {
   using T = plugins::gpt2::QkvTransformConfig;
-  static std::string type_name() { return "table {type_hint, config}"; }
+  static std::string type_name() { return plugins::gpt2::qkv_transform_union().type_name(); }
   static std::string repr(const T&) { return "{...}"; }
-  static void annotate(FieldInfo& info) {
-    using namespace plugins::gpt2;
-    FieldInfo type;
-    type.name = "type_hint";
-    type.type = "string";
-    type.required = true;
-    type.help = "Transform class applied to (q, k, v) after the head split.";
-    type.constraints.push_back("one of " + quoted_list(kTransformTypes));
-    FieldInfo config;
-    config.name = "config";
-    config.type = "table";
-    config.required = true;
-    config.help = "IdentityTransform: {}; RotaryTransform: the fields below.";
-    config.children = {schema_as_field("[type_hint = RotaryTransform] config", "RoPE keys",
-                                       Schema<RotaryFields>::instance().fields())};
-    info.children = {type, config};
-  }
+  static void annotate(FieldInfo& info) { plugins::gpt2::qkv_transform_union().annotate(info); }
   static Parsed parse(const Value& v, T& out, const std::string& path, ParseContext& ctx) {
-    using namespace plugins::gpt2;
-    std::string tag;
-    const Value* cfg = nullptr;
-    if (parse_tagged(v, "type_hint", kTransformTypes, path, ctx, tag, cfg) != Parsed::kOk) return Parsed::kError;
-    out.type_hint = tag;
-    out.rotary = tag == "RotaryTransform";
-    const std::string cpath = join_path(path, "config");
-    if (out.rotary) return Schema<RotaryFields>::instance().parse(*cfg, out.rope, cpath, ctx);
-    IdentityFields none;
-    return Schema<IdentityFields>::instance().parse(*cfg, none, cpath, ctx);
+    return plugins::gpt2::qkv_transform_union().parse(v, out, path, ctx);
   }
 };
 

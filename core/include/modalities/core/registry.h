@@ -44,6 +44,9 @@ class Registry {
 
   /// Resolvers registered by plugins (built-ins are added per command).
   const std::vector<ResolverSpec>& plugin_resolvers() const { return resolvers_; }
+  /// The registered RunResumeSpec (null when no loaded plugin registers one) and its plugin.
+  const RunResumeSpec* run_resume() const { return run_resume_ ? &*run_resume_ : nullptr; }
+  const std::string& run_resume_owner() const { return run_resume_owner_; }
 
   /// Runs `register_fn` against a staging registrar and commits its
   /// registrations only if it succeeds and nothing conflicts. Returns an
@@ -70,6 +73,8 @@ class Registry {
   std::vector<std::shared_ptr<const PluginInfo>> plugins_;
   std::vector<ResolverSpec> resolvers_;
   std::map<std::string, std::string, std::less<>> resolver_owner_;
+  std::optional<RunResumeSpec> run_resume_;
+  std::string run_resume_owner_;
 };
 
 struct PluginProblem {

@@ -42,6 +42,24 @@ struct ResolverSpec {
   std::function<Value(std::string_view argument)> resolve;
 };
 
+/// What continues a run from its last checkpoint (`modalities run --resume_from_checkpoint_info`,
+/// which `modalities launch --max-restarts` passes): the nodes that replace the run config's
+/// `settings.training_progress` and `app_state`, so the same config goes on from the checkpoint
+/// instead of starting fresh. The checkpointing plugin registers it (it writes the info file and
+/// the checkpoints); the host knows only this hook. Since: SDK 0.1 (ABI 6).
+struct ResumedRun {
+  std::string checkpoint_folder;  // for the "resuming from ..." line
+  Value training_progress;        // the new settings.training_progress table
+  Value app_state;                // the new app_state node
+};
+struct RunResumeSpec {
+  std::string help;
+  /// `info_file`: the last_checkpoint_info.json the run names (it exists); `app_state`: the run
+  /// config's app_state node as written (before interpolation). Throws modalities::Error naming
+  /// the file or the node.
+  std::function<ResumedRun(const std::string& info_file, const Value& app_state)> resume;
+};
+
 /// Type-erased description of one variant, as stored by the host.
 struct VariantSpec {
   std::string component_key;
@@ -112,6 +130,9 @@ class MODALITIES_SDK_API Registrar {
   /// The plugin's example config (configs/example.toml, embedded at build
   /// time); `modalities plugins smoke` builds every variant from it.
   virtual void set_example_config(std::string_view toml) = 0;
+  /// Registers how a run continues from a checkpoint (RunResumeSpec); at most one loaded plugin
+  /// may. Since: SDK 0.1 (ABI 6).
+  virtual void add_run_resume(RunResumeSpec spec) = 0;
 
   /// Registers a variant producing interface I under I::kComponentKey.
   /// `factory(const Config&)` or `factory(const Config&, BuildContext&)`
