@@ -1,7 +1,7 @@
 // Hugging Face transformers architectures <-> model/gpt2 (README.md, "Hugging Face interop").
 // DecoderSpec describes a decoder-only transformer in neutral terms; this file maps it and its
 // weights to and from the transformers families model/gpt2 can express: Llama (2/3, RoPE
-// scaling), Mistral (sliding window), Qwen2 (q/k/v biases), GPT-2. gpt2.cpp converts between
+// scaling), Mistral (sliding window), Qwen2 (q/k/v biases), GPT-2. pretrained.cpp converts between
 // DecoderSpec and its own config.
 #pragma once
 

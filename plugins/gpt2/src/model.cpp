@@ -1,0 +1,342 @@
+// model/gpt2 as a modalities::Module (model.h): state dicts as Modalities writes them (weight tying),
+// meta-device materialization, mixed precision, hooks and block runners for the wrappers, pipeline
+// stages (retain_modules), tensor parallelism (apply_tensor_parallel: the split of every weight and
+// the shard placements of checkpoints) and the Hugging Face export.
+#include "model.h"
+
+#include "huggingface.h"
+#include "modules.h"
+
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/huggingface.h>
+#include <modalities/sdk/interfaces/removable_handle.h>
+#include <modalities/sdk/parallel.h>
+#include <modalities/sdk/tensor_parallel.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace modalities::plugins::gpt2 {
+namespace {
+
+constexpr const char* kWteKey = "transformer.wte.weight";
+constexpr const char* kLmHeadKey = "transformer.lm_head.weight";
+
+// Tensor parallel: the dim along which `model/gpt2_tp` splits a parameter (0: the output
+// features, column-parallel, and the embedding's vocabulary; 1: the input features,
+// row-parallel), or none for a replicated one (norms, row-parallel biases, wpe).
+std::optional<std::int64_t> tp_split_dim(std::string_view fqn) {
+  if (fqn == kWteKey || fqn == kLmHeadKey) return 0;
+  for (std::string_view s : {".attn.q_attn.", ".attn.k_attn.", ".attn.v_attn.", ".mlp.W.", ".mlp.V.", ".mlp.c_fc."})
+    if (fqn.find(s) != std::string_view::npos) return 0;
+  for (std::string_view s : {".attn.c_proj.weight", ".mlp.W_2.weight", ".mlp.c_proj.weight"})
+    if (fqn.ends_with(s)) return 1;
+  return std::nullopt;
+}
+
+class GPT2 final : public Module, public HuggingFaceExportable {
+ public:
+  GPT2(const GPT2Config& c, const c10::Device& device) : config_(c) {
+    if (c.seed) {
+      // torch.manual_seed reinterprets a negative seed as its two's complement uint64.
+      at::manual_seed(static_cast<std::uint64_t>(*c.seed));
+    }
+    impl_ = std::make_shared<GPT2LLMImpl>(c, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
+
+  TensorMap forward(const TensorMap& inputs) override {
+    auto it = inputs.find(config_.sample_key);
+    if (it == inputs.end()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : inputs) keys.push_back(k);
+      throw Error(fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key,
+                              quoted_list(keys)));
+    }
+    return {{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_)}};
+  }
+  torch::nn::Module& module() override { return *impl_; }
+  const torch::nn::Module& module() const override { return *impl_; }
+
+  // With weight tying the shared tensor is listed once, as transformer.wte.weight (as in Modalities).
+  NamedTensors named_parameters() const override {
+    NamedTensors out;
+    std::unordered_set<const void*> seen;
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+
+  // Tied models: either key alone is enough; with both, lm_head's value wins (PyTorch
+  // loads in module order, lm_head last).
+  void load_state_dict(const StateDict& state, bool strict) override {
+    if (tp_ && !whole_) {  // split: whole tensors give this rank's chunk
+      StateDict s = state;
+      for (auto& [key, t] : s) {
+        const auto d = tp_split_dim(key);
+        const auto mine = local_shapes_.find(key);
+        if (!d || mine == local_shapes_.end() || t.sizes().vec() == mine->second) continue;
+        const std::int64_t n = mine->second[static_cast<std::size_t>(*d)];
+        if (t.dim() == static_cast<std::int64_t>(mine->second.size()) && t.size(*d) == n * tp_->size)
+          t = t.narrow(*d, tp_->rank * n, n);
+      }
+      return load_unsplit(s, strict);
+    }
+    load_unsplit(state, strict);
+  }
+
+  void load_unsplit(const StateDict& state, bool strict) {
+    if (!impl_->tied()) return Module::load_state_dict(state, strict);
+    StateDict s = state;
+    const auto wte = s.find(kWteKey), head = s.find(kLmHeadKey);
+    if (head != s.end()) s[kWteKey] = head->second;
+    else if (wte != s.end()) s[kLmHeadKey] = wte->second;
+    Module::load_state_dict(s, strict);
+  }
+
+  // Moving off the meta device allocates uninitialized storage (PyTorch's to_empty);
+  // call reset_parameters() (or an initializer) afterwards. See Note [Replacing registered tensors].
+  void to(const c10::Device& device, std::optional<c10::ScalarType> dtype) override {
+    bool any_meta = false;
+    for (const auto& t : impl_->parameters()) any_meta = any_meta || t.is_meta();
+    for (const auto& t : impl_->buffers()) any_meta = any_meta || t.is_meta();
+    if (!any_meta) return Module::to(device, dtype);
+    impl_->remap_leaves([&](const at::Tensor& t) {
+      const c10::ScalarType target = dtype && c10::isFloatingType(t.scalar_type()) ? *dtype : t.scalar_type();
+      at::Tensor out = t.is_meta() ? at::empty(t.sizes(), t.options().device(device).dtype(target))
+                                   : t.detach().to(device, target);
+      return out.set_requires_grad(t.requires_grad());
+    });
+  }
+
+  void set_param_dtype(std::optional<c10::ScalarType> dtype) override {
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw Error(fmt::format("gpt2: set_param_dtype needs a floating-point dtype, got {}", c10::toString(*dtype)));
+    const c10::ScalarType storage = impl_->storage_dtype();
+    param_dtype_ = dtype && *dtype != storage ? dtype : std::nullopt;
+  }
+  std::optional<c10::ScalarType> param_dtype() const override { return param_dtype_; }
+
+  std::string sample_key() const override { return config_.sample_key; }
+  std::string prediction_key() const override { return config_.prediction_key; }
+
+  // Modalities' GPT-2 weight-decay groups: regexes searched in parameter names.
+  std::map<std::string, std::vector<std::string>> weight_decay_groups() const override {
+    return {{"linear", {".attn", ".mlp", ".lm_head.weight"}},
+            {"embedding", {".wte", ".wpe"}},
+            {"layernorm", {".attention_norm", ".ffn_norm", ".lm_head_norm"}}};
+  }
+
+  std::vector<std::string> block_fqns() const override {
+    std::vector<std::string> out;
+    for (const auto& key : impl_->block_keys()) out.push_back("transformer.h." + key);
+    return out;
+  }
+
+  // Hooks fire on the root ("") and the blocks; `fqns` empty means all of them.
+  std::shared_ptr<RemovableHandle> add_hook(ModuleHook hook, std::span<const std::string> fqns) override {
+    return impl_->hooks().add(std::move(hook), fqns, block_fqns(), "gpt2");
+  }
+  std::shared_ptr<RemovableHandle> add_block_runner(BlockRunner runner, std::span<const std::string> fqns) override {
+    return impl_->hooks().add_runner(std::move(runner), fqns, block_fqns(), "gpt2");
+  }
+
+  void reset_parameters() override {
+    for (const auto& t : impl_->parameters())
+      if (t.is_meta())
+        throw Error("gpt2: reset_parameters() needs materialized tensors; the model is on the meta device "
+                    "(move it with to(device) first)");
+    // Split: the whole model is initialized as in one process (same random numbers), each rank keeps its part.
+    if (tp_ && !whole_) return apply_to_full_parameters([](Module& full) { full.reset_parameters(); });
+    GPT2LLMImpl::reset_leaves(*impl_);
+  }
+
+  void retain_modules(const std::vector<std::string>& module_fqns) override {
+    impl_->retain(module_fqns);
+    retained_ = module_fqns;
+  }
+
+  // `modalities convert_pytorch_to_hf_checkpoint` (README.md, "Hugging Face interop").
+  HuggingFaceCheckpoint to_huggingface(const HuggingFaceExportOptions& options) const override {
+    if (tp_ || retained_)
+      throw Error("gpt2: a tensor-parallel or pipeline-split model holds part of the weights; export the whole "
+                  "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
+                  "sharded checkpoints whole)");
+    for (const auto& t : impl_->parameters())
+      if (t.is_meta()) throw Error("gpt2: the model is on the meta device; load a checkpoint into it before exporting");
+    return hf::to_huggingface(spec_from_config(config_), state_dict(), options);
+  }
+
+  // --- tensor parallel (model/gpt2_tp) ---------------------------------------------------
+
+  // Splits the model over plan.size ranks: every split parameter (tp_split_dim) is replaced by
+  // this rank's chunk, the modules compute their local heads and hidden units. Works on the meta
+  // device too (the chunks are meta then).
+  void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options) override {
+    if (dims.has(MeshDim::dp_replicate))
+      throw ConfigError("device_mesh", "has a dp_replicate dim; tensor parallelism composes with dp_shard only (as in "
+                                       "Modalities)");
+    parallelize(TpPlan::from(dims, options));
+  }
+
+  void parallelize(const TpPlan& plan) {
+    if (tp_) throw Error("gpt2_tp: the model is split already (tensor parallelism applied twice)");
+    const std::int64_t p = plan.size;
+    const auto divisible = [&](std::string_view field, std::int64_t value) {
+      if (value % p != 0)
+        throw ConfigError("model", fmt::format("model/gpt2's {} = {} is not divisible by the tensor-parallel degree "
+                                               "{} (device_mesh.config.tensor_parallel_degree)",
+                                               field, value, p));
+    };
+    divisible("n_head_q", config_.n_head_q);
+    divisible("n_head_kv", config_.n_head_kv);
+    divisible("vocab_size", config_.vocab_size);
+    divisible(config_.activation_type == "swiglu" ? "SwiGLU hidden size (from ffn_hidden)" : "ffn_hidden",
+              config_.activation_type == "swiglu"
+                  ? swiglu_hidden(config_.ffn_hidden, config_.enforce_swiglu_hidden_dim_multiple_of)
+                  : config_.ffn_hidden);
+    if (plan.sequence_parallel) divisible("sequence_length (sequence parallelism splits it)", config_.sequence_length);
+    std::unordered_map<const void*, std::int64_t> dim_of;
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      if (const auto d = tp_split_dim(item.key())) dim_of[item.value().unsafeGetTensorImpl()] = *d;
+    impl_->remap_leaves([&](const at::Tensor& t) {
+      const auto it = dim_of.find(t.unsafeGetTensorImpl());
+      if (it == dim_of.end()) return t;
+      const std::int64_t n = t.size(it->second) / p;
+      at::NoGradGuard no_grad;
+      return t.narrow(it->second, plan.rank * n, n).clone().set_requires_grad(t.requires_grad());
+    });
+    tp_ = std::make_shared<const TpPlan>(plan);
+    impl_->parallelize(tp_);
+    // Recorded now: a wrapper (fsdp2_wrapped) may free the module's tensors between uses.
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      local_shapes_[item.key()] = item.value().sizes().vec();
+  }
+
+  // Every parameter, split or replicated (then held alike by the tp ranks), as a block of the full tensor.
+  std::map<std::string, ShardPlacement> shard_placements() const override {
+    if (!tp_ || whole_) return {};
+    std::map<std::string, ShardPlacement> out;
+    for (const auto& [fqn, shape] : local_shapes_) {
+      ShardPlacement s;
+      s.global_shape = shape;
+      s.offsets.assign(s.global_shape.size(), 0);
+      if (const auto d = tp_split_dim(fqn)) {
+        s.offsets[*d] = tp_->rank * s.global_shape[*d];
+        s.global_shape[*d] *= tp_->size;
+      } else {
+        s.replicas = tp_->size;
+      }
+      out[fqn] = std::move(s);
+    }
+    return out;
+  }
+
+  // Split: whole tensors gathered over the tp ranks, `fn` on the whole model, each rank keeps its
+  // chunk of whatever fn wrote. A collective.
+  void apply_to_full_parameters(const std::function<void(Module&)>& fn) override {
+    if (!tp_ || whole_) return fn(*this);
+    at::NoGradGuard no_grad;
+    struct Split {
+      at::Tensor local, full;
+      std::int64_t dim;
+    };
+    std::unordered_map<const void*, Split> split;  // by the local tensor
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true)) {
+      const auto d = tp_split_dim(item.key());
+      const at::Tensor& t = item.value();
+      if (!d || split.contains(t.unsafeGetTensorImpl())) continue;
+      if (t.is_meta())
+        throw Error("gpt2_tp: the model's parameters are on the meta device; move it to a device before "
+                    "initializing it (model/model_initialized does)");
+      at::Tensor full = tp::gather_from_tensor_parallel(t, *d, tp_->group).set_requires_grad(t.requires_grad());
+      split.emplace(t.unsafeGetTensorImpl(), Split{t, std::move(full), *d});
+    }
+    const auto swap_to = [&](bool whole) {
+      std::unordered_map<const void*, at::Tensor> to;
+      for (const auto& [impl, s] : split) to.emplace(whole ? s.local.unsafeGetTensorImpl() : s.full.unsafeGetTensorImpl(), whole ? s.full : s.local);
+      impl_->remap_leaves([&](const at::Tensor& t) {
+        const auto it = to.find(t.unsafeGetTensorImpl());
+        return it == to.end() ? t : it->second;
+      });
+    };
+    swap_to(true);
+    whole_ = true;
+    try {
+      fn(*this);
+    } catch (...) {
+      whole_ = false;
+      swap_to(false);
+      throw;
+    }
+    whole_ = false;
+    for (auto& [impl, s] : split) {
+      const std::int64_t n = s.local.size(s.dim);
+      s.local.copy_(s.full.narrow(s.dim, tp_->rank * n, n));
+    }
+    swap_to(false);
+  }
+
+  std::optional<tp::VocabShard> vocab_shard() const override {
+    if (!tp_ || !tp_->loss_parallel || !impl_->has_lm_head()) return std::nullopt;
+    return tp::VocabShard{tp_->group, tp_->rank * (config_.vocab_size / tp_->size), config_.vocab_size};
+  }
+
+  std::shared_ptr<Module> clone() const override {
+    // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
+    // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
+    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta));
+    if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
+    if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
+    std::unordered_map<std::string, at::Tensor> mine;
+    for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
+    for (const auto& item : impl_->named_buffers(true)) mine.emplace(item.key(), item.value());
+    std::unordered_map<const void*, std::string> names;  // meta tensor of the copy -> its FQN
+    for (const auto& item : copy->impl_->named_parameters(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    for (const auto& item : copy->impl_->named_buffers(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    copy->impl_->remap_leaves([&](const at::Tensor& t) {
+      const at::Tensor& src = mine.at(names.at(t.unsafeGetTensorImpl()));
+      return src.detach().clone().set_requires_grad(src.requires_grad());
+    });
+    copy->impl_->train(impl_->is_training());
+    copy->param_dtype_ = param_dtype_;
+    return copy;
+  }
+
+ private:
+  GPT2Config config_without_seed() const {
+    GPT2Config c = config_;
+    c.seed.reset();
+    return c;
+  }
+
+  GPT2Config config_;
+  std::shared_ptr<GPT2LLMImpl> impl_;
+  Dt param_dtype_;
+  std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
+  std::map<std::string, std::vector<std::int64_t>> local_shapes_;  // of every parameter, once split
+  bool whole_ = false;                // inside apply_to_full_parameters: the tensors are whole
+  std::optional<std::vector<std::string>> retained_;  // a pipeline stage's modules
+};
+
+
+}  // namespace
+
+std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device) {
+  return std::make_shared<GPT2>(c, device);
+}
+
+}  // namespace modalities::plugins::gpt2

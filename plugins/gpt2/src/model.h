@@ -1,0 +1,21 @@
+// model/gpt2's Module as the host sees it (model.cpp), and the loader of model/huggingface_pretrained_model
+// (pretrained.cpp). plugin.cpp registers them.
+#pragma once
+
+#include "config.h"
+
+#include <modalities/sdk/interfaces/module.h>
+
+#include <c10/core/Device.h>
+
+#include <memory>
+
+namespace modalities::plugins::gpt2 {
+
+/// model/gpt2 built on `device` (the meta device: no storage; materialize with Module::to).
+std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device);
+
+/// model/huggingface_pretrained_model: a transformers folder read into model/gpt2 on the run's device.
+std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c);
+
+}  // namespace modalities::plugins::gpt2

@@ -1,0 +1,666 @@
+// The layers of model/gpt2 and its root GPT2LLMImpl (modules.h).
+#include "modules.h"
+
+#include "fused_ops.h"
+
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/norms.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/dropout.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace modalities::plugins::gpt2 {
+
+// Note [Replacing registered tensors]
+// libtorch's Module::to() moves tensors with set_data(), which cannot turn a meta
+// tensor into a real one (their TensorImpls are not shallow-copy compatible), and
+// libtorch has no to_empty(). Materializing a meta model and clone() therefore swap
+// the registered tensors themselves: parameters through the protected `parameters_`
+// dict, the single buffer of RotaryTransform through the slot that register_buffer
+// returned (stable: it is that module's only buffer, so the dict never grows after).
+// Every module with parameters or buffers is a Leaf.
+class Leaf : public torch::nn::Module {
+ public:
+  explicit Leaf(std::string name) : torch::nn::Module(std::move(name)) {}
+  /// Constructor-time values again (README.md), on whatever device the tensors live.
+  virtual void reset() = 0;
+  /// Replaces every own parameter and buffer by f(old).
+  virtual void remap(const Remap& f) {
+    for (auto& item : parameters_) item.value() = f(item.value());
+    sync();
+  }
+
+ protected:
+  /// Refreshes the typed member handles from the registered tensors.
+  virtual void sync() {}
+  at::Tensor registered(const std::string& name) const {
+    const at::Tensor* t = parameters_.find(name);
+    return t != nullptr ? *t : at::Tensor();
+  }
+};
+
+class LinearImpl final : public Leaf {
+ public:
+  LinearImpl(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o) : Leaf("Linear"), in_(in) {
+    register_parameter("weight", at::empty({out, in}, o));
+    if (bias) register_parameter("bias", at::empty({out}, o));
+    sync();
+  }
+  void reset() override {
+    // torch.nn.Linear.reset_parameters: Kaiming-uniform (a = sqrt(5)) = U(+-1/sqrt(fan_in)) for both.
+    torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (bias.defined()) {
+      const double bound = in_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_)) : 0.0;
+      bias.uniform_(-bound, bound);
+    }
+  }
+  // x: [..., in] -> [..., out]; fused for the model's 2-d activations (at::linear otherwise).
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return fused_linear(x, cast(weight, dt), cast(bias, dt)); }
+
+  at::Tensor weight, bias;
+
+ private:
+  void sync() override {
+    weight = registered("weight");
+    bias = registered("bias");
+  }
+  std::int64_t in_;
+};
+
+class EmbeddingImpl final : public Leaf {
+ public:
+  EmbeddingImpl(std::int64_t num, std::int64_t dim, const at::TensorOptions& o) : Leaf("Embedding") {
+    register_parameter("weight", at::empty({num, dim}, o));
+    sync();
+  }
+  void reset() override { weight.normal_(0.0, 1.0); }
+  /// Weight tying: this embedding uses `shared` (lm_head's weight) from now on.
+  void tie(const at::Tensor& shared) {
+    parameters_["weight"] = shared;
+    sync();
+  }
+  // ids: [B, T] -> [B, T, dim]
+  at::Tensor operator()(const at::Tensor& ids, Dt dt) const { return at::embedding(cast(weight, dt), ids); }
+
+  at::Tensor weight;
+
+ private:
+  void sync() override { weight = registered("weight"); }
+};
+
+class NormImpl final : public Leaf {
+ public:
+  NormImpl(const NormWrapperConfig& c, const at::TensorOptions& o)
+      : Leaf(norms::module_name(c.kind)),
+        kind_(c.kind),
+        n_(c.size),
+        eps_(c.eps) {
+    if (c.weight) register_parameter("weight", at::empty({n_}, o));
+    if (c.bias) register_parameter("bias", at::empty({n_}, o));
+    sync();
+  }
+  void reset() override {
+    if (weight.defined()) weight.fill_(1.0);
+    if (bias.defined()) bias.zero_();
+  }
+  // x: [..., n] -> [..., n], Modalities' norm formulas (README.md), in the compute dtype dt.
+  at::Tensor operator()(const at::Tensor& x, Dt dt) const {
+    const at::Tensor w = partial ? partial->shared(weight) : weight;
+    // CPU fast path of RMSNorm, bit-identical to at::rms_norm (fused_ops.h).
+    if (kind_ == norms::Kind::kTorchRmsNorm && x.dim() >= 1 && x.size(-1) == n_)
+      return fused_rms_norm(x, cast(w, dt), eps_);
+    return norms::apply(kind_, x, n_, cast(w, dt), cast(partial ? partial->shared(bias) : bias, dt), eps_);
+  }
+
+  at::Tensor weight, bias;
+  const TpPlan* partial = nullptr;  // tensor parallel: applied to part of the data (TpPlan::shared)
+
+ private:
+  void sync() override {
+    weight = registered("weight");
+    bias = registered("bias");
+  }
+  norms::Kind kind_;
+  std::int64_t n_;
+  double eps_;
+};
+
+class IdentityTransformImpl final : public torch::nn::Module {
+ public:
+  IdentityTransformImpl() : torch::nn::Module("IdentityTransform") {}
+};
+
+class IdentityImpl final : public torch::nn::Module {  // wpe with poe_type NOPE (nn.Identity)
+ public:
+  IdentityImpl() : torch::nn::Module("Identity") {}
+};
+
+// RoPE, half-split (NeoX) convention; precision as in README.md, "Numerics".
+class RotaryTransformImpl final : public Leaf {
+ public:
+  RotaryTransformImpl(std::int64_t head_dim, std::int64_t base_freq, std::optional<RopeScalingConfig> scaling,
+                      const at::TensorOptions& o)
+      : Leaf("RotaryTransform"), hd_(head_dim), base_(base_freq), scaling_(std::move(scaling)) {
+    inv_freq_slot_ = &register_buffer("inv_freq", at::empty({hd_ / 2}, o));
+  }
+  void reset() override {
+    // inv_freq[j] = 1 / base^(float32(2j) / hd), in float32 as torch computes it; written in place.
+    const at::Tensor& buf = *inv_freq_slot_;
+    const at::Tensor exps =
+        at::arange(0, hd_, 2, at::TensorOptions().dtype(at::kLong).device(buf.device())).to(at::kFloat) / hd_;
+    at::Tensor inv = at::reciprocal(at::pow(at::Scalar(base_), exps));
+    if (scaling_) inv = scaled(inv, *scaling_);
+    buf.copy_(inv);
+    cache_ = {};
+  }
+  // Frequency scaling with the float32 ops of transformers' rope initialisers
+  // (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters), so imported models get
+  // the very inv_freq their Hugging Face counterpart computes.
+  static at::Tensor scaled(const at::Tensor& inv, const RopeScalingConfig& s) {
+    if (s.rope_type == "linear") return inv / s.factor;
+    const double old_len = static_cast<double>(s.original_max_position_embeddings);
+    const double low_wavelen = old_len / s.low_freq_factor, high_wavelen = old_len / s.high_freq_factor;
+    const at::Tensor wavelen = 2 * M_PI / inv;
+    const at::Tensor llama = at::where(wavelen > low_wavelen, inv / s.factor, inv);
+    const at::Tensor smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    const at::Tensor smoothed = (1 - smooth) * llama / s.factor + smooth * llama;
+    const at::Tensor medium = (wavelen < high_wavelen).logical_not() * (wavelen > low_wavelen).logical_not();
+    return at::where(medium, smoothed, llama);
+  }
+  void remap(const Remap& f) override {
+    *inv_freq_slot_ = f(*inv_freq_slot_);
+    cache_ = {};
+  }
+  // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged)
+  std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& q, const at::Tensor& k) {
+    const auto& [cos, sin] = tables(k.size(-2), k.device(), k.scalar_type());
+    return {apply(q, cos, sin), apply(k, cos, sin)};
+  }
+  const at::Tensor& inv_freq() const { return *inv_freq_slot_; }
+  std::int64_t head_dim() const { return hd_; }
+
+  // cos/sin [1, 1, T, hd] in `dtype`, cached per (T, device, dtype, inv_freq version) like
+  // Modalities' per-module cache. No host synchronisation: only metadata is compared.
+  std::pair<at::Tensor, at::Tensor> tables(std::int64_t T, const c10::Device& device, c10::ScalarType dtype) {
+    const at::Tensor& inv = *inv_freq_slot_;
+    if (cache_.cos.defined() && cache_.T == T && cache_.device == device && cache_.dtype == dtype &&
+        cache_.inv == inv.unsafeGetTensorImpl() && cache_.version == inv._version())
+      return {cache_.cos, cache_.sin};
+    at::NoGradGuard no_grad;
+    const at::Tensor t = at::arange(T, at::TensorOptions().dtype(at::kFloat).device(device));
+    // The frequencies are rounded to the activation dtype first (bf16 runs), the product is float32.
+    const at::Tensor f = inv.to(device).to(dtype).to(at::kFloat);
+    const at::Tensor freqs = t.unsqueeze(1) * f.unsqueeze(0);  // [T, hd/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [T, hd]
+    cache_.cos = emb.cos().unsqueeze(0).unsqueeze(0).to(dtype);
+    cache_.sin = emb.sin().unsqueeze(0).unsqueeze(0).to(dtype);
+    cache_.T = T;
+    cache_.device = device;
+    cache_.dtype = dtype;
+    cache_.inv = inv.unsafeGetTensorImpl();
+    cache_.version = inv._version();
+    return {cache_.cos, cache_.sin};
+  }
+
+ private:
+  static at::Tensor rotate_half(const at::Tensor& x) {
+    const auto halves = x.chunk(2, -1);
+    return at::cat({-halves[1], halves[0]}, -1);
+  }
+  static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    return x * cos + rotate_half(x) * sin;
+  }
+  std::int64_t hd_;
+  std::int64_t base_;
+  std::optional<RopeScalingConfig> scaling_;
+  at::Tensor* inv_freq_slot_ = nullptr;  // see Note [Replacing registered tensors]
+  struct Cache {
+    std::int64_t T = -1;
+    c10::Device device = c10::kCPU;
+    c10::ScalarType dtype = at::kFloat;
+    const void* inv = nullptr;
+    std::uint32_t version = 0;
+    at::Tensor cos, sin;
+  } cache_;
+};
+
+// Causal masks, shared by all layers and cached per (T, device, dtype): the additive mask of the
+// manual path (0 where position i may attend to j, -inf elsewhere) and, with a sliding window, the
+// boolean mask handed to SDPA. Allowed: j <= i, and i - window < j with a window (transformers'
+// sliding_window_causal_mask_function).
+class CausalMaskCache {
+ public:
+  explicit CausalMaskCache(std::optional<std::int64_t> window = std::nullopt) : window_(window) {}
+  const at::Tensor& get(std::int64_t T, const at::TensorOptions& o) {
+    if (mask_.defined() && mask_.size(0) == T && mask_.device() == o.device() &&
+        mask_.scalar_type() == o.dtype().toScalarType())
+      return mask_;
+    mask_ = at::zeros({T, T}, o).masked_fill_(allowed(T, o.device()).logical_not(),
+                                               -std::numeric_limits<double>::infinity());
+    return mask_;
+  }
+  // Boolean [T, T] (true: attend) when a sliding window cuts into length T; undefined otherwise
+  // (plain causal attention, SDPA's is_causal).
+  at::Tensor sliding(std::int64_t T, const c10::Device& device) {
+    if (!window_ || *window_ >= T) return {};
+    if (!bool_.defined() || bool_.size(0) != T || bool_.device() != device) bool_ = allowed(T, device);
+    return bool_;
+  }
+
+ private:
+  at::Tensor allowed(std::int64_t T, const c10::Device& device) const {
+    at::Tensor keep = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
+    if (window_) keep = keep.logical_and(at::ones_like(keep).triu(-(*window_ - 1)));
+    return keep;
+  }
+  std::optional<std::int64_t> window_;
+  at::Tensor mask_, bool_;
+};
+
+enum class AttentionImpl { kManual, kPytorchFlash };
+
+// A row-parallel linear (its weight split on the input dim): the local product, summed over the
+// ranks by TpPlan::leave, then the bias, once (a replicated parameter: under sequence parallelism
+// each rank adds it to its chunk, so its gradient is summed over the ranks).
+at::Tensor row_parallel(const LinearImpl& l, const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt,
+                        const TpPlan& tp) {
+  at::Tensor y = tp.leave(fused_linear(x, cast(l.weight, dt), at::Tensor()), B, T);
+  if (l.bias.defined()) y = y + cast(tp.sequence_parallel ? tp.shared(l.bias) : l.bias, dt);
+  return y;
+}
+
+class CausalSelfAttentionImpl final : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, const at::TensorOptions& o)
+      : torch::nn::Module("CausalSelfAttention"),
+        hq_(c.n_head_q),
+        hkv_(c.n_head_kv),
+        hd_(c.head_dim()),
+        dropout_(c.dropout),
+        impl_(c.attention_implementation == "manual" ? AttentionImpl::kManual : AttentionImpl::kPytorchFlash),
+        mask_(std::move(mask)) {
+    const std::int64_t kv = c.n_embd / (c.n_head_q / c.n_head_kv);
+    q_attn = register_module("q_attn", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.qkv_bias_on(), o));
+    k_attn = register_module("k_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.qkv_bias_on(), o));
+    v_attn = register_module("v_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.qkv_bias_on(), o));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.attn_proj_bias_on(), o));
+    register_module("resid_dropout", torch::nn::Dropout(c.dropout));
+    // A plain module named like nn.ModuleList, entries "0", "1", ...; typed view in `rope_`.
+    auto list = register_module("qkv_transforms", std::make_shared<torch::nn::Module>("ModuleList"));
+    for (std::size_t j = 0; j < c.attention_config.qkv_transforms.size(); ++j) {
+      const QkvTransformConfig& t = c.attention_config.qkv_transforms[j];
+      if (t.rotary) {
+        auto rope = std::make_shared<RotaryTransformImpl>(t.rope.n_embd / t.rope.n_head, t.rope.base_freq,
+                                                          t.rope.rope_scaling, o);
+        list->register_module(std::to_string(j), rope);
+        rope_.push_back(rope);
+      } else {
+        list->register_module(std::to_string(j), std::make_shared<IdentityTransformImpl>());
+      }
+    }
+    if (c.attention_config.qk_norm_config) {
+      q_norm = register_module("q_norm", std::make_shared<NormImpl>(*c.attention_config.qk_norm_config, o));
+      k_norm = register_module("k_norm", std::make_shared<NormImpl>(*c.attention_config.qk_norm_config, o));
+    }
+  }
+
+  // x: [B*T, d] (rows = tokens, see GPT2LLMImpl::forward) -> [B*T, d]
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) {
+    at::Tensor q, k, v;  // [B, Hq, T, hd] each once expanded
+    const std::int64_t r = hq_ / hkv_;
+    if (rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
+      // Common case, fused (fused_ops.h): the three projections, the heads split, RoPE and
+      // the GQA expansion as one autograd node. With qk-norm the norms come between RoPE and
+      // the expansion, which then happens below.
+      HeadsSpec sq, sk, sv;
+      sq.heads = hq_;
+      sk.heads = sv.heads = hkv_;
+      if (!rope_.empty()) {
+        std::tie(sq.cos, sq.sin) = rope_.front()->tables(T, x.device(), x.scalar_type());
+        sk.cos = sq.cos;
+        sk.sin = sq.sin;
+      }
+      sk.repeat = sv.repeat = q_norm ? 1 : r;
+      Qkv h = fused_qkv(x, cast(q_attn->weight, dt), cast(q_attn->bias, dt), cast(k_attn->weight, dt),
+                        cast(k_attn->bias, dt), cast(v_attn->weight, dt), cast(v_attn->bias, dt), B, T, hd_, sq, sk, sv);
+      q = std::move(h.q);
+      k = std::move(h.k);
+      v = std::move(h.v);
+    } else {
+      q = (*q_attn)(x, dt).view({B, T, hq_, hd_}).transpose(1, 2).contiguous();  // [B, Hq, T, hd]
+      k = (*k_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+      v = (*v_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+      for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k);
+    }
+    if (q_norm) {
+      q = (*q_norm)(q, dt);
+      k = (*k_norm)(k, dt);
+    }
+    // GQA: kv head j serves query heads j*r .. j*r+r-1 (repeat_interleave over dim 1).
+    if (hq_ != hkv_ && k.size(1) != hq_) {
+      k = k.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
+      v = v.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
+    }
+    at::Tensor y;  // [B, Hq, T, hd]
+    if (impl_ == AttentionImpl::kManual) {
+      at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd_)));
+      s = s + mask_->get(T, q.options());
+      at::Tensor p = at::softmax(s, -1);
+      if (dropout_ > 0) p = at::dropout(p, dropout_, /*train=*/true);  // in every mode, as in Modalities
+      y = at::matmul(p, v);
+    } else if (const at::Tensor window = mask_->sliding(T, q.device()); window.defined()) {
+      y = at::scaled_dot_product_attention(q, k, v, window, dropout_, /*is_causal=*/false);
+    } else {
+      // Dropout in every mode too: Modalities passes dropout_p without consulting the mode.
+      y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_, /*is_causal=*/true);
+    }
+    y = fused_merge_heads(y);  // [B*T, d], heads side by side (this rank's heads under TP)
+    y = tp_ ? row_parallel(*c_proj, y, B, T, dt, *tp_) : (*c_proj)(y, dt);
+    if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
+    return y;
+  }
+
+  // Tensor parallel: this rank computes heads [rank * Hq / size, ...) (and the matching kv heads);
+  // the projections' weights were split by GPT2::parallelize.
+  void parallelize(const TpPlan& tp) {
+    hq_ /= tp.size;
+    hkv_ /= tp.size;
+    tp_ = &tp;
+    if (q_norm) q_norm->partial = k_norm->partial = &tp;  // per-head norms see this rank's heads only
+  }
+
+  std::shared_ptr<LinearImpl> q_attn, k_attn, v_attn, c_proj;
+  std::shared_ptr<NormImpl> q_norm, k_norm;
+
+ private:
+  const TpPlan* tp_ = nullptr;
+  std::int64_t hq_, hkv_, hd_;
+  double dropout_;
+  AttentionImpl impl_;
+  std::shared_ptr<CausalMaskCache> mask_;
+  std::vector<std::shared_ptr<RotaryTransformImpl>> rope_;
+};
+
+class SwiGLUImpl final : public torch::nn::Module {
+ public:
+  SwiGLUImpl(const GPT2Config& c, const at::TensorOptions& o) : torch::nn::Module("SwiGLU") {
+    const std::int64_t h = swiglu_hidden(c.ffn_hidden, c.enforce_swiglu_hidden_dim_multiple_of);
+    W = register_module("W", std::make_shared<LinearImpl>(c.n_embd, h, c.mlp_bias_on(), o));
+    register_module("silu", torch::nn::SiLU());
+    V = register_module("V", std::make_shared<LinearImpl>(c.n_embd, h, c.mlp_bias_on(), o));
+    W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.mlp_bias_on(), o));
+  }
+  // x: [B*T, d] -> [B*T, h] -> [B*T, d]; no dropout (as in Modalities). Under TP h is this
+  // rank's part of the hidden units and W_2 is row-parallel.
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
+    const at::Tensor g = fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt));
+    return tp ? row_parallel(*W_2, g, B, T, dt, *tp) : (*W_2)(g, dt);
+  }
+
+  std::shared_ptr<LinearImpl> W, V, W_2;
+  const TpPlan* tp = nullptr;
+};
+
+class TransformerMLPImpl final : public torch::nn::Module {
+ public:
+  TransformerMLPImpl(const GPT2Config& c, const at::TensorOptions& o)
+      : torch::nn::Module("TransformerMLP"), dropout_(c.dropout), tanh_(c.activation_type == "gelu_tanh") {
+    c_fc = register_module("c_fc", std::make_shared<LinearImpl>(c.n_embd, c.ffn_hidden, c.mlp_bias_on(), o));
+    register_module("gelu", torch::nn::GELU(torch::nn::GELUOptions().approximate(tanh_ ? "tanh" : "none")));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.ffn_hidden, c.n_embd, c.mlp_bias_on(), o));
+    register_module("dropout", torch::nn::Dropout(c.dropout));
+  }
+  // x: [B*T, d] -> [B*T, ffn_hidden] -> [B*T, d]; exact (erf) GELU, or its tanh approximation
+  // (gelu_tanh, GPT-2's gelu_new). Under TP c_fc is column-parallel, c_proj row-parallel.
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
+    const at::Tensor a = at::gelu((*c_fc)(x, dt), tanh_ ? "tanh" : "none");
+    at::Tensor y = tp ? row_parallel(*c_proj, a, B, T, dt, *tp) : (*c_proj)(a, dt);
+    if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
+    return y;
+  }
+
+  std::shared_ptr<LinearImpl> c_fc, c_proj;
+  const TpPlan* tp = nullptr;
+
+ private:
+  double dropout_;
+  bool tanh_;
+};
+
+class GPT2BlockImpl final : public torch::nn::Module {
+ public:
+  GPT2BlockImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, const at::TensorOptions& o)
+      : torch::nn::Module("GPT2Block") {
+    attention_norm = register_module("attention_norm", std::make_shared<NormImpl>(c.attention_norm_config, o));
+    ffn_norm = register_module("ffn_norm", std::make_shared<NormImpl>(c.ffn_norm_config, o));
+    attn = register_module("attn", std::make_shared<CausalSelfAttentionImpl>(c, std::move(mask), o));
+    if (c.activation_type == "swiglu") swiglu = register_module("mlp", std::make_shared<SwiGLUImpl>(c, o));
+    else gelu_mlp = register_module("mlp", std::make_shared<TransformerMLPImpl>(c, o));
+  }
+  // Pre-norm residual block. x: [B*T, d] -> [B*T, d]; under sequence parallelism this rank's
+  // sequence chunk [B*(T/tp), d], gathered whole into the attention and the MLP.
+  at::Tensor operator()(at::Tensor x, std::int64_t B, std::int64_t T, Dt dt) {
+    const auto enter = [&](const at::Tensor& n) { return tp ? tp->enter(n, B, T) : n; };
+    x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt);
+    const at::Tensor n = enter((*ffn_norm)(x, dt));
+    return x + (swiglu ? (*swiglu)(n, B, T, dt) : (*gelu_mlp)(n, B, T, dt));
+  }
+
+  void parallelize(const TpPlan& plan) {
+    tp = &plan;
+    attn->parallelize(plan);
+    if (swiglu) swiglu->tp = &plan;
+    else gelu_mlp->tp = &plan;
+    if (plan.sequence_parallel) attention_norm->partial = ffn_norm->partial = &plan;
+  }
+  const TpPlan* tp = nullptr;
+
+  std::shared_ptr<NormImpl> attention_norm, ffn_norm;
+  std::shared_ptr<CausalSelfAttentionImpl> attn;
+  std::shared_ptr<SwiGLUImpl> swiglu;
+  std::shared_ptr<TransformerMLPImpl> gelu_mlp;
+};
+
+namespace {
+
+// Off the meta device a module is initialized as soon as it is created (Modalities' order of random numbers).
+template <class M>
+std::shared_ptr<M> init(std::shared_ptr<M> m, const at::TensorOptions& o) {
+  if (!o.device().is_meta()) GPT2LLMImpl::reset_leaves(*m);
+  return m;
+}
+
+}  // namespace
+
+GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o)
+    : torch::nn::Module("GPT2LLM"),
+      absolute_(c.poe_type == "ABSOLUTE"),
+      sequence_length_(c.sequence_length),
+      dropout_(c.dropout) {
+  auto mask = std::make_shared<CausalMaskCache>(c.attention_config.sliding_window);
+  // Objects are created (and, off the meta device, initialized) in Modalities' construction
+  // order so that a seeded build draws random numbers in the same sequence: wpe, wte,
+  // blocks, lm_head; they are registered in the canonical FQN order below.
+  std::shared_ptr<torch::nn::Module> wpe;
+  if (absolute_) wpe = wpe_ = init(std::make_shared<EmbeddingImpl>(c.sequence_length, c.n_embd, o), o);
+  else wpe = std::make_shared<IdentityImpl>();
+  wte_ = init(std::make_shared<EmbeddingImpl>(c.vocab_size, c.n_embd, o), o);
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
+  for (std::int64_t i = 0; i < c.n_layer; ++i) {
+    auto block = std::make_shared<GPT2BlockImpl>(c, mask, o);
+    if (!o.device().is_meta()) reset_leaves(*block);
+    blocks.emplace_back(std::to_string(i), block);
+  }
+  lm_head_norm_ = init(std::make_shared<NormImpl>(c.lm_head_norm_config, o), o);
+  lm_head_ = init(std::make_shared<LinearImpl>(c.n_embd, c.vocab_size, /*bias=*/false, o), o);
+  if (c.use_weight_tying) wte_->tie(lm_head_->weight);
+
+  h_ = torch::nn::ModuleDict(blocks);
+  transformer_ = torch::nn::ModuleDict(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+      {"wte", wte_},
+      {"wpe", wpe},
+      {"drop", torch::nn::Dropout(c.dropout).ptr()},
+      {"h", h_.ptr()},
+      {"lm_head_norm", lm_head_norm_},
+      {"lm_head", lm_head_}});
+  register_module("transformer", transformer_);
+}
+
+at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
+  TORCH_CHECK(input.dim() >= 2, "gpt2: expected input of shape [B, T], got ", input.sizes());
+  const std::int64_t B = input.size(0), T = input.size(1);
+  TORCH_CHECK(T <= sequence_length_, "gpt2: cannot forward a sequence of length ", T,
+              ", the model's maximum input sequence length (sequence_length) is ", sequence_length_);
+  const TpPlan* tp = tp_.get();
+  const bool sp = tp && tp->sequence_parallel;
+  TORCH_CHECK(!sp || T % tp->size == 0, "gpt2_tp: sequence parallelism splits the sequence over the ", tp->size,
+              " tensor-parallel ranks; an input of length ", T, " does not split evenly");
+  at::Tensor h;
+  if (transformer_->contains("wte") && tp) {
+    h = vocab_parallel_embedding(input, B, T, dt);  // [B*T, d], or [B*(T/tp), d] with SP
+    if (absolute_ && transformer_->contains("wpe")) {
+      const std::int64_t Tl = sp ? T / tp->size : T;
+      const at::Tensor w = cast(sp ? tp->shared(wpe_->weight) : wpe_->weight, dt).narrow(0, sp ? tp->rank * Tl : 0, Tl);
+      h = (h.view({B, Tl, -1}) + w).view({B * Tl, -1});
+    }
+  } else if (transformer_->contains("wte")) {
+    if (absolute_ && transformer_->contains("wpe"))
+      h = ((*wte_)(input, dt) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+    else
+      h = (*wte_)(input.reshape({B * T}), dt);  // [B*T, d]
+  } else {
+    TORCH_CHECK(input.dim() == 3, "gpt2: a part without wte expects hidden states [B, T, d], got ", input.sizes());
+    h = (input.is_floating_point() ? cast(input, dt) : input).reshape({B * T, input.size(2)});
+    if (absolute_ && transformer_->contains("wpe"))
+      h = (h.view({B, T, -1}) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+    if (sp)  // replicated hidden states -> this rank's sequence chunk
+      h = tp::split_to_tensor_parallel(h.view({B, T, -1}), 1, tp->group).reshape({B * (T / tp->size), -1});
+  }
+  if (is_training() && dropout_ > 0) h = at::dropout(h, dropout_, /*train=*/true);
+  if (transformer_->contains("h")) {
+    for (const auto& item : *h_) {
+      auto& block = *item.value()->as<GPT2BlockImpl>();
+      if (hooks_.empty()) {  // the common case: no fqn string, no std::function per block
+        h = block(h, B, T, dt);
+        continue;
+      }
+      // Only the model-owned block and values: a block runner (activation checkpointing) may call
+      // it again in backward.
+      h = hooks_.around("transformer.h." + item.key(), "GPT2Block", h,
+                        [&block, B, T, dt](const at::Tensor& x) { return block(x, B, T, dt); });
+    }
+  }
+  if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
+  if (transformer_->contains("lm_head") && tp) {
+    // Column-parallel head: this rank's vocabulary slice [B*T, V/tp], gathered to [B*T, V]
+    // unless the loss takes the slices (loss parallel).
+    h = fused_linear(tp->enter(h, B, T), cast(lm_head_->weight, dt), at::Tensor());
+    if (!tp->loss_parallel) h = tp::gather_from_tensor_parallel(h, 1, tp->group);
+  } else if (transformer_->contains("lm_head")) {
+    h = (*lm_head_)(h, dt);  // [B*T, V]
+  } else if (sp) {  // a part without the head hands on whole, replicated hidden states
+    h = tp::gather_from_tensor_parallel(h.view({B, T / tp->size, -1}), 1, tp->group).reshape({B * T, -1});
+  }
+  return h.view({B, T, -1});
+}
+
+void GPT2LLMImpl::retain(const std::vector<std::string>& fqns) {
+  const auto kept = [&](const std::string& fqn) {
+    return std::any_of(fqns.begin(), fqns.end(),
+                       [&](const std::string& f) { return f == fqn || f.starts_with(fqn + "."); });
+  };
+  if (tied() && kept("transformer.wte") != kept("transformer.lm_head"))
+    throw ConfigError("whole_model",
+                      "model/gpt2 has use_weight_tying = true, and the pipeline puts transformer.wte and "
+                      "transformer.lm_head (one shared weight) into different stages; set use_weight_tying = false "
+                      "for pipeline parallelism");
+  const auto drop = [](torch::nn::ModuleDict& dict, const std::string& key) {
+    dict->pop(key);
+    dict->unregister_module(key);
+  };
+  if (transformer_->contains("h"))
+    for (const std::string& key : block_keys())
+      if (!kept("transformer.h." + key)) drop(h_, key);
+  for (const std::string key : {"wte", "wpe", "drop", "h", "lm_head_norm", "lm_head"}) {
+    if (!transformer_->contains(key)) continue;
+    const bool keep = key == "h" ? !block_keys().empty() : kept("transformer." + key);
+    if (!keep) drop(transformer_, key);
+  }
+}
+
+void GPT2LLMImpl::parallelize(std::shared_ptr<const TpPlan> plan) {
+  tp_ = std::move(plan);
+  if (transformer_->contains("h"))
+    for (const auto& item : *h_) item.value()->as<GPT2BlockImpl>()->parallelize(*tp_);
+  if (tp_->sequence_parallel && lm_head_norm_) lm_head_norm_->partial = tp_.get();
+}
+
+at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt) {
+  if (hooks_.empty()) return forward(input, dt);
+  const at::Tensor in[] = {input};
+  hooks_.call(HookPoint::kPreForward, "", "GPT2LLM", in, {});
+  at::Tensor out = forward(input, dt);
+  const at::Tensor outs[] = {out};
+  hooks_.call(HookPoint::kForward, "", "GPT2LLM", in, outs);
+  if (hooks_.wants("")) hooks_.on_backward(out, "", "GPT2LLM");
+  return out;
+}
+
+std::vector<std::string> GPT2LLMImpl::block_keys() const {
+  std::vector<std::string> keys;
+  if (transformer_->contains("h"))
+    for (const auto& item : *h_) keys.push_back(item.key());
+  return keys;
+}
+
+bool GPT2LLMImpl::tied() const {
+  return wte_ && lm_head_ && wte_->weight.defined() &&
+         wte_->weight.unsafeGetTensorImpl() == lm_head_->weight.unsafeGetTensorImpl();
+}
+
+void GPT2LLMImpl::reset_leaves(torch::nn::Module& m) {
+  at::NoGradGuard no_grad;
+  if (auto* leaf = dynamic_cast<Leaf*>(&m)) leaf->reset();
+  for (const auto& child : m.modules(/*include_self=*/false))
+    if (auto* leaf = dynamic_cast<Leaf*>(child.get())) leaf->reset();
+}
+
+void GPT2LLMImpl::remap_leaves(const Remap& f) {
+  std::unordered_map<const void*, at::Tensor> done;
+  const Remap once = [&](const at::Tensor& t) {
+    if (!t.defined()) return t;
+    auto [it, fresh] = done.try_emplace(t.unsafeGetTensorImpl());
+    if (fresh) it->second = f(t);
+    return it->second;
+  };
+  for (const auto& child : modules(/*include_self=*/false))
+    if (auto* leaf = dynamic_cast<Leaf*>(child.get())) leaf->remap(once);
+}
+
+at::Tensor GPT2LLMImpl::vocab_parallel_embedding(const at::Tensor& ids, std::int64_t B, std::int64_t T, Dt dt) const {
+  const at::Tensor w = cast(wte_->weight, dt);
+  const std::int64_t rows = w.size(0);
+  const at::Tensor local = ids.reshape({B * T}) - tp_->rank * rows;
+  const at::Tensor outside = local.lt(0).logical_or(local.ge(rows));
+  const at::Tensor e = at::embedding(w, local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(1), 0.0);
+  return tp_->leave(e, B, T);
+}
+
+c10::ScalarType GPT2LLMImpl::storage_dtype() const { return wte_ ? wte_->weight.scalar_type() : at::kFloat; }
+
+}  // namespace modalities::plugins::gpt2
