@@ -53,7 +53,8 @@ std::string timestamp() {
 std::vector<ConfigNode> expand(const ConfigNode& node, const std::string& path = "sweep") {
   if (node.is_array()) {
     if (node.as_array().empty())
-      throw Error(fmt::format("{} ({}) is an empty list: the sweep would have no combination", path, node.where().str()));
+      throw Error(
+          fmt::format("{} ({}) is an empty list: the sweep would have no combination", path, node.where().str()));
     return node.as_array();
   }
   if (!node.is_table()) return {node};
@@ -81,9 +82,10 @@ std::vector<int> parse_world_sizes(const std::string& text) {
       if (used != part.size() || v < 1) throw std::invalid_argument(part);
       out.push_back(v);
     } catch (const std::exception&) {
-      throw Error(fmt::format("--world_sizes '{}': expected a comma-separated list of positive integers without "
-                              "spaces, e.g. 2,4,8",
-                              text));
+      throw Error(
+          fmt::format("--world_sizes '{}': expected a comma-separated list of positive integers without "
+                      "spaces, e.g. 2,4,8",
+                      text));
     }
   }
   if (out.empty()) throw Error("--world_sizes is empty");
@@ -143,7 +145,8 @@ int prepare_sweep_configs(const std::vector<std::string>& args) {
     ConfigNode only(ConfigNode::Table{{"sweep", combo}}, root.where());
     const std::string hash = md5_hex(core::to_toml(only));
     for (int ws : sizes) {
-      const fs::path file = base / std::to_string(ws) / fmt::format("{}_{}", hash, ts) / fs::path(sweep_path).filename();
+      const fs::path file =
+          base / std::to_string(ws) / fmt::format("{}_{}", hash, ts) / fs::path(sweep_path).filename();
       write_file_atomically(file, core::to_toml(config, /*escape_interpolations=*/false));
       ++written;
     }
@@ -208,9 +211,10 @@ std::vector<fs::path> most_recent(const std::vector<fs::path>& configs) {
   for (const fs::path& c : configs) {
     const std::string folder = c.parent_path().filename().string();
     if (!std::regex_match(folder, pattern))
-      throw Error(fmt::format("{}: its folder '{}' is not <hash>_YYYY-MM-DD__HH-MM-SS (as prepare_sweep_configs "
-                              "writes)",
-                              c.string(), folder));
+      throw Error(
+          fmt::format("{}: its folder '{}' is not <hash>_YYYY-MM-DD__HH-MM-SS (as prepare_sweep_configs "
+                      "writes)",
+                      c.string(), folder));
     const auto sep = folder.find('_');
     const fs::path key = c.parent_path().parent_path() / folder.substr(0, sep);
     const std::string ts = folder.substr(sep + 1);
@@ -260,7 +264,8 @@ int list_remaining_runs(const std::vector<std::string>& args) {
   for (std::string t; std::getline(in, t, ',');)
     if (!t.empty()) skip.insert(t);
   const fs::path root = fs::canonical(exp_root);
-  const std::vector<fs::path> all = find_configs(root, vm.count("world_size") ? std::optional(world_size) : std::nullopt);
+  const std::vector<fs::path> all =
+      find_configs(root, vm.count("world_size") ? std::optional(world_size) : std::nullopt);
   if (all.empty()) {
     print_warning(fmt::format("no sweep configs under {}; nothing written", root.string()));
     return kOk;
@@ -276,8 +281,8 @@ int list_remaining_runs(const std::vector<std::string>& args) {
     updated.clear();
     for (const fs::path& c : remaining) {
       const std::string folder = c.parent_path().filename().string();
-      const fs::path target = c.parent_path().parent_path() / fmt::format("{}_{}", folder.substr(0, folder.find('_')), ts) /
-                              c.filename();
+      const fs::path target =
+          c.parent_path().parent_path() / fmt::format("{}_{}", folder.substr(0, folder.find('_')), ts) / c.filename();
       fs::create_directories(target.parent_path());
       fs::copy_file(c, target, fs::copy_options::overwrite_existing);
       updated.push_back(target);

@@ -4,8 +4,8 @@
 #include <fmt/core.h>
 #include <unistd.h>
 
-#include <iostream>
 #include <cstdlib>
+#include <iostream>
 #include <sstream>
 #include <string_view>
 
@@ -35,12 +35,14 @@ void print_warning(const std::string& message) {
 
 po::options_description plugin_options(core::PluginOptions& out) {
   po::options_description d("Plugin options");
-  d.add_options()
-      ("plugin-path", po::value<std::vector<std::string>>()->composing()->notifier([&out](const std::vector<std::string>& v) {
-         for (const auto& p : v) out.extra_paths.emplace_back(p);
-       }),
-       "extra plugin directory or .so file (repeatable); searched after the bundled directory and MODALITIES_PLUGIN_PATH")
-      ("strict-plugins", po::bool_switch(&out.strict), "treat any plugin that fails to load as a fatal error");
+  d.add_options()(
+      "plugin-path",
+      po::value<std::vector<std::string>>()->composing()->notifier([&out](const std::vector<std::string>& v) {
+        for (const auto& p : v) out.extra_paths.emplace_back(p);
+      }),
+      "extra plugin directory or .so file (repeatable); searched after the bundled directory and "
+      "MODALITIES_PLUGIN_PATH")("strict-plugins", po::bool_switch(&out.strict),
+                                "treat any plugin that fails to load as a fatal error");
   return d;
 }
 

@@ -24,18 +24,18 @@ struct ConfigArgs {
 
 po::options_description config_options(ConfigArgs& a) {
   po::options_description d("Config options");
-  d.add_options()("help,h", "this help")
-      ("config_file_path", po::value(&a.file)->required(), "the TOML config (also accepted as the first positional argument)")
-      ("pipeline", po::value(&a.pipeline),
-       "check against a command's pipeline profile: training, packing, text_generation, profiling "
-       "(default: every top-level key)")
-      ("experiments_root_path", po::value(&a.experiments_root_path)->default_value("experiments"),
-       "${modalities_env:experiments_root_path}, as `run` takes it (made absolute; nothing is written)")
-      ("experiment_id", po::value(&a.experiment_id),
-       "${modalities_env:experiment_id} (default: run's <date>__<time>_<hash of the config path>)")
-      ("last_checkpoint_info_file_path", po::value(&a.last_checkpoint_info_file_path),
-       "a warm-start config: the last_checkpoint_info.json that ${warmstart_env:checkpoint_paths} reads, as "
-       "`warmstart` takes it");
+  d.add_options()("help,h", "this help")("config_file_path", po::value(&a.file)->required(),
+                                         "the TOML config (also accepted as the first positional argument)")(
+      "pipeline", po::value(&a.pipeline),
+      "check against a command's pipeline profile: training, packing, text_generation, profiling "
+      "(default: every top-level key)")(
+      "experiments_root_path", po::value(&a.experiments_root_path)->default_value("experiments"),
+      "${modalities_env:experiments_root_path}, as `run` takes it (made absolute; nothing is written)")(
+      "experiment_id", po::value(&a.experiment_id),
+      "${modalities_env:experiment_id} (default: run's <date>__<time>_<hash of the config path>)")(
+      "last_checkpoint_info_file_path", po::value(&a.last_checkpoint_info_file_path),
+      "a warm-start config: the last_checkpoint_info.json that ${warmstart_env:checkpoint_paths} reads, as "
+      "`warmstart` takes it");
   return d;
 }
 
@@ -50,11 +50,12 @@ core::ResolverTable resolvers_of(const ConfigArgs& a, const core::Registry& regi
   if (!a.last_checkpoint_info_file_path.empty()) {
     add_warmstart_resolver(resolvers, a.last_checkpoint_info_file_path);
   } else {
-    resolvers.add({"warmstart_env", "Warm start facts: needs --last_checkpoint_info_file_path.",
-                   [](std::string_view) -> Value {
-                     throw Error("this is a warm-start config: give the last_checkpoint_info.json of the run to "
-                                 "continue with --last_checkpoint_info_file_path, as for `modalities warmstart`");
-                   }});
+    resolvers.add(
+        {"warmstart_env", "Warm start facts: needs --last_checkpoint_info_file_path.", [](std::string_view) -> Value {
+           throw Error(
+               "this is a warm-start config: give the last_checkpoint_info.json of the run to "
+               "continue with --last_checkpoint_info_file_path, as for `modalities warmstart`");
+         }});
   }
   return resolvers;
 }

@@ -27,9 +27,10 @@ namespace {
 namespace fs = std::filesystem;
 
 // Files of a Hugging Face tokenizer folder that AutoTokenizer reads.
-constexpr const char* kTokenizerFiles[] = {"tokenizer.json",    "tokenizer_config.json", "special_tokens_map.json",
-                                           "vocab.json",        "merges.txt",            "added_tokens.json",
-                                           "tokenizer.model",   "vocab.txt",             "chat_template.jinja"};
+constexpr const char* kTokenizerFiles[] = {
+    "tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt",         "added_tokens.json",     "tokenizer.model",         "vocab.txt",
+    "chat_template.jinja"};
 
 // Special-token ids from tokenizer_config.json (bos_token, eos_token, pad_token as strings or
 // {"content": ...}) looked up in tokenizer.json's added_tokens.
@@ -85,9 +86,8 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
   desc.add_options()("help,h", "this help")(
       "config_file_path", po::value(&config_file_path)->required(),
       "config with a top-level checkpointed_model (e.g. model/fsdp1_checkpointed loading a checkpoint into "
-      "model_raw), or a top-level model")(
-      "output_hf_checkpoint_dir", po::value(&output_dir)->required(),
-      "the Hugging Face folder to write (must not exist, or be empty)")(
+      "model_raw), or a top-level model")("output_hf_checkpoint_dir", po::value(&output_dir)->required(),
+                                          "the Hugging Face folder to write (must not exist, or be empty)")(
       "prediction_key", po::value(&prediction_key),
       "Modalities' flag: the model output to export; must be the model's prediction_key (logits)")(
       "dtype", po::value(&dtype)->default_value("as_stored"),
@@ -119,11 +119,11 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
     const char* key = root.has("checkpointed_model") ? "checkpointed_model" : "model";
     if (!root.has(key))
       throw Error(fmt::format("{}: no top-level checkpointed_model or model to convert", config_file_path));
-    const core::PipelineProfile profile{"hf_conversion",
-                                        "`modalities convert_pytorch_to_hf_checkpoint`",
-                                        {{key, "Module", true, "the model with the weights to export"},
-                                         {"tokenizer", "Tokenizer", false,
-                                          "its Hugging Face folder's files are copied into the export"}}};
+    const core::PipelineProfile profile{
+        "hf_conversion",
+        "`modalities convert_pytorch_to_hf_checkpoint`",
+        {{key, "Module", true, "the model with the weights to export"},
+         {"tokenizer", "Tokenizer", false, "its Hugging Face folder's files are copied into the export"}}};
     core::ComponentGraph graph(registry, root, &profile);
     const core::BuiltGraph built =
         graph.build([](const std::string&) {}, [](const std::string& line) { std::cerr << line << "\n"; });
@@ -136,10 +136,11 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
                               model->prediction_key()));
     const auto* exportable = dynamic_cast<const HuggingFaceExportable*>(model.get());
     if (exportable == nullptr)
-      throw Error(fmt::format("{} is not a model with a Hugging Face form (model/gpt2 and "
-                              "model/huggingface_pretrained_model are; wrappers such as fsdp2_wrapped or gpt2_tp are "
-                              "not: convert from a config that loads the checkpoint into the plain model)",
-                              key));
+      throw Error(
+          fmt::format("{} is not a model with a Hugging Face form (model/gpt2 and "
+                      "model/huggingface_pretrained_model are; wrappers such as fsdp2_wrapped or gpt2_tp are "
+                      "not: convert from a config that loads the checkpoint into the plain model)",
+                      key));
     HuggingFaceExportOptions options;
     options.dtype = export_dtype;
     std::vector<fs::path> extra;
@@ -151,8 +152,9 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
       if (t->as_object().interface == Tokenizer::kInterface)
         tok = std::static_pointer_cast<Tokenizer>(t->as_object().ptr)->huggingface_folder();
       if (!tok)
-        print_warning("the config's tokenizer has no Hugging Face folder, so its files are not copied into the "
-                      "export (give them with --tokenizer_path)");
+        print_warning(
+            "the config's tokenizer has no Hugging Face folder, so its files are not copied into the "
+            "export (give them with --tokenizer_path)");
     }
     if (tok) {
       if (!fs::is_directory(*tok)) throw Error(fmt::format("tokenizer folder {} does not exist", tok->string()));
@@ -163,8 +165,9 @@ int run_convert_to_hf(const std::vector<std::string>& args) {
       options.eos_token_id = ids.eos;
       options.pad_token_id = ids.pad;
     } else {
-      print_warning("no tokenizer files are written (the config's tokenizer has no Hugging Face folder, or there "
-                    "is none; give --tokenizer_path to add them)");
+      print_warning(
+          "no tokenizer files are written (the config's tokenizer has no Hugging Face folder, or there "
+          "is none; give --tokenizer_path to add them)");
     }
     const HuggingFaceCheckpoint checkpoint = exportable->to_huggingface(options);
     formats::write_huggingface_folder(output_dir, checkpoint, shard_bytes, extra);

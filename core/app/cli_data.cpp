@@ -52,23 +52,24 @@ int create_raw_index(const std::vector<std::string>& args) {
   bool drop_faulty = false;
   unsigned threads = 0;
   po::options_description desc("Options");
-  desc.add_options()("help,h", "this help")
-      ("src_path", po::value(&src)->required(), "the JSONL file (also the first positional argument)")
-      ("index_path", po::value(&index_path), "output .idx (default: <src folder>/<src stem>.idx)")
-      ("file_existence_policy", po::value(&policy)->default_value("error"), policy_help().c_str())
-      ("drop_faulty_entries", po::bool_switch(&drop_faulty),
-       "leave invalid lines out of the index (each reported) instead of failing; entry numbers then differ from line "
-       "numbers")
-      ("num_threads", po::value(&threads)->default_value(0), "validation threads (0 = all cores)");
+  desc.add_options()("help,h", "this help")("src_path", po::value(&src)->required(),
+                                            "the JSONL file (also the first positional argument)")(
+      "index_path", po::value(&index_path), "output .idx (default: <src folder>/<src stem>.idx)")(
+      "file_existence_policy", po::value(&policy)->default_value("error"), policy_help().c_str())(
+      "drop_faulty_entries", po::bool_switch(&drop_faulty),
+      "leave invalid lines out of the index (each reported) instead of failing; entry numbers then differ from line "
+      "numbers")("num_threads", po::value(&threads)->default_value(0), "validation threads (0 = all cores)");
   po::positional_options_description pos;
   pos.add("src_path", 1);
   po::variables_map vm;
   int status = kOk;
-  if (!parse(args, desc, pos, vm, "usage: modalities data create_raw_index SRC_PATH [--index_path X.idx] [options]", status))
+  if (!parse(args, desc, pos, vm, "usage: modalities data create_raw_index SRC_PATH [--index_path X.idx] [options]",
+             status))
     return status;
   const auto pol = data::parse_file_existence_policy(policy);
   const std::filesystem::path src_p(src);
-  const std::filesystem::path idx_p = index_path.empty() ? data::default_index_path(src_p) : std::filesystem::path(index_path);
+  const std::filesystem::path idx_p =
+      index_path.empty() ? data::default_index_path(src_p) : std::filesystem::path(index_path);
   if (std::filesystem::weakly_canonical(src_p) == std::filesystem::weakly_canonical(idx_p))
     throw Error(fmt::format("--index_path '{}' is the source file itself", idx_p.string()));
   if (!std::filesystem::exists(src_p)) throw Error(fmt::format("the source file '{}' does not exist", src));
@@ -77,7 +78,8 @@ int create_raw_index(const std::vector<std::string>& args) {
     return kOk;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  core::ProgressBar bar(fmt::format("indexing {}", src_p.filename().string()), std::filesystem::file_size(src_p), "bytes");
+  core::ProgressBar bar(fmt::format("indexing {}", src_p.filename().string()), std::filesystem::file_size(src_p),
+                        "bytes");
   data::RawIndexOptions opts;
   opts.drop_faulty_entries = drop_faulty;
   opts.num_threads = threads;
@@ -139,9 +141,9 @@ int pack_encoded_data(const std::vector<std::string>& args) {
   std::string config, policy = "error";
   core::PluginOptions popts;
   po::options_description desc("Options");
-  desc.add_options()("help,h", "this help")
-      ("config_file_path", po::value(&config)->required(), "the packing config (also the first positional argument)")
-      ("file_existence_policy", po::value(&policy)->default_value("error"), policy_help().c_str());
+  desc.add_options()("help,h", "this help")("config_file_path", po::value(&config)->required(),
+                                            "the packing config (also the first positional argument)")(
+      "file_existence_policy", po::value(&policy)->default_value("error"), policy_help().c_str());
   desc.add(plugin_options(popts));
   po::positional_options_description pos;
   pos.add("config_file_path", 1);
@@ -170,9 +172,10 @@ int pack_encoded_data(const std::vector<std::string>& args) {
   hooks.warn = [](const std::string& m) { print_warning(m); };
   const data::PackingResult r = data::pack_encoded_data(settings, *tokenizer, hooks);
   const std::uint64_t src_bytes = std::filesystem::file_size(settings.src_path);
-  fmt::print("wrote {}: {} documents, {} tokens of {} byte(s){} in {:.3f} s ({}, {} tokens/s)\n", r.dst.lexically_normal().string(),
-             r.documents, r.tokens, r.token_size, r.skipped ? fmt::format(", {} documents skipped", r.skipped) : "",
-             r.seconds, mib_per_s(src_bytes, r.seconds),
+  fmt::print("wrote {}: {} documents, {} tokens of {} byte(s){} in {:.3f} s ({}, {} tokens/s)\n",
+             r.dst.lexically_normal().string(), r.documents, r.tokens, r.token_size,
+             r.skipped ? fmt::format(", {} documents skipped", r.skipped) : "", r.seconds,
+             mib_per_s(src_bytes, r.seconds),
              modalities::human_count(static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9)));
   return kOk;
 }
@@ -185,19 +188,19 @@ int inspect_packed_data(const std::vector<std::string>& args) {
   std::size_t max_tokens = 32;
   core::PluginOptions popts;
   po::options_description desc("Options");
-  desc.add_options()("help,h", "this help")
-      ("data_path", po::value(&file)->required(), "the .pbin file (also the first positional argument)")
-      ("document", po::value(&document)->default_value(0), "document to show (negative counts from the end)")
-      ("max_tokens", po::value(&max_tokens)->default_value(32), "token ids to print")
-      ("tokenizer_config", po::value(&tokenizer_config),
-       "a TOML file with a [tokenizer] component (e.g. the packing config) to decode the document");
+  desc.add_options()("help,h", "this help")("data_path", po::value(&file)->required(),
+                                            "the .pbin file (also the first positional argument)")(
+      "document", po::value(&document)->default_value(0), "document to show (negative counts from the end)")(
+      "max_tokens", po::value(&max_tokens)->default_value(32), "token ids to print")(
+      "tokenizer_config", po::value(&tokenizer_config),
+      "a TOML file with a [tokenizer] component (e.g. the packing config) to decode the document");
   desc.add(plugin_options(popts));
   po::positional_options_description pos;
   pos.add("data_path", 1);
   po::variables_map vm;
   int status = kOk;
-  if (!parse(args, desc, pos, vm, "usage: modalities data inspect_packed_data FILE.pbin [--document K] [--tokenizer_config X.toml]",
-             status))
+  if (!parse(args, desc, pos, vm,
+             "usage: modalities data inspect_packed_data FILE.pbin [--document K] [--tokenizer_config X.toml]", status))
     return status;
   formats::PackedFile f(file);
   const auto& h = f.header();
@@ -220,10 +223,13 @@ int inspect_packed_data(const std::vector<std::string>& args) {
   const std::int64_t k = document < 0 ? document + n : document;
   if (k < 0 || k >= n) throw Error(fmt::format("--document {} is outside [0, {})", document, n));
   const std::vector<std::int64_t> ids = f.document(static_cast<std::uint64_t>(k));
-  std::vector<std::int64_t> head(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(std::min(max_tokens, ids.size())));
-  fmt::print("document {}:  {} tokens: [{}{}]\n", k, ids.size(), fmt::join(head, ", "), ids.size() > head.size() ? ", ..." : "");
+  std::vector<std::int64_t> head(ids.begin(),
+                                 ids.begin() + static_cast<std::ptrdiff_t>(std::min(max_tokens, ids.size())));
+  fmt::print("document {}:  {} tokens: [{}{}]\n", k, ids.size(), fmt::join(head, ", "),
+             ids.size() > head.size() ? ", ..." : "");
   if (!tokenizer_config.empty()) {
-    core::PipelineProfile profile{"inspect", "decode with a tokenizer", {{"tokenizer", "Tokenizer", true, "decodes the document"}}};
+    core::PipelineProfile profile{
+        "inspect", "decode with a tokenizer", {{"tokenizer", "Tokenizer", true, "decodes the document"}}};
     auto b = build_config(tokenizer_config, profile, popts, status);
     if (!b) return status;
     fmt::print("decoded:\n{}\n", tokenizer_of(*b)->decode(ids));

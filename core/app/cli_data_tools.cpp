@@ -57,7 +57,8 @@ data::FileExistencePolicy policy_option(const std::string& text) {
 data::PyInt seed_or_draw(const std::optional<std::string>& given, const std::string& flag, const std::string& what) {
   if (given) return int_option(flag, *given);
   const std::uint64_t s = data::random_seed();
-  std::cerr << fmt::format("note: no --{0} given; {1} with --{0} {2} (pass it to reproduce this output)\n", flag, what, s);
+  std::cerr << fmt::format("note: no --{0} given; {1} with --{0} {2} (pass it to reproduce this output)\n", flag, what,
+                           s);
   return data::PyInt::from(s);
 }
 
@@ -71,15 +72,18 @@ int report(const data::ToolResult& r, const std::string& unit, double seconds) {
     print_warning(fmt::format("'{}' exists; skipped (--file_existence_policy skip)", r.output.string()));
     return kOk;
   }
-  if (r.replaced) print_warning(fmt::format("'{}' existed and was replaced (--file_existence_policy override)", r.output.string()));
+  if (r.replaced)
+    print_warning(fmt::format("'{}' existed and was replaced (--file_existence_policy override)", r.output.string()));
   if (r.legacy_inputs != 0)
-    print_warning(fmt::format("{} input file(s) used the legacy .pbin index (absolute offsets, written before mid 2024); "
-                              "converted, the output has data-relative offsets",
-                              r.legacy_inputs));
+    print_warning(
+        fmt::format("{} input file(s) used the legacy .pbin index (absolute offsets, written before mid 2024); "
+                    "converted, the output has data-relative offsets",
+                    r.legacy_inputs));
   if (r.newline_added != 0)
-    print_warning(fmt::format("{} line(s) lacked a final newline (last line of a file); one was added so the line stays "
-                              "separate (Modalities would glue it to the next line)",
-                              r.newline_added));
+    print_warning(
+        fmt::format("{} line(s) lacked a final newline (last line of a file); one was added so the line stays "
+                    "separate (Modalities would glue it to the next line)",
+                    r.newline_added));
   fmt::print("wrote {}: {} {}, {} bytes in {:.2f} s\n", r.output.string(), r.documents, unit, r.bytes, seconds);
   return kOk;
 }
@@ -89,8 +93,8 @@ int report(const data::ToolResult& r, const std::string& unit, double seconds) {
 int merge(const std::vector<std::string>& args) {
   std::vector<std::string> paths;
   po::options_description desc("Options");
-  desc.add_options()("help,h", "this help")
-      ("paths", po::value(&paths)->multitoken(), "SRC_PATHS... TARGET_PATH (positional)");
+  desc.add_options()("help,h", "this help")("paths", po::value(&paths)->multitoken(),
+                                            "SRC_PATHS... TARGET_PATH (positional)");
   po::positional_options_description pos;
   pos.add("paths", -1);
   po::variables_map vm;
@@ -115,35 +119,37 @@ int shuffle(const std::vector<std::string>& args, bool tokenized) {
   std::string input, output, policy, batch_size;
   std::optional<std::string> seed;
   po::options_description desc("Options");
-  desc.add_options()("help,h", "this help")
-      ("input_data_path", po::value(&input)->required(), tokenized ? "the .pbin file to shuffle" : "the JSONL file to shuffle")
-      ("output_data_path", po::value(&output)->required(), tokenized ? "the shuffled .pbin to write" : "the shuffled JSONL to write");
+  desc.add_options()("help,h", "this help")("input_data_path", po::value(&input)->required(),
+                                            tokenized ? "the .pbin file to shuffle" : "the JSONL file to shuffle")(
+      "output_data_path", po::value(&output)->required(),
+      tokenized ? "the shuffled .pbin to write" : "the shuffled JSONL to write");
   if (tokenized)
     desc.add_options()("batch_size", po::value(&batch_size)->default_value("100"),
                        "documents per write batch in Modalities; accepted for compatibility (no effect on the output, "
                        "which is streamed)");
-  desc.add_options()("file_existence_policy", po::value(&policy)->default_value("error"), kPolicyHelp)
-      ("seed", po::value<std::string>()->notifier([&seed](const std::string& s) { seed = s; }),
-       "seed of CPython's random.Random (any integer; same seed = same order as Modalities). Default: a random seed, "
-       "printed so the run can be repeated");
+  desc.add_options()("file_existence_policy", po::value(&policy)->default_value("error"), kPolicyHelp)(
+      "seed", po::value<std::string>()->notifier([&seed](const std::string& s) { seed = s; }),
+      "seed of CPython's random.Random (any integer; same seed = same order as Modalities). Default: a random seed, "
+      "printed so the run can be repeated");
   po::variables_map vm;
   int status = kOk;
   const std::string usage =
-      tokenized ? "usage: modalities data shuffle_tokenized_data --input_data_path IN.pbin --output_data_path OUT.pbin "
-                  "[--seed N] [--file_existence_policy skip|error|override]\n\n"
-                  "Writes the documents of IN in a random order (random.Random(seed).shuffle of the index, as Modalities)\n"
-                  "with a new contiguous index. Same seed and input = byte-identical output to Modalities."
-                : "usage: modalities data shuffle_jsonl_data --input_data_path IN.jsonl --output_data_path OUT.jsonl "
-                  "[--seed N] [--file_existence_policy skip|error|override]\n\n"
-                  "Writes the lines of IN in a random order (random.Random(seed).shuffle, as Modalities). A last line\n"
-                  "without a newline gets one (Modalities glues it to the next line); otherwise byte-identical.";
+      tokenized
+          ? "usage: modalities data shuffle_tokenized_data --input_data_path IN.pbin --output_data_path OUT.pbin "
+            "[--seed N] [--file_existence_policy skip|error|override]\n\n"
+            "Writes the documents of IN in a random order (random.Random(seed).shuffle of the index, as Modalities)\n"
+            "with a new contiguous index. Same seed and input = byte-identical output to Modalities."
+          : "usage: modalities data shuffle_jsonl_data --input_data_path IN.jsonl --output_data_path OUT.jsonl "
+            "[--seed N] [--file_existence_policy skip|error|override]\n\n"
+            "Writes the lines of IN in a random order (random.Random(seed).shuffle, as Modalities). A last line\n"
+            "without a newline gets one (Modalities glues it to the next line); otherwise byte-identical.";
   if (!parse(args, desc, {}, vm, usage, status)) return status;
   const auto pol = policy_option(policy);
   if (tokenized) (void)count_option("batch_size", batch_size, 1);
   const data::PyInt s = seed_or_draw(seed, "seed", "shuffling");
   const auto t0 = std::chrono::steady_clock::now();
-  const data::ToolResult r = tokenized ? data::shuffle_tokenized_data(input, output, s, pol)
-                                       : data::shuffle_jsonl_data(input, output, s, pol);
+  const data::ToolResult r =
+      tokenized ? data::shuffle_tokenized_data(input, output, s, pol) : data::shuffle_jsonl_data(input, output, s, pol);
   return report(r, tokenized ? "documents" : "lines", seconds_since(t0));
 }
 
@@ -154,20 +160,19 @@ int chunk(const std::vector<std::string>& args, bool tokenized) {
   std::optional<std::string> global_seed;
   const char* kind = tokenized ? ".pbin" : "JSONL";
   po::options_description desc("Options");
-  desc.add_options()("help,h", "this help")
-      ("input_file_list_path", po::value(&list)->required(),
-       fmt::format("text file with one input per line, relative to --input_data_root_path; each line's suffix is "
-                   "replaced by {}",
-                   tokenized ? ".pbin" : ".jsonl")
-           .c_str())
-      ("input_data_root_path", po::value(&root)->required(), "directory the listed paths are relative to")
-      ("output_chunk_file_path", po::value(&output)->required(), fmt::format("the {} chunk to write", kind).c_str())
-      ("chunk_id", po::value(&chunk_id)->required(), "which chunk to write, 0 <= chunk_id < num_chunks")
-      ("num_chunks", po::value(&num_chunks)->required(), "number of chunks every input is split into")
-      ("file_existence_policy", po::value(&policy)->default_value("error"), kPolicyHelp)
-      ("global_seed", po::value<std::string>()->notifier([&global_seed](const std::string& s) { global_seed = s; }),
-       "any integer; the chunk is shuffled with numpy default_rng(sha256-derived seed of (global_seed, chunk_id)) as in "
-       "Modalities. Default: a random global seed, printed so the run can be repeated");
+  desc.add_options()("help,h", "this help")(
+      "input_file_list_path", po::value(&list)->required(),
+      fmt::format("text file with one input per line, relative to --input_data_root_path; each line's suffix is "
+                  "replaced by {}",
+                  tokenized ? ".pbin" : ".jsonl")
+          .c_str())("input_data_root_path", po::value(&root)->required(), "directory the listed paths are relative to")(
+      "output_chunk_file_path", po::value(&output)->required(), fmt::format("the {} chunk to write", kind).c_str())(
+      "chunk_id", po::value(&chunk_id)->required(), "which chunk to write, 0 <= chunk_id < num_chunks")(
+      "num_chunks", po::value(&num_chunks)->required(), "number of chunks every input is split into")(
+      "file_existence_policy", po::value(&policy)->default_value("error"), kPolicyHelp)(
+      "global_seed", po::value<std::string>()->notifier([&global_seed](const std::string& s) { global_seed = s; }),
+      "any integer; the chunk is shuffled with numpy default_rng(sha256-derived seed of (global_seed, chunk_id)) as in "
+      "Modalities. Default: a random global seed, printed so the run can be repeated");
   po::variables_map vm;
   int status = kOk;
   const std::string usage = fmt::format(
@@ -189,7 +194,8 @@ int chunk(const std::vector<std::string>& args, bool tokenized) {
   job.global_seed = seed_or_draw(global_seed, "global_seed", "shuffling chunk " + std::to_string(job.chunk_id));
   job.inputs = data::read_chunk_file_list(list, root, tokenized ? ".pbin" : ".jsonl");
   const auto t0 = std::chrono::steady_clock::now();
-  const data::ToolResult r = tokenized ? data::create_shuffled_dataset_chunk(job) : data::create_shuffled_jsonl_chunk(job);
+  const data::ToolResult r =
+      tokenized ? data::create_shuffled_dataset_chunk(job) : data::create_shuffled_jsonl_chunk(job);
   return report(r, tokenized ? "documents" : "lines", seconds_since(t0));
 }
 
@@ -197,10 +203,14 @@ int chunk(const std::vector<std::string>& args, bool tokenized) {
 
 const char* const kDataToolsHelp =
     "  merge_packed_data SRC... DST    concatenate .pbin files (or directories of them) into one\n"
-    "  shuffle_tokenized_data          shuffle the documents of a .pbin (--input_data_path, --output_data_path, --seed)\n"
-    "  shuffle_jsonl_data              shuffle the lines of a JSONL file (--input_data_path, --output_data_path, --seed)\n"
-    "  create_shuffled_dataset_chunk   chunk C of K of a list of .pbin files, shuffled (--chunk_id, --num_chunks, ...)\n"
-    "  create_shuffled_jsonl_chunk     chunk C of K of a list of JSONL files, shuffled (--chunk_id, --num_chunks, ...)\n";
+    "  shuffle_tokenized_data          shuffle the documents of a .pbin (--input_data_path, --output_data_path, "
+    "--seed)\n"
+    "  shuffle_jsonl_data              shuffle the lines of a JSONL file (--input_data_path, --output_data_path, "
+    "--seed)\n"
+    "  create_shuffled_dataset_chunk   chunk C of K of a list of .pbin files, shuffled (--chunk_id, --num_chunks, "
+    "...)\n"
+    "  create_shuffled_jsonl_chunk     chunk C of K of a list of JSONL files, shuffled (--chunk_id, --num_chunks, "
+    "...)\n";
 
 int run_data_tools(const std::string& verb, const std::vector<std::string>& args) {
   try {

@@ -44,7 +44,8 @@ struct CheckOptions {
 [[noreturn]] void mismatch(const std::string& what, const at::Tensor& got, const at::Tensor& want) {
   const at::Tensor bad = (got.cpu() != want.cpu()).nonzero();
   const std::int64_t i = bad.numel() > 0 ? bad[0][0].item<std::int64_t>() : -1;
-  throw Error(fmt::format("{} returned a wrong result: element {} is {}, expected {} ({} of {} elements wrong)", what, i, i >= 0 ? got.cpu().flatten()[i].item<double>() : 0.0,
+  throw Error(fmt::format("{} returned a wrong result: element {} is {}, expected {} ({} of {} elements wrong)", what,
+                          i, i >= 0 ? got.cpu().flatten()[i].item<double>() : 0.0,
                           i >= 0 ? want.cpu().flatten()[i].item<double>() : 0.0, bad.size(0), got.numel()));
 }
 
@@ -133,16 +134,18 @@ Timing time_collective(const std::string& name, int iters, double bus_bytes, con
 int check(const CheckOptions& o) {
   const dist::LaunchEnv env = dist::launch_env();
   if (!env.distributed()) {
-    print_error("dist check needs several processes (WORLD_SIZE > 1): run it under `modalities launch "
-                "--nproc-per-node N -- dist check`, torchrun --no-python or srun");
+    print_error(
+        "dist check needs several processes (WORLD_SIZE > 1): run it under `modalities launch "
+        "--nproc-per-node N -- dist check`, torchrun --no-python or srun");
     return kUsage;
   }
   set_run_device(parse_run_device(o.device, "--device"));
   if (o.backend == "gloo" && run_device().is_cuda()) {
-    print_error(fmt::format("dist check: --backend gloo moves CPU tensors only, but the device is {}: use "
-                            "--device cpu with gloo, --backend nccl (or auto) on GPUs, or --backend staged for "
-                            "several ranks on one GPU (a test backend)",
-                            run_device().str()));
+    print_error(
+        fmt::format("dist check: --backend gloo moves CPU tensors only, but the device is {}: use "
+                    "--device cpu with gloo, --backend nccl (or auto) on GPUs, or --backend staged for "
+                    "several ranks on one GPU (a test backend)",
+                    run_device().str()));
     return kUsage;
   }
   dist::RuntimeOptions ro;
@@ -155,12 +158,15 @@ int check(const CheckOptions& o) {
   const at::Device device = run_device();
   const auto opt = at::TensorOptions().dtype(at::kFloat).device(device);
   if (dist::is_rank0())
-    fmt::print("dist check: {} ranks ({} per node, from {}), backend {}, device {}, rendezvous {}:{} ({}) in {:.2f} s\n",
-               env.world_size, env.local_world_size, env.source, dist::backend_name(), device.str(), env.master_addr,
-               env.master_port, env.agent_store ? "torchrun agent store" : "TCPStore on rank 0", rendezvous_s);
+    fmt::print(
+        "dist check: {} ranks ({} per node, from {}), backend {}, device {}, rendezvous {}:{} ({}) in {:.2f} s\n",
+        env.world_size, env.local_world_size, env.source, dist::backend_name(), device.str(), env.master_addr,
+        env.master_port, env.agent_store ? "torchrun agent store" : "TCPStore on rank 0", rendezvous_s);
   check_values(*pg, opt);
-  if (dist::is_rank0()) fmt::print("values: allreduce(SUM, MAX), _allgather_base, allgather, _reduce_scatter_base, "
-                                   "broadcast, send/recv, barrier: all exact on every rank\n");
+  if (dist::is_rank0())
+    fmt::print(
+        "values: allreduce(SUM, MAX), _allgather_base, allgather, _reduce_scatter_base, "
+        "broadcast, send/recv, barrier: all exact on every rank\n");
 
   const double w = env.world_size;
   const std::int64_t per_rank = std::max<std::int64_t>(1, static_cast<std::int64_t>(o.size_mb * 1024 * 1024 / 4));
@@ -175,8 +181,8 @@ int check(const CheckOptions& o) {
   timings.push_back(time_collective(
       "_allgather_base", o.iters, (w - 1) / w * bytes, [&] { pg->_allgather_base(big, shard)->wait(); }, *pg, device));
   timings.push_back(time_collective(
-      "_reduce_scatter_base", o.iters, (w - 1) / w * bytes, [&] { pg->_reduce_scatter_base(shard, big)->wait(); },
-      *pg, device));
+      "_reduce_scatter_base", o.iters, (w - 1) / w * bytes, [&] { pg->_reduce_scatter_base(shard, big)->wait(); }, *pg,
+      device));
   // Rank 0's times are reported; every rank ran the same loops.
   if (dist::is_rank0()) {
     fmt::print("{:<22} {:>12} {:>12} {:>14}\n", "collective", "MiB total", "ms", "bus GB/s");
@@ -184,8 +190,9 @@ int check(const CheckOptions& o) {
       fmt::print("{:<22} {:>12.2f} {:>12.3f} {:>14.3f}\n", t.name, bytes / (1024.0 * 1024.0), t.seconds * 1e3,
                  t.bus_bytes / t.seconds / 1e9);
     if (dist::backend_name() == "gloo")
-      fmt::print("note: Gloo runs _reduce_scatter_base as an all-reduce followed by a copy of this rank's chunk, "
-                 "about twice the traffic of a ring reduce-scatter\n");
+      fmt::print(
+          "note: Gloo runs _reduce_scatter_base as an all-reduce followed by a copy of this rank's chunk, "
+          "about twice the traffic of a ring reduce-scatter\n");
   }
   pg->barrier()->wait();
   dist::shutdown();
@@ -220,15 +227,15 @@ int run_dist(const std::vector<std::string>& args) {
   }
   CheckOptions o;
   po::options_description desc("Options");
-  desc.add_options()
-      ("help,h", "this help")
-      ("backend", po::value<std::string>(&o.backend)->default_value("auto"), "auto (MODALITIES_BACKEND if set, else nccl with GPUs, gloo without), gloo, nccl, or staged (test "
-       "backend: Gloo with CUDA tensors staged through host memory, several ranks on one GPU)")
-      ("device", po::value<std::string>(&o.device)->default_value("auto"),
-       "auto (cuda:LOCAL_RANK if CUDA is available), cpu, cuda")
-      ("timeout-s", po::value<double>(&o.timeout_s)->default_value(60), "rendezvous and collective timeout")
-      ("size-mb", po::value<double>(&o.size_mb)->default_value(4), "MiB per rank for the timed collectives")
-      ("iters", po::value<int>(&o.iters)->default_value(5), "timed repetitions");
+  desc.add_options()("help,h", "this help")(
+      "backend", po::value<std::string>(&o.backend)->default_value("auto"),
+      "auto (MODALITIES_BACKEND if set, else nccl with GPUs, gloo without), gloo, nccl, or staged (test "
+      "backend: Gloo with CUDA tensors staged through host memory, several ranks on one GPU)")(
+      "device", po::value<std::string>(&o.device)->default_value("auto"),
+      "auto (cuda:LOCAL_RANK if CUDA is available), cpu, cuda")(
+      "timeout-s", po::value<double>(&o.timeout_s)->default_value(60), "rendezvous and collective timeout")(
+      "size-mb", po::value<double>(&o.size_mb)->default_value(4), "MiB per rank for the timed collectives")(
+      "iters", po::value<int>(&o.iters)->default_value(5), "timed repetitions");
   po::variables_map vm;
   int status = kOk;
   const std::vector<std::string> rest(args.begin() + 1, args.end());

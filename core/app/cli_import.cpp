@@ -42,8 +42,7 @@ int run_config_import(const std::vector<std::string>& args) {
       std::cout << text;
       return kOk;
     }
-    if (fs::exists(output) && !overwrite)
-      throw Error(fmt::format("{} exists; pass --overwrite to replace it", output));
+    if (fs::exists(output) && !overwrite) throw Error(fmt::format("{} exists; pass --overwrite to replace it", output));
     write_file_atomically(output, text);
     std::cerr << fmt::format("wrote {}\n", output);
     return kOk;

@@ -157,10 +157,11 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
         throw Error(fmt::format("settings.pbin_creation_config_file_path: {} does not exist", pbin_template->string()));
     }
     std::map<std::string, std::string> role_mapping;
-    for (const auto& [k, v] : need(need(root, "instruction_data_transformation", ""), "role_mapping",
-                                   "instruction_data_transformation")
-                                  .as_table()) {
-      if (!v.is_string()) throw Error(fmt::format("instruction_data_transformation.role_mapping.{}: expected a string", k));
+    for (const auto& [k, v] :
+         need(need(root, "instruction_data_transformation", ""), "role_mapping", "instruction_data_transformation")
+             .as_table()) {
+      if (!v.is_string())
+        throw Error(fmt::format("instruction_data_transformation.role_mapping.{}: expected a string", k));
       role_mapping[k] = v.as_string();
     }
     // Modalities removes the newlines YAML's "|" puts between tags: "}\n{" -> "}{".
@@ -173,9 +174,9 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
     const std::string hash = core::data::sha256_hex(read_bytes(config_file)).substr(0, 7);
     const fs::path folder = dst_given.parent_path() / fmt::format("{}_{}", py_stem(src.filename().string()), hash);
     fs::create_directories(folder);
-    write_file_atomically(folder / fmt::format("instruction_chat_template_config.{}{}", hash,
-                                               fs::path(config_file).extension().string()),
-                          read_bytes(config_file));
+    write_file_atomically(
+        folder / fmt::format("instruction_chat_template_config.{}{}", hash, fs::path(config_file).extension().string()),
+        read_bytes(config_file));
     std::string joined;
     for (const auto& s : py_suffixes(dst_given.filename().string())) joined += (joined.empty() ? "" : ".") + s;
     const std::string suffix = "." + hash + joined;
@@ -189,12 +190,14 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
     std::vector<Out> outs;
     for (std::size_t i = 0; i < partitions.size(); ++i) {
       if (weights[i] == 0) continue;
-      const fs::path p = py_with_suffix(dst.parent_path() / (py_stem(dst.filename().string()) + "_" + partitions[i]), suffix);
+      const fs::path p =
+          py_with_suffix(dst.parent_path() / (py_stem(dst.filename().string()) + "_" + partitions[i]), suffix);
       for (const Out& o : outs)
         if (o.path == p)
-          throw Error(fmt::format("settings.dst_path '{}': the {} and {} splits would both be written to {} (Modalities "
-                                  "names them from the part before the last dot; use a name without dots in its stem)",
-                                  dst_given.string(), o.partition, partitions[i], p.string()));
+          throw Error(
+              fmt::format("settings.dst_path '{}': the {} and {} splits would both be written to {} (Modalities "
+                          "names them from the part before the last dot; use a name without dots in its stem)",
+                          dst_given.string(), o.partition, partitions[i], p.string()));
       outs.push_back({partitions[i], p, std::make_unique<AtomicFile>(p), 0});
     }
     core::data::CPythonRandom rng(static_cast<std::uint64_t>(seed));
@@ -250,7 +253,8 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
     // name the split (resolved against the template's own folder, then written next to the split).
     std::vector<std::string> plugin_args;
     if (vm.count("plugin-path"))
-      for (const auto& p : vm["plugin-path"].as<std::vector<std::string>>()) plugin_args.insert(plugin_args.end(), {"--plugin-path", p});
+      for (const auto& p : vm["plugin-path"].as<std::vector<std::string>>())
+        plugin_args.insert(plugin_args.end(), {"--plugin-path", p});
     if (popts.strict) plugin_args.emplace_back("--strict-plugins");
     const std::string hash_suffix = py_suffixes(outs.front().path.filename().string()).front();
     for (const Out& o : outs) {
@@ -266,7 +270,8 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
         if (k == "settings") s = &v;
       if (s == nullptr || !s->is_table())
         throw Error(fmt::format("{}: no [settings] table (a pack_encoded_data config)", pbin_template->string()));
-      for (const auto& [k, value] : {std::pair{"src_path", o.path}, std::pair{"index_path", idx}, std::pair{"dst_path", pbin}}) {
+      for (const auto& [k, value] :
+           {std::pair{"src_path", o.path}, std::pair{"index_path", idx}, std::pair{"dst_path", pbin}}) {
         auto& table = std::get<ConfigNode::Table>(s->data());
         const ConfigNode node(fs::absolute(value).string(), s->where());
         bool found = false;
@@ -277,10 +282,11 @@ int run_prepare_instruction_tuning_data(const std::vector<std::string>& args) {
           }
         if (!found) table.emplace_back(k, node);
       }
-      const fs::path pbin_config =
-          o.path.parent_path() / (py_stem("pbin_config_" + o.partition) + hash_suffix + fs::path(*pbin_template).extension().string());
+      const fs::path pbin_config = o.path.parent_path() / (py_stem("pbin_config_" + o.partition) + hash_suffix +
+                                                           fs::path(*pbin_template).extension().string());
       write_file_atomically(pbin_config, core::to_toml(cfg));
-      std::vector<std::string> pack = {"pack_encoded_data", pbin_config.string(), "--file_existence_policy", "override"};
+      std::vector<std::string> pack = {"pack_encoded_data", pbin_config.string(), "--file_existence_policy",
+                                       "override"};
       pack.insert(pack.end(), plugin_args.begin(), plugin_args.end());
       if (const int r = run_data(pack); r != kOk) return r;
     }

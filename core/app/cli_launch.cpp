@@ -241,10 +241,8 @@ void spawn(Rank& r, const LaunchOptions& o, const std::string& program, int worl
     signal(SIGPIPE, SIG_DFL);
     dup2(out[1], 1);
     dup2(err[1], 2);
-    if (program.find('/') == std::string::npos)
-      execvpe(program.c_str(), argv.data(), envp.data());
-    else
-      execve(program.c_str(), argv.data(), envp.data());
+    if (program.find('/') == std::string::npos) execvpe(program.c_str(), argv.data(), envp.data());
+    else execve(program.c_str(), argv.data(), envp.data());
     [[maybe_unused]] const ssize_t n = write(2, exec_failed.data(), exec_failed.size());
     _exit(127);
   }
@@ -362,25 +360,24 @@ int run_launch(const std::vector<std::string>& all_args) {
   if (dashes != all_args.end()) o.command.assign(dashes + 1, all_args.end());
 
   po::options_description desc("Options");
-  desc.add_options()
-      ("help,h", "this help")
-      ("nproc-per-node", po::value<int>(&o.nproc_per_node)->required(), "ranks on this node")
-      ("nnodes", po::value<int>(&o.nnodes)->default_value(1), "nodes of the run (each runs this command)")
-      ("node-rank", po::value<int>(&o.node_rank)->default_value(0), "this node's index in [0, nnodes)")
-      ("master-addr", po::value<std::string>(&o.master_addr)->default_value("127.0.0.1"),
-       "address of node 0, where rank 0 hosts the rendezvous store")
-      ("master-port", po::value<int>(&o.master_port)->default_value(0),
-       "port of the rendezvous store; 0: a free port (one node only)")
-      ("output", po::value<std::string>(&o.output)->default_value("all"),
-       "whose standard output to show: all (each line prefixed with [rank N]) or rank0 (errors of every rank are "
-       "always shown)")
-      ("grace-s", po::value<double>(&o.grace_s)->default_value(10.0),
-       "seconds between SIGTERM and SIGKILL when stopping the ranks")
-      ("exec", po::bool_switch(&o.exec), "the command is a program and its arguments, not a modalities command")
-      ("max-restarts", po::value<int>(&o.max_restarts)->default_value(0),
-       "when a rank fails, stop all, then start every rank again, up to this many times (one node only); the "
-       "command must resume by itself, e.g. `run --resume_from_checkpoint_info <checkpoints>/last_checkpoint_info.json`; "
-       "each attempt gets MODALITIES_RESTART_COUNT and a new free port");
+  desc.add_options()("help,h", "this help")("nproc-per-node", po::value<int>(&o.nproc_per_node)->required(),
+                                            "ranks on this node")("nnodes", po::value<int>(&o.nnodes)->default_value(1),
+                                                                  "nodes of the run (each runs this command)")(
+      "node-rank", po::value<int>(&o.node_rank)->default_value(0), "this node's index in [0, nnodes)")(
+      "master-addr", po::value<std::string>(&o.master_addr)->default_value("127.0.0.1"),
+      "address of node 0, where rank 0 hosts the rendezvous store")(
+      "master-port", po::value<int>(&o.master_port)->default_value(0),
+      "port of the rendezvous store; 0: a free port (one node only)")(
+      "output", po::value<std::string>(&o.output)->default_value("all"),
+      "whose standard output to show: all (each line prefixed with [rank N]) or rank0 (errors of every rank are "
+      "always shown)")("grace-s", po::value<double>(&o.grace_s)->default_value(10.0),
+                       "seconds between SIGTERM and SIGKILL when stopping the ranks")(
+      "exec", po::bool_switch(&o.exec), "the command is a program and its arguments, not a modalities command")(
+      "max-restarts", po::value<int>(&o.max_restarts)->default_value(0),
+      "when a rank fails, stop all, then start every rank again, up to this many times (one node only); the "
+      "command must resume by itself, e.g. `run --resume_from_checkpoint_info "
+      "<checkpoints>/last_checkpoint_info.json`; "
+      "each attempt gets MODALITIES_RESTART_COUNT and a new free port");
   po::variables_map vm;
   int status = kOk;
   if (!parse(args, desc, {}, vm, kLaunchUsage, status)) return status;
@@ -397,8 +394,7 @@ int run_launch(const std::vector<std::string>& all_args) {
     return usage_error(fmt::format("--output must be all or rank0, got '{}'", o.output));
   if (o.master_port < 0 || o.master_port > 65535)
     return usage_error(fmt::format("--master-port must be a TCP port, got {}", o.master_port));
-  if (o.master_port == 0 && o.nnodes > 1)
-    return usage_error("several nodes need the same --master-port on every node");
+  if (o.master_port == 0 && o.nnodes > 1) return usage_error("several nodes need the same --master-port on every node");
   if (o.grace_s < 0) return usage_error("--grace-s must not be negative");
   if (o.max_restarts < 0) return usage_error(fmt::format("--max-restarts must be >= 0, got {}", o.max_restarts));
   if (o.max_restarts > 0 && o.nnodes > 1)
@@ -410,7 +406,7 @@ int run_launch(const std::vector<std::string>& all_args) {
 
   if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     throw Error(fmt::format("launch: cannot create a pipe: {}", std::strerror(errno)));
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);

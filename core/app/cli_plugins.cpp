@@ -48,8 +48,8 @@ int list(const std::vector<std::string>& args) {
     fmt::print("\nresolvers from plugins\n");
     for (const auto& r : registry.plugin_resolvers()) fmt::print("  ${{{}:...}}  {}\n", r.name, r.help);
   }
-  fmt::print("\n{} variants of {} components from {} plugins\n", registry.all().size(), registry.component_keys().size(),
-             registry.plugins().size());
+  fmt::print("\n{} variants of {} components from {} plugins\n", registry.all().size(),
+             registry.component_keys().size(), registry.plugins().size());
   return kOk;
 }
 
@@ -94,10 +94,12 @@ int describe(const std::vector<std::string>& args) {
     std::vector<std::string> ids;
     for (const auto* x : registry.all()) ids.push_back(x->spec.id());
     const std::string near = closest_match(id, ids);
-    print_error(fmt::format("no loaded plugin registers {}{}", id, near.empty() ? "" : fmt::format(" (did you mean {}?)", near)));
+    print_error(fmt::format("no loaded plugin registers {}{}", id,
+                            near.empty() ? "" : fmt::format(" (did you mean {}?)", near)));
     return kFailed;
   }
-  fmt::print("{}\n  {}\n\n  produces: {}\n  plugin:   {}\n\nconfig keys:\n", v->spec.id(), v->spec.summary, v->spec.produces,
+  fmt::print("{}\n  {}\n\n  produces: {}\n  plugin:   {}\n\nconfig keys:\n", v->spec.id(), v->spec.summary,
+             v->spec.produces,
              v->plugin && !v->plugin->file.empty()
                  ? fmt::format("{} {} ({})", v->plugin->name, v->plugin->version, v->plugin->file.string())
                  : std::string("built in"));
@@ -153,7 +155,8 @@ int smoke(const std::vector<std::string>& args) {
     print_error("internal: plugin loaded but not recorded");
     return kFailed;
   }
-  fmt::print("plugin {} {} ({}): {} variant(s)\n", plugin->name, plugin->version, file.string(), plugin->variants.size());
+  fmt::print("plugin {} {} ({}): {} variant(s)\n", plugin->name, plugin->version, file.string(),
+             plugin->variants.size());
   if (plugin->example_config.empty()) {
     print_error("the plugin embeds no example config (modalities_add_plugin(... EXAMPLE_CONFIG configs/example.toml))");
     return kFailed;

@@ -129,8 +129,8 @@ ResolverSpec warmstart_resolver(const fs::path& info_file) {
             simdjson::dom::parser parser;
             simdjson::dom::element doc;
             if (auto error = parser.load(info_file.string()).get(doc))
-              throw Error(fmt::format("{}: not a readable JSON file ({})", info_file.string(),
-                                      simdjson::error_message(error)));
+              throw Error(
+                  fmt::format("{}: not a readable JSON file ({})", info_file.string(), simdjson::error_message(error)));
             if (!doc.is_object())
               throw Error(fmt::format("{}: expected a JSON object like {{\"checkpoint_folder_path\": \"...\"}}",
                                       info_file.string()));
@@ -162,7 +162,8 @@ void check_rank_fingerprints(const core::Registry& registry, const std::string& 
   parts["host binary"] = file_sha256("/proc/self/exe");
   parts["config file"] = file_sha256(config_file_path);
   for (const auto& p : registry.plugins())
-    parts["plugin " + p->name] = p->version + " " + (p->file.empty() ? std::string("in-process") : file_sha256(p->file));
+    parts["plugin " + p->name] =
+        p->version + " " + (p->file.empty() ? std::string("in-process") : file_sha256(p->file));
   std::string mine;
   for (const auto& [k, v] : parts) mine += k + "\t" + v + "\n";
   const std::vector<std::string> all = dist::all_gather_strings("fingerprint", mine);
@@ -187,9 +188,10 @@ void check_rank_fingerprints(const core::Registry& registry, const std::string& 
     problems.push_back(fmt::format("rank {}: {}", r, fmt::join(differ, ", ")));
   }
   if (!problems.empty())
-    throw Error(fmt::format("the ranks do not run the same program and config as rank 0 ({}); every rank needs the "
-                            "same build, plugins and config file",
-                            fmt::join(problems, "; ")));
+    throw Error(
+        fmt::format("the ranks do not run the same program and config as rank 0 ({}); every rank needs the "
+                    "same build, plugins and config file",
+                    fmt::join(problems, "; ")));
 }
 
 /// Note [Resuming a run config]
@@ -205,9 +207,10 @@ std::optional<std::string> resume_config_from(const core::Registry& registry, co
   if (!fs::exists(info_file, ec)) return std::nullopt;
   const RunResumeSpec* resume = registry.run_resume();
   if (resume == nullptr)
-    throw Error(fmt::format("--resume_from_checkpoint_info {}: no loaded plugin says how a run continues from a "
-                            "checkpoint (the bundled checkpointing plugin does; `modalities plugins list`)",
-                            info_file.string()));
+    throw Error(
+        fmt::format("--resume_from_checkpoint_info {}: no loaded plugin says how a run continues from a "
+                    "checkpoint (the bundled checkpointing plugin does; `modalities plugins list`)",
+                    info_file.string()));
   core::ConfigNode* settings = root.find("settings");
   core::ConfigNode* progress = settings && settings->is_table() ? settings->find("training_progress") : nullptr;
   core::ConfigNode* app_state = root.find("app_state");
@@ -242,10 +245,10 @@ struct RunArgs {
 
 po::options_description run_options(RunArgs& a, bool warmstart) {
   po::options_description d(warmstart ? "Warm-start options" : "Run options");
-  d.add_options()("help,h", "this help")
-      ("config_file_path", po::value(&a.config_file_path)->required(), "the training config (TOML)")
-      ("experiments_root_path", po::value(&a.experiments_root_path)->required(),
-       "folder that receives <experiment_id>/ (config copy, resolved config, results, checkpoints)");
+  d.add_options()("help,h", "this help")("config_file_path", po::value(&a.config_file_path)->required(),
+                                         "the training config (TOML)")(
+      "experiments_root_path", po::value(&a.experiments_root_path)->required(),
+      "folder that receives <experiment_id>/ (config copy, resolved config, results, checkpoints)");
   if (warmstart) {
     d.add_options()("last_checkpoint_info_file_path", po::value(&a.last_checkpoint_info_file_path)->required(),
                     "last_checkpoint_info.json of the run to continue; its object is "
@@ -258,17 +261,17 @@ po::options_description run_options(RunArgs& a, bool warmstart) {
                     "warm-start config would); for `modalities launch --max-restarts`");
   }
   d.add_options()("experiment_id", po::value(&a.experiment_id),
-                  "run id (default: <date>__<time>_<hash of the config path>)")
-      ("error_log_folder", po::value(&a.error_log_folder),
-       "on failure, also write the error as JSON to <folder>/error_logs_<host>_<local_rank>.log")
-      ("checkpoint_on_interrupt", po::bool_switch(&a.checkpoint_on_interrupt),
-       "on SIGINT/SIGTERM, finish the step and write a checkpoint before stopping")
-      ("test_comm", po::bool_switch(&a.test_comm),
-       "before training, check every collective on known values (as `modalities dist check`); a no-op in one process")
-      ("process_group_timeout_s", po::value<double>()->notifier([&a](double v) { a.process_group_timeout_s = v; }),
-       "several processes: rendezvous and collective timeout in seconds; a rank that waits longer fails with an "
-       "error (default: the config's settings.process_group_timeout_s, else 600)")
-      ("verbose,v", po::bool_switch(&a.verbose), "print every component as it is built");
+                  "run id (default: <date>__<time>_<hash of the config path>)")(
+      "error_log_folder", po::value(&a.error_log_folder),
+      "on failure, also write the error as JSON to <folder>/error_logs_<host>_<local_rank>.log")(
+      "checkpoint_on_interrupt", po::bool_switch(&a.checkpoint_on_interrupt),
+      "on SIGINT/SIGTERM, finish the step and write a checkpoint before stopping")(
+      "test_comm", po::bool_switch(&a.test_comm),
+      "before training, check every collective on known values (as `modalities dist check`); a no-op in one process")(
+      "process_group_timeout_s", po::value<double>()->notifier([&a](double v) { a.process_group_timeout_s = v; }),
+      "several processes: rendezvous and collective timeout in seconds; a rank that waits longer fails with an "
+      "error (default: the config's settings.process_group_timeout_s, else 600)")(
+      "verbose,v", po::bool_switch(&a.verbose), "print every component as it is built");
   return d;
 }
 
@@ -325,7 +328,8 @@ double process_group_timeout(const RunArgs& a, const core::ConfigNode& root) {
     seconds = *a.process_group_timeout_s;
   } else {
     const core::ConfigNode* settings = root.find("settings");
-    const core::ConfigNode* node = settings && settings->is_table() ? settings->find("process_group_timeout_s") : nullptr;
+    const core::ConfigNode* node =
+        settings && settings->is_table() ? settings->find("process_group_timeout_s") : nullptr;
     if (node == nullptr) return seconds;
     what = fmt::format("{}: settings.process_group_timeout_s", node->where().str());
     if (const auto* v = std::get_if<double>(&node->data())) seconds = *v;
@@ -366,20 +370,18 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
     }
     std::optional<std::string> resumed;
     if (!a.resume_from.empty()) resumed = resume_config_from(registry, root, a.resume_from);
-    prelude.resolve(root, a.config_file_path,
-                    {{"experiments_root_path", fs::absolute(a.experiments_root_path).string()},
-                     {"experiment_id", a.experiment_id}},
-                    extra);
+    prelude.resolve(
+        root, a.config_file_path,
+        {{"experiments_root_path", fs::absolute(a.experiments_root_path).string()}, {"experiment_id", a.experiment_id}},
+        extra);
     if (a.test_comm && launch.distributed()) check_collective_values();
     // Rank 0 writes the experiment folder; the others wait for it (same order of collectives everywhere).
     const fs::path folder = fs::path(a.experiments_root_path) / a.experiment_id;
     if (launch.rank == 0) {
       prepare_experiment_folder(a, root);
-      std::cerr << fmt::format("experiment {} in {} (device {}{})\n", a.experiment_id, folder.string(),
-                               run_device().str(),
-                               launch.distributed() ? fmt::format(", {} ranks, {}", launch.world_size,
-                                                                  dist::backend_name())
-                                                    : "");
+      std::cerr << fmt::format(
+          "experiment {} in {} (device {}{})\n", a.experiment_id, folder.string(), run_device().str(),
+          launch.distributed() ? fmt::format(", {} ranks, {}", launch.world_size, dist::backend_name()) : "");
       if (!a.resume_from.empty())
         std::cerr << (resumed ? fmt::format("resuming from checkpoint {}\n", *resumed)
                               : fmt::format("starting fresh: {} does not exist yet\n", a.resume_from));
@@ -421,11 +423,12 @@ int train(RunArgs a, const core::PluginOptions& popts, bool warmstart) {
                       : 0.0;
     if (launch.rank == 0)
       std::cout << fmt::format(
-        "{} after {} steps ({} in this run) and {} tokens in {} ({:.0f} tokens/s){}. Results: {}\n",
-        s.stopped_on_request ? "Stopped on request" : "Training finished", s.steps_total, s.steps_done,
-        s.tokens_total, human_seconds(s.seconds), tokens_per_s,
-        std::isnan(s.last_train_loss) ? std::string() : fmt::format(", last train loss avg {:.4f}", s.last_train_loss),
-        folder.string());
+          "{} after {} steps ({} in this run) and {} tokens in {} ({:.0f} tokens/s){}. Results: {}\n",
+          s.stopped_on_request ? "Stopped on request" : "Training finished", s.steps_total, s.steps_done,
+          s.tokens_total, human_seconds(s.seconds), tokens_per_s,
+          std::isnan(s.last_train_loss) ? std::string()
+                                        : fmt::format(", last train loss avg {:.4f}", s.last_train_loss),
+          folder.string());
     if (s.stopped_on_request && launch.rank == 0)
       std::cout << (s.checkpoint_written_on_stop ? "A checkpoint of the last step was written.\n"
                                                  : "No checkpoint was written for the last step "
@@ -489,7 +492,8 @@ int run_profile(const std::vector<std::string>& raw_args) {
       "experiment_root_path", po::value(&a.experiments_root_path)->default_value("experiments"),
       "root folder; traces go where the profiler's config says, the config copy to <root>/<experiment_id>")(
       "experiments_root_path", po::value(&a.experiments_root_path), "same as --experiment_root_path")(
-      "experiment_id", po::value(&a.experiment_id), "experiment id (default: <date>__<time>_<hash of the config path>)");
+      "experiment_id", po::value(&a.experiment_id),
+      "experiment id (default: <date>__<time>_<hash of the config path>)");
   desc.add(plugin_options(popts));
   po::positional_options_description pos;
   pos.add("config_file_path", 1);
@@ -528,21 +532,24 @@ int run_profile(const std::vector<std::string>& raw_args) {
     }
     dist::barrier();
     core::ComponentGraph graph(registry, root, core::find_pipeline("profiling"));
-    const core::BuiltGraph built = graph.build([](const std::string&) {}, [&](const std::string& line) {
-      if (launch.rank == 0) std::cerr << line << "\n";
-    });
+    const core::BuiltGraph built = graph.build([](const std::string&) {},
+                                               [&](const std::string& line) {
+                                                 if (launch.rank == 0) std::cerr << line << "\n";
+                                               });
     auto get = [&](const char* key, std::string_view interface) {
       const Value* v = built.get(key);
       if (v == nullptr || !v->is_object() || v->as_object().interface != interface)
         throw Error(fmt::format("{} must produce a {}", key, interface));
       return v->as_object().ptr;
     };
-    auto component = std::static_pointer_cast<SteppableComponent>(get("steppable_component", SteppableComponent::kInterface));
+    auto component =
+        std::static_pointer_cast<SteppableComponent>(get("steppable_component", SteppableComponent::kInterface));
     auto profiler = std::static_pointer_cast<SteppableProfiler>(get("profiler", SteppableProfiler::kInterface));
     const std::int64_t steps = profiler->size();
     if (steps < 0)
-      throw Error("the profiler does not say how many steps to run (steppable_profiler/no_profiler has no length); "
-                  "use kernel_tracing or memory_tracing, alone or in a combined profiler");
+      throw Error(
+          "the profiler does not say how many steps to run (steppable_profiler/no_profiler has no length); "
+          "use kernel_tracing or memory_tracing, alone or in a combined profiler");
     const auto start = std::chrono::steady_clock::now();
     profiler->enter();
     for (std::int64_t i = 0; i < steps; ++i) {
@@ -553,10 +560,10 @@ int run_profile(const std::vector<std::string>& raw_args) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     dist::barrier();
     if (launch.rank == 0)
-      std::cout << fmt::format("Profiled {} steps in {} ({:.1f} ms per step, profiler overhead included). Config "
-                               "copy: {}\n",
-                               steps, human_seconds(seconds), steps ? 1e3 * seconds / static_cast<double>(steps) : 0.0,
-                               folder.string());
+      std::cout << fmt::format(
+          "Profiled {} steps in {} ({:.1f} ms per step, profiler overhead included). Config "
+          "copy: {}\n",
+          steps, human_seconds(seconds), steps ? 1e3 * seconds / static_cast<double>(steps) : 0.0, folder.string());
     return kOk;
   } catch (const core::ConfigFileError& e) {
     for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
@@ -589,9 +596,8 @@ int run_generate_text(const std::vector<std::string>& args) {
   std::string config_file_path;
   core::PluginOptions popts;
   po::options_description desc("Text generation options");
-  desc.add_options()("help,h", "this help")(
-      "config_file_path", po::value(&config_file_path)->required(),
-      "text generation config with a top-level text_inference_component");
+  desc.add_options()("help,h", "this help")("config_file_path", po::value(&config_file_path)->required(),
+                                            "text generation config with a top-level text_inference_component");
   desc.add(plugin_options(popts));
   po::variables_map vm;
   int status = kOk;

@@ -18,7 +18,8 @@ void choose_device(const core::ConfigNode& root) {
   }
   const core::ConfigNode* settings = root.find("settings");
   const core::ConfigNode* device = settings && settings->is_table() ? settings->find("device") : nullptr;
-  if (device != nullptr && device->is_string()) set_run_device(parse_run_device(device->as_string(), "settings.device"));
+  if (device != nullptr && device->is_string())
+    set_run_device(parse_run_device(device->as_string(), "settings.device"));
   else set_run_device(parse_run_device("auto", "settings.device"));
 }
 

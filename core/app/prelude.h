@@ -45,7 +45,8 @@ class VerbPrelude {
   static core::ConfigNode read(const std::string& file);
   /// Step 3's resolution and step 4, for the config `root` read from `file`; `env_values` add to
   /// (or replace) ${modalities_env:...}'s config_file_path and config_folder_path.
-  void resolve(core::ConfigNode& root, const std::string& file, const std::map<std::string, std::string>& env_values = {},
+  void resolve(core::ConfigNode& root, const std::string& file,
+               const std::map<std::string, std::string>& env_values = {},
                const std::vector<ResolverSpec>& extra_resolvers = {}) const;
   /// read() then resolve().
   core::ConfigNode config(const std::string& file, const std::map<std::string, std::string>& env_values = {},

@@ -16,7 +16,8 @@ std::vector<std::string> check_module(Module& m) {
   const StateDict state = m.state_dict();
   const NamedTensors params = m.named_parameters();
   for (const auto& [name, p] : params)
-    if (state.find(name) == state.end()) problems.push_back(fmt::format("parameter '{}' is missing from state_dict()", name));
+    if (state.find(name) == state.end())
+      problems.push_back(fmt::format("parameter '{}' is missing from state_dict()", name));
   StateDict perturbed;
   for (const auto& [name, t] : state) perturbed[name] = t.detach().clone().add_(1.0);
   m.load_state_dict(perturbed, /*strict=*/true);

@@ -19,7 +19,8 @@ namespace {
 
 class NodeBuildContext final : public BuildContext {
  public:
-  NodeBuildContext(std::string path, const std::function<void(const std::string&)>& log) : path_(std::move(path)), log_(log) {}
+  NodeBuildContext(std::string path, const std::function<void(const std::string&)>& log)
+      : path_(std::move(path)), log_(log) {}
   std::string_view path() const override { return path_; }
   void warn(std::string message) override {
     if (log_) log_(fmt::format("warning: {}: {}", path_, message));
@@ -30,7 +31,9 @@ class NodeBuildContext final : public BuildContext {
   const std::function<void(const std::string&)>& log_;
 };
 
-std::string_view pass_type_hint() { return "write { instance_key = \"<top-level key>\", pass_type = \"BY_REFERENCE\" }"; }
+std::string_view pass_type_hint() {
+  return "write { instance_key = \"<top-level key>\", pass_type = \"BY_REFERENCE\" }";
+}
 
 }  // namespace
 
@@ -55,7 +58,8 @@ bool satisfies(const Value& v, std::string_view expects) {
   return false;
 }
 
-ComponentGraph::ComponentGraph(const Registry& registry, const ConfigNode& resolved_root, const PipelineProfile* profile)
+ComponentGraph::ComponentGraph(const Registry& registry, const ConfigNode& resolved_root,
+                               const PipelineProfile* profile)
     : registry_(registry), root_(resolved_root), profile_(profile) {}
 
 void ComponentGraph::error(const ConfigNode& at, const ConfigPath& p, std::string message, std::string hint,
@@ -69,8 +73,10 @@ SourceLocation ComponentGraph::locate(const ConfigPath& p) const {
   while (true) {
     ConfigPath q;
     for (const auto& s : segs)
-      q = std::holds_alternative<std::string>(s) ? q.child(std::get<std::string>(s)) : q.index(std::get<std::size_t>(s));
-    if (const ConfigNode* n = lookup(root_, q); n != nullptr && (n->where().line != 0 || segs.empty())) return n->where();
+      q = std::holds_alternative<std::string>(s) ? q.child(std::get<std::string>(s))
+                                                 : q.index(std::get<std::size_t>(s));
+    if (const ConfigNode* n = lookup(root_, q); n != nullptr && (n->where().line != 0 || segs.empty()))
+      return n->where();
     if (segs.empty()) return root_.where();
     segs.pop_back();
   }
@@ -88,8 +94,9 @@ ComponentGraph::NodeKind ComponentGraph::classify(const ConfigNode& n, const Con
   if (n.has("component_key")) {
     for (const auto& [k, v] : n.as_table())
       if (k != "component_key" && k != "variant_key" && k != "config")
-        return fail(fmt::format("unexpected key '{}' in a component node (allowed: component_key, variant_key, config)", k),
-                    "move it into the node's config table");
+        return fail(
+            fmt::format("unexpected key '{}' in a component node (allowed: component_key, variant_key, config)", k),
+            "move it into the node's config table");
     const ConfigNode* ck = n.find("component_key");
     const ConfigNode* vk = n.find("variant_key");
     const ConfigNode* cfg = n.find("config");
@@ -106,8 +113,9 @@ ComponentGraph::NodeKind ComponentGraph::classify(const ConfigNode& n, const Con
     if (ik == nullptr) return fail("reference has pass_type but no instance_key", std::string(pass_type_hint()));
     for (const auto& [k, v] : n.as_table())
       if (k != "instance_key" && k != "pass_type")
-        return fail(fmt::format("unexpected key '{}' in a reference (a reference has exactly instance_key and pass_type)", k),
-                    std::string(pass_type_hint()));
+        return fail(
+            fmt::format("unexpected key '{}' in a reference (a reference has exactly instance_key and pass_type)", k),
+            std::string(pass_type_hint()));
     if (pt == nullptr) return fail("reference has no pass_type", std::string(pass_type_hint()));
     if (!ik->is_string()) return fail(fmt::format("instance_key must be a string, got {}", ik->type_name()));
     if (!pt->is_string()) return fail(fmt::format("pass_type must be a string, got {}", pt->type_name()));
@@ -186,9 +194,11 @@ Value ComponentGraph::dry(const ConfigNode& n, const ConfigPath& p) {
     } else {
       const auto variants = registry_.variant_keys(ck);
       const std::string near = closest_match(vk, variants);
-      error(*n.find("variant_key"), p.child("variant_key"), fmt::format("unknown variant '{}' of component '{}'", vk, ck),
-            near.empty() ? fmt::format("{} variants loaded: {}", ck, fmt::join(variants, ", "))
-                         : fmt::format("did you mean '{}'? ({} variants loaded: {})", near, ck, fmt::join(variants, ", ")));
+      error(*n.find("variant_key"), p.child("variant_key"),
+            fmt::format("unknown variant '{}' of component '{}'", vk, ck),
+            near.empty()
+                ? fmt::format("{} variants loaded: {}", ck, fmt::join(variants, ", "))
+                : fmt::format("did you mean '{}'? ({} variants loaded: {})", near, ck, fmt::join(variants, ", ")));
     }
     return Pending{"", ck + "/" + vk};
   }
@@ -246,10 +256,13 @@ std::vector<Diagnostic> ComponentGraph::validate() {
         std::vector<std::string> keys;
         for (const auto& [k, v] : root_.as_table()) keys.push_back(k);
         const std::string near = closest_match(e.key, keys);
-        diagnostics_.push_back({root_.where(), e.key,
+        diagnostics_.push_back({root_.where(),
+                                e.key,
                                 fmt::format("missing top-level key '{}' required by pipeline '{}' ({}: {})", e.key,
                                             profile_->name, e.expects.empty() ? "any" : e.expects, e.help),
-                                near.empty() ? "" : fmt::format("did you mean '{}'?", near), {}, false});
+                                near.empty() ? "" : fmt::format("did you mean '{}'?", near),
+                                {},
+                                false});
       }
     }
   }
@@ -260,9 +273,13 @@ std::vector<Diagnostic> ComponentGraph::validate() {
     if (profile_ != nullptr) {
       for (const auto& e : profile_->entries)
         if (e.key == key && !satisfies(v, e.expects))
-          diagnostics_.push_back({node.where(), key,
-                                  fmt::format("pipeline '{}' needs {} here, got {}", profile_->name, e.expects, v.type_name()),
-                                  {}, {}, false});
+          diagnostics_.push_back(
+              {node.where(),
+               key,
+               fmt::format("pipeline '{}' needs {} here, got {}", profile_->name, e.expects, v.type_name()),
+               {},
+               {},
+               false});
     }
   }
   return diagnostics_;
@@ -271,7 +288,8 @@ std::vector<Diagnostic> ComponentGraph::validate() {
 Value ComponentGraph::build_node(const ConfigNode& n, const ConfigPath& p,
                                  const std::function<void(const std::string&)>& log) {
   if (p.size() == 1)
-    if (auto it = built_cache_.find(std::get<std::string>(p.segments()[0])); it != built_cache_.end()) return it->second;
+    if (auto it = built_cache_.find(std::get<std::string>(p.segments()[0])); it != built_cache_.end())
+      return it->second;
   switch (classify(n, p)) {
     case NodeKind::kInvalid: throw ConfigFileError(diagnostics_);  // unreachable after validate()
     case NodeKind::kScalar: return n.to_value();
@@ -307,16 +325,20 @@ Value ComponentGraph::build_node(const ConfigNode& n, const ConfigPath& p,
     map_field_errors(e.errors(), cfg_path, variant, false);
     throw ConfigFileError(diagnostics_);
   } catch (const std::exception& e) {
-    diagnostics_.push_back({n.where(), p.str(), fmt::format("building {} failed: {}", variant.spec.id(), e.what()), {},
-                            variant.provenance(), false});
+    diagnostics_.push_back({n.where(),
+                            p.str(),
+                            fmt::format("building {} failed: {}", variant.spec.id(), e.what()),
+                            {},
+                            variant.provenance(),
+                            false});
     throw ConfigFileError(diagnostics_);
   }
   if (log) {
     std::string path;
     for (const auto& seg : p.segments())
-      path += (path.empty() ? "" : " -> ") +
-              (std::holds_alternative<std::string>(seg) ? std::get<std::string>(seg)
-                                                        : std::to_string(std::get<std::size_t>(seg)));
+      path += (path.empty() ? "" : " -> ") + (std::holds_alternative<std::string>(seg)
+                                                  ? std::get<std::string>(seg)
+                                                  : std::to_string(std::get<std::size_t>(seg)));
     log(fmt::format("Instantiated {} -> {}: {}", variant.spec.id(),
                     result.is_object() ? result.as_object().interface : result.repr(), path));
   }
@@ -339,7 +361,8 @@ BuiltGraph ComponentGraph::build(const std::function<void(const std::string&)>& 
   if (!errors.empty()) throw ConfigFileError(std::move(errors));
   diagnostics_.clear();
   BuiltGraph out;
-  for (const auto& key : selection()) out.top_level.emplace_back(key, build_node(*root_.find(key), ConfigPath().child(key), log));
+  for (const auto& key : selection())
+    out.top_level.emplace_back(key, build_node(*root_.find(key), ConfigPath().child(key), log));
   // The pipeline's checks again, now on built values (placeholders skipped them before).
   for (const auto& [key, value] : out.top_level) run_entry_checks(key, value, /*dry_run=*/false);
   if (profile_ != nullptr && profile_->check_built) {
@@ -372,8 +395,9 @@ std::string ComponentGraph::to_dot() {
         const NodeKind kind = classify(n, p);
         if (kind == NodeKind::kReference) {
           const auto& last = p.segments().back();
-          const std::string label = std::holds_alternative<std::string>(last) ? std::get<std::string>(last)
-                                                                              : fmt::format("[{}]", std::get<std::size_t>(last));
+          const std::string label = std::holds_alternative<std::string>(last)
+                                        ? std::get<std::string>(last)
+                                        : fmt::format("[{}]", std::get<std::size_t>(last));
           out += fmt::format("  {} -> {} [style=dashed, label={}];\n", quote(owner),
                              quote(n.find("instance_key")->as_string()), quote(label));
           return;
@@ -389,7 +413,8 @@ std::string ComponentGraph::to_dot() {
           next_owner = name;
         }
         if (n.is_table()) {
-          for (const auto& [k, v] : n.as_table()) walk(v, p.child(k), next_owner.empty() ? p.child(k).str() : next_owner);
+          for (const auto& [k, v] : n.as_table())
+            walk(v, p.child(k), next_owner.empty() ? p.child(k).str() : next_owner);
         } else if (n.is_array()) {
           for (std::size_t i = 0; i < n.as_array().size(); ++i)
             walk(n.as_array()[i], p.index(i), next_owner.empty() ? p.str() : next_owner);

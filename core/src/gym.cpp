@@ -13,24 +13,24 @@
 #include <modalities/core/graph.h>
 #include <modalities/core/gym.h>
 #include <modalities/sdk/distributed.h>
-#include <modalities/sdk/fault.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/fault.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/checkpoint_saving.h>
 #include <modalities/sdk/interfaces/data_loader.h>
 #include <modalities/sdk/interfaces/dataset.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
-#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/loss.h>
 #include <modalities/sdk/interfaces/lr_scheduler.h>
 #include <modalities/sdk/interfaces/message_subscriber.h>
 #include <modalities/sdk/interfaces/mfu_calculator.h>
-#include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
 #include <modalities/sdk/interfaces/pipeline.h>
 #include <modalities/sdk/interfaces/steppable_profiler.h>
+#include <modalities/sdk/parallel.h>
+#include <modalities/sdk/parameter_count.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -180,11 +180,13 @@ class DataLedger {
     if (dist::rank() == 0 && n > 0) {
       std::string lines;
       for (std::int64_t k = 0; k < n; ++k)
-        lines += fmt::format("{{\"step\": {}, \"global_samples\": {}, \"sample_ids_hash\": {}}}\n",
-                             pending_[static_cast<std::size_t>(k)].step, a[1][k],
-                             a[2][k] != 0 ? std::string("null") : fmt::format("\"{:016x}\"", static_cast<std::uint64_t>(a[0][k])));
+        lines += fmt::format(
+            "{{\"step\": {}, \"global_samples\": {}, \"sample_ids_hash\": {}}}\n",
+            pending_[static_cast<std::size_t>(k)].step, a[1][k],
+            a[2][k] != 0 ? std::string("null") : fmt::format("\"{:016x}\"", static_cast<std::uint64_t>(a[0][k])));
       std::FILE* f = std::fopen(path_.c_str(), "ab");
-      if (f == nullptr) throw Error(fmt::format("cannot append to the data ledger '{}': {}", path_.string(), std::strerror(errno)));
+      if (f == nullptr)
+        throw Error(fmt::format("cannot append to the data ledger '{}': {}", path_.string(), std::strerror(errno)));
       const bool ok = std::fwrite(lines.data(), 1, lines.size(), f) == lines.size();
       if (std::fclose(f) != 0 || !ok) throw Error(fmt::format("cannot write the data ledger '{}'", path_.string()));
     }
@@ -234,7 +236,8 @@ class Gym {
           const double x = v.item<double>();
           if (x > steps) steps = x, key = k;
         }
-      if (steps > 0 && steps != static_cast<double>(steps_seen_before_)) throw contradiction("the optimizer's " + key, steps);
+      if (steps > 0 && steps != static_cast<double>(steps_seen_before_))
+        throw contradiction("the optimizer's " + key, steps);
     }
     if (scheduler_) {
       const StateDict sd = scheduler_->state_dict();
@@ -261,8 +264,9 @@ class Gym {
     parts_ = c_.app_state->model_parts();
     pipeline_ = c_.scheduled_pipeline;
     if (pipeline_ && !pipeline_->schedule())
-      throw Error("scheduled_pipeline has no schedule: build it with pipeline/scheduled (or give pipeline/builder a "
-                  "pp_schedule)");
+      throw Error(
+          "scheduled_pipeline has no schedule: build it with pipeline/scheduled (or give pipeline/builder a "
+          "pp_schedule)");
     // The data-parallel size is what the samplers split the data by and what the token counts
     // assume: a dp_degree that is not the real one trains on more (or fewer) tokens per step
     // than the config says, silently.
@@ -275,11 +279,12 @@ class Gym {
     // Note [Data ledger]: one rank per data-parallel rank counts its batch.
     if (c_.device_mesh) ledger_.set_counted(dims.counts_data());
     if (sp.dp_degree != dp_ranks)
-      throw Error(fmt::format("settings.step_profile.dp_degree = {}, but the run's data-parallel size is {}: "
-                              "tokens per step, step targets and throughput would count {} ranks' batches while "
-                              "{} train; derive it with number_conversion/parallel_degree from the device mesh "
-                              "(configs/distributed/fsdp2_cpu.toml)",
-                              sp.dp_degree, source, sp.dp_degree, dp_ranks));
+      throw Error(
+          fmt::format("settings.step_profile.dp_degree = {}, but the run's data-parallel size is {}: "
+                      "tokens per step, step targets and throughput would count {} ranks' batches while "
+                      "{} train; derive it with number_conversion/parallel_degree from the device mesh "
+                      "(configs/distributed/fsdp2_cpu.toml)",
+                      sp.dp_degree, source, sp.dp_degree, dp_ranks));
     if (s.cuda_env.world_size > 1) {
       // Several data-parallel ranks train one model only if every part synchronises its gradients
       // across them, which the sharding wrappers do (their parameters are shards). Ranks that only
@@ -293,18 +298,20 @@ class Gym {
                 "model/fsdp1_wrapped (configs/distributed/fsdp2_cpu.toml)",
                 s.cuda_env.world_size, dp_ranks));
       if (!dist::initialized())
-        throw Error(fmt::format("settings.cuda_env.world_size = {}, but no process group was created (launch with "
-                                "`modalities launch`, torchrun or srun)",
-                                s.cuda_env.world_size));
+        throw Error(
+            fmt::format("settings.cuda_env.world_size = {}, but no process group was created (launch with "
+                        "`modalities launch`, torchrun or srun)",
+                        s.cuda_env.world_size));
     }
     // Loss parallel: logits split on the vocabulary reach only a loss that reduces them across
     // the tensor-parallel ranks; any other would read a slice of the vocabulary as all of it.
     if (parts_.size() == 1) vocab_shard_ = parts_.front()->vocab_shard();
     if (vocab_shard_ && !c_.loss_fn->accepts_vocab_shards())
-      throw Error(fmt::format("loss_fn: the model returns logits split on the vocabulary over the tensor-parallel "
-                              "ranks (device_mesh.config.enable_loss_parallel = true), and loss '{}' cannot reduce "
-                              "them; use loss/clm_cross_entropy_loss or set enable_loss_parallel = false",
-                              c_.loss_fn->tag()));
+      throw Error(
+          fmt::format("loss_fn: the model returns logits split on the vocabulary over the tensor-parallel "
+                      "ranks (device_mesh.config.enable_loss_parallel = true), and loss '{}' cannot reduce "
+                      "them; use loss/clm_cross_entropy_loss or set enable_loss_parallel = false",
+                      c_.loss_fn->tag()));
     optimizer_ = c_.app_state->optimizer();
     scheduler_ = c_.app_state->lr_scheduler();
     check_resumed_state();
@@ -317,7 +324,6 @@ class Gym {
               name));
       part->to(o_.device, std::nullopt);
     }
-
   }
 
   GymSummary run() {
@@ -338,8 +344,10 @@ class Gym {
     progress.num_target_steps = s.training_target.num_target_steps;
     progress.num_target_tokens = s.training_target.num_target_tokens;
 
-    if (steps_seen_before_ > 0 && steps_seen_before_ % s.intervals.evaluation_interval_in_steps == 0) evaluate(steps_seen_before_);
-    if (steps_seen_before_ > 0 && steps_seen_before_ % s.intervals.checkpointing_interval_in_steps == 0) checkpoint(progress);
+    if (steps_seen_before_ > 0 && steps_seen_before_ % s.intervals.evaluation_interval_in_steps == 0)
+      evaluate(steps_seen_before_);
+    if (steps_seen_before_ > 0 && steps_seen_before_ % s.intervals.checkpointing_interval_in_steps == 0)
+      checkpoint(progress);
 
     const i64 num_batches_todo = (s.training_target.num_target_steps - steps_seen_before_) * accumulation_steps_;
     if (c_.profiler) c_.profiler->enter();
@@ -367,13 +375,15 @@ class Gym {
           std::cerr << fmt::format(
               "warning: train_dataloader '{}' ran out after {} micro-batches; the target needed {} "
               "(steps {} of {}). Check the dataset size and settings.training_target.\n",
-              tag, i, num_batches_todo, steps_seen_before_ + i / accumulation_steps_, s.training_target.num_target_steps);
+              tag, i, num_batches_todo, steps_seen_before_ + i / accumulation_steps_,
+              s.training_target.num_target_steps);
           break;
         }
         const std::int64_t batch_size = batch->size();
         ledger_.add(batch->sample_ids, batch_size);
         batch->to(o_.device, /*non_blocking=*/o_.device.is_cuda());
-        const i64 step_number = steps_seen_before_ + i / accumulation_steps_ + 1;  // 1-based step this micro-batch belongs to
+        const i64 step_number =
+            steps_seen_before_ + i / accumulation_steps_ + 1;  // 1-based step this micro-batch belongs to
         current_step = step_number;
 
         // 1. forward / backward.
@@ -493,9 +503,10 @@ class Gym {
 
   TensorMap forward(const TensorMap& samples) {
     if (parts_.size() != 1)
-      throw Error(fmt::format("app_state has {} model parts; several parts need a pipeline schedule "
-                              "(scheduled_pipeline), which this version does not run",
-                              parts_.size()));
+      throw Error(
+          fmt::format("app_state has {} model parts; several parts need a pipeline schedule "
+                      "(scheduled_pipeline), which this version does not run",
+                      parts_.size()));
     return parts_.front()->forward(samples);
   }
 
@@ -577,9 +588,8 @@ class Gym {
     r.num_train_steps_done = progress.num_seen_steps_total();
     // Losses are averaged over the ranks (each rank's loss is the mean over its own samples,
     // and every rank has as many samples), as Modalities all-reduces them.
-    at::Tensor losses = at::stack({loss_sum_ / static_cast<float>(std::max<i64>(loss_count_, 1)), last_loss_})
-                            .to(at::kFloat)
-                            .cpu();
+    at::Tensor losses =
+        at::stack({loss_sum_ / static_cast<float>(std::max<i64>(loss_count_, 1)), last_loss_}).to(at::kFloat).cpu();
     mean_over_loss_ranks(losses);
     const at::Tensor loss_avg = losses[0].clone();
     last_logged_loss_ = loss_avg.item<double>();
@@ -651,9 +661,8 @@ class Gym {
       mean_over_loss_ranks(loss);
       loss = loss.reshape({});
       r.losses.push_back({c_.loss_fn->tag(), {loss, 2}});
-      r.throughput_metrics.push_back(
-          {"evaluation_num_samples_per_second",
-           {fscalar(elapsed > 0 ? static_cast<double>(samples * dp_) / elapsed : 0.0), 1}});
+      r.throughput_metrics.push_back({"evaluation_num_samples_per_second",
+                                      {fscalar(elapsed > 0 ? static_cast<double>(samples * dp_) / elapsed : 0.0), 1}});
       if (c_.settings.cuda_env.global_rank == 0)
         out_ << now_iso() << " | " << tag << " | " << result_line(r) << std::endl;
       publish_result(r);
@@ -678,7 +687,7 @@ class Gym {
   i64 tokens_seen_before_ = 0;  // tokens of the earlier runs
   i64 dp_ = 1;                  // data-parallel degree
   i64 tokens_per_step_ = 0;
-  std::shared_ptr<Pipeline> pipeline_;          // pipeline parallelism: the scheduled pipeline, else null
+  std::shared_ptr<Pipeline> pipeline_;         // pipeline parallelism: the scheduled pipeline, else null
   std::optional<tp::VocabShard> vocab_shard_;  // loss parallel: the model's logits are split on the vocabulary
   std::vector<std::shared_ptr<Module>> parts_;
   std::shared_ptr<Optimizer> optimizer_;
@@ -731,9 +740,7 @@ GymComponents GymComponents::from(const BuiltGraph& built) {
   return c;
 }
 
-GymSummary run_gym(GymComponents& components, const GymOptions& options) {
-  return Gym(components, options).run();
-}
+GymSummary run_gym(GymComponents& components, const GymOptions& options) { return Gym(components, options).run(); }
 
 i64 count_trainable_parameters(const GymComponents& c) {
   std::vector<const Module*> parts;
@@ -755,20 +762,21 @@ std::string training_report(const GymComponents& c, i64 num_parameters) {
   r += fmt::format("  training target:      {} steps, {} tokens\n", t.num_target_steps, t.num_target_tokens);
   r += fmt::format("  training progress:    {} steps, {} tokens, {} samples seen (last step {})\n", p.num_seen_steps,
                    p.global_num_seen_tokens, p.num_seen_samples, p.last_step);
-  r += fmt::format("  step profile:         micro batch {} x sequence {} x grad. accumulation {} x dp {} = {} "
-                   "tokens/step\n",
-                   sp.local_train_micro_batch_size, sp.sequence_length, sp.gradient_accumulation_steps, sp.dp_degree,
-                   sp.tokens_per_step());
+  r += fmt::format(
+      "  step profile:         micro batch {} x sequence {} x grad. accumulation {} x dp {} = {} "
+      "tokens/step\n",
+      sp.local_train_micro_batch_size, sp.sequence_length, sp.gradient_accumulation_steps, sp.dp_degree,
+      sp.tokens_per_step());
   r += fmt::format("  intervals:            log every {}, evaluate every {}, checkpoint every {} steps\n",
                    iv.training_log_interval_in_steps, iv.evaluation_interval_in_steps,
                    iv.checkpointing_interval_in_steps);
-  r += fmt::format("  cuda env:             rank {} (local {}) of {}\n", s.cuda_env.global_rank,
-                   s.cuda_env.local_rank, s.cuda_env.world_size);
-  r += fmt::format("  consistency checks:   tokens/step {}, last step logged {}, evaluated {}, checkpointed {}, "
-                   "enough tokens {}\n",
-                   ce.enforce_tokens_per_step_consistency, ce.enforce_last_step_logged,
-                   ce.enforce_last_step_evaluated, ce.enforce_last_step_checkpointed,
-                   ce.enforce_enough_tokens_in_dataset);
+  r += fmt::format("  cuda env:             rank {} (local {}) of {}\n", s.cuda_env.global_rank, s.cuda_env.local_rank,
+                   s.cuda_env.world_size);
+  r += fmt::format(
+      "  consistency checks:   tokens/step {}, last step logged {}, evaluated {}, checkpointed {}, "
+      "enough tokens {}\n",
+      ce.enforce_tokens_per_step_consistency, ce.enforce_last_step_logged, ce.enforce_last_step_evaluated,
+      ce.enforce_last_step_checkpointed, ce.enforce_enough_tokens_in_dataset);
   // Warnings of Modalities' training report. Modalities multiplies by the world size, which
   // warns of a negative "missing" share under tensor or pipeline parallelism (ranks that share a
   // batch); the data-parallel degree is what feeds tokens (docs/differences.md).

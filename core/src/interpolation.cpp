@@ -175,9 +175,9 @@ class Interpolator {
           std::vector<std::string> keys;
           for (const auto& [k, v] : cur->as_table()) keys.push_back(k);
           if (auto near = closest_match(std::get<std::string>(seg), keys); !near.empty())
-            hint_ = fmt::format("did you mean '{}'?", resolved_next.str().substr(0, resolved_next.str().size() -
-                                                                                       std::get<std::string>(seg).size()) +
-                                                          near);
+            hint_ = fmt::format(
+                "did you mean '{}'?",
+                resolved_next.str().substr(0, resolved_next.str().size() - std::get<std::string>(seg).size()) + near);
         }
         throw Error(fmt::format("interpolation '${{{}}}': no value at '{}'", expr, resolved_next.str()));
       }
@@ -227,8 +227,6 @@ class Interpolator {
 
 }  // namespace
 
-void resolve_interpolations(ConfigNode& root, const ResolverTable& resolvers) {
-  Interpolator(root, resolvers).run();
-}
+void resolve_interpolations(ConfigNode& root, const ResolverTable& resolvers) { Interpolator(root, resolvers).run(); }
 
 }  // namespace modalities::core

@@ -1,7 +1,7 @@
 // The pipeline profiles of the commands (docs/configs.md): which top-level keys each
 // command builds, in which order, and what each must produce.
-#include <modalities/core/graph.h>
 #include <modalities/core/data/packing.h>
+#include <modalities/core/graph.h>
 #include <modalities/core/training_settings.h>
 
 namespace modalities::core {
@@ -25,7 +25,8 @@ const std::vector<PipelineProfile>& builtin_pipelines() {
            {"model_raw", "Module", true, "the unwrapped model"},
            {"profiler", "SteppableProfiler", false, "wraps the training loop"},
            {"mfu_calculator", "MFUCalculator", false, "model FLOPs utilisation"},
-           {"scheduled_pipeline", "Pipeline", false, "enables the pipeline-parallel path (or the model brings it: Module::pipeline)"},
+           {"scheduled_pipeline", "Pipeline", false,
+            "enables the pipeline-parallel path (or the model brings it: Module::pipeline)"},
            {"device_mesh", "DeviceMesh", false, "parallelism layout; without it DP degree = world size"},
        },
        check_training_set},

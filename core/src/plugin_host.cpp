@@ -16,9 +16,9 @@
 #include <modalities/core/registry.h>
 #include <modalities/sdk/plugin.h>
 
+#include <fmt/format.h>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
-#include <fmt/format.h>
 
 #include <elf.h>
 
@@ -94,16 +94,18 @@ DescriptorRead read_descriptor(const fs::path& file) {
   if (names.empty() || !f.read(names_header.sh_offset, names.size(), names.data()))
     return {std::nullopt, "ELF section names are truncated"};
   for (const Elf64_Shdr& sh : sections) {
-    if (sh.sh_name >= names.size() || field(names.data() + sh.sh_name, names.size() - sh.sh_name) != MODALITIES_PLUGIN_SECTION)
+    if (sh.sh_name >= names.size() ||
+        field(names.data() + sh.sh_name, names.size() - sh.sh_name) != MODALITIES_PLUGIN_SECTION)
       continue;
     modalities_plugin_descriptor d;
     if (sh.sh_size < sizeof d || !f.within(sh.sh_offset, sh.sh_size) || !f.read(sh.sh_offset, sizeof d, &d))
       return {std::nullopt, "plugin descriptor section is truncated"};
-    if (field(d.magic, sizeof d.magic) != MODALITIES_PLUGIN_MAGIC) return {std::nullopt, "plugin descriptor has a bad magic"};
+    if (field(d.magic, sizeof d.magic) != MODALITIES_PLUGIN_MAGIC)
+      return {std::nullopt, "plugin descriptor has a bad magic"};
     return {d, {}};
   }
-  return {std::nullopt,
-          "not a Modalities plugin (no " MODALITIES_PLUGIN_SECTION " section; was it declared with MODALITIES_PLUGIN?)"};
+  return {std::nullopt, "not a Modalities plugin (no " MODALITIES_PLUGIN_SECTION
+                        " section; was it declared with MODALITIES_PLUGIN?)"};
 }
 
 struct Fingerprint {
@@ -161,7 +163,8 @@ std::optional<PluginProblem> PluginHost::load_file(const fs::path& file) {
   }
   const std::string symbol = fmt::format("modalities_plugin_{}_register", name);
   if (!lib.has(symbol))
-    return PluginProblem{file, fmt::format("descriptor names plugin '{}' but the library does not export {}", name, symbol)};
+    return PluginProblem{file,
+                         fmt::format("descriptor names plugin '{}' but the library does not export {}", name, symbol)};
   auto* fn = lib.get<int(void*, char*, std::size_t)>(symbol);
   resident_libraries().push_back(std::move(lib));  // See Note [Plugin lifetime]
 

@@ -55,7 +55,8 @@ void ProgressBar::draw(std::uint64_t done, const std::string& suffix, bool final
     constexpr int kWidth = 24;
     const int filled = static_cast<int>(frac * kWidth);
     line += fmt::format(" [{}{}] {:3.0f}% {}/{} {}", std::string(filled, '#'), std::string(kWidth - filled, '-'),
-                        frac * 100, human_count(static_cast<double>(done)), human_count(static_cast<double>(total_)), unit_);
+                        frac * 100, human_count(static_cast<double>(done)), human_count(static_cast<double>(total_)),
+                        unit_);
   } else {
     line += fmt::format(" {} {}", human_count(static_cast<double>(done)), unit_);
   }

@@ -48,7 +48,8 @@ class StagingRegistrar final : public Registrar {
   void add_variant(VariantSpec spec) override {
     if (spec.component_key.empty() || spec.variant_key.empty())
       throw Error("a variant was registered with an empty component_key or variant_key");
-    if (!spec.build || !spec.validate) throw Error(fmt::format("variant {} was registered without a factory", spec.id()));
+    if (!spec.build || !spec.validate)
+      throw Error(fmt::format("variant {} was registered without a factory", spec.id()));
     variants.push_back(std::move(spec));
   }
   void add_resolver(ResolverSpec spec) override {
@@ -86,10 +87,11 @@ std::optional<std::string> Registry::register_plugin(PluginInfo info,
     if (seen[spec.id()]) return fmt::format("variant {} is registered twice by {}", spec.id(), who);
     seen[spec.id()] = true;
     if (const RegisteredVariant* existing = find(spec.component_key, spec.variant_key)) {
-      const std::string owner = existing->plugin && !existing->plugin->file.empty()
-                                    ? fmt::format("{} {}", existing->plugin->file.filename().string(),
-                                                  existing->plugin->version)
-                                    : existing->plugin ? existing->plugin->name : "the host";
+      const std::string owner =
+          existing->plugin && !existing->plugin->file.empty()
+              ? fmt::format("{} {}", existing->plugin->file.filename().string(), existing->plugin->version)
+          : existing->plugin ? existing->plugin->name
+                             : "the host";
       return fmt::format("variant {} registered twice: {} and {}", spec.id(), owner, who);
     }
   }

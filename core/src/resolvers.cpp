@@ -34,9 +34,10 @@ Value cuda_env(std::string_view name) {
   // The three launcher variables are integers and must be set, as in Modalities.
   if (var == "LOCAL_RANK" || var == "RANK" || var == "WORLD_SIZE") {
     if (raw == nullptr)
-      throw Error(fmt::format("environment variable {} is not set (launch with torchrun, srun or "
-                              "`modalities launch`, or export it)",
-                              var));
+      throw Error(
+          fmt::format("environment variable {} is not set (launch with torchrun, srun or "
+                      "`modalities launch`, or export it)",
+                      var));
     std::int64_t v = 0;
     const std::string_view s(raw);
     auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
@@ -71,7 +72,8 @@ ResolverTable builtin_resolvers(const ModalitiesEnv& env) {
          }});
   t.add({"node_env", "Facts about this machine: num_cpus (number of CPUs). Other names yield null.",
          [](std::string_view name) -> Value {
-           if (name == "num_cpus") return Value(static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency())));
+           if (name == "num_cpus")
+             return Value(static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency())));
            return Value();
          }});
   t.add({"null", "An explicit null: `key = \"${null:}\"` (TOML has no null literal). Takes no argument.",

@@ -43,12 +43,11 @@ void check_training_set(const BuiltGraph& built, ParseContext& ctx) {
   const i64 available = ds.size() * s.step_profile.sequence_length;
   if (available < s.training_target.num_target_tokens) {
     const std::string message =
-        fmt::format("train_dataset has {} samples x {} tokens = {} tokens, fewer than num_target_tokens ({})", ds.size(),
-                    s.step_profile.sequence_length, available, s.training_target.num_target_tokens);
+        fmt::format("train_dataset has {} samples x {} tokens = {} tokens, fewer than num_target_tokens ({})",
+                    ds.size(), s.step_profile.sequence_length, available, s.training_target.num_target_tokens);
     if (s.consistency_enforcement.enforce_enough_tokens_in_dataset)
       ctx.fail("settings.training_target.num_target_tokens", message);
-    else
-      ctx.warn("settings.training_target.num_target_tokens", message + " (not enforced)");
+    else ctx.warn("settings.training_target.num_target_tokens", message + " (not enforced)");
   }
 }
 

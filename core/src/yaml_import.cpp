@@ -37,7 +37,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-
 // PyYAML's SafeLoader implicit resolvers (YAML 1.1) for plain scalars, with OmegaConf's float
 // regex (it also takes "1e-5", which PyYAML alone reads as a string).
 const std::regex kNull(R"(^(?:~|null|Null|NULL|)$)");
@@ -65,7 +64,8 @@ constexpr std::size_t kMaxDepth = 256;
 constexpr std::string_view kTagPrefix = "tag:yaml.org,2002:";
 
 [[noreturn]] void unreadable(const SourceLocation& where, const std::string& s, std::string_view as) {
-  throw Error(fmt::format("{}: '{}' cannot be read as {} (PyYAML refuses it too)", where.str(), s.size() > 80 ? s.substr(0, 80) + "..." : s, as));
+  throw Error(fmt::format("{}: '{}' cannot be read as {} (PyYAML refuses it too)", where.str(),
+                          s.size() > 80 ? s.substr(0, 80) + "..." : s, as));
 }
 
 // PyYAML's int constructor: underscores dropped, a sign, then 0b (binary), 0x (hex), 0 (octal),
@@ -110,8 +110,9 @@ std::int64_t yaml_int(const std::string& s, const SourceLocation& where) {
     if (t.empty()) unreadable(where, s, "an integer");
     for (const char c : t) {
       const int digit = std::isdigit(static_cast<unsigned char>(c)) ? c - '0'
-                        : std::isxdigit(static_cast<unsigned char>(c)) ? std::tolower(static_cast<unsigned char>(c)) - 'a' + 10
-                                                                       : 99;
+                        : std::isxdigit(static_cast<unsigned char>(c))
+                            ? std::tolower(static_cast<unsigned char>(c)) - 'a' + 10
+                            : 99;
       if (digit >= base) unreadable(where, s, "an integer");
       magnitude = magnitude * static_cast<unsigned>(base) + static_cast<unsigned>(digit);
       if (magnitude > limit) too_big();
@@ -205,9 +206,10 @@ ConfigNode scalar(const YAML::Node& n, const SourceLocation& where) {
       if (s.size() > kRegexLimit || !std::regex_match(s, kBool)) unreadable(where, s, "!!bool");
       return ConfigNode(yaml_bool(s), where);
     }
-    throw Error(fmt::format("{}: the YAML tag '{}' is not supported (OmegaConf's loader reads !!str, !!int, !!float, "
-                            "!!bool and !!null)",
-                            where.str(), tag));
+    throw Error(
+        fmt::format("{}: the YAML tag '{}' is not supported (OmegaConf's loader reads !!str, !!int, !!float, "
+                    "!!bool and !!null)",
+                    where.str(), tag));
   }
   if (s.size() > kRegexLimit) return long_plain_scalar(s, where);
   if (std::regex_match(s, kNull)) return ConfigNode(std::monostate{}, where);
@@ -224,16 +226,18 @@ class Converter {
   ConfigNode convert(const YAML::Node& n) {
     const std::string& file = *file_;
     const SourceLocation where{file_, static_cast<std::uint32_t>(n.Mark().line + 1),
-                                     static_cast<std::uint32_t>(n.Mark().column + 1)};
+                               static_cast<std::uint32_t>(n.Mark().column + 1)};
     if (++nodes_ > kMaxNodes)
-      throw Error(fmt::format("{}: the document expands to more than {} values (aliases repeated inside aliases?); "
-                              "no config is that large",
-                              where.str(), kMaxNodes));
+      throw Error(
+          fmt::format("{}: the document expands to more than {} values (aliases repeated inside aliases?); "
+                      "no config is that large",
+                      where.str(), kMaxNodes));
     for (const YAML::Node& a : ancestors_)
       if (a.is(n))
-        throw Error(fmt::format("{}: an alias refers to a node that contains it (a recursive anchor); it cannot be "
-                                "expanded",
-                                where.str()));
+        throw Error(
+            fmt::format("{}: an alias refers to a node that contains it (a recursive anchor); it cannot be "
+                        "expanded",
+                        where.str()));
     if (ancestors_.size() >= kMaxDepth)
       throw Error(fmt::format("{}: nested more than {} levels deep", where.str(), kMaxDepth));
     switch (n.Type()) {
@@ -292,7 +296,8 @@ std::string read_with_line_feeds(const std::string& path) {
     } else if (c == '\xc2' && i + 1 < raw.size() && raw[i + 1] == '\x85') {
       out.push_back('\n');
       ++i;
-    } else if (c == '\xe2' && i + 2 < raw.size() && raw[i + 1] == '\x80' && (raw[i + 2] == '\xa8' || raw[i + 2] == '\xa9')) {
+    } else if (c == '\xe2' && i + 2 < raw.size() && raw[i + 1] == '\x80' &&
+               (raw[i + 2] == '\xa8' || raw[i + 2] == '\xa9')) {
       out.push_back('\n');
       i += 2;
     } else {
@@ -350,7 +355,8 @@ std::string yaml_config_to_toml(std::string_view yaml_text, const std::string& f
       void OnNull(const YAML::Mark& m, YAML::anchor_t) override { node(m); }
       void OnAlias(const YAML::Mark& m, YAML::anchor_t) override { node(m); }
       void OnScalar(const YAML::Mark& m, const std::string&, YAML::anchor_t, const std::string&) override { node(m); }
-      void OnSequenceStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+      void OnSequenceStart(const YAML::Mark& m, const std::string&, YAML::anchor_t,
+                           YAML::EmitterStyle::value) override {
         node(m);
       }
       void OnSequenceEnd() override {}
@@ -366,18 +372,20 @@ std::string yaml_config_to_toml(std::string_view yaml_text, const std::string& f
     if (counter.starts.size() > 1) {
       const YAML::Mark& second = counter.starts[1];
       if (second.pos == counter.starts[0].pos)  // no progress: yaml-cpp's stray-',' loop
-        throw Error(fmt::format("{}:{}:{}: expected a document, found a ',' outside a flow collection (PyYAML "
-                                "refuses it too)",
-                                file, second.line + 1, second.column + 1));
+        throw Error(
+            fmt::format("{}:{}:{}: expected a document, found a ',' outside a flow collection (PyYAML "
+                        "refuses it too)",
+                        file, second.line + 1, second.column + 1));
       const YAML::Mark& at = counter.first_nodes.size() > 1 ? counter.first_nodes[1] : second;
-      throw Error(fmt::format("{}:{}: a second YAML document; a config is one document (OmegaConf refuses more)",
-                              file, at.line + 1));
+      throw Error(fmt::format("{}:{}: a second YAML document; a config is one document (OmegaConf refuses more)", file,
+                              at.line + 1));
     }
     doc = YAML::Load(yaml);
   } catch (const YAML::Exception& e) {
     throw Error(fmt::format("{}:{}:{}: {}", file, e.mark.line + 1, e.mark.column + 1, e.msg));
   }
-  if (!doc.IsMap()) throw Error(fmt::format("{}: the document is not a mapping (a config is a mapping of top-level keys)", file));
+  if (!doc.IsMap())
+    throw Error(fmt::format("{}: the document is not a mapping (a config is a mapping of top-level keys)", file));
   const ConfigNode root = Converter(std::make_shared<const std::string>(file)).convert(doc);
   const std::string text =
       fmt::format("# Converted from {} by `modalities config import`.\n\n", fs::path(file).filename().string()) +
@@ -385,8 +393,8 @@ std::string yaml_config_to_toml(std::string_view yaml_text, const std::string& f
   try {
     load_toml_string(text, "converted");  // what we write must load back
   } catch (const std::exception& e) {
-    throw Error(fmt::format("{}: the TOML converted from it does not load back ({}); {}", file, e.what(),
-                            kImporterBug));
+    throw Error(
+        fmt::format("{}: the TOML converted from it does not load back ({}); {}", file, e.what(), kImporterBug));
   }
   return text;
 }

@@ -55,7 +55,9 @@ AtomicFile::AtomicFile(std::filesystem::path path, std::size_t buffer_bytes) : p
   const std::filesystem::path parent = path_.parent_path().empty() ? "." : path_.parent_path();
   std::error_code ec;
   std::filesystem::create_directories(parent, ec);
-  if (ec) throw Error(fmt::format("cannot create the directory '{}' for '{}': {}", parent.string(), path_.string(), ec.message()));
+  if (ec)
+    throw Error(
+        fmt::format("cannot create the directory '{}' for '{}': {}", parent.string(), path_.string(), ec.message()));
   temp_ = temp_name_for(path_.parent_path().empty() ? std::filesystem::path(".") / path_ : path_);
   fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd_ < 0) fail("cannot create a temporary file in its directory", errno);

@@ -2,11 +2,11 @@
 // c10d process groups. Compiled with USE_C10D_GLOO so that ProcessGroupGloo.hpp declares the
 // class; gloo's own headers come from Debian's libgloo-dev (the wheel ships c10d's headers but
 // not gloo's), its code from the wheel's libtorch_cpu.so. tests/distributed/ checks the pairing.
+#include <ATen/Context.h>
+#include <c10/util/Logging.h>
 #include <modalities/sdk/build_info.h>
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
-#include <ATen/Context.h>
-#include <c10/util/Logging.h>
 
 #include "staged_backend.h"
 
@@ -27,17 +27,17 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <thread>
 #include <cerrno>
+#include <charconv>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <random>
-#include <charconv>
-#include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string_view>
+#include <thread>
 
 namespace modalities::dist {
 namespace {
@@ -189,8 +189,8 @@ void check_consistent(const LaunchEnv& e, const char* rank_var, const char* size
     throw Error(fmt::format("environment: {}={} is not below {}={}", local_var, e.local_rank, local_size_var,
                             e.local_world_size));
   if (e.local_world_size > e.world_size)
-    throw Error(fmt::format("environment: {}={} exceeds {}={}", local_size_var, e.local_world_size, size_var,
-                            e.world_size));
+    throw Error(
+        fmt::format("environment: {}={} exceeds {}={}", local_size_var, e.local_world_size, size_var, e.world_size));
   if (e.master_port < 0 || e.master_port > 65535)
     throw Error(fmt::format("environment: MASTER_PORT={} is not a TCP port (0-65535)", e.master_port));
 }
@@ -203,11 +203,11 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend, const
     // to, or 127.0.0.1; GLOO_SOCKET_IFNAME selects an interface on clusters.
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0')
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    else
-      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    else options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
   }
-  if (backend == "staged") return detail::make_staged_backend(make_backend("gloo", store, rank, size, timeout), rank, size);
+  if (backend == "staged")
+    return detail::make_staged_backend(make_backend("gloo", store, rank, size, timeout), rank, size);
 #if MODALITIES_SDK_WITH_CUDA
   if (backend == "nccl") {
     auto options = c10d::ProcessGroupNCCL::Options::create();
@@ -227,7 +227,8 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend, const
 bool debug_collectives() {
   const char* ours = std::getenv("MODALITIES_DEBUG_COLLECTIVES");
   const char* torch = std::getenv("TORCH_DISTRIBUTED_DEBUG");
-  return (ours != nullptr && std::string_view(ours) == "1") || (torch != nullptr && std::string_view(torch) == "DETAIL");
+  return (ours != nullptr && std::string_view(ours) == "1") ||
+         (torch != nullptr && std::string_view(torch) == "DETAIL");
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
@@ -236,12 +237,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& backend,
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   c10::intrusive_ptr<c10d::Backend> impl = make_backend(backend, store, rank, size, timeout);
   if (debug_collectives()) {
-    auto helper = make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>("collective_check/", store), rank, size,
-                               timeout);
+    auto helper =
+        make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>("collective_check/", store), rank, size, timeout);
     impl = c10::make_intrusive<c10d::ProcessGroupWrapper>(impl, helper);
   }
   using BackendType = c10d::ProcessGroup::BackendType;
-  const auto type = backend == "nccl" ? BackendType::NCCL : backend == "staged" ? BackendType::CUSTOM : BackendType::GLOO;
+  const auto type = backend == "nccl"     ? BackendType::NCCL
+                    : backend == "staged" ? BackendType::CUSTOM
+                                          : BackendType::GLOO;
   group->setDefaultBackend(type);
   // Gloo serves CPU tensors, NCCL CUDA tensors: an NCCL group gets a Gloo backend for the CPU
   // tensors of a GPU run (small control values), as torch.distributed's "cpu:gloo,cuda:nccl".
@@ -312,9 +315,10 @@ LaunchEnv launch_env(const EnvLookup& lookup) {
     if (e.world_size > 1) {
       e.master_addr = get(lookup, "MASTER_ADDR").value_or("");
       if (e.master_addr.empty())
-        throw Error(fmt::format("environment variable MASTER_ADDR is not set (WORLD_SIZE={} needs a rendezvous "
-                                "address; `modalities launch` and torchrun set it)",
-                                e.world_size));
+        throw Error(
+            fmt::format("environment variable MASTER_ADDR is not set (WORLD_SIZE={} needs a rendezvous "
+                        "address; `modalities launch` and torchrun set it)",
+                        e.world_size));
       e.master_port = require_int(lookup, "MASTER_PORT", 1, "the rendezvous port of rank 0's store");
     }
     check_consistent(e, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
@@ -327,11 +331,12 @@ LaunchEnv launch_env(const EnvLookup& lookup) {
     if (const auto addr = get(lookup, "MASTER_ADDR"); addr && !addr->empty()) {
       e.master_addr = *addr;
     } else if (const auto list = get(lookup, "SLURM_STEP_NODELIST") ? get(lookup, "SLURM_STEP_NODELIST")
-                                                                      : get(lookup, "SLURM_JOB_NODELIST")) {
+                                                                    : get(lookup, "SLURM_JOB_NODELIST")) {
       e.master_addr = first_slurm_host(*list);
     } else if (e.world_size > 1) {
-      throw Error("environment: SLURM_PROCID is set but neither MASTER_ADDR nor SLURM_STEP_NODELIST / "
-                  "SLURM_JOB_NODELIST names the host of rank 0");
+      throw Error(
+          "environment: SLURM_PROCID is set but neither MASTER_ADDR nor SLURM_STEP_NODELIST / "
+          "SLURM_JOB_NODELIST names the host of rank 0");
     }
     if (const auto port = get(lookup, "MASTER_PORT")) {
       e.master_port = parse_int(*port, "MASTER_PORT", 1);
@@ -361,10 +366,9 @@ void init_with_store(const LaunchEnv& env, const RuntimeOptions& options, c10::i
   store->setTimeout(options.timeout);
   try {
     r.world = make_group(r.backend, store, env.rank, env.world_size, options.timeout, "world");
-    r.control = r.backend == "gloo"
-                    ? r.world
-                    : make_group("gloo", c10::make_intrusive<c10d::PrefixStore>("control/", store), env.rank,
-                                 env.world_size, options.timeout, "control");
+    r.control = r.backend == "gloo" ? r.world
+                                    : make_group("gloo", c10::make_intrusive<c10d::PrefixStore>("control/", store),
+                                                 env.rank, env.world_size, options.timeout, "control");
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -397,13 +401,13 @@ void init(const LaunchEnv& env, const RuntimeOptions& options) {
     // torchrun's agent store holds every restart's keys: the ranks of one attempt use their own prefix.
     if (env.agent_store)
       store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), tcp);
-    else
-      store = tcp;
+    else store = tcp;
   } catch (const std::exception& e) {
-    throw Error(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} s ({}): {}", env.rank,
-                            env.world_size, env.master_addr, env.master_port, options.timeout.count() / 1000.0,
-                            env.agent_store ? "torchrun's agent store" : env.rank == 0 ? "hosting the store"
-                                                                                       : "connecting to rank 0",
+    throw Error(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} s ({}): {}", env.rank, env.world_size,
+                            env.master_addr, env.master_port, options.timeout.count() / 1000.0,
+                            env.agent_store ? "torchrun's agent store"
+                            : env.rank == 0 ? "hosting the store"
+                                            : "connecting to rank 0",
                             e.what()));
   }
   init_with_store(env, options, std::move(store));
@@ -466,8 +470,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::vector<int>& ranks, 
   if (ranks.empty() || !std::is_sorted(ranks.begin(), ranks.end()) ||
       std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || ranks.front() < 0 ||
       ranks.back() >= r.env.world_size)
-    throw Error(fmt::format("process group '{}': ranks must be distinct, ascending and below the world size {}",
-                            name, r.env.world_size));
+    throw Error(fmt::format("process group '{}': ranks must be distinct, ascending and below the world size {}", name,
+                            r.env.world_size));
   ++r.groups_created;
   const auto it = std::find(ranks.begin(), ranks.end(), r.env.rank);
   if (it == ranks.end()) return {};
@@ -485,7 +489,8 @@ std::string purpose(const std::string& key) {
     const auto folder = key.find('/', 11);
     const auto phase = key.rfind('/');
     if (folder != std::string::npos && phase > folder)
-      return fmt::format("saving checkpoint '{}' ({})", key.substr(folder + 1, phase - folder - 1), key.substr(phase + 1));
+      return fmt::format("saving checkpoint '{}' ({})", key.substr(folder + 1, phase - folder - 1),
+                         key.substr(phase + 1));
   }
   return fmt::format("exchanging '{}'", key);
 }
@@ -537,9 +542,10 @@ std::vector<std::uint8_t> get_from(int peer, const std::string& store_key, const
       last_beat = beat;
       last_change = now;
     } else if (now - last_change > kPeerLostAfter) {
-      throw Error(fmt::format("rank {} was lost while {}: no sign of life from it for {} s (killed, or its host "
-                              "failed)",
-                              peer, purpose(key), kPeerLostAfter.count()));
+      throw Error(
+          fmt::format("rank {} was lost while {}: no sign of life from it for {} s (killed, or its host "
+                      "failed)",
+                      peer, purpose(key), kPeerLostAfter.count()));
     }
   }
 }
@@ -620,12 +626,14 @@ std::vector<std::string> gather_strings_to_rank0(const std::string& key, const s
 // Note [Lost peers], in a step: a collective fails at once when a peer's connection closes, with
 // Gloo's "[.../pair.cc:N] Connection closed by peer [IP]:PORT", which names no rank. The heartbeats
 // say which: the peer whose counter stood still for 10 s, or rank 0 when the store it hosts is gone.
-std::string lost_peer_message(const std::exception& e, const std::string& during, const std::atomic<int>* stop_request) {
+std::string lost_peer_message(const std::exception& e, const std::string& during,
+                              const std::atomic<int>* stop_request) {
   // Our own errors (a lost store named by get_from, ...) already say what happened.
   if (!initialized() || world_size() < 2 || dynamic_cast<const Error*>(&e) != nullptr) return "";
   const std::string what = message_of(e);
   constexpr std::string_view kSigns[] = {"Connection closed by peer", "Connection reset by peer", "Broken pipe"};
-  if (std::none_of(std::begin(kSigns), std::end(kSigns), [&](std::string_view s) { return what.find(s) != std::string::npos; }))
+  if (std::none_of(std::begin(kSigns), std::end(kSigns),
+                   [&](std::string_view s) { return what.find(s) != std::string::npos; }))
     return "";
   std::string cause = what.substr(0, what.find('\n'));
   if (cause.starts_with('[') && cause.find("] ") != std::string::npos) cause = cause.substr(cause.find("] ") + 2);
@@ -643,39 +651,43 @@ std::string lost_peer_message(const std::exception& e, const std::string& during
         beat = store.add(heartbeat_key(r), 0);
       } catch (const std::exception&) {
         if (env().agent_store)
-          return fmt::format("lost the connection to another rank during {} ({}) and to the rendezvous store "
-                             "(torchrun's agent): is that node gone?",
-                             during, cause);
-        return fmt::format("rank 0 was lost during {}: its connection closed ({}), and so did the rendezvous store it "
-                           "hosts (killed, stopped by its own error, or its host failed)",
-                           during, cause);
+          return fmt::format(
+              "lost the connection to another rank during {} ({}) and to the rendezvous store "
+              "(torchrun's agent): is that node gone?",
+              during, cause);
+        return fmt::format(
+            "rank 0 was lost during {}: its connection closed ({}), and so did the rendezvous store it "
+            "hosts (killed, stopped by its own error, or its host failed)",
+            during, cause);
       }
       const auto i = static_cast<std::size_t>(r);
       if (beat != last[i]) {
         last[i] = beat;
         changed[i] = now;
       } else if (now - changed[i] > kPeerLostAfter) {
-        return fmt::format("rank {} was lost during {}: its connection closed ({}) and it has shown no sign of life "
-                           "for {} s (killed, stopped by its own error, or its host failed)",
-                           r, during, cause, kPeerLostAfter.count());
+        return fmt::format(
+            "rank {} was lost during {}: its connection closed ({}) and it has shown no sign of life "
+            "for {} s (killed, stopped by its own error, or its host failed)",
+            r, during, cause, kPeerLostAfter.count());
       }
     }
     if (stop_request != nullptr && stop_request->load() != 0)
-      return fmt::format("a connection to another rank closed during {} ({}); stopped on request before telling "
-                         "which rank was lost",
-                         during, cause);
+      return fmt::format(
+          "a connection to another rank closed during {} ({}); stopped on request before telling "
+          "which rank was lost",
+          during, cause);
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  return fmt::format("a connection to another rank closed during {} ({}), yet every rank still shows signs of life: "
-                     "a network problem?",
-                     during, cause);
+  return fmt::format(
+      "a connection to another rank closed during {} ({}), yet every rank still shows signs of life: "
+      "a network problem?",
+      during, cause);
 }
 
 void barrier() {
   if (!initialized()) return;
   world()->barrier()->wait();
 }
-
 
 // Note [Rendezvous port]: a port the kernel picks for bind(0) comes from its ephemeral range
 // (net.ipv4.ip_local_port_range, 32768-60999 by default), from which it also takes the local port

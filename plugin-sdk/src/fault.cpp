@@ -24,7 +24,8 @@ long long parse_number(std::string_view text, std::string_view spec) {
   long long v = -1;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || end != text.data() + text.size() || v < 0)
-    throw Error(fmt::format("MODALITIES_FAULT=\"{}\": expected <point>@<rank>[:<n>][=kill|stop|flag] with whole numbers", spec));
+    throw Error(fmt::format(
+        "MODALITIES_FAULT=\"{}\": expected <point>@<rank>[:<n>][=kill|stop|flag] with whole numbers", spec));
   return v;
 }
 

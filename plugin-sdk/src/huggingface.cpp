@@ -10,13 +10,13 @@
 #include <fmt/format.h>
 #include <simdjson.h>
 
+#include <unistd.h>
 #include <cctype>
 #include <cstdint>
 #include <fstream>
 #include <random>
 #include <set>
 #include <system_error>
-#include <unistd.h>
 
 namespace modalities {
 
@@ -44,13 +44,14 @@ std::uint64_t parse_byte_size(const std::string& text) {
   while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
   const std::string unit = text.substr(digits);
   static const std::map<std::string, std::uint64_t> units = {
-      {"", 1},        {"B", 1},           {"KB", 1000},       {"MB", 1000'000},     {"GB", 1000'000'000},
-      {"KiB", 1024},  {"MiB", 1u << 20},  {"GiB", 1u << 30}};
+      {"", 1},       {"B", 1},          {"KB", 1000},     {"MB", 1000'000}, {"GB", 1000'000'000},
+      {"KiB", 1024}, {"MiB", 1u << 20}, {"GiB", 1u << 30}};
   const auto u = units.find(unit);
   if (digits == 0 || digits > 15 || u == units.end())
-    throw Error(fmt::format("'{}' is not a size: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, "
-                            "GiB), e.g. 5GB",
-                            text));
+    throw Error(
+        fmt::format("'{}' is not a size: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, "
+                    "GiB), e.g. 5GB",
+                    text));
   const std::uint64_t count = std::stoull(text.substr(0, digits));
   if (count > UINT64_MAX / u->second) throw Error(fmt::format("'{}' is too large", text));
   const std::uint64_t n = count * u->second;
@@ -96,7 +97,8 @@ void write_huggingface_folder(const fs::path& dir_given, const HuggingFaceCheckp
     if (shards.size() == 1) {
       write_safetensors(tmp / "model.safetensors", shards.front(), metadata);
     } else {
-      std::string index = fmt::format("{{\n  \"metadata\": {{\n    \"total_size\": {}\n  }},\n  \"weight_map\": {{", total);
+      std::string index =
+          fmt::format("{{\n  \"metadata\": {{\n    \"total_size\": {}\n  }},\n  \"weight_map\": {{", total);
       std::map<std::string, std::string> where;
       for (std::size_t i = 0; i < shards.size(); ++i) {
         const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());

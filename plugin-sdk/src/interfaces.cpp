@@ -39,8 +39,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <fmt/core.h>
 
@@ -311,9 +311,10 @@ std::vector<std::string> Module::submodules_of_class(std::string_view class_name
 }
 
 void Module::reset_parameters() {
-  throw Error(fmt::format("model '{}' does not support reset_parameters() (needed to initialize a model "
-                          "built on the meta device)",
-                          module().name()));
+  throw Error(
+      fmt::format("model '{}' does not support reset_parameters() (needed to initialize a model "
+                  "built on the meta device)",
+                  module().name()));
 }
 
 std::shared_ptr<Module> Module::clone() const {
@@ -322,15 +323,18 @@ std::shared_ptr<Module> Module::clone() const {
 }
 
 std::shared_ptr<RemovableHandle> Module::add_hook(ModuleHook /*hook*/, std::span<const std::string> /*fqns*/) {
-  throw Error(fmt::format("model '{}' does not support module hooks (needed by debugging hooks and sharding "
-                          "wrappers)",
-                          module().name()));
+  throw Error(
+      fmt::format("model '{}' does not support module hooks (needed by debugging hooks and sharding "
+                  "wrappers)",
+                  module().name()));
 }
 
-std::shared_ptr<RemovableHandle> Module::add_block_runner(BlockRunner /*runner*/, std::span<const std::string> /*fqns*/) {
-  throw Error(fmt::format("model '{}' cannot run its blocks through a block runner (needed by activation "
-                          "checkpointing); its forward must call ModuleHooks::around for each block",
-                          module().name()));
+std::shared_ptr<RemovableHandle> Module::add_block_runner(BlockRunner /*runner*/,
+                                                          std::span<const std::string> /*fqns*/) {
+  throw Error(
+      fmt::format("model '{}' cannot run its blocks through a block runner (needed by activation "
+                  "checkpointing); its forward must call ModuleHooks::around for each block",
+                  module().name()));
 }
 
 std::map<std::string, ShardPlacement> Module::shard_placements() const { return {}; }
@@ -346,10 +350,11 @@ void Module::retain_modules(const std::vector<std::string>&) {
 }
 
 void Module::apply_tensor_parallel(const ParallelDims&, const tp::Options&) {
-  throw Error(fmt::format("this model ({}) does not support tensor parallelism: its class does not implement "
-                          "Module::apply_tensor_parallel (a wrapper does not either: split the raw model first, "
-                          "before activation checkpointing, initialization, pipeline stages and FSDP)",
-                          module().name()));
+  throw Error(
+      fmt::format("this model ({}) does not support tensor parallelism: its class does not implement "
+                  "Module::apply_tensor_parallel (a wrapper does not either: split the raw model first, "
+                  "before activation checkpointing, initialization, pipeline stages and FSDP)",
+                  module().name()));
 }
 
 std::shared_ptr<Pipeline> Module::pipeline() const { return nullptr; }

@@ -7,8 +7,8 @@
 // second opinion from python_json_valid() below, a small hand-written
 // recursive-descent check of exactly json.loads' grammar, so that the set of
 // accepted lines (and hence every .idx byte) matches Modalities.
-#include <modalities/sdk/formats/jsonl.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/formats/jsonl.h>
 
 #include <fmt/format.h>
 #include <simdjson.h>
@@ -49,11 +49,11 @@ namespace {
 // pointer even for zero bytes (an empty line of an empty mapping has data() == nullptr).
 const char* non_null(std::string_view s) { return s.data() != nullptr ? s.data() : ""; }
 
-
 [[noreturn]] void bad_jq(std::string_view program, std::string_view why) {
-  throw Error(fmt::format("unsupported jq_pattern '{}': {}. Supported: a path of keys and array indices such as "
-                          "., .text, .a.b, .[\"some key\"], .messages[0].content",
-                          program, why));
+  throw Error(
+      fmt::format("unsupported jq_pattern '{}': {}. Supported: a path of keys and array indices such as "
+                  "., .text, .a.b, .[\"some key\"], .messages[0].content",
+                  program, why));
 }
 
 bool is_ident_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_'; }
@@ -118,13 +118,15 @@ JqPath JqPath::parse(std::string_view program) {
         std::int64_t index = 0;
         const auto [ptr, ec] = std::from_chars(s.data() + start, s.data() + i, index);
         if (ec != std::errc() || ptr != s.data() + i || i >= s.size() || s[i] != ']')
-          bad_jq(program, "brackets must hold an integer index or a quoted key (slices, iterators and filters are not supported)");
+          bad_jq(
+              program,
+              "brackets must hold an integer index or a quoted key (slices, iterators and filters are not supported)");
         ++i;
         path.steps_.push_back({std::string(), index});
       }
     } else {
-      bad_jq(program, fmt::format("unexpected '{}' at position {} (pipes, functions and operators are not supported)",
-                                  s[i], i));
+      bad_jq(program,
+             fmt::format("unexpected '{}' at position {} (pipes, functions and operators are not supported)", s[i], i));
     }
   }
   return path;
@@ -270,7 +272,8 @@ class PythonJsonChecker {
           }
           i_ += 6;
           if (v >= 0xD800 && v <= 0xDBFF) {  // high surrogate: paired if a low one follows
-            const int w = (i_ + 6 <= s_.size() && s_[i_] == '\\' && s_[i_ + 1] == 'u') ? hex4(s_.substr(i_ + 2, 4)) : -1;
+            const int w =
+                (i_ + 6 <= s_.size() && s_[i_] == '\\' && s_[i_ + 1] == 'u') ? hex4(s_.substr(i_ + 2, 4)) : -1;
             if (w >= 0xDC00 && w <= 0xDFFF) i_ += 6;
             else lone_surrogate_ = true;
           } else if (v >= 0xDC00 && v <= 0xDFFF) {
@@ -360,7 +363,8 @@ class PythonJsonChecker {
         }
       }
       default:
-        if (literal("true") || literal("false") || literal("null") || literal("NaN") || literal("Infinity")) return true;
+        if (literal("true") || literal("false") || literal("null") || literal("NaN") || literal("Infinity"))
+          return true;
         if (s_[i_] == '-' || std::isdigit(static_cast<unsigned char>(s_[i_]))) {
           if (number()) return true;
         }
@@ -445,7 +449,10 @@ std::string replace_lone_surrogates(std::string_view line, std::string_view repl
     int v = 0;
     for (std::size_t k = i + 2; k < i + 6; ++k) {
       const char c = line[k];
-      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      const int d = c >= '0' && c <= '9'   ? c - '0'
+                    : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                    : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                           : -1;
       if (d < 0) return -1;
       v = v * 16 + d;
     }
@@ -515,7 +522,10 @@ std::string_view select_string(const simdjson::dom::element& doc, const JqPath& 
   if (cur.is_null()) throw Error(fmt::format("{} selects null", path.program()));
   std::string_view text;
   if (cur.get_string().get(text)) {
-    const char* type = cur.is_object() ? "an object" : cur.is_array() ? "an array" : cur.is_bool() ? "a boolean" : "a number";
+    const char* type = cur.is_object()  ? "an object"
+                       : cur.is_array() ? "an array"
+                       : cur.is_bool()  ? "a boolean"
+                                        : "a number";
     throw Error(fmt::format("{} selects {}, not a string", path.program(), type));
   }
   return text;
@@ -550,9 +560,10 @@ std::string_view JsonLineParser::extract_string(std::string_view line, const JqP
     texts[k] = std::string(select_string(doc, path));
   }
   if (texts[0] != texts[1])
-    throw Error(fmt::format("the text selected by {} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
-                            "which no tokenizer can encode",
-                            path.program()));
+    throw Error(
+        fmt::format("the text selected by {} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                    "which no tokenizer can encode",
+                    path.program()));
   impl_->result = std::move(texts[0]);
   return impl_->result;
 }

@@ -94,14 +94,16 @@ std::shared_ptr<RemovableHandle> ModuleHooks::add(ModuleHook hook, std::span<con
 }
 
 std::shared_ptr<RemovableHandle> ModuleHooks::add_runner(BlockRunner runner, std::span<const std::string> fqns,
-                                                         const std::vector<std::string>& blocks, std::string_view model) {
+                                                         const std::vector<std::string>& blocks,
+                                                         std::string_view model) {
   if (!runner) throw Error(fmt::format("{}: add_block_runner needs a callable runner", model));
   std::unordered_set<std::string> wanted = checked_fqns(fqns, blocks, /*root=*/false, model, "run block");
   for (const RunnerEntry& r : *runners_)
     for (const std::string& b : blocks) {
       const bool mine = wanted.empty() || wanted.contains(b);
       const bool theirs = r.fqns.empty() || r.fqns.contains(b);
-      if (mine && theirs) throw Error(fmt::format("{}: block '{}' already has a block runner (one per block)", model, b));
+      if (mine && theirs)
+        throw Error(fmt::format("{}: block '{}' already has a block runner (one per block)", model, b));
     }
   runners_->push_back({next_id_, std::move(runner), std::move(wanted)});
   return std::make_shared<Handle<RunnerEntry>>(runners_, next_id_++);

@@ -20,10 +20,8 @@ at::Tensor apply(Kind kind, const at::Tensor& x, std::int64_t n, const at::Tenso
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n, "a ", module_name(kind), " over ", n, " features got input of shape ",
               x.sizes());
   switch (kind) {
-    case Kind::kLayerNorm:
-      return at::layer_norm(x, {n}, weight, bias, eps);
-    case Kind::kTorchRmsNorm:
-      return at::rms_norm(x, {n}, weight.defined() ? std::optional(weight) : std::nullopt, eps);
+    case Kind::kLayerNorm: return at::layer_norm(x, {n}, weight, bias, eps);
+    case Kind::kTorchRmsNorm: return at::rms_norm(x, {n}, weight.defined() ? std::optional(weight) : std::nullopt, eps);
     case Kind::kRmsLayerNorm: {
       // Normalise in fp32, cast back, then scale (and shift) in x's dtype, as Modalities does.
       const at::Tensor xf = x.to(at::kFloat);

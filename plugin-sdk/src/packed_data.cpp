@@ -239,7 +239,7 @@ std::vector<SignedIndexEntry> unpickle_signed_index(std::span<const std::byte> b
         if (v > 5) throw fail(fmt::format("pickle protocol {} (expected 0-5)", v));
         break;
       }
-      case 0x95: r.frame(op_pos); break;  // FRAME
+      case 0x95: r.frame(op_pos); break;                // FRAME
       case 0x28: marks.push_back(stack.size()); break;  // MARK
       case 0x5d: stack.push_back({Kind::kList, 0, {}, std::make_shared<std::vector<SignedIndexEntry>>()}); break;
       case 0x6c: {  // LIST (protocol 0): the items since MARK
@@ -260,26 +260,27 @@ std::vector<SignedIndexEntry> unpickle_signed_index(std::span<const std::byte> b
         for (const PickleValue& v : items) append(list, v);
         break;
       }
-      case 0x29: push_tuple({}); break;  // EMPTY_TUPLE
+      case 0x29: push_tuple({}); break;          // EMPTY_TUPLE
       case 0x74: push_tuple(pop_mark()); break;  // TUPLE
-      case 0x85:  // TUPLE1
-      case 0x86:  // TUPLE2
-      case 0x87: {  // TUPLE3
+      case 0x85:                                 // TUPLE1
+      case 0x86:                                 // TUPLE2
+      case 0x87: {                               // TUPLE3
         std::vector<PickleValue> items(op - 0x84);
         for (auto it = items.rbegin(); it != items.rend(); ++it) *it = pop();
         push_tuple(std::move(items));
         break;
       }
-      case 0x4b: push_int(r.le(1)); break;  // BININT1
-      case 0x4d: push_int(r.le(2)); break;  // BININT2
+      case 0x4b: push_int(r.le(1)); break;                                                         // BININT1
+      case 0x4d: push_int(r.le(2)); break;                                                         // BININT2
       case 0x4a: push_int(static_cast<std::int32_t>(static_cast<std::uint32_t>(r.le(4)))); break;  // BININT
-      case 0x8a:    // LONG1
-      case 0x8b: {  // LONG4
+      case 0x8a:                                                                                   // LONG1
+      case 0x8b: {                                                                                 // LONG4
         const std::uint64_t n = op == 0x8a ? r.u8() : r.le(4);
         if (n > 15) throw fail(fmt::format("integer of {} bytes is too large for an offset", n));
         const std::byte* p = r.take(static_cast<std::size_t>(n));
         unsigned __int128 u = 0;
-        for (std::size_t i = 0; i < n; ++i) u |= static_cast<unsigned __int128>(static_cast<std::uint8_t>(p[i])) << (8 * i);
+        for (std::size_t i = 0; i < n; ++i)
+          u |= static_cast<unsigned __int128>(static_cast<std::uint8_t>(p[i])) << (8 * i);
         __int128 v = static_cast<__int128>(u);
         if (n > 0 && (static_cast<std::uint8_t>(p[n - 1]) & 0x80)) v -= static_cast<__int128>(1) << (8 * n);
         push_int(v);
@@ -304,16 +305,16 @@ std::vector<SignedIndexEntry> unpickle_signed_index(std::span<const std::byte> b
       }
       case 0x88:
       case 0x89: stack.push_back({Kind::kBool, op == 0x88, {}, nullptr}); break;  // NEWTRUE / NEWFALSE
-      case 0x94: put(memo.size()); break;  // MEMOIZE
-      case 0x70: put(text_uint(r.line())); break;  // PUT
-      case 0x71: put(r.le(1)); break;  // BINPUT
-      case 0x72: put(r.le(4)); break;  // LONG_BINPUT
-      case 0x67: get(text_uint(r.line())); break;  // GET
-      case 0x68: get(r.le(1)); break;  // BINGET
-      case 0x6a: get(r.le(4)); break;  // LONG_BINGET
-      case 0x30: pop(); break;  // POP
-      case 0x31: pop_mark(); break;  // POP_MARK
-      case 0x32: {  // DUP
+      case 0x94: put(memo.size()); break;                                         // MEMOIZE
+      case 0x70: put(text_uint(r.line())); break;                                 // PUT
+      case 0x71: put(r.le(1)); break;                                             // BINPUT
+      case 0x72: put(r.le(4)); break;                                             // LONG_BINPUT
+      case 0x67: get(text_uint(r.line())); break;                                 // GET
+      case 0x68: get(r.le(1)); break;                                             // BINGET
+      case 0x6a: get(r.le(4)); break;                                             // LONG_BINGET
+      case 0x30: pop(); break;                                                    // POP
+      case 0x31: pop_mark(); break;                                               // POP_MARK
+      case 0x32: {                                                                // DUP
         if (stack.empty() || stack.back().kind == Kind::kMark) throw fail("DUP of an empty stack");
         stack.push_back(stack.back());
         break;
@@ -327,9 +328,10 @@ std::vector<SignedIndexEntry> unpickle_signed_index(std::span<const std::byte> b
         return std::move(*v.list);
       }
       default:
-        throw fail(fmt::format("opcode 0x{:02x} is not allowed in an index (only the data opcodes that build a "
-                               "list of integer pairs are read; nothing is executed)",
-                               op));
+        throw fail(
+            fmt::format("opcode 0x{:02x} is not allowed in an index (only the data opcodes that build a "
+                        "list of integer pairs are read; nothing is executed)",
+                        op));
     }
   }
 }
@@ -372,9 +374,10 @@ std::vector<IndexEntry> read_raw_index(const std::filesystem::path& idx_file) {
   for (std::size_t k = 0; k < entries.size(); ++k) {
     const auto [offset, length] = entries[k];
     if (offset < next)
-      throw Error(fmt::format("{}: entry {} starts at byte {}, inside or before the line of entry {} (which ends at "
-                              "byte {}): the index is corrupt; re-create it with `modalities data create_raw_index`",
-                              idx_file.string(), k, offset, k - 1, next - 1));
+      throw Error(
+          fmt::format("{}: entry {} starts at byte {}, inside or before the line of entry {} (which ends at "
+                      "byte {}): the index is corrupt; re-create it with `modalities data create_raw_index`",
+                      idx_file.string(), k, offset, k - 1, next - 1));
     if (length >= std::numeric_limits<std::uint64_t>::max() - offset)
       throw Error(fmt::format("{}: entry {} has the impossible length {}", idx_file.string(), k, length));
     next = offset + length + 1;
@@ -386,10 +389,10 @@ void check_raw_index_fits(std::span<const IndexEntry> entries, std::uint64_t jso
                           const std::filesystem::path& idx_file, const std::filesystem::path& jsonl_file) {
   for (std::size_t k = 0; k < entries.size(); ++k)
     if (entries[k].first > jsonl_size || entries[k].second > jsonl_size - entries[k].first)
-      throw Error(fmt::format("the raw index '{}' does not belong to '{}': entry {} ({}, {}) lies beyond the end of "
-                              "the file ({} bytes); re-create it with `modalities data create_raw_index`",
-                              idx_file.string(), jsonl_file.string(), k, entries[k].first, entries[k].second,
-                              jsonl_size));
+      throw Error(
+          fmt::format("the raw index '{}' does not belong to '{}': entry {} ({}, {}) lies beyond the end of "
+                      "the file ({} bytes); re-create it with `modalities data create_raw_index`",
+                      idx_file.string(), jsonl_file.string(), k, entries[k].first, entries[k].second, jsonl_size));
 }
 
 std::optional<std::string> raw_index_entry_mismatch(std::string_view jsonl, const IndexEntry& entry) {

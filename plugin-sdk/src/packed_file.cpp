@@ -50,7 +50,8 @@ void widen(const std::byte* src, std::uint64_t count, std::int64_t* out) {
   for (std::uint64_t i = 0; i < count; ++i) {
     T v;
     std::memcpy(&v, src + i * sizeof(T), sizeof(T));
-    if constexpr (std::endian::native != std::endian::little) v = static_cast<T>(read_le(src + i * sizeof(T), sizeof(T)));
+    if constexpr (std::endian::native != std::endian::little)
+      v = static_cast<T>(read_le(src + i * sizeof(T), sizeof(T)));
     out[i] = static_cast<std::int64_t>(v);
   }
 }
@@ -83,7 +84,8 @@ void PackedFile::open(const std::filesystem::path& path) {
     throw Error(fmt::format("{}: {} bytes is too short for a .pbin file (12-byte header expected; empty or truncated?)",
                             s->name, size));
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (p == MAP_FAILED) throw Error(fmt::format("{}: cannot memory-map {} bytes: {}", s->name, size, std::strerror(errno)));
+  if (p == MAP_FAILED)
+    throw Error(fmt::format("{}: cannot memory-map {} bytes: {}", s->name, size, std::strerror(errno)));
   s->base = static_cast<const std::byte*>(p);
   s->mapped = size;
 
@@ -92,14 +94,14 @@ void PackedFile::open(const std::filesystem::path& path) {
   h.data_len = read_le(s->base, 8);
   h.token_size = static_cast<std::uint32_t>(read_le(s->base + 8, 4));
   if (h.token_size != 1 && h.token_size != 2 && h.token_size != 4)
-    throw Error(fmt::format("{}: token size {} in the header is not 1, 2 or 4 (not a .pbin file?)", s->name,
-                            h.token_size));
+    throw Error(
+        fmt::format("{}: token size {} in the header is not 1, 2 or 4 (not a .pbin file?)", s->name, h.token_size));
   if (h.data_len > size - kPackedHeaderSize)
     throw Error(fmt::format("{}: header says {} data bytes but the file holds only {} after the header (truncated?)",
                             s->name, h.data_len, size - kPackedHeaderSize));
   if (h.data_len % h.token_size != 0)
-    throw Error(fmt::format("{}: data length {} is not a multiple of the token size {}", s->name, h.data_len,
-                            h.token_size));
+    throw Error(
+        fmt::format("{}: data length {} is not a multiple of the token size {}", s->name, h.data_len, h.token_size));
   state_ = std::move(s);
 }
 
@@ -114,8 +116,8 @@ const PackedHeader& PackedFile::header() const { return state().header; }
 std::uint64_t PackedFile::token(std::uint64_t i) const {
   const State& s = state();
   if (i >= s.header.num_tokens())
-    throw Error(fmt::format("{}: token {} is out of range (the file holds {} tokens)", s.name, i,
-                            s.header.num_tokens()));
+    throw Error(
+        fmt::format("{}: token {} is out of range (the file holds {} tokens)", s.name, i, s.header.num_tokens()));
   return read_le(s.data() + i * s.header.token_size, s.header.token_size);
 }
 
@@ -163,8 +165,8 @@ const std::vector<IndexEntry>& PackedFile::index() const {
     const auto header = static_cast<std::int64_t>(kPackedHeaderSize);
     // Legacy writers stored absolute file positions: the first document at 12, the last ending at
     // 12 + data_len.
-    const bool legacy = !raw.empty() && raw.front().first == header &&
-                        raw.back().first + raw.back().second == header + data_len;
+    const bool legacy =
+        !raw.empty() && raw.front().first == header && raw.back().first + raw.back().second == header + data_len;
     // Every writer lays the documents out back to back, so the index must tile the data section
     // exactly: a lost, duplicated or shifted entry (a flipped byte) is an error, never a silently
     // missing document. One exception is accepted and corrected: Modalities' merge_packed_data
@@ -183,22 +185,24 @@ const std::vector<IndexEntry>& PackedFile::index() const {
       if (k > 0 && stored + shift != end && stored + shift + header == end) shift += header;  // a merge boundary
       const std::int64_t offset = stored + shift;
       if (offset != end)
-        throw Error(fmt::format("{}: document {}: stored offset {} does not continue the documents before it, "
-                                "which end at byte {} of the data section (corrupt index?)",
-                                s.name, k, stored, end));
+        throw Error(
+            fmt::format("{}: document {}: stored offset {} does not continue the documents before it, "
+                        "which end at byte {} of the data section (corrupt index?)",
+                        s.name, k, stored, end));
       if (length > data_len - offset)
         throw Error(fmt::format("{}: document {}: bytes [{}, {}) lie outside the data section of {} bytes", s.name, k,
                                 offset, offset + length, data_len));
       if (offset % ts != 0 || length % ts != 0)
-        throw Error(fmt::format("{}: document {}: offset {} / length {} are not multiples of the token size {}",
-                                s.name, k, offset, length, ts));
+        throw Error(fmt::format("{}: document {}: offset {} / length {} are not multiples of the token size {}", s.name,
+                                k, offset, length, ts));
       index.emplace_back(static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length));
       end = offset + length;
     }
     if (end != data_len)
-      throw Error(fmt::format("{}: the index's {} documents cover {} of the {} data bytes (corrupt or truncated "
-                              "index?)",
-                              s.name, index.size(), end, data_len));
+      throw Error(
+          fmt::format("{}: the index's {} documents cover {} of the {} data bytes (corrupt or truncated "
+                      "index?)",
+                      s.name, index.size(), end, data_len));
     s.index = std::move(index);
     s.legacy = legacy;
   });
@@ -213,8 +217,8 @@ bool PackedFile::legacy() const {
 std::vector<std::int64_t> PackedFile::document(std::uint64_t k) const {
   const auto& idx = index();
   if (k >= idx.size())
-    throw Error(fmt::format("{}: document {} is out of range (the file holds {} documents)", state().name, k,
-                            idx.size()));
+    throw Error(
+        fmt::format("{}: document {} is out of range (the file holds {} documents)", state().name, k, idx.size()));
   const std::uint32_t ts = token_size();
   return tokens(idx[k].first / ts, idx[k].second / ts);
 }

@@ -30,8 +30,9 @@ void PackedWriter::append(std::span<const std::byte> bytes, std::span<const std:
     index_.emplace_back(offset, len);
     offset += len;
   }
-  MODALITIES_CHECK(offset - data_len_ == bytes.size(), "cannot write '{}': document lengths sum to {} but {} bytes given",
-                   out_.path().string(), offset - data_len_, bytes.size());
+  MODALITIES_CHECK(offset - data_len_ == bytes.size(),
+                   "cannot write '{}': document lengths sum to {} but {} bytes given", out_.path().string(),
+                   offset - data_len_, bytes.size());
   out_.write(bytes);
   data_len_ += bytes.size();
 }

@@ -55,12 +55,12 @@ std::int64_t tokens_per_step(std::int64_t local_micro_batch_size, std::int64_t s
                                                           {"dp_degree", dp_degree}};
   std::int64_t product = 1;
   for (const auto& [name, value] : factors) {
-    if (value < 1)
-      throw Error(fmt::format("tokens per step: {} must be at least 1, got {}", name, value));
+    if (value < 1) throw Error(fmt::format("tokens per step: {} must be at least 1, got {}", name, value));
     if (product > std::numeric_limits<std::int64_t>::max() / value)
-      throw Error(fmt::format("tokens per step overflows 64 bits: local_micro_batch_size {} x sequence_length {} x "
-                              "gradient_accumulation_steps {} x dp_degree {}",
-                              local_micro_batch_size, sequence_length, gradient_accumulation_steps, dp_degree));
+      throw Error(
+          fmt::format("tokens per step overflows 64 bits: local_micro_batch_size {} x sequence_length {} x "
+                      "gradient_accumulation_steps {} x dp_degree {}",
+                      local_micro_batch_size, sequence_length, gradient_accumulation_steps, dp_degree));
     product *= value;
   }
   return product;

@@ -14,18 +14,19 @@
 
 #include <algorithm>
 #include <array>
-#include <tuple>
 #include <bit>
 #include <cerrno>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian; big-endian hosts are not supported");
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; big-endian hosts are not supported");
 
 namespace modalities::formats {
 
@@ -61,7 +62,8 @@ constexpr std::array<DtypeName, 15> kDtypes{{
 class Fd {
  public:
   explicit Fd(const std::filesystem::path& path) : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
-    if (fd_ < 0) throw Error(fmt::format("cannot open the safetensors file '{}': {}", path.string(), std::strerror(errno)));
+    if (fd_ < 0)
+      throw Error(fmt::format("cannot open the safetensors file '{}': {}", path.string(), std::strerror(errno)));
   }
   ~Fd() { ::close(fd_); }
   Fd(const Fd&) = delete;
@@ -90,7 +92,6 @@ void read_exactly(int fd, const std::filesystem::path& path, std::uint64_t offse
   }
 }
 
-
 std::optional<c10::ScalarType> dtype_from_name(std::string_view name) {
   for (const auto& d : kDtypes)
     if (d.name == name) return d.type;
@@ -100,7 +101,8 @@ std::optional<c10::ScalarType> dtype_from_name(std::string_view name) {
 SafetensorsHeader parse_header(int fd, const std::filesystem::path& path) {
   const std::string file = path.string();
   struct stat st {};
-  if (::fstat(fd, &st) != 0) throw Error(fmt::format("cannot stat the safetensors file '{}': {}", file, std::strerror(errno)));
+  if (::fstat(fd, &st) != 0)
+    throw Error(fmt::format("cannot stat the safetensors file '{}': {}", file, std::strerror(errno)));
   const auto file_size = static_cast<std::uint64_t>(st.st_size);
   if (file_size < 8)
     throw Error(fmt::format("the safetensors file '{}' is truncated: {} bytes, fewer than the 8-byte header length",
@@ -110,19 +112,21 @@ SafetensorsHeader parse_header(int fd, const std::filesystem::path& path) {
   std::uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[static_cast<std::size_t>(i)];
   if (header_len > kMaxHeaderSize)
-    throw Error(fmt::format("the safetensors file '{}' is corrupt: header length {} exceeds the {} byte limit",
-                            file, header_len, kMaxHeaderSize));
+    throw Error(fmt::format("the safetensors file '{}' is corrupt: header length {} exceeds the {} byte limit", file,
+                            header_len, kMaxHeaderSize));
   if (header_len > file_size - 8)
-    throw Error(fmt::format("the safetensors file '{}' is truncated: the header claims {} bytes, the file has {} after "
-                            "the length field",
-                            file, header_len, file_size - 8));
+    throw Error(
+        fmt::format("the safetensors file '{}' is truncated: the header claims {} bytes, the file has {} after "
+                    "the length field",
+                    file, header_len, file_size - 8));
 
   simdjson::padded_string json(static_cast<std::size_t>(header_len));
   read_exactly(fd, path, 8, json.data(), header_len);
   simdjson::dom::parser parser;
   simdjson::dom::element root;
   if (auto err = parser.parse(json).get(root))
-    throw Error(fmt::format("the safetensors file '{}' has a corrupt JSON header: {}", file, simdjson::error_message(err)));
+    throw Error(
+        fmt::format("the safetensors file '{}' has a corrupt JSON header: {}", file, simdjson::error_message(err)));
   simdjson::dom::object object;
   if (root.get_object().get(object))
     throw Error(fmt::format("the safetensors file '{}' has a corrupt header: expected a JSON object", file));
@@ -186,8 +190,8 @@ SafetensorsHeader parse_header(int fd, const std::filesystem::path& path) {
                             entry.end, header.data_size));
     const std::uint64_t expected = numel * c10::elementSize(entry.scalar_type);
     if (entry.end - entry.begin != expected)
-      throw bad(fmt::format("data_offsets [{}, {}] span {} bytes, but {} of shape [{}] needs {}", entry.begin, entry.end,
-                            entry.end - entry.begin, entry.dtype, fmt::join(entry.shape, ","), expected));
+      throw bad(fmt::format("data_offsets [{}, {}] span {} bytes, but {} of shape [{}] needs {}", entry.begin,
+                            entry.end, entry.end - entry.begin, entry.dtype, fmt::join(entry.shape, ","), expected));
     header.tensors.emplace(key, std::move(entry));
   }
 
@@ -202,19 +206,21 @@ SafetensorsHeader parse_header(int fd, const std::filesystem::path& path) {
   const std::string* previous = nullptr;
   for (const auto& [begin, end, name] : by_begin) {
     if (begin < covered)
-      throw Error(fmt::format("the safetensors file '{}' is corrupt: tensors '{}' and '{}' overlap", file, *previous,
-                              *name));
+      throw Error(
+          fmt::format("the safetensors file '{}' is corrupt: tensors '{}' and '{}' overlap", file, *previous, *name));
     if (begin > covered)
-      throw Error(fmt::format("the safetensors file '{}' is corrupt: data bytes [{}, {}) before tensor '{}' belong to "
-                              "no tensor (the format lays tensors end to end)",
-                              file, covered, begin, *name));
+      throw Error(
+          fmt::format("the safetensors file '{}' is corrupt: data bytes [{}, {}) before tensor '{}' belong to "
+                      "no tensor (the format lays tensors end to end)",
+                      file, covered, begin, *name));
     covered = end;
     previous = name;
   }
   if (covered != header.data_size)
-    throw Error(fmt::format("the safetensors file '{}' is corrupt: the tensors cover {} of its {} data bytes (not "
-                            "fully covered: a wrong header length or trailing bytes)",
-                            file, covered, header.data_size));
+    throw Error(
+        fmt::format("the safetensors file '{}' is corrupt: the tensors cover {} of its {} data bytes (not "
+                    "fully covered: a wrong header length or trailing bytes)",
+                    file, covered, header.data_size));
   return header;
 }
 
@@ -317,7 +323,8 @@ void write_safetensors(const std::filesystem::path& path, const StateDict& tenso
 
   AtomicFile out(path);
   std::array<std::byte, 8> len{};
-  for (int i = 0; i < 8; ++i) len[static_cast<std::size_t>(i)] = static_cast<std::byte>((json.size() >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    len[static_cast<std::size_t>(i)] = static_cast<std::byte>((json.size() >> (8 * i)) & 0xff);
   out.write(len);
   out.write(json);
   for (const Item* it : layout) {

@@ -72,9 +72,7 @@ std::string toml_quote(std::string_view s, bool escape_interpolation) {
       case '\n': out += "\\n"; break;
       case '\t': out += "\\t"; break;
       case '\r': out += "\\r"; break;
-      case '$':
-        out += (escape_interpolation && i + 1 < s.size() && s[i + 1] == '{') ? "\\\\$" : "$";
-        break;
+      case '$': out += (escape_interpolation && i + 1 < s.size() && s[i + 1] == '{') ? "\\\\$" : "$"; break;
       default:
         // TOML forbids raw control characters (U+0000..U+001F but tab, and U+007F) in strings.
         if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) out += fmt::format("\\u{:04X}", static_cast<int>(c));

@@ -44,9 +44,10 @@ OpSlot::OpSlot(Op op, int matmuls) : pass_(current), op_(op) {
 std::vector<at::Tensor> OpSlot::take(std::size_t count) {
   Kept& kept = pass_->kept();
   const auto mismatch = [&](const std::string& what) {
-    return Error(fmt::format("selective activation checkpointing: the recomputation of a block asks for kept op "
-                             "output {} ({}), which the first forward did not keep the same way: {}",
-                             call_, count, what));
+    return Error(
+        fmt::format("selective activation checkpointing: the recomputation of a block asks for kept op "
+                    "output {} ({}), which the first forward did not keep the same way: {}",
+                    call_, count, what));
   };
   if (!reuse_) throw mismatch("this op is not reused");
   if (kept.next >= kept.entries.size()) throw mismatch("the first forward kept fewer ops");

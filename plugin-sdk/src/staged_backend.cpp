@@ -148,7 +148,8 @@ std::vector<Tensors> nest_like(const Tensors& flat, const std::vector<Tensors>& 
   std::vector<Tensors> out;
   std::size_t at = 0;
   for (const Tensors& v : shape) {
-    out.emplace_back(flat.begin() + static_cast<std::ptrdiff_t>(at), flat.begin() + static_cast<std::ptrdiff_t>(at + v.size()));
+    out.emplace_back(flat.begin() + static_cast<std::ptrdiff_t>(at),
+                     flat.begin() + static_cast<std::ptrdiff_t>(at + v.size()));
     at += v.size();
   }
   return out;
@@ -190,16 +191,14 @@ class StagedBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
-    return staged(OpType::_ALLGATHER_BASE, {input}, {output}, [opts](Job& j) {
-      return j.issue_inner()->_allgather_base(j.host_out[0], j.host_in[0], opts);
-    });
+    return staged(OpType::_ALLGATHER_BASE, {input}, {output},
+                  [opts](Job& j) { return j.issue_inner()->_allgather_base(j.host_out[0], j.host_in[0], opts); });
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
-    return staged(OpType::_REDUCE_SCATTER_BASE, {input}, {output}, [opts](Job& j) {
-      return j.issue_inner()->_reduce_scatter_base(j.host_out[0], j.host_in[0], opts);
-    });
+    return staged(OpType::_REDUCE_SCATTER_BASE, {input}, {output},
+                  [opts](Job& j) { return j.issue_inner()->_reduce_scatter_base(j.host_out[0], j.host_in[0], opts); });
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outputs, Tensors& inputs,
@@ -234,14 +233,12 @@ class StagedBackend final : public c10d::Backend {
     });
   }
 
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,
-                                               std::vector<int64_t>& input_counts,
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_counts, std::vector<int64_t>& input_counts,
                                                const c10d::AllToAllOptions& opts) override {
-    return staged(OpType::ALLTOALL_BASE, {input}, {output},
-                  [opts, output_counts, input_counts](Job& j) mutable {
-                    return j.issue_inner()->alltoall_base(j.host_out[0], j.host_in[0], output_counts, input_counts,
-                                                          opts);
-                  });
+    return staged(OpType::ALLTOALL_BASE, {input}, {output}, [opts, output_counts, input_counts](Job& j) mutable {
+      return j.issue_inner()->alltoall_base(j.host_out[0], j.host_in[0], output_counts, input_counts, opts);
+    });
   }
 
   c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
@@ -249,7 +246,8 @@ class StagedBackend final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
-    return staged(OpType::RECV, {}, tensors, [src, tag](Job& j) { return j.issue_inner()->recv(j.host_out, src, tag); });
+    return staged(OpType::RECV, {}, tensors,
+                  [src, tag](Job& j) { return j.issue_inner()->recv(j.host_out, src, tag); });
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
@@ -258,7 +256,8 @@ class StagedBackend final : public c10d::Backend {
   }
 
  private:
-  c10::intrusive_ptr<c10d::Work> in_place(OpType op, const Tensors& tensors, std::function<c10::intrusive_ptr<c10d::Work>(Job&)> issue) {
+  c10::intrusive_ptr<c10d::Work> in_place(OpType op, const Tensors& tensors,
+                                          std::function<c10::intrusive_ptr<c10d::Work>(Job&)> issue) {
     return staged(op, tensors, tensors, std::move(issue), /*in_place=*/true);
   }
 
@@ -310,7 +309,8 @@ class StagedBackend final : public c10d::Backend {
 #if MODALITIES_SDK_WITH_CUDA
   c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
     std::lock_guard lock(mutex_);
-    if (!side_ || side_->device_index() != device) side_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device);
+    if (!side_ || side_->device_index() != device)
+      side_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device);
     return *side_;
   }
 #endif

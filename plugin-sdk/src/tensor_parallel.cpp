@@ -36,9 +36,10 @@ Plan::~Plan() = default;
 
 Plan Plan::from(const ParallelDims& dims, const Options& options) {
   if (!dims.enabled(MeshDim::tp))
-    throw Error(fmt::format("tensor parallelism needs a device mesh with a tp dim (tensor_parallel_degree > 1); "
-                            "this run's layout is {}",
-                            dims.describe()));
+    throw Error(
+        fmt::format("tensor parallelism needs a device mesh with a tp dim (tensor_parallel_degree > 1); "
+                    "this run's layout is {}",
+                    dims.describe()));
   Plan plan;
   plan.group = dims.group(MeshDim::tp);
   plan.rank = dims.coordinate(MeshDim::tp);
@@ -106,8 +107,8 @@ using AlongDim = at::Tensor (*)(const at::Tensor& x, std::int64_t dim, const Gro
 
 void check_divisible(const at::Tensor& x, std::int64_t dim, const Group& g, const char* op) {
   if (x.size(dim) % g->getSize() != 0)
-    throw Error(fmt::format("tensor parallel {}: size {} of dim {} is not divisible by the {} ranks", op,
-                            x.size(dim), dim, g->getSize()));
+    throw Error(fmt::format("tensor parallel {}: size {} of dim {} is not divisible by the {} ranks", op, x.size(dim),
+                            dim, g->getSize()));
 }
 
 // The ranks' x concatenated along dim.
@@ -185,8 +186,7 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, std::int64_t dim, const 
 }
 
 at::Tensor split_to_tensor_parallel(const at::Tensor& x, std::int64_t dim, const Group& group) {
-  return along(x, dim, group, "split_to_tensor_parallel", "SplitToTensorParallelBackward", own_chunk,
-               all_gather_along);
+  return along(x, dim, group, "split_to_tensor_parallel", "SplitToTensorParallelBackward", own_chunk, all_gather_along);
 }
 
 at::Tensor gather_from_tensor_parallel(const at::Tensor& x, std::int64_t dim, const Group& group) {

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/nn/functional.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/nn/functional.h>
 #include <torch/types.h>

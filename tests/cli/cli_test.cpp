@@ -11,9 +11,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -93,9 +93,9 @@ TEST(CliTest, RunsFromADirectoryHoldingLibrariesOfTheSameNames) {
         "libcrypto.so.3", "libpcre2-8.so.0", "libsentencepiece.so.0", "libsimdjson.so.14", "libtcmalloc_minimal.so.4",
         "libtomlplusplus.so.3", "libutf8proc.so.2", "libyaml-cpp.so.0.7"})
     dir.write(name, "not a library\n");
-  const CommandResult r = run_command(
-      {"/bin/sh", "-c",
-       "cd " + testing::shell_quote(dir.path().string()) + " && exec " + testing::shell_quote(kHost) + " plugins list"});
+  const CommandResult r = run_command({"/bin/sh", "-c",
+                                       "cd " + testing::shell_quote(dir.path().string()) + " && exec " +
+                                           testing::shell_quote(kHost) + " plugins list"});
   EXPECT_EQ(r.exit_code, 0) << r;
   EXPECT_THAT(line_starting_with(r.out, "layer_norm/rms_norm"), HasSubstr("libmodalities_layer_norm.so")) << r;
 }
@@ -333,9 +333,11 @@ TEST(CliConfigRunEnvironmentTest, ShippedTrainingAndWarmStartConfigsValidateLike
   r = modalities({"config", "validate", configs + "warmstart.toml"});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("give the last_checkpoint_info.json of the run to continue with "
-                               "--last_checkpoint_info_file_path")) << r;
+                               "--last_checkpoint_info_file_path"))
+      << r;
   ScratchDir dir;
-  const std::string folder = (dir.path() / "eid_q-seen_steps_60-seen_tokens_30720-target_steps_80-target_tokens_40960").string();
+  const std::string folder =
+      (dir.path() / "eid_q-seen_steps_60-seen_tokens_30720-target_steps_80-target_tokens_40960").string();
   const auto info = dir.write("last_checkpoint_info.json", "{\"checkpoint_folder_path\": \"" + folder + "\"}");
   r = modalities({"config", "validate", configs + "warmstart.toml", "--last_checkpoint_info_file_path", info.string()});
   EXPECT_EQ(r.exit_code, 0) << r;
@@ -391,16 +393,21 @@ std::string read_text(const std::filesystem::path& p) {
 // from a Hugging Face folder of the gpt2 plugin's fixtures) and the tokenizer whose files go along.
 std::filesystem::path conversion_config(const ScratchDir& dir, const std::string& model_folder) {
   const std::string root = MODALITIES_TEST_SOURCE_ROOT;
-  return dir.write("convert.toml", R"(
+  return dir.write(
+      "convert.toml",
+      R"(
 [checkpointed_model]
 component_key = "model"
 variant_key = "huggingface_pretrained_model"
-config = { model_type = "AutoModelForCausalLM", model_name = ")" + model_folder + R"(", prediction_key = "logits", huggingface_prediction_subscription_key = "logits", sample_key = "input_ids" }
+config = { model_type = "AutoModelForCausalLM", model_name = ")" +
+          model_folder +
+          R"(", prediction_key = "logits", huggingface_prediction_subscription_key = "logits", sample_key = "input_ids" }
 
 [tokenizer]
 component_key = "tokenizer"
 variant_key = "pretrained_hf_tokenizer"
-config = { pretrained_model_name_or_path = ")" + root + R"(/data/tokenizer/gpt2_style_8k" }
+config = { pretrained_model_name_or_path = ")" +
+          root + R"(/data/tokenizer/gpt2_style_8k" }
 )");
 }
 
@@ -441,7 +448,8 @@ TEST(CliConvertTest, TheTokenizerSaysWhichFilesGoAlong) {
   std::string text = read_text(conversion_config(dir, root + "/plugins/gpt2/tests/data/hf/import_llama"));
   text.replace(text.find("[tokenizer]"), std::string::npos,
                "[tokenizer]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_sp_tokenizer\"\n"
-               "config = { tokenizer_model_file = \"" + root + "/plugins/sp_tokenizer/tests/data/tiny_bpe.model\" }\n");
+               "config = { tokenizer_model_file = \"" +
+                   root + "/plugins/sp_tokenizer/tests/data/tiny_bpe.model\" }\n");
   const auto config = dir.write("convert_sp.toml", text);
   CommandResult r = modalities({"convert_pytorch_to_hf_checkpoint", "--config_file_path", config.string(),
                                 "--output_hf_checkpoint_dir", (dir.path() / "sp").string()});
@@ -529,37 +537,39 @@ lr = "${sweep.lr}"
   const auto configs = files_named(out, "s.toml");
   ASSERT_EQ(configs.size(), 12u);
   const std::string first = read_text(configs.front());
-  EXPECT_THAT(first, AllOf(HasSubstr("[sweep]\n"), HasSubstr("fixed = \"x\""), HasSubstr("[sweep.model]\nlayers = "),
-                           HasSubstr("lr = \"${sweep.lr}\""),
-                           HasSubstr("data = \"" + dir.path().string() + "/data.pbin\"")));
+  EXPECT_THAT(first,
+              AllOf(HasSubstr("[sweep]\n"), HasSubstr("fixed = \"x\""), HasSubstr("[sweep.model]\nlayers = "),
+                    HasSubstr("lr = \"${sweep.lr}\""), HasSubstr("data = \"" + dir.path().string() + "/data.pbin\"")));
   EXPECT_THAT(first, Not(HasSubstr("[0.1, 0.2]")));
   // Runs: one done (3 result lines), one out of memory (skipped type), the rest not run.
   const auto run_dir = [&](std::size_t i) { return configs[i].parent_path(); };
   std::ofstream(run_dir(0) / "evaluation_results.jsonl")
       << R"({"dataloader_tag": "train", "num_train_steps_done": 5, "losses": {"train loss avg": 2.5}, "metrics": {}, "throughput_metrics": {"train samples/s": 12.5}})"
       << "\n{}\n{}\n";
-  std::ofstream(run_dir(1) / "error_logs_host_0.log") << R"({"environment": {}, "error": {"error": "oom", "type": "OutOfMemoryError", "stacktrace": ""}})";
+  std::ofstream(run_dir(1) / "error_logs_host_0.log")
+      << R"({"environment": {}, "error": {"error": "oom", "type": "OutOfMemoryError", "stacktrace": ""}})";
   const auto remaining = dir.path() / "remaining_runs.txt";
-  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", remaining.string(),
-                  "--expected_steps", "3", "--skip_exception_types", "OutOfMemoryError,Foo"});
+  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path",
+                  remaining.string(), "--expected_steps", "3", "--skip_exception_types", "OutOfMemoryError,Foo"});
   ASSERT_EQ(r.exit_code, 0) << r;
   EXPECT_EQ(lines_of(remaining).size(), 10u) << r;
-  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path", remaining.string(),
-                  "--expected_steps", "3", "--world_size", "4", "--create_new_folders_if_partially_done"});
+  r = modalities({"benchmark", "list_remaining_runs", "--exp_root", out.string(), "--file_list_path",
+                  remaining.string(), "--expected_steps", "3", "--world_size", "4",
+                  "--create_new_folders_if_partially_done"});
   ASSERT_EQ(r.exit_code, 0) << r;
   const auto four = lines_of(remaining);
   EXPECT_EQ(four.size(), configs[0].string().find("/4/") != std::string::npos ? 5u : 6u);
   {
     r = modalities({"benchmark", "summarize", "--exp_root", out.string(), "--csv", (dir.path() / "t.csv").string()});
     ASSERT_EQ(r.exit_code, 0) << r;
-    EXPECT_THAT(r.out, AllOf(HasSubstr("sweep.lr"), HasSubstr("sweep.model.layers"), HasSubstr("failed: OutOfMemoryError"),
-                             HasSubstr("12.5")));
+    EXPECT_THAT(r.out, AllOf(HasSubstr("sweep.lr"), HasSubstr("sweep.model.layers"),
+                             HasSubstr("failed: OutOfMemoryError"), HasSubstr("12.5")));
     EXPECT_EQ(lines_of(dir.path() / "t.csv").size(), 13u);
   }
   // Errors: no [sweep], an empty list, bad world sizes.
   const auto bad = dir.write("bad.toml", "[sweep]\nlr = []\n");
-  r = modalities({"benchmark", "prepare_sweep_configs", "--sweep_config_path", bad.string(), "--output_dir",
-                  out.string()});
+  r = modalities(
+      {"benchmark", "prepare_sweep_configs", "--sweep_config_path", bad.string(), "--output_dir", out.string()});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("sweep.lr"));
   r = modalities({"benchmark", "prepare_sweep_configs", "--sweep_config_path", sweep.string(), "--output_dir",
@@ -596,9 +606,10 @@ list_of_tables:
 )");
   const CommandResult r = modalities({"config", "import", yaml.string()});
   ASSERT_EQ(r.exit_code, 0) << r;
-  for (const char* line : {"a = true", "b = false", "c = 1e-05", "d = 31", "e = 8", "f = \"12\"", "g = \"${null:}\"",
-                           "h = \"${null:}\"", "i = 1000", "j = 0.5", "k = \"${settings.x}\"", "l = \"${cuda_env:RANK}\"",
-                           "[copy]\nx = 1\ny = [1, 2.5, \"s\"]", "[[list_of_tables]]\nname = \"a\"\n\n[[list_of_tables]]\nname = \"b\""})
+  for (const char* line :
+       {"a = true", "b = false", "c = 1e-05", "d = 31", "e = 8", "f = \"12\"", "g = \"${null:}\"", "h = \"${null:}\"",
+        "i = 1000", "j = 0.5", "k = \"${settings.x}\"", "l = \"${cuda_env:RANK}\"",
+        "[copy]\nx = 1\ny = [1, 2.5, \"s\"]", "[[list_of_tables]]\nname = \"a\"\n\n[[list_of_tables]]\nname = \"b\""})
     EXPECT_THAT(r.out, HasSubstr(line)) << line;
   const auto merge = dir.write("m.yaml", "a: &a {x: 1}\nb:\n  <<: *a\n  y: 2\n");
   const CommandResult m = modalities({"config", "import", merge.string()});
@@ -617,16 +628,23 @@ list_of_tables:
 // refuses (or what cannot be expanded) is refused naming the file and line, never a crash or a hang.
 TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
   ScratchDir dir;
-  const auto yaml = dir.write("c.yaml", "a: 1:30\nb: 1:30.5\nc: !!int \"42\"\nd: !!float 1\ne: !!bool yes\n"
-                                        "f: !!null ''\ng: !!str 12\nh: -9223372036854775808\ni: 1e999\n"
-                                        "j: " + std::string(300, '7') + ".5\n");
+  const auto yaml = dir.write("c.yaml",
+                              "a: 1:30\nb: 1:30.5\nc: !!int \"42\"\nd: !!float 1\ne: !!bool yes\n"
+                              "f: !!null ''\ng: !!str 12\nh: -9223372036854775808\ni: 1e999\n"
+                              "j: " +
+                                  std::string(300, '7') + ".5\n");
   const CommandResult r = modalities({"config", "import", yaml.string()});
   ASSERT_EQ(r.exit_code, 0) << r;
   for (const char* line : {"a = 90\n", "b = 90.5\n", "c = 42\n", "d = 1.0\n", "e = true\n", "f = \"${null:}\"\n",
                            "g = \"12\"\n", "h = -9223372036854775808\n", "i = inf\n", "j = 7.77"})
     EXPECT_THAT(r.out, HasSubstr(line)) << line;
-  for (const auto& [name, text] : std::vector<std::pair<std::string, std::string>>{
-           {"cr.yaml", "a: 1\rb: 2\r"}, {"nel.yaml", "a: 1\xc2\x85" "b: 2\n"}, {"ls.yaml", "a: 1\xe2\x80\xa8" "b: 2\n"}}) {
+  for (const auto& [name, text] : std::vector<std::pair<std::string, std::string>>{{"cr.yaml", "a: 1\rb: 2\r"},
+                                                                                   {"nel.yaml",
+                                                                                    "a: 1\xc2\x85"
+                                                                                    "b: 2\n"},
+                                                                                   {"ls.yaml",
+                                                                                    "a: 1\xe2\x80\xa8"
+                                                                                    "b: 2\n"}}) {
     const CommandResult lines = modalities({"config", "import", dir.write(name, text).string()});
     EXPECT_EQ(lines.exit_code, 0) << lines;
     EXPECT_THAT(lines.out, AllOf(HasSubstr("a = 1\n"), HasSubstr("b = 2\n"))) << name;
@@ -641,7 +659,8 @@ TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
   for (const auto& [name, text, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {"two_docs.yaml", "a: 1\n---\nb: 2\n", "two_docs.yaml:3: a second YAML document"},
            {"recursive.yaml", "a: &a [*a]\n", "recursive.yaml:1:4: an alias refers to a node that contains it"},
-           {"recursive_map.yaml", "a: &a {b: *a}\n", "recursive_map.yaml:1:4: an alias refers to a node that contains it"},
+           {"recursive_map.yaml", "a: &a {b: *a}\n",
+            "recursive_map.yaml:1:4: an alias refers to a node that contains it"},
            {"long_int.yaml", "a: " + std::string(30000, '9') + "\n", "long_int.yaml:1:4: the integer 9999"},
            {"laughs.yaml", laughs, "the document expands to more than 100000 values"},
            {"not_utf8.yaml", "a: 1\nb: \xd8<\n", "not_utf8.yaml:2: not UTF-8 text"},
@@ -654,7 +673,8 @@ TEST(CliImportTest, ReadsWhatPyYamlReadsAndRefusesTheRestByLine) {
            {"hex.yaml", "a: 0x_\n", "hex.yaml:1:4: '0x_' cannot be read as an integer"},
            {"tag.yaml", "a: !!int x\n", "tag.yaml:1:4: 'x' cannot be read as an integer"},
            {"unknown_tag.yaml", "a: !foo x\n", "unknown_tag.yaml:1:4: the YAML tag '!foo' is not supported"},
-           {"deep.yaml", "a: " + std::string(300, '[') + std::string(300, ']') + "\n", "nested more than 256 levels"}}) {
+           {"deep.yaml", "a: " + std::string(300, '[') + std::string(300, ']') + "\n",
+            "nested more than 256 levels"}}) {
     const CommandResult bad = modalities({"config", "import", dir.write(name, text).string()});
     EXPECT_EQ(bad.exit_code, 1) << bad;
     EXPECT_THAT(bad.err, HasSubstr(message)) << name;
@@ -684,8 +704,9 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
   for (const char* ext : {".pbin", ".idx", ".jsonl"})
     link(root / "data" / (std::string("lorem_ipsum_long") + ext), std::string("lorem_ipsum_long") + ext);
   link(root / "tutorials/getting_started/data/mem_map/redpajama_v2_samples_512_train.pbin", "lorem_ipsum_long.pbin");
-  link(root / "tutorials/instruction_tuning/prepared_data/smol-smoltalk_train_first_10K_2caf768/"
-              "smol-smoltalk_train_first_10K_train.2caf768.pbin",
+  link(root /
+           "tutorials/instruction_tuning/prepared_data/smol-smoltalk_train_first_10K_2caf768/"
+           "smol-smoltalk_train_first_10K_train.2caf768.pbin",
        "lorem_ipsum_long.pbin");
   link(root / "tutorials/modalities_in_15_mins/data/preprocessed/fineweb_edu_num_docs_483606.pbin",
        "lorem_ipsum_long.pbin");
@@ -704,7 +725,8 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
       {"config_files/data_preparation/packed_cc_en_2048.yaml", "tokenizer.config.padding: unknown key"},
       {"config_files/training/config_lorem_ipsum_long_fsdp2_warmstart.yaml",
        "gradient_clipper.config.device_mesh: missing required key"},
-      {"tutorials/getting_started/configs/example_text_generation_config.yaml", "model.config.attention_norm: unknown key"},
+      {"tutorials/getting_started/configs/example_text_generation_config.yaml",
+       "model.config.attention_norm: unknown key"},
       {"tutorials/modalities_in_15_mins/configs/pretraining_config.yaml", "unknown variant 'fsdp_wrapped'"},
       {"tutorials/getting_started/configs/example_conversion_config_template.yaml",
        "reference to missing top-level key 'model'"},
@@ -730,9 +752,9 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
     const CommandResult imp = modalities({"config", "import", yaml.string(), "-o", toml.string()});
     ASSERT_EQ(imp.exit_code, 0) << imp;
     // Modalities runs config_files/ from its repository root and each tutorial from its folder.
-    const fs::path cwd = rel.starts_with("tutorials/") ? root / fs::path(rel).begin()->string() /
-                                                             std::next(fs::path(rel).begin())->string()
-                                                       : root;
+    const fs::path cwd = rel.starts_with("tutorials/")
+                             ? root / fs::path(rel).begin()->string() / std::next(fs::path(rel).begin())->string()
+                             : root;
     std::vector<fs::path> configs = {toml};
     if (rel.find("scaling_up/configs/sweep") != std::string::npos) {
       const fs::path out = dir.path() / ("sweep_" + toml.stem().string());
@@ -746,7 +768,8 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
       std::string cmd = "cd " + modalities::testing::shell_quote(cwd.string()) + " && exec " +
                         modalities::testing::shell_quote(kHost) + " config validate " +
                         modalities::testing::shell_quote(config.string());
-      if (warmstart.count(rel)) cmd += " --last_checkpoint_info_file_path " + modalities::testing::shell_quote(ck + "/info.json");
+      if (warmstart.count(rel))
+        cmd += " --last_checkpoint_info_file_path " + modalities::testing::shell_quote(ck + "/info.json");
       const CommandResult v = run_command({"sh", "-c", cmd});
       if (const auto it = rejected.find(rel); it != rejected.end()) {
         EXPECT_EQ(v.exit_code, 1) << v;
@@ -763,7 +786,8 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
 // --- data prepare_instruction_tuning_data ---------------------------------------------------------
 
 std::string replace_all_in(std::string s, const std::string& from, const std::string& to) {
-  for (std::size_t at = 0; (at = s.find(from, at)) != std::string::npos; at += to.size()) s.replace(at, from.size(), to);
+  for (std::size_t at = 0; (at = s.find(from, at)) != std::string::npos; at += to.size())
+    s.replace(at, from.size(), to);
   return s;
 }
 
@@ -781,8 +805,9 @@ TEST(CliInstructionTuningTest, BundledExampleMatchesModalitiesByteForByte) {
   config = replace_all_in(config, here, root);
   config = replace_all_in(config, "${modalities_env:config_folder_path}/packed_chat_dataset.toml",
                           (dir.path() / "pack.toml").string());
-  dir.write("pack.toml", replace_all_in(read_text(fs::path(root) / "configs/instruction_tuning/packed_chat_dataset.toml"),
-                                        here, root));
+  dir.write(
+      "pack.toml",
+      replace_all_in(read_text(fs::path(root) / "configs/instruction_tuning/packed_chat_dataset.toml"), here, root));
   const auto cfg = dir.write("apply.toml", config);
   const CommandResult r = modalities({"data", "prepare_instruction_tuning_data", "--config_file_path", cfg.string()});
   ASSERT_EQ(r.exit_code, 0) << r;
@@ -802,9 +827,11 @@ TEST(CliInstructionTuningTest, BundledExampleMatchesModalitiesByteForByte) {
   EXPECT_TRUE(fs::exists(folders[0] / ("instruction_chat_template_config." + hash + ".toml")));
   EXPECT_TRUE(fs::exists(folders[0] / ("pbin_config_train." + hash + ".toml")));
   // Errors name the line and the missing role.
-  const auto bad_src = dir.write("bad.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n"
-                                              "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}\n");
-  const auto bad = dir.write("bad.toml", replace_all_in(config, root + "/data/instruction_tuning/chats.jsonl", bad_src.string()));
+  const auto bad_src = dir.write("bad.jsonl",
+                                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n"
+                                 "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}\n");
+  const auto bad =
+      dir.write("bad.toml", replace_all_in(config, root + "/data/instruction_tuning/chats.jsonl", bad_src.string()));
   const CommandResult b = modalities({"data", "prepare_instruction_tuning_data", "--config_file_path", bad.string()});
   EXPECT_EQ(b.exit_code, 1) << b;
   EXPECT_THAT(b.err, HasSubstr("bad.jsonl:2: role 'robot' is not in instruction_data_transformation.role_mapping"));

@@ -45,9 +45,9 @@ inline CommandResult run_command(const std::vector<std::string>& argv,
                                  const std::vector<std::pair<std::string, std::string>>& env = {}) {
   namespace fs = std::filesystem;
   static int counter = 0;
-  const std::string base = (fs::temp_directory_path() / ("modalities_cmd_" + std::to_string(::getpid()) + "_" +
-                                                         std::to_string(counter++)))
-                               .string();
+  const std::string base =
+      (fs::temp_directory_path() / ("modalities_cmd_" + std::to_string(::getpid()) + "_" + std::to_string(counter++)))
+          .string();
   const std::string out_file = base + ".out", err_file = base + ".err";
 
   CommandResult r;

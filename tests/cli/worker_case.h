@@ -37,10 +37,10 @@ inline bool register_worker_case(const char* suite, const char* name, void (*bod
   return true;
 }
 
-#define MODALITIES_WORKER_CASE(suite, name)                                                                  \
-  void modalities_worker_##suite##_##name();                                                                 \
-  [[maybe_unused]] static const bool modalities_worker_registered_##suite##_##name =                         \
-      ::modalities::testing::register_worker_case(#suite, #name, &modalities_worker_##suite##_##name);       \
+#define MODALITIES_WORKER_CASE(suite, name)                                                            \
+  void modalities_worker_##suite##_##name();                                                           \
+  [[maybe_unused]] static const bool modalities_worker_registered_##suite##_##name =                   \
+      ::modalities::testing::register_worker_case(#suite, #name, &modalities_worker_##suite##_##name); \
   void modalities_worker_##suite##_##name()
 
 /// This test binary's path.

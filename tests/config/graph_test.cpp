@@ -12,11 +12,11 @@
 namespace modalities::core {
 namespace {
 
-using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using test::build_log;
 using test::Holder;
 using test::Widget;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 class GraphTest : public ::testing::Test {
  protected:
@@ -188,9 +188,11 @@ config = { name = "b", dep = { instance_key = "a", pass_type = "BY_REFERENCE" } 
 }
 
 TEST_F(GraphTest, NodeShapesAreStrict) {
-  EXPECT_THAT(error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { name = \"n\" }\nextra = 1\n"),
-              HasSubstr("unexpected key 'extra' in a component node"));
-  EXPECT_THAT(error_of("[x]\ncomponent_key = \"widget\"\nconfig = {}\n"), HasSubstr("component node has no variant_key"));
+  EXPECT_THAT(
+      error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { name = \"n\" }\nextra = 1\n"),
+      HasSubstr("unexpected key 'extra' in a component node"));
+  EXPECT_THAT(error_of("[x]\ncomponent_key = \"widget\"\nconfig = {}\n"),
+              HasSubstr("component node has no variant_key"));
   EXPECT_THAT(error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\n"),
               HasSubstr("component node has no config table"));
   EXPECT_THAT(error_of("[t]\ny = 1\n[x]\nr = { instance_key = \"t\", pass_type = \"BY_VALUE\" }\n"),
@@ -211,7 +213,8 @@ TEST_F(GraphTest, UnknownComponentAndVariantSuggestTheNearest) {
 }
 
 TEST_F(GraphTest, ConfigKeysAreCheckedWithHintsAndProvenance) {
-  const std::string e = error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { nmae = \"n\" }\n");
+  const std::string e =
+      error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { nmae = \"n\" }\n");
   EXPECT_THAT(e, HasSubstr("x.config.nmae: unknown key"));
   EXPECT_THAT(e, HasSubstr("did you mean 'name'?"));
   EXPECT_THAT(e, HasSubstr("x.config.name: missing required key"));
@@ -246,11 +249,12 @@ TEST_F(GraphTest, ConstraintsNameTheElement) {
 }
 
 TEST_F(GraphTest, DeprecatedAliasWarnsAndBothSpellingsIsAnError) {
-  EXPECT_EQ(error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { name = \"n\", old_size = 2 }\n"),
-            "");
-  EXPECT_THAT(
-      error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { name = \"n\", size = 1, old_size = 2 }\n"),
-      HasSubstr("are both given"));
+  EXPECT_EQ(
+      error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { name = \"n\", old_size = 2 }\n"),
+      "");
+  EXPECT_THAT(error_of("[x]\ncomponent_key = \"widget\"\nvariant_key = \"plain\"\nconfig = { name = \"n\", size = 1, "
+                       "old_size = 2 }\n"),
+              HasSubstr("are both given"));
 }
 
 TEST_F(GraphTest, WrongInterfaceInATypedFieldNamesBoth) {

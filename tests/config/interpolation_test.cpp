@@ -140,7 +140,8 @@ TEST(InterpolationTest, CudaEnvParsesLauncherVariablesAsIntegers) {
   ::setenv("MODALITIES_TEST_STRING_VAR", "hello", 1);
   ::unsetenv("MODALITIES_TEST_UNSET_VAR");
   const ConfigNode r = resolved(
-      "r = \"${cuda_env:RANK}\"\ns = \"${cuda_env:MODALITIES_TEST_STRING_VAR}\"\nu = \"${cuda_env:MODALITIES_TEST_UNSET_VAR}\"\n");
+      "r = \"${cuda_env:RANK}\"\ns = \"${cuda_env:MODALITIES_TEST_STRING_VAR}\"\nu = "
+      "\"${cuda_env:MODALITIES_TEST_UNSET_VAR}\"\n");
   EXPECT_EQ(at(r, {"r"}).as_int(), 3);
   EXPECT_EQ(at(r, {"s"}).as_string(), "hello");
   EXPECT_TRUE(at(r, {"u"}).is_null());
@@ -172,7 +173,8 @@ TEST(InterpolationTest, RegisteredResolversMayReturnTablesThatPathsTraverse) {
            return Value(Value::Table{{"checkpoint_folder_path", Value("/ckpt/seen_steps_5")}});
          }});
   ConfigNode root = load_toml_string(
-      "[settings]\nwarm = \"${warmstart_env:checkpoint_paths}\"\n[x]\np = \"${settings.warm.checkpoint_folder_path}\"\n",
+      "[settings]\nwarm = \"${warmstart_env:checkpoint_paths}\"\n[x]\np = "
+      "\"${settings.warm.checkpoint_folder_path}\"\n",
       "w.toml");
   resolve_interpolations(root, t);
   EXPECT_EQ(root.find("x")->find("p")->as_string(), "/ckpt/seen_steps_5");

@@ -89,13 +89,12 @@ void register_test_components(core::Registry& registry) {
       for (const auto& d : c.deps) h->deps.push_back(d.shared());
       return std::shared_ptr<Widget>(h);
     });
-    r.add<Widget, TunedConfig>("tuned", "Exercises constraints.", [](const TunedConfig&) {
-      return std::make_shared<Widget>();
-    });
+    r.add<Widget, TunedConfig>("tuned", "Exercises constraints.",
+                               [](const TunedConfig&) { return std::make_shared<Widget>(); });
     r.add<Gadget, EmptyConfig>("plain", "A gadget.", [](const EmptyConfig&) { return std::make_shared<Gadget>(); });
-    r.add<Widget, EmptyConfig>("exploding", "Factory always throws.", [](const EmptyConfig&) -> std::shared_ptr<Widget> {
-      throw Error("kaboom: the factory failed");
-    });
+    r.add<Widget, EmptyConfig>(
+        "exploding", "Factory always throws.",
+        [](const EmptyConfig&) -> std::shared_ptr<Widget> { throw Error("kaboom: the factory failed"); });
     r.add_value<std::int64_t, PlainConfig>("number", "size_of", "Returns its size.",
                                            [](const PlainConfig& c) { return c.size; });
   });

@@ -66,8 +66,8 @@ TEST(TomlLoaderTest, ControlCharactersInKeysAndStringsRoundTrip) {
   std::string text;
   for (int c = 1; c < 0x20; ++c) text += static_cast<char>(c);
   text += '\x7F';
-  const ConfigNode root = load_toml_string(std::string("[t]\n") + toml_quote("k" + text) + " = " + toml_quote(text) + "\n",
-                                           "control.toml");
+  const ConfigNode root =
+      load_toml_string(std::string("[t]\n") + toml_quote("k" + text) + " = " + toml_quote(text) + "\n", "control.toml");
   const ConfigNode again = load_toml_string(to_toml(root), "again.toml");
   const ConfigNode* t = again.find("t");
   ASSERT_NE(t, nullptr);
@@ -99,9 +99,9 @@ TEST(TomlLoaderTest, RejectsAbsurdNesting) {
 TEST(TomlLoaderTest, RefusesKeysOfTensOfThousandsOfPartsBeforeParsing) {
   std::string dotted = "a";
   for (int i = 0; i < 100000; ++i) dotted += ".b";
-  for (const std::string& text : {"x = 1\n" + dotted + " = 1\n", "x = 1\n[" + dotted + "]\ny = 1\n",
-                                  "x = 1\n[[" + dotted + "]]\n", "x = 1\nt = { y = 2, " + dotted + " = 3 }\n",
-                                  "x = [1, { " + dotted + " = 3 }]\n"}) {
+  for (const std::string& text :
+       {"x = 1\n" + dotted + " = 1\n", "x = 1\n[" + dotted + "]\ny = 1\n", "x = 1\n[[" + dotted + "]]\n",
+        "x = 1\nt = { y = 2, " + dotted + " = 3 }\n", "x = [1, { " + dotted + " = 3 }]\n"}) {
     const std::string e = error_of(text);
     EXPECT_THAT(e, HasSubstr("nesting deeper than 64 levels: this key has 100001 dotted parts"));
     EXPECT_THAT(e, HasSubstr("bad.toml:"));

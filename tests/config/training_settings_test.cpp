@@ -21,7 +21,8 @@ std::string settings_toml(const std::string& overrides = "") {
   return R"(
 [settings]
 experiment_id = "exp"
-config_file_path = ")" + kConfigFile + R"("
+config_file_path = ")" +
+         kConfigFile + R"("
 some_unknown_setting = "ignored like in Modalities"
 referencing_keys = { sample_key = "input_ids", target_key = "target_ids", prediction_key = "logits" }
 cuda_env = { local_rank = 0, world_size = 1, global_rank = 0 }
@@ -111,7 +112,8 @@ TEST(TrainingSettingsTest, LikelyTyposOfKnownKeysWarnWithAHint) {
 TEST(TrainingSettingsTest, PathsNeedTheExperimentsRoot) {
   std::string toml = settings_toml();
   toml.replace(toml.find("experiments_root_path = \"/tmp/exp\", "), 35, "");
-  EXPECT_THAT(all_text(validate_settings(toml), false), HasSubstr("settings.paths: missing required key 'experiments_root_path'"));
+  EXPECT_THAT(all_text(validate_settings(toml), false),
+              HasSubstr("settings.paths: missing required key 'experiments_root_path'"));
 }
 
 TEST(TrainingSettingsTest, MissingConfigFileAndMissingSectionsAreReported) {
@@ -124,12 +126,16 @@ TEST(TrainingSettingsTest, MissingConfigFileAndMissingSectionsAreReported) {
 }
 
 TEST(TrainingSettingsTest, WarmstartPathsHaveOneOfTwoShapes) {
-  EXPECT_EQ(all_text(validate_settings(settings_toml("warmstart_checkpoint_paths = { checkpoint_folder_path = \"/c\" }\n")), false),
-            "");
-  EXPECT_THAT(all_text(validate_settings(settings_toml(
-                           "warmstart_checkpoint_paths = { checkpoint_folder_path = \"/c\", model_checkpoint_path = \"/m\" }\n")),
-                       false),
-              HasSubstr("give either checkpoint_folder_path or model_checkpoint_path"));
+  EXPECT_EQ(
+      all_text(validate_settings(settings_toml("warmstart_checkpoint_paths = { checkpoint_folder_path = \"/c\" }\n")),
+               false),
+      "");
+  EXPECT_THAT(
+      all_text(
+          validate_settings(settings_toml(
+              "warmstart_checkpoint_paths = { checkpoint_folder_path = \"/c\", model_checkpoint_path = \"/m\" }\n")),
+          false),
+      HasSubstr("give either checkpoint_folder_path or model_checkpoint_path"));
 }
 
 TEST(TrainingSettingsTest, ProfileListsEveryRequiredTopLevelKey) {
@@ -137,8 +143,9 @@ TEST(TrainingSettingsTest, ProfileListsEveryRequiredTopLevelKey) {
   const Registry registry;
   ComponentGraph g(registry, root, find_pipeline("training"));
   const std::string errors = all_text(g.validate(), false);
-  for (const char* key : {"app_state", "loss_fn", "train_dataset", "train_dataloader", "eval_dataloaders",
-                          "progress_subscriber", "evaluation_subscriber", "checkpoint_saving", "gradient_clipper", "model_raw"})
+  for (const char* key :
+       {"app_state", "loss_fn", "train_dataset", "train_dataloader", "eval_dataloaders", "progress_subscriber",
+        "evaluation_subscriber", "checkpoint_saving", "gradient_clipper", "model_raw"})
     EXPECT_THAT(errors, HasSubstr(fmt::format("missing top-level key '{}' required by pipeline 'training'", key)));
   EXPECT_THAT(errors, Not(HasSubstr("'profiler'")));  // optional
 }

@@ -83,8 +83,9 @@ TEST(JinjaTest, ArithmeticFiltersAndLoopsAsJinja2) {
   EXPECT_EQ(str("{{ 'ab'|replace('', '-', 2) }}"), "-a-b");
   EXPECT_EQ(str("{{ '0x1A'|int }}"), "0");
   EXPECT_EQ(str("{{ 'a\nb'|indent(-5, true) }}"), "a\nb");
-  EXPECT_EQ(str("{% for x in [1,2] %}{{ loop.depth }}{{ loop.depth0 }}{{ loop.previtem }}{{ loop.nextitem }};{% endfor %}"),
-            "102;101;");
+  EXPECT_EQ(
+      str("{% for x in [1,2] %}{{ loop.depth }}{{ loop.depth0 }}{{ loop.previtem }}{{ loop.nextitem }};{% endfor %}"),
+      "102;101;");
   EXPECT_EQ(str("  {%+ if true +%}\nx{% endif %}"), "  \nx");
   EXPECT_EQ(str("{{ range(100000)|length }}"), "100000");
   // Tuple addition (jinja2 3.1.6 in ImmutableSandboxedEnvironment renders the same).
@@ -104,14 +105,37 @@ TEST(JinjaTest, ArithmeticFiltersAndLoopsAsJinja2) {
   EXPECT_THAT(error("{{ 'ab' * 9223372036854775807 }}"), HasSubstr("exceeds"));
   EXPECT_THAT(error("{{ 'abc'|indent(9999999999) }}"), HasSubstr("too large"));
   // Nesting that overflowed the stack: parentheses, lists, `not`, `-`, attribute and filter chains, blocks.
-  for (const std::string& deep :
-       {"{{ " + std::string(30000, '(') + "1" + std::string(30000, ')') + " }}",
-        "{{ " + std::string(30000, '[') + std::string(30000, ']') + " }}",
-        "{{ " + [] { std::string s; for (int i = 0; i < 100000; ++i) s += "not "; return s; }() + "x }}",
-        "{{ " + std::string(100000, '-') + "1 }}",
-        "{{ x" + [] { std::string s; for (int i = 0; i < 100000; ++i) s += ".a"; return s; }() + " }}",
-        "{{ x" + [] { std::string s; for (int i = 0; i < 100000; ++i) s += "|trim"; return s; }() + " }}",
-        "{{ 1" + [] { std::string s; for (int i = 0; i < 100000; ++i) s += "+1"; return s; }() + " }}"})
+  for (const std::string& deep : {"{{ " + std::string(30000, '(') + "1" + std::string(30000, ')') + " }}",
+                                  "{{ " + std::string(30000, '[') + std::string(30000, ']') + " }}",
+                                  "{{ " +
+                                      [] {
+                                        std::string s;
+                                        for (int i = 0; i < 100000; ++i) s += "not ";
+                                        return s;
+                                      }() +
+                                      "x }}",
+                                  "{{ " + std::string(100000, '-') + "1 }}",
+                                  "{{ x" +
+                                      [] {
+                                        std::string s;
+                                        for (int i = 0; i < 100000; ++i) s += ".a";
+                                        return s;
+                                      }() +
+                                      " }}",
+                                  "{{ x" +
+                                      [] {
+                                        std::string s;
+                                        for (int i = 0; i < 100000; ++i) s += "|trim";
+                                        return s;
+                                      }() +
+                                      " }}",
+                                  "{{ 1" +
+                                      [] {
+                                        std::string s;
+                                        for (int i = 0; i < 100000; ++i) s += "+1";
+                                        return s;
+                                      }() +
+                                      " }}"})
     EXPECT_THAT(error(deep), HasSubstr("expression nested more than 512 levels deep")) << deep.substr(0, 20);
   std::string ifs, fors;
   for (int i = 0; i < 30000; ++i) ifs += "{% if true %}";

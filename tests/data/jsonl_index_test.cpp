@@ -47,8 +47,8 @@ TEST(JsonValidity, MatchesPythonJsonLoads) {
     EXPECT_TRUE(p.valid(ok)) << ok;
   }
   // Rejected by json.loads.
-  for (const char* bad : {"", "   ", "{\"a\": 1} x", "{'a': 1}", "{\"a\": \"\x01\"}", "[1,]", "01", "nan", "{\"t\": \"\xff\"}",
-                          "{\"a\": 1", "+1", ".5", "[Infinity", "\"\\x\""}) {
+  for (const char* bad : {"", "   ", "{\"a\": 1} x", "{'a': 1}", "{\"a\": \"\x01\"}", "[1,]", "01", "nan",
+                          "{\"t\": \"\xff\"}", "{\"a\": 1", "+1", ".5", "[Infinity", "\"\\x\""}) {
     std::string why;
     EXPECT_FALSE(p.valid(bad, &why)) << bad;
     EXPECT_FALSE(why.empty()) << bad;
@@ -103,8 +103,7 @@ TEST(JsonLineParser, LoneSurrogatesOutsideTheSelectedTextAreAccepted) {
   EXPECT_EQ(p.extract_string(R"({"title": "\ud800", "text": "caf\u00e9 \ud83d\ude00", "n": 1e400})", text),
             "caf\xc3\xa9 \xf0\x9f\x98\x80");
   EXPECT_EQ(p.extract_string(R"({"meta": {"a": ["\udfff\ud800x"]}, "text": "plain"})", text), "plain");
-  EXPECT_EQ(p.extract_string(R"({"text": "\ufffd and \ufffe", "t": "\ud800"})", text),
-            "\xef\xbf\xbd and \xef\xbf\xbe");
+  EXPECT_EQ(p.extract_string(R"({"text": "\ufffd and \ufffe", "t": "\ud800"})", text), "\xef\xbf\xbd and \xef\xbf\xbe");
 }
 
 // The bundled corpus indexes to the .idx Modalities 0.5.0 wrote from it (data/sample/README.md), and

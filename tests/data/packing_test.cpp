@@ -26,10 +26,12 @@ using ::testing::HasSubstr;
 
 const std::filesystem::path kFixtures = std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR);
 const std::filesystem::path kGpt2 = kFixtures / "data" / "tokenizer" / "hf_gpt2";
-const std::filesystem::path kSpModel = kFixtures / "data" / "tokenizer" / "sentencepiece_dclm" / "en_32k_tokenizer.model";
+const std::filesystem::path kSpModel =
+    kFixtures / "data" / "tokenizer" / "sentencepiece_dclm" / "en_32k_tokenizer.model";
 // The bundled corpus and tokenizer, with the .idx/.pbin Modalities 0.5.0 wrote from them (data/sample/README.md).
 const std::filesystem::path kSample = std::filesystem::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "sample";
-const std::filesystem::path kSampleTokenizer = std::filesystem::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "tokenizer" / "gpt2_style_8k";
+const std::filesystem::path kSampleTokenizer =
+    std::filesystem::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "tokenizer" / "gpt2_style_8k";
 
 testing::CommandResult modalities(std::vector<std::string> args, const std::string& shell_prefix = {}) {
   args.insert(args.begin(), MODALITIES_TEST_BINARY);
@@ -56,17 +58,19 @@ struct PackConfig {
     t += fmt::format("src_path = {}\n", q(src));
     if (!dst.empty()) t += fmt::format("dst_path = {}\n", q(dst));
     if (!index.empty()) t += fmt::format("index_path = {}\n", q(index));
-    t += fmt::format("jq_pattern = \"{}\"\nnum_cpus = {}\neod_token = \"{}\"\nprocessing_batch_size = {}\n", jq, num_cpus,
-                     eod, batch);
+    t += fmt::format("jq_pattern = \"{}\"\nnum_cpus = {}\neod_token = \"{}\"\nprocessing_batch_size = {}\n", jq,
+                     num_cpus, eod, batch);
     t += "raw_samples_queue_size = 3\nprocessed_samples_queue_size = 2\n";
     if (skip_invalid) t += "skip_invalid_documents = true\n";
     t += "\n[tokenizer]\ncomponent_key = \"tokenizer\"\n";
     if (tokenizer == "gpt2" || tokenizer == "sample")
-      t += fmt::format("variant_key = \"pretrained_hf_tokenizer\"\nconfig = {{ pretrained_model_name_or_path = {}, "
-                       "padding = false, truncation = false }}\n",
-                       q(tokenizer == "gpt2" ? kGpt2 : kSampleTokenizer));
+      t += fmt::format(
+          "variant_key = \"pretrained_hf_tokenizer\"\nconfig = {{ pretrained_model_name_or_path = {}, "
+          "padding = false, truncation = false }}\n",
+          q(tokenizer == "gpt2" ? kGpt2 : kSampleTokenizer));
     else
-      t += fmt::format("variant_key = \"pretrained_sp_tokenizer\"\nconfig = {{ tokenizer_model_file = {} }}\n", q(kSpModel));
+      t += fmt::format("variant_key = \"pretrained_sp_tokenizer\"\nconfig = {{ tokenizer_model_file = {} }}\n",
+                       q(kSpModel));
     return t;
   }
 };
@@ -112,7 +116,8 @@ TEST(PackEncodedData, SampleCorpusByteIdenticalToModalities) {
       c.batch = batch;
       const auto r = pack(dir, c);
       ASSERT_EQ(r.exit_code, 0) << r;
-      EXPECT_EQ(read_file(c.dst), read_file(kSample / fmt::format("{}.pbin", stem))) << stem << " cpus " << cpus << " batch " << batch;
+      EXPECT_EQ(read_file(c.dst), read_file(kSample / fmt::format("{}.pbin", stem)))
+          << stem << " cpus " << cpus << " batch " << batch;
     }
   }
 }
@@ -152,9 +157,10 @@ TEST(PackEncodedData, DerivedFixturesByteIdentical) {
   const Case cases[] = {
       {"danish_test_dataset", "gpt2", "<|endoftext|>", "danish_test_dataset.gpt2_eod50256.pbin",
        derived / "danish_test_dataset.idx"},
-      {"lorem_ipsum_without_last_newline", "gpt2", "<|endoftext|>", "lorem_ipsum_without_last_newline.gpt2_eod50256.pbin",
-       derived / "lorem_ipsum_without_last_newline.idx"},
-      {"danish_test_dataset", "sp", "</s>", "danish_test_dataset.sp_en32k_eod2.pbin", derived / "danish_test_dataset.idx"},
+      {"lorem_ipsum_without_last_newline", "gpt2", "<|endoftext|>",
+       "lorem_ipsum_without_last_newline.gpt2_eod50256.pbin", derived / "lorem_ipsum_without_last_newline.idx"},
+      {"danish_test_dataset", "sp", "</s>", "danish_test_dataset.sp_en32k_eod2.pbin",
+       derived / "danish_test_dataset.idx"},
       {"lorem_ipsum_without_last_newline", "sp", "</s>", "lorem_ipsum_without_last_newline.sp_en32k_eod2.pbin",
        derived / "lorem_ipsum_without_last_newline.idx"},
       {"lorem_ipsum_long", "sp", "</s>", "lorem_ipsum_long.sp_en32k_eod2.pbin", ds / "lorem_ipsum_long.idx"},
@@ -207,7 +213,8 @@ TEST_P(PackBadInput, FailsNamingTheLineAndLeavesNoOutput) {
   const BadCase& bad = GetParam();
   ScratchDir dir;
   std::string text;
-  for (int i = 0; i < 30; ++i) text += (i == 16 ? bad.line : fmt::format("{{\"text\": \"document number {}\"}}", i)) + "\n";
+  for (int i = 0; i < 30; ++i)
+    text += (i == 16 ? bad.line : fmt::format("{{\"text\": \"document number {}\"}}", i)) + "\n";
   const auto src = dir.write("in.jsonl", text);
   // The raw index is written directly, so that lines create_raw_index would refuse reach the packer.
   const auto lines = split_lines(text);
@@ -236,16 +243,17 @@ TEST_P(PackBadInput, FailsNamingTheLineAndLeavesNoOutput) {
   EXPECT_EQ(formats::PackedFile(c.dst).num_documents(), 29u);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Lines, PackBadInput,
-    ::testing::Values(BadCase{"InvalidJson", "{\"text\": \"unterminated}", "invalid JSON"},
-                      BadCase{"MissingField", "{\"content\": \"no text key\"}", ".text selects null (the key \"text\" is missing)"},
-                      BadCase{"NullField", "{\"text\": null}", ".text selects null"},
-                      BadCase{"NotAString", "{\"text\": 42}", ".text selects a number, not a string"},
-                      BadCase{"InvalidUtf8", "{\"text\": \"caf\xC3\"}", "invalid UTF-8"},
-                      BadCase{"EmptyDocument", "{\"text\": \"\"}", "empty document"},
-                      BadCase{"EmptyLine", "", "invalid JSON"}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Lines, PackBadInput,
+                         ::testing::Values(BadCase{"InvalidJson", "{\"text\": \"unterminated}", "invalid JSON"},
+                                           BadCase{"MissingField", "{\"content\": \"no text key\"}",
+                                                   ".text selects null (the key \"text\" is missing)"},
+                                           BadCase{"NullField", "{\"text\": null}", ".text selects null"},
+                                           BadCase{"NotAString", "{\"text\": 42}",
+                                                   ".text selects a number, not a string"},
+                                           BadCase{"InvalidUtf8", "{\"text\": \"caf\xC3\"}", "invalid UTF-8"},
+                                           BadCase{"EmptyDocument", "{\"text\": \"\"}", "empty document"},
+                                           BadCase{"EmptyLine", "", "invalid JSON"}),
+                         [](const auto& info) { return info.param.name; });
 
 // An index whose entries lie inside the file but are not its lines is refused whatever
 // skip_invalid_documents says, naming its first wrong entry even when a later work item (checked
@@ -391,7 +399,8 @@ std::string byte_level_tokenizer_json(int extra) {
   std::string vocab;
   for (int b = 0; b < 256; ++b) {
     std::string key;
-    for (char ch : alphabet[static_cast<std::size_t>(b)]) key += (ch == '"' || ch == '\\') ? std::string{'\\', ch} : std::string{ch};
+    for (char ch : alphabet[static_cast<std::size_t>(b)])
+      key += (ch == '"' || ch == '\\') ? std::string{'\\', ch} : std::string{ch};
     vocab += fmt::format("{}\"{}\": {}", b ? ", " : "", key, b);
   }
   for (int k = 0; k < extra; ++k) vocab += fmt::format(", \"extra{}\": {}", k, 256 + k);

@@ -56,7 +56,8 @@ std::string slurp(const fs::path& p) {
 
 std::string hex_to_bytes(std::string_view hex) {
   std::string out;
-  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16)));
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16)));
   return out;
 }
 
@@ -118,7 +119,8 @@ TEST(MergePackedDataTest, DocumentsOfEveryInputSurvive) {
   ASSERT_EQ(m.num_documents(), fa.num_documents() + fb.num_documents() + ft.num_documents());
   std::uint64_t k = 0;
   for (const PackedFile* f : {&fa, &fb, &ft})
-    for (std::uint64_t d = 0; d < f->num_documents(); ++d, ++k) ASSERT_EQ(m.document(k), f->document(d)) << "merged doc " << k;
+    for (std::uint64_t d = 0; d < f->num_documents(); ++d, ++k)
+      ASSERT_EQ(m.document(k), f->document(d)) << "merged doc " << k;
   EXPECT_EQ(m.num_tokens(), fa.num_tokens() + fb.num_tokens() + ft.num_tokens());
 }
 
@@ -160,7 +162,8 @@ TEST(MergePackedDataTest, RefusesExistingTargetAndMissingSources) {
   EXPECT_THAT(error_of([&] { data::merge_packed_data(missing, dir.path() / "o.pbin"); }),
               HasSubstr((dir.path() / "nope.pbin").string() + "' does not exist"));
   const std::vector<fs::path> empty_dir{dir.mkdir("empty")};
-  EXPECT_THAT(error_of([&] { data::merge_packed_data(empty_dir, dir.path() / "o.pbin"); }), HasSubstr("no .pbin files found"));
+  EXPECT_THAT(error_of([&] { data::merge_packed_data(empty_dir, dir.path() / "o.pbin"); }),
+              HasSubstr("no .pbin files found"));
 }
 
 TEST(MergePackedDataTest, ConvertsLegacyInputs) {
@@ -193,8 +196,8 @@ TEST(ShuffleTokenizedDataTest, MatchesPythonReference) {
     SCOPED_TRACE(std::string(v.name) + " seed " + seed);
     const fs::path out = dir.path() / "shuffled.pbin";
     fs::remove(out);
-    const data::ToolResult r = data::shuffle_tokenized_data(input(v.name), out, data::PyInt::parse(seed),
-                                                            data::FileExistencePolicy::kError);
+    const data::ToolResult r =
+        data::shuffle_tokenized_data(input(v.name), out, data::PyInt::parse(seed), data::FileExistencePolicy::kError);
     EXPECT_EQ(fs::file_size(out), v.size);
     EXPECT_EQ(data::sha256_hex(slurp(out)), v.sha256);
     EXPECT_EQ(r.bytes, v.size);
@@ -208,8 +211,8 @@ TEST(ShuffleTokenizedDataTest, LegacyInputIsConverted) {
   ScratchDir dir;
   const std::string tiny_data = slurp(kTiny).substr(12, 10);
   const fs::path legacy = dir.write("legacy.pbin", pbin_bytes(2, tiny_data, {{12, 4}, {16, 6}}));
-  const data::ToolResult r =
-      data::shuffle_tokenized_data(legacy, dir.path() / "out.pbin", data::PyInt::from(3), data::FileExistencePolicy::kError);
+  const data::ToolResult r = data::shuffle_tokenized_data(legacy, dir.path() / "out.pbin", data::PyInt::from(3),
+                                                          data::FileExistencePolicy::kError);
   EXPECT_EQ(r.legacy_inputs, 1u);
   EXPECT_EQ(slurp(dir.path() / "out.pbin"), hex_to_bytes(kTinyShuffledSeed3Hex));
 }
@@ -224,7 +227,8 @@ TEST(ShuffleTokenizedDataTest, FileExistencePolicies) {
   const data::ToolResult skipped = data::shuffle_tokenized_data(kTiny, out, seed, data::FileExistencePolicy::kSkip);
   EXPECT_TRUE(skipped.skipped);
   EXPECT_EQ(slurp(out), "old");
-  const data::ToolResult replaced = data::shuffle_tokenized_data(kTiny, out, seed, data::FileExistencePolicy::kOverride);
+  const data::ToolResult replaced =
+      data::shuffle_tokenized_data(kTiny, out, seed, data::FileExistencePolicy::kOverride);
   EXPECT_TRUE(replaced.replaced);
   EXPECT_EQ(slurp(out), hex_to_bytes(kTinyShuffledSeed3Hex));
   EXPECT_THAT(names_in(dir.path()), ElementsAre("out.pbin"));
@@ -236,12 +240,16 @@ TEST(ShuffleTokenizedDataTest, BadInputsFailWithoutOutput) {
   const auto policy = data::FileExistencePolicy::kError;
   // input == output, also when spelled differently; even with override
   const fs::path copy = dir.write("t.pbin", slurp(kTiny));
-  EXPECT_THAT(error_of([&] { data::shuffle_tokenized_data(copy, dir.path() / "." / "t.pbin", seed, data::FileExistencePolicy::kOverride); }),
+  EXPECT_THAT(error_of([&] {
+                data::shuffle_tokenized_data(copy, dir.path() / "." / "t.pbin", seed,
+                                             data::FileExistencePolicy::kOverride);
+              }),
               HasSubstr("are the same file"));
   EXPECT_EQ(slurp(copy), slurp(kTiny));
   // missing input
-  EXPECT_THAT(error_of([&] { data::shuffle_tokenized_data(dir.path() / "missing.pbin", dir.path() / "o.pbin", seed, policy); }),
-              HasSubstr("missing.pbin' does not exist"));
+  EXPECT_THAT(
+      error_of([&] { data::shuffle_tokenized_data(dir.path() / "missing.pbin", dir.path() / "o.pbin", seed, policy); }),
+      HasSubstr("missing.pbin' does not exist"));
   // corrupt header: data_len beyond the end of the file
   std::string corrupt = slurp(kTiny);
   corrupt.replace(0, 8, u64le(1000, 8));
@@ -291,7 +299,8 @@ TEST(ShuffleJsonlDataTest, MissingFinalNewlineIsAdded) {
   EXPECT_THAT(lines, UnorderedElementsAreArray({"a", "b", "c"}));
   // Same lines, same seed: the output equals that of the file with its final newline.
   const fs::path full = dir.write("full.jsonl", "a\nb\nc\n");
-  data::shuffle_jsonl_data(full, dir.path() / "full_out.jsonl", data::PyInt::from(0), data::FileExistencePolicy::kError);
+  data::shuffle_jsonl_data(full, dir.path() / "full_out.jsonl", data::PyInt::from(0),
+                           data::FileExistencePolicy::kError);
   EXPECT_EQ(out, slurp(dir.path() / "full_out.jsonl"));
 }
 
@@ -325,7 +334,8 @@ TEST(ChunkTest, Ranges) {
 
 TEST(ChunkTest, HashedSeeds) {
   for (const auto& v : kHashedSeeds)
-    EXPECT_EQ(data::chunk_seed(data::PyInt::parse(v.global_seed), v.chunk_id), v.seed) << v.global_seed << " " << v.chunk_id;
+    EXPECT_EQ(data::chunk_seed(data::PyInt::parse(v.global_seed), v.chunk_id), v.seed)
+        << v.global_seed << " " << v.chunk_id;
   // Modalities' hashed chunk seed (docs/data.md)
   EXPECT_EQ(data::chunk_seed(data::PyInt::from(42), 0), 769357083u);
   EXPECT_EQ(data::chunk_seed(data::PyInt::from(42), 1), 3240006108u);
@@ -333,7 +343,8 @@ TEST(ChunkTest, HashedSeeds) {
 
 TEST(ChunkTest, FileListFollowsPathlibWithSuffix) {
   ScratchDir dir;
-  const fs::path list = dir.write("list.txt", "a/b.txt\r\n  c/d.tar.gz \n\n.hidden\rtrail.\nx/y/\n/abs/z.jsonl\n   \nplain");
+  const fs::path list =
+      dir.write("list.txt", "a/b.txt\r\n  c/d.tar.gz \n\n.hidden\rtrail.\nx/y/\n/abs/z.jsonl\n   \nplain");
   EXPECT_THAT(data::read_chunk_file_list(list, "root", ".pbin"),
               ElementsAre(fs::path("root/a/b.pbin"), fs::path("root/c/d.tar.pbin"), fs::path("root/.hidden.pbin"),
                           fs::path("root/trail..pbin"), fs::path("root/x/y.pbin"), fs::path("/abs/z.pbin"),
@@ -349,8 +360,8 @@ TEST(ChunkTest, PbinChunksMatchPythonReference) {
   const auto inputs = data::read_chunk_file_list(write_list(dir, kPbinChunkList), kRoot, ".pbin");
   for (const auto& v : kPbinChunks) {
     SCOPED_TRACE(fmt::format("chunk {} of {}, global seed {}", v.chunk_id, v.num_chunks, v.global_seed));
-    data::ChunkJob job{inputs, dir.path() / "chunk.pbin", v.chunk_id, v.num_chunks, data::PyInt::parse(v.global_seed),
-                       data::FileExistencePolicy::kOverride};
+    data::ChunkJob job{inputs,       dir.path() / "chunk.pbin",         v.chunk_id,
+                       v.num_chunks, data::PyInt::parse(v.global_seed), data::FileExistencePolicy::kOverride};
     const data::ToolResult r = data::create_shuffled_dataset_chunk(job);
     EXPECT_EQ(fs::file_size(job.output), v.size);
     EXPECT_EQ(data::sha256_hex(slurp(job.output)), v.sha256);
@@ -363,8 +374,8 @@ TEST(ChunkTest, JsonlChunksMatchPythonReference) {
   const auto inputs = data::read_chunk_file_list(write_list(dir, kJsonlChunkList), kRoot, ".jsonl");
   for (const auto& v : kJsonlChunks) {
     SCOPED_TRACE(fmt::format("chunk {} of {}, global seed {}", v.chunk_id, v.num_chunks, v.global_seed));
-    data::ChunkJob job{inputs, dir.path() / "chunk.jsonl", v.chunk_id, v.num_chunks, data::PyInt::parse(v.global_seed),
-                       data::FileExistencePolicy::kOverride};
+    data::ChunkJob job{inputs,       dir.path() / "chunk.jsonl",        v.chunk_id,
+                       v.num_chunks, data::PyInt::parse(v.global_seed), data::FileExistencePolicy::kOverride};
     data::create_shuffled_jsonl_chunk(job);
     EXPECT_EQ(fs::file_size(job.output), v.size);
     EXPECT_EQ(data::sha256_hex(slurp(job.output)), v.sha256);
@@ -376,7 +387,11 @@ TEST(ChunkTest, ChunksPartitionTheDocuments) {
   const auto inputs = data::read_chunk_file_list(write_list(dir, kPbinChunkList), kRoot, ".pbin");
   std::uint64_t docs = 0, tokens = 0;
   for (std::uint64_t c = 0; c < 3; ++c) {
-    data::ChunkJob job{inputs, dir.path() / fmt::format("c{}.pbin", c), c, 3, data::PyInt::from(42),
+    data::ChunkJob job{inputs,
+                       dir.path() / fmt::format("c{}.pbin", c),
+                       c,
+                       3,
+                       data::PyInt::from(42),
                        data::FileExistencePolicy::kError};
     docs += data::create_shuffled_dataset_chunk(job).documents;
     tokens += PackedFile(job.output).num_tokens();
@@ -403,9 +418,11 @@ TEST(ChunkTest, ErrorsLeaveNoOutput) {
   EXPECT_THAT(error_of([&] { data::create_shuffled_dataset_chunk(job); }), HasSubstr("token size mismatch"));
   // an input is the output
   job = {{kTiny, one}, one, 0, 1, data::PyInt::from(1), data::FileExistencePolicy::kOverride};
-  EXPECT_THAT(error_of([&] { data::create_shuffled_dataset_chunk(job); }), HasSubstr("is also the --output_chunk_file_path"));
+  EXPECT_THAT(error_of([&] { data::create_shuffled_dataset_chunk(job); }),
+              HasSubstr("is also the --output_chunk_file_path"));
   // a missing JSONL input
-  job = {{dir.path() / "missing.jsonl"}, dir.path() / "c.jsonl", 0, 1, data::PyInt::from(1), data::FileExistencePolicy::kError};
+  job = {{dir.path() / "missing.jsonl"}, dir.path() / "c.jsonl",           0, 1,
+         data::PyInt::from(1),           data::FileExistencePolicy::kError};
   EXPECT_THAT(error_of([&] { data::create_shuffled_jsonl_chunk(job); }), HasSubstr("missing.jsonl' does not exist"));
   EXPECT_THAT(names_in(dir.path()), ElementsAre("bytes.pbin"));
 }
@@ -429,7 +446,8 @@ TEST(DataToolsCliTest, HelpListsVerbsAndFlags) {
                            "--num_chunks", "--file_existence_policy", "--global_seed"})
     EXPECT_THAT(h.out, HasSubstr(flag)) << h;
   const CommandResult s = modalities({"shuffle_tokenized_data", "--help"});
-  for (const char* flag : {"--input_data_path", "--output_data_path", "--batch_size", "--seed"}) EXPECT_THAT(s.out, HasSubstr(flag)) << s;
+  for (const char* flag : {"--input_data_path", "--output_data_path", "--batch_size", "--seed"})
+    EXPECT_THAT(s.out, HasSubstr(flag)) << s;
 }
 
 TEST(DataToolsCliTest, MergeWritesCorrectOffsets) {
@@ -438,7 +456,8 @@ TEST(DataToolsCliTest, MergeWritesCorrectOffsets) {
   const CommandResult r = modalities({"merge_packed_data", kTiny.string(), kTiny.string(), out.string()});
   ASSERT_EQ(r.exit_code, 0) << r;
   EXPECT_THAT(r.out, HasSubstr("4 documents")) << r;
-  EXPECT_THAT(PackedFile(out).index(), ElementsAre(IndexEntry{0, 4}, IndexEntry{4, 6}, IndexEntry{10, 4}, IndexEntry{14, 6}));
+  EXPECT_THAT(PackedFile(out).index(),
+              ElementsAre(IndexEntry{0, 4}, IndexEntry{4, 6}, IndexEntry{10, 4}, IndexEntry{14, 6}));
   const CommandResult again = modalities({"merge_packed_data", kTiny.string(), out.string()});
   EXPECT_EQ(again.exit_code, 1) << again;
   EXPECT_THAT(again.err, HasSubstr("already exists")) << again;
@@ -500,15 +519,25 @@ TEST(DataToolsCliTest, ChunkMatchesPythonAndRejectsBadArguments) {
   const auto& v = kJsonlChunks.front();
   const fs::path out = dir.path() / "c.jsonl";
   auto args = [&](std::string chunk_id, std::string num_chunks) {
-    return std::vector<std::string>{"create_shuffled_jsonl_chunk", "--input_file_list_path", list.string(),
-                                    "--input_data_root_path", kRoot.string(), "--output_chunk_file_path",
-                                    out.string(), "--chunk_id", chunk_id, "--num_chunks", num_chunks,
-                                    "--global_seed", v.global_seed};
+    return std::vector<std::string>{"create_shuffled_jsonl_chunk",
+                                    "--input_file_list_path",
+                                    list.string(),
+                                    "--input_data_root_path",
+                                    kRoot.string(),
+                                    "--output_chunk_file_path",
+                                    out.string(),
+                                    "--chunk_id",
+                                    chunk_id,
+                                    "--num_chunks",
+                                    num_chunks,
+                                    "--global_seed",
+                                    v.global_seed};
   };
   const CommandResult ok = modalities(args(std::to_string(v.chunk_id), std::to_string(v.num_chunks)));
   ASSERT_EQ(ok.exit_code, 0) << ok;
   EXPECT_EQ(data::sha256_hex(slurp(out)), v.sha256);
-  for (const auto& [c, k] : std::vector<std::pair<std::string, std::string>>{{"3", "3"}, {"-1", "3"}, {"0", "0"}, {"x", "2"}}) {
+  for (const auto& [c, k] :
+       std::vector<std::pair<std::string, std::string>>{{"3", "3"}, {"-1", "3"}, {"0", "0"}, {"x", "2"}}) {
     const CommandResult bad = modalities(args(c, k));
     EXPECT_EQ(bad.exit_code, 2) << bad;
   }
@@ -519,8 +548,9 @@ TEST(DataToolsCliTest, ChunkMatchesPythonAndRejectsBadArguments) {
 
 TEST(DataToolsCliTest, ErrorsExitWithOneAndNameTheFile) {
   ScratchDir dir;
-  const CommandResult r = modalities({"shuffle_tokenized_data", "--input_data_path", (dir.path() / "nope.pbin").string(),
-                                      "--output_data_path", (dir.path() / "o.pbin").string(), "--seed", "1"});
+  const CommandResult r =
+      modalities({"shuffle_tokenized_data", "--input_data_path", (dir.path() / "nope.pbin").string(),
+                  "--output_data_path", (dir.path() / "o.pbin").string(), "--seed", "1"});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("nope.pbin' does not exist")) << r;
   const CommandResult bad_seed = modalities({"shuffle_tokenized_data", "--input_data_path", kTiny.string(),

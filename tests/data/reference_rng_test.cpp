@@ -47,7 +47,8 @@ TEST(PyIntTest, ParsesLikePythonInt) {
   EXPECT_EQ(PyInt::parse("1_000").decimal(), "1000");
   EXPECT_EQ(PyInt::parse("-42").decimal(), "-42");
   EXPECT_EQ(PyInt::parse("18446744073709551616").magnitude, (std::vector<std::uint32_t>{0, 0, 1}));
-  const std::string big = "265613988875874769338781322035779626829233452653394495974574961739092490901302182994384699044001";
+  const std::string big =
+      "265613988875874769338781322035779626829233452653394495974574961739092490901302182994384699044001";
   EXPECT_EQ(PyInt::parse(big).decimal(), big);
   EXPECT_EQ(PyInt::parse("18446744073709551615").to_u64(), 18446744073709551615ULL);
 }
@@ -82,7 +83,8 @@ TEST(CPythonRandomTest, MatchesCPythonForManySeeds) {
 
     CPythonRandom bits(seed);
     const unsigned widths[] = {1, 5, 31, 32, 33, 40, 63, 64, 17};
-    for (std::size_t i = 0; i < c.bits.size(); ++i) EXPECT_EQ(bits.getrandbits(widths[i]), c.bits[i]) << "k=" << widths[i];
+    for (std::size_t i = 0; i < c.bits.size(); ++i)
+      EXPECT_EQ(bits.getrandbits(widths[i]), c.bits[i]) << "k=" << widths[i];
 
     EXPECT_EQ(CPythonRandom(seed).random(), c.random0);
   }
@@ -91,7 +93,8 @@ TEST(CPythonRandomTest, MatchesCPythonForManySeeds) {
 TEST(CPythonRandomTest, RandbelowAbove32Bits) {
   CPythonRandom r(5);
   const std::uint64_t ns[] = {(1ULL << 32) + 1, (1ULL << 40) + 3, (1ULL << 63) + 11, ~0ULL, 3, 1000};
-  for (std::size_t i = 0; i < kCPythonRandbelowSeed5.size(); ++i) EXPECT_EQ(r.randbelow(ns[i]), kCPythonRandbelowSeed5[i]);
+  for (std::size_t i = 0; i < kCPythonRandbelowSeed5.size(); ++i)
+    EXPECT_EQ(r.randbelow(ns[i]), kCPythonRandbelowSeed5[i]);
 }
 
 TEST(CPythonRandomTest, LargeShuffle) {
@@ -166,8 +169,6 @@ TEST(NumpyRandomTest, Next32UsesBothHalves) {
   EXPECT_EQ(b.next32(), static_cast<std::uint32_t>(w >> 32));
 }
 
-TEST(NumpyRandomTest, RejectsNegativeSeed) {
-  EXPECT_THROW(NumpyRandom(PyInt::parse("-1")), modalities::Error);
-}
+TEST(NumpyRandomTest, RejectsNegativeSeed) { EXPECT_THROW(NumpyRandom(PyInt::parse("-1")), modalities::Error); }
 
 }  // namespace

@@ -4,8 +4,8 @@
 // compares every collective with an exactly known result). Multi-process cases run under
 // coreutils `timeout` and the launcher's own grace period, so a broken case fails, never hangs.
 #include "run_command.h"
-#include "worker_case.h"
 #include "scratch_dir.h"
+#include "worker_case.h"
 
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
@@ -44,11 +44,11 @@
 namespace modalities::dist {
 namespace {
 
+using modalities::testing::CommandResult;
+using modalities::testing::run_command;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using modalities::testing::CommandResult;
-using modalities::testing::run_command;
 
 const std::string kHost = MODALITIES_TEST_HOST_BINARY;
 
@@ -139,13 +139,19 @@ TEST(LaunchEnvTest, BadValuesNameTheVariable) {
   EXPECT_THAT(error_of({{"RANK", "0"}}), HasSubstr("WORLD_SIZE is not set"));
   EXPECT_THAT(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
               HasSubstr("RANK=2 is not below WORLD_SIZE=2"));
-  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}), HasSubstr("MASTER_ADDR is not set"));
-  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}), HasSubstr("MASTER_PORT is not set"));
+  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}),
+              HasSubstr("MASTER_ADDR is not set"));
+  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}),
+              HasSubstr("MASTER_PORT is not set"));
   EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}),
               HasSubstr("MASTER_PORT=70000 is not a TCP port"));
   EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), HasSubstr("WORLD_SIZE=0: expected a number >= 1"));
-  EXPECT_THAT(error_of({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"},
-                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+  EXPECT_THAT(error_of({{"RANK", "1"},
+                        {"WORLD_SIZE", "4"},
+                        {"LOCAL_RANK", "3"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "h"},
+                        {"MASTER_PORT", "1"}}),
               HasSubstr("LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2"));
   EXPECT_THAT(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}), HasSubstr("SLURM_STEP_NODELIST"));
 }
@@ -203,8 +209,7 @@ MODALITIES_WORKER_CASE(CollectiveCheckWorker, MismatchedCollectives) {
 TEST(CollectiveCheckTest, TheDebugSwitchNamesMismatchedCollectives) {
   const CommandResult r = modalities::testing::run_workers(kHost, 2, "CollectiveCheckWorker.MismatchedCollectives",
                                                            {{"MODALITIES_DEBUG_COLLECTIVES", "1"}}, 120);
-  for (int k = 0; k < 2; ++k)
-    EXPECT_THAT(r.out, HasSubstr(fmt::format("[rank {}] collective error: ", k))) << r;
+  for (int k = 0; k < 2; ++k) EXPECT_THAT(r.out, HasSubstr(fmt::format("[rank {}] collective error: ", k))) << r;
   EXPECT_THAT(r.out, HasSubstr("ALLREDUCE")) << r;
   EXPECT_THAT(r.out, HasSubstr("BROADCAST")) << r;
 }
@@ -237,8 +242,8 @@ TEST(LauncherTest, GivesEveryRankTorchrunsEnvironmentAndPrefixesItsLines) {
 }
 
 TEST(LauncherTest, OutputRank0ShowsOnlyRank0sStandardOutputButEveryonesErrors) {
-  const CommandResult r =
-      launch({"--nproc-per-node", "2", "--output", "rank0", "--exec", "--", "sh", "-c", "echo out$RANK; echo err$RANK >&2"});
+  const CommandResult r = launch(
+      {"--nproc-per-node", "2", "--output", "rank0", "--exec", "--", "sh", "-c", "echo out$RANK; echo err$RANK >&2"});
   ASSERT_EQ(r.exit_code, 0) << r;
   EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] out0"), Not(HasSubstr("out1")))) << r;
   EXPECT_THAT(r.err, AllOf(HasSubstr("[rank 0] err0"), HasSubstr("[rank 1] err1"))) << r;
@@ -276,8 +281,9 @@ TEST(LauncherTest, RanksThatIgnoreSigtermAreKilledAfterTheGracePeriod) {
 
 TEST(LauncherTest, ForwardsSigtermToEveryRank) {
   // The launcher gets SIGTERM from `timeout` after 2 s; every rank traps it and reports.
-  const CommandResult r = run_command({"timeout", "--preserve-status", "-k", "20", "2", kHost, "launch", "--nproc-per-node", "2", "--exec",
-                                       "--", "sh", "-c", "trap 'echo got TERM; exit 5' TERM; sleep 30 & wait"});
+  const CommandResult r =
+      run_command({"timeout", "--preserve-status", "-k", "20", "2", kHost, "launch", "--nproc-per-node", "2", "--exec",
+                   "--", "sh", "-c", "trap 'echo got TERM; exit 5' TERM; sleep 30 & wait"});
   EXPECT_EQ(r.exit_code, 128 + 15) << r;
   EXPECT_THAT(r.err, HasSubstr("received SIGTERM, forwarding it to every rank")) << r;
   EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] got TERM"), HasSubstr("[rank 1] got TERM"))) << r;
@@ -287,9 +293,9 @@ TEST(LauncherTest, ForwardsSigtermToEveryRank) {
 // `sleep` behind (background jobs of a non-interactive shell ignore SIGINT), holding the rank's
 // output open: the launcher kills it 2 s after the last rank exited instead of waiting 30 s.
 TEST(LauncherTest, ForwardsSigintToEveryRank) {
-  const CommandResult r = run_command({"timeout", "--preserve-status", "-s", "INT", "-k", "20", "2", kHost, "launch",
-                                       "--nproc-per-node", "2", "--exec", "--", "sh", "-c",
-                                       "trap 'echo got INT; exit 6' INT; sleep 30 & wait"});
+  const CommandResult r =
+      run_command({"timeout", "--preserve-status", "-s", "INT", "-k", "20", "2", kHost, "launch", "--nproc-per-node",
+                   "2", "--exec", "--", "sh", "-c", "trap 'echo got INT; exit 6' INT; sleep 30 & wait"});
   EXPECT_EQ(r.exit_code, 128 + 2) << r;
   EXPECT_THAT(r.err, HasSubstr("received SIGINT, forwarding it to every rank")) << r;
   EXPECT_THAT(r.out, AllOf(HasSubstr("[rank 0] got INT"), HasSubstr("[rank 1] got INT"))) << r;
@@ -350,7 +356,8 @@ TEST(CollectivesTest, AnUnknownBackendInTheEnvironmentIsNamed) {
                                       {{"MODALITIES_BACKEND", "mpi"}});
   EXPECT_NE(r.exit_code, 0) << r;
   EXPECT_THAT(r.err, HasSubstr("environment variable MODALITIES_BACKEND: process group backend \"mpi\": expected "
-                               "\"auto\", \"gloo\", \"nccl\" or \"staged\"")) << r;
+                               "\"auto\", \"gloo\", \"nccl\" or \"staged\""))
+      << r;
 }
 
 // srun's contract alone: each rank gets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID /
@@ -371,8 +378,8 @@ TEST(CollectivesTest, RanksStartedWithOnlySlurmVariablesFindEachOther) {
 }
 
 TEST(CollectivesTest, OneProcessIsToldToUseALauncher) {
-  const CommandResult r = run_command({"env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "SLURM_PROCID", "timeout", "30",
-                                       kHost, "dist", "check"});
+  const CommandResult r = run_command(
+      {"env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "SLURM_PROCID", "timeout", "30", kHost, "dist", "check"});
   EXPECT_EQ(r.exit_code, 2) << r;
   EXPECT_THAT(r.err, HasSubstr("needs several processes")) << r;
 }
@@ -406,9 +413,9 @@ TEST(CollectivesTest, RendezvousPortsComeFromBelowTheEphemeralRange) {
 TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
   // WORLD_SIZE 2 but only rank 0 starts: its store waits for a worker that never comes.
   const auto start = std::chrono::steady_clock::now();
-  const CommandResult r =
-      run_command({"timeout", "-k", "5", "60", kHost, "dist", "check", "--device", "cpu", "--timeout-s", "3"},
-                  {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())}});
+  const CommandResult r = run_command(
+      {"timeout", "-k", "5", "60", kHost, "dist", "check", "--device", "cpu", "--timeout-s", "3"},
+      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("rank 0 of 2: rendezvous at 127.0.0.1:")) << r;
@@ -420,10 +427,10 @@ TEST(CollectivesTest, ARendezvousThatNeverCompletesTimesOutWithAClearError) {
 TEST(DistributedRunTest, TwoRanksAgreeOnTheRunTestCommAndRefuseAnUnwrappedModelOnEveryRank) {
   const modalities::testing::ScratchDir dir;
   const std::string config = std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/quickstart/train.toml";
-  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path", config,
-                                  "--experiments_root_path", (dir.path() / "experiments").string(), "--test_comm",
-                                  "--process_group_timeout_s", "30"},
-                                 120);
+  const CommandResult r = launch(
+      {"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path", config, "--experiments_root_path",
+       (dir.path() / "experiments").string(), "--test_comm", "--process_group_timeout_s", "30"},
+      120);
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr("[rank 0] test_comm: every collective gave exact results on 2 ranks (gloo)")) << r;
   for (int rank = 0; rank < 2; ++rank)
@@ -504,8 +511,8 @@ CommandResult train(int ranks, const std::filesystem::path& config_file, const s
                     const std::string& id, int limit_s = 300, const std::string& backend = "") {
   std::vector<std::string> argv = {"timeout", "-k", "5", std::to_string(limit_s), kHost};
   if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
-  argv.insert(argv.end(), {"run", "--config_file_path", config_file.string(), "--experiments_root_path",
-                           root.string(), "--experiment_id", id});
+  argv.insert(argv.end(), {"run", "--config_file_path", config_file.string(), "--experiments_root_path", root.string(),
+                           "--experiment_id", id});
   std::vector<std::pair<std::string, std::string>> env = {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}};
   if (!backend.empty()) env.emplace_back("MODALITIES_BACKEND", backend);
   return run_command(argv, env);
@@ -517,7 +524,9 @@ CommandResult train(int ranks, const std::filesystem::path& config_file, const s
 std::string distributed_config(const std::string& file, int steps, int accumulation = 1, int checkpoint_every = 0) {
   std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/" + file);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto replace = [&](const std::string& from, const std::string& to) { text = edited(std::move(text), from, to); };
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    text = edited(std::move(text), from, to);
+  };
   replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
   replace("num_target_steps = 80", fmt::format("num_target_steps = {}", steps));
   replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
@@ -571,11 +580,13 @@ void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>&
     const CommandResult r = train(ranks, dir.write(id + ".toml", config), root, id);
     EXPECT_EQ(r.exit_code, 0) << r;
   };
-  const std::string no_shard = edited(distributed_config("fsdp1_cpu.toml", steps),
-                                      "sharding_strategy = \"FULL_SHARD\"", "sharding_strategy = \"NO_SHARD\"");
-  const bool any_no_shard = std::any_of(layouts.begin(), layouts.end(),
-                                        [](const Layout& l) { return l.id.starts_with("no_shard"); });
-  const auto reference = [&](std::string config) { return reference_edit ? reference_edit(std::move(config)) : config; };
+  const std::string no_shard = edited(distributed_config("fsdp1_cpu.toml", steps), "sharding_strategy = \"FULL_SHARD\"",
+                                      "sharding_strategy = \"NO_SHARD\"");
+  const bool any_no_shard =
+      std::any_of(layouts.begin(), layouts.end(), [](const Layout& l) { return l.id.starts_with("no_shard"); });
+  const auto reference = [&](std::string config) {
+    return reference_edit ? reference_edit(std::move(config)) : config;
+  };
   run_on(1, "one_8x1", reference(fsdp2_config(steps)));
   run_on(1, "one_2x4", reference(fsdp2_config(steps, 4)));
   if (any_no_shard) run_on(1, "one_fsdp1", no_shard);
@@ -611,7 +622,6 @@ void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>&
   }
 }
 
-
 // The issue's acceptance (label `full`): one process vs FSDP2 on 2 and 4 ranks vs HSDP 2x2 vs FSDP1
 // NO_SHARD on 2 ranks vs FSDP1 FULL_SHARD on 2 ranks with gradient accumulation 2, 20 steps.
 TEST(DistributedRunFullTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSameGlobalBatch) {
@@ -634,14 +644,13 @@ TEST(DistributedRunFullTest, EveryDataParallelLayoutTrainsLikeOneProcessOnTheSam
 // launcher ends the others as soon as one rank exits with an error).
 void expect_refused_on_two_ranks(const modalities::testing::ScratchDir& dir, const std::string& id,
                                  const std::string& config, const std::string& message) {
-  const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
-                                  dir.write(id + ".toml", config).string(), "--experiments_root_path",
-                                  (dir.path() / "experiments").string()},
-                                 120);
+  const CommandResult r = launch(
+      {"--nproc-per-node", "2", "--grace-s", "5", "--", "run", "--config_file_path",
+       dir.write(id + ".toml", config).string(), "--experiments_root_path", (dir.path() / "experiments").string()},
+      120);
   EXPECT_NE(r.exit_code, 0) << r;
   EXPECT_THAT(r.err, HasSubstr(message)) << r;
-  EXPECT_TRUE(r.err.find("[rank 1]") != std::string::npos || r.err.find("[launch] rank 1 ") != std::string::npos)
-      << r;
+  EXPECT_TRUE(r.err.find("[rank 1]") != std::string::npos || r.err.find("[launch] rank 1 ") != std::string::npos) << r;
 }
 
 // --- tensor parallel -------------------------------------------------------------------------
@@ -654,7 +663,6 @@ std::string tp_config(int steps, bool sequence_parallel = true, bool loss_parall
   if (loss_parallel) text = edited(text, "enable_loss_parallel = false", "enable_loss_parallel = true");
   return text;
 }
-
 
 // The issue's acceptance (label `full`): TP2, SP on TP2, SP and loss parallel on TP2, FSDP2 x TP2
 // on 4 ranks (dp_shard 2 x tp 2) with and without loss parallel, 20 steps each.
@@ -820,7 +828,8 @@ TEST(DistributedRunTest, AWorldSizeTheDataCannotFeedIsRefusedBeforeTraining) {
   };
   const CommandResult three = run_on(3, fsdp2_config(6));
   EXPECT_NE(three.exit_code, 0) << three;
-  EXPECT_THAT(three.err, HasSubstr("global_batch_size 8 is not divisible by dp_degree 3 x gradient_accumulation_steps 1"))
+  EXPECT_THAT(three.err,
+              HasSubstr("global_batch_size 8 is not divisible by dp_degree 3 x gradient_accumulation_steps 1"))
       << three;
   const CommandResult many = run_on(2, fsdp2_config(10000));
   EXPECT_NE(many.exit_code, 0) << many;
@@ -841,11 +850,11 @@ TEST(DistributedRunTest, GradientsAreReducedOncePerStepAndTheTrafficIsTheTheory)
   for (const int accumulation : {1, 2}) {
     const std::string id = fmt::format("traffic_g{}", accumulation);
     const auto config = dir.write(id + ".toml", distributed_config("fsdp2_cpu.toml", kSteps, accumulation));
-    const CommandResult r = run_command(
-        {"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s", "5", "--", "run",
-         "--config_file_path", config.string(), "--experiments_root_path", (dir.path() / "experiments").string(),
-         "--experiment_id", id},
-        {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FSDP_TRAFFIC", "1"}});
+    const CommandResult r =
+        run_command({"timeout", "-k", "5", "120", kHost, "launch", "--nproc-per-node", "2", "--grace-s", "5", "--",
+                     "run", "--config_file_path", config.string(), "--experiments_root_path",
+                     (dir.path() / "experiments").string(), "--experiment_id", id},
+                    {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FSDP_TRAFFIC", "1"}});
     ASSERT_EQ(r.exit_code, 0) << r;
     const auto at = r.err.find("fsdp traffic: ");
     ASSERT_NE(at, std::string::npos) << r;
@@ -935,11 +944,10 @@ config = {{ ac_variant = "{}", layers_fqn = "transformer.h", model = {{ instance
                        variant, params);
   };
   std::vector<std::vector<std::pair<double, double>>> curves;
-  for (const auto& [id, text] :
-       {std::pair<std::string, std::string>{"plain", plain},
-        {"full", checkpointed("full_activation_checkpointing", "{}")},
-        {"selective_op", checkpointed("selective_op_activation_checkpointing",
-                                      "{ save_ops_keys = [\"ops.aten.mm.default\"] }")}}) {
+  for (const auto& [id, text] : {std::pair<std::string, std::string>{"plain", plain},
+                                 {"full", checkpointed("full_activation_checkpointing", "{}")},
+                                 {"selective_op", checkpointed("selective_op_activation_checkpointing",
+                                                               "{ save_ops_keys = [\"ops.aten.mm.default\"] }")}}) {
     const CommandResult r = train(2, dir.write(id + ".toml", text), dir.path() / "experiments", id);
     ASSERT_EQ(r.exit_code, 0) << r;
     curves.push_back(curve_of(dir.path() / "experiments", id));
@@ -1040,10 +1048,11 @@ TEST(DistributedRunTest, Fsdp1HybridShardOverTwoLauncherNodesTrainsLikeOneProces
   ASSERT_EQ(one.exit_code, 0) << one;
   const int port = free_port();
   const auto node = [&](int rank) {
-    return fmt::format("timeout -k 5 240 {} launch --nnodes 2 --node-rank {} --nproc-per-node 2 --master-port {} "
-                       "--grace-s 5 -- run --config_file_path {} --experiments_root_path {} --experiment_id hybrid",
-                       modalities::testing::shell_quote(kHost), rank, port,
-                       modalities::testing::shell_quote(hybrid_file.string()), modalities::testing::shell_quote(root));
+    return fmt::format(
+        "timeout -k 5 240 {} launch --nnodes 2 --node-rank {} --nproc-per-node 2 --master-port {} "
+        "--grace-s 5 -- run --config_file_path {} --experiments_root_path {} --experiment_id hybrid",
+        modalities::testing::shell_quote(kHost), rank, port, modalities::testing::shell_quote(hybrid_file.string()),
+        modalities::testing::shell_quote(root));
   };
   const CommandResult r = run_command(
       {"sh", "-c", fmt::format("{} & first=$!; {}; second=$?; wait $first; exit $(( $? | second ))", node(0), node(1))},
@@ -1073,7 +1082,8 @@ TEST(DistributedRunFullTest, InitializingAfterWrappingAMetaModelGivesTheSameWeig
   const auto swap = [&](const std::string& from, const std::string& to) { text = edited(std::move(text), from, to); };
   for (std::string::size_type at; (at = text.find("{ instance_key = \"model\", pass_type")) != std::string::npos;)
     text.replace(at, 24, "{ instance_key = \"initialized_model\"");
-  swap("[model.config]\nmodel = { instance_key = \"initialized_model\"", "[model.config]\nmodel = { instance_key = \"model_raw\"");
+  swap("[model.config]\nmodel = { instance_key = \"initialized_model\"",
+       "[model.config]\nmodel = { instance_key = \"model_raw\"");
   swap("[initialized_model.config]\nmodel = { instance_key = \"model_raw\"",
        "[initialized_model.config]\nmodel = { instance_key = \"model\"");
   swap("use_weight_tying = true", "use_weight_tying = false\nuse_meta_device = true");
@@ -1148,8 +1158,7 @@ void expect_fsdp2_matches_pytorch(const std::vector<PyTorchCase>& cases) {
       t.normal_(p["mean"].get_double(), p["std"].get_double(), gen);
     else if (std::string_view(p["kind"].get_string()) == "buffer")  // RoPE: 1 / base^(2i/d), d = n_embd / n_head_q
       t = at::reciprocal(at::pow(100000.0, at::arange(0, 16, 2, at::kFloat) / 16));
-    else
-      t.fill_(1.0);  // "unchanged": the norm weights GPT2LLM starts with
+    else t.fill_(1.0);  // "unchanged": the norm weights GPT2LLM starts with
     ASSERT_EQ(sha256_of(t), std::string_view(p["sha256"].get_string())) << name;
     weights[name] = t;
   }
@@ -1168,7 +1177,8 @@ void expect_fsdp2_matches_pytorch(const std::vector<PyTorchCase>& cases) {
   const auto begin = config.find("[initialized_model]");
   const auto end = config.find("[model_raw]");
   ASSERT_NE(begin, std::string::npos);
-  config.replace(begin, end - begin, fmt::format(R"([initialized_model]
+  config.replace(begin, end - begin,
+                 fmt::format(R"([initialized_model]
 component_key = "model"
 variant_key = "fsdp1_checkpointed"
 
@@ -1178,10 +1188,10 @@ model = {{ instance_key = "model_raw", pass_type = "BY_REFERENCE" }}
 checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "torch", config = {{ device = "cpu" }} }}
 
 )",
-                                                                  init_file.string()));
+                             init_file.string()));
   const auto file = dir.write("train.toml", config);
   const auto bf16_file = dir.write("train_bf16.toml", edited(config, R"(param_dtype = "FP_32", reduce_dtype = "FP_32")",
-                                                               R"(param_dtype = "BF_16", reduce_dtype = "FP_32")"));
+                                                             R"(param_dtype = "BF_16", reduce_dtype = "FP_32")"));
   const std::string root = (dir.path() / "experiments").string();
   for (const PyTorchCase& c : cases) {
     const int ranks = c.ranks;
@@ -1219,7 +1229,9 @@ checkpoint_loading = {{ component_key = "checkpoint_loading", variant_key = "tor
 }
 
 // In the default suite: fp32 on 2 ranks.
-TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnTwoRanks) { expect_fsdp2_matches_pytorch({{2, false, 1e-5, 2e-4}}); }
+TEST(DistributedRunTest, Fsdp2MatchesPyTorchFullyShardOnTwoRanks) {
+  expect_fsdp2_matches_pytorch({{2, false, 1e-5, 2e-4}});
+}
 
 // Label `full`: fp32 on 1 and 4 ranks, bf16 on 2. The bf16 gradient norms depend on the CPU that
 // computes them (LibTorch picks its bf16 kernels by instruction set): PyTorch's own bf16 run on an
@@ -1239,7 +1251,7 @@ std::map<int, std::pair<double, double>> logged_steps(const std::filesystem::pat
   for (std::string line; std::getline(in, line);)
     if (line.find("\"train loss avg\"") != std::string::npos)
       out[static_cast<int>(number_after(line, "num_train_steps_done"))] = {number_after(line, "train loss avg"),
-                                                                            number_after(line, "grad norm avg")};
+                                                                           number_after(line, "grad norm avg")};
   return out;
 }
 
@@ -1286,11 +1298,13 @@ class CheckpointRuns {
       return untied ? edited(text, "use_weight_tying = true", "use_weight_tying = false") : text;
     };
     configs_[Parallelism::kFsdp2] = {dir_.write("train.toml", fsdp2("fsdp2_cpu.toml")),
-                                dir_.write("resume.toml", fsdp2("fsdp2_cpu_warmstart.toml"))};
-    configs_[Parallelism::kTp] = {dir_.write("train_tp.toml", distributed_config("tp_cpu.toml", steps, 1, every)),
-                             dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))};
-    configs_[Parallelism::kPp] = {dir_.write("train_pp.toml", distributed_config("pp_cpu.toml", steps, 1, every)),
-                             dir_.write("resume_pp.toml", distributed_config("pp_cpu_warmstart.toml", steps, 1, every))};
+                                     dir_.write("resume.toml", fsdp2("fsdp2_cpu_warmstart.toml"))};
+    configs_[Parallelism::kTp] = {
+        dir_.write("train_tp.toml", distributed_config("tp_cpu.toml", steps, 1, every)),
+        dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))};
+    configs_[Parallelism::kPp] = {
+        dir_.write("train_pp.toml", distributed_config("pp_cpu.toml", steps, 1, every)),
+        dir_.write("resume_pp.toml", distributed_config("pp_cpu_warmstart.toml", steps, 1, every))};
     // pp_fsdp2_cpu.toml has no warm-start twin: continue_on resumes it with
     // `run --resume_from_checkpoint_info`, which derives the warm-start form itself.
     const auto ppi = dir_.write("train_ppi.toml", pp_config(steps, "Interleaved1F1B", 1, "pp_fsdp2_cpu.toml", every));
@@ -1310,13 +1324,13 @@ class CheckpointRuns {
                    Parallelism layout = Parallelism::kFsdp2) {
     const auto info = dir_.write(id + "_info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n",
                                                                 checkpoint_of(root_, from, step).string()));
-    const CommandResult r =
-        layout == Parallelism::kPpInterleaved
-            ? run_on(ranks, {"run", "--config_file_path", configs_.at(layout).second.string(), "--experiments_root_path",
-                             root_.string(), "--experiment_id", id, "--resume_from_checkpoint_info", info.string()})
-            : run_on(ranks, {"warmstart", "--config_file_path", configs_.at(layout).second.string(),
-                             "--experiments_root_path", root_.string(), "--experiment_id", id,
-                             "--last_checkpoint_info_file_path", info.string()});
+    const CommandResult r = layout == Parallelism::kPpInterleaved
+                                ? run_on(ranks, {"run", "--config_file_path", configs_.at(layout).second.string(),
+                                                 "--experiments_root_path", root_.string(), "--experiment_id", id,
+                                                 "--resume_from_checkpoint_info", info.string()})
+                                : run_on(ranks, {"warmstart", "--config_file_path", configs_.at(layout).second.string(),
+                                                 "--experiments_root_path", root_.string(), "--experiment_id", id,
+                                                 "--last_checkpoint_info_file_path", info.string()});
     EXPECT_EQ(r.exit_code, 0) << r;
   }
 
@@ -1350,7 +1364,8 @@ class CheckpointRuns {
  private:
   CommandResult run_on(int ranks, const std::vector<std::string>& args) const {
     std::vector<std::string> argv = {"timeout", "-k", "5", "300", kHost};
-    if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
+    if (ranks > 1)
+      argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
     argv.insert(argv.end(), args.begin(), args.end());
     return run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}});
   }
@@ -1389,8 +1404,7 @@ TEST(DistributedCheckpointTest, ACheckpointOfAnotherShapeIsRefusedOnEveryRank) {
                                   "--experiment_id", "other_shape", "--last_checkpoint_info_file_path", info.string()},
                                  120);
   EXPECT_NE(r.exit_code, 0) << r;
-  for (const int rank : {0, 1})
-    EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}", rank, rank))) << r;
+  for (const int rank : {0, 1}) EXPECT_THAT(r.err, HasSubstr(fmt::format("[rank {}] error: rank {}", rank, rank))) << r;
   EXPECT_THAT(r.err, HasSubstr("was written by a model of a different shape: transformer.h.0.mlp.V.weight is "
                                "[512,128] in the checkpoint, [256,128] in this model"))
       << r;
@@ -1510,8 +1524,8 @@ TimedResult run_with_fault(const modalities::testing::ScratchDir& dir, const std
 TEST(DistributedFailureTest, ARankKilledMidStepEndsTheRunNamingItOnEveryRank) {
   const modalities::testing::ScratchDir dir;
   for (const int victim : {1, 0}) {
-    const TimedResult t = run_with_fault(dir, fmt::format("kill{}", victim), fmt::format("train_step@{}:7", victim),
-                                         36, 6, 60);
+    const TimedResult t =
+        run_with_fault(dir, fmt::format("kill{}", victim), fmt::format("train_step@{}:7", victim), 36, 6, 60);
     EXPECT_EQ(t.result.exit_code, 128 + 9) << t.result;
     EXPECT_THAT(t.result.err, HasSubstr(fmt::format("rank {} (pid", victim))) << t.result;
     EXPECT_THAT(t.result.err, HasSubstr("was killed by signal 9 (SIGKILL)")) << t.result;
@@ -1602,8 +1616,7 @@ TEST(DistributedFailureTest, ARankLostWhileACheckpointIsWrittenIsNamedWithinSeco
 TEST(DistributedFailureTest, ARankLostMidStepIsNamedWithTheStep) {
   const modalities::testing::ScratchDir dir;
   const TwoRanksResult t = run_two_ranks_without_launcher(dir, "mid1", "train_step@1:7", 12, 6, 60);
-  EXPECT_THAT(t.err[0], HasSubstr("error: rank 0: rank 1 was lost during step 7: its connection closed ("))
-      << t.err[0];
+  EXPECT_THAT(t.err[0], HasSubstr("error: rank 0: rank 1 was lost during step 7: its connection closed (")) << t.err[0];
   EXPECT_THAT(t.err[0], HasSubstr("no sign of life for 10 s")) << t.err[0];
   EXPECT_THAT(t.err[0], Not(HasSubstr("frame #"))) << t.err[0];
   EXPECT_LT(t.seconds, 50.0) << t.err[0];  // start-up, 7 steps and 10 s; not the 60 s timeout
@@ -1644,8 +1657,8 @@ TEST(DistributedFailureFullTest, ARankKilledDuringACheckpointWriteLeavesThePrevi
   const TimedResult full = run_with_fault(dir, "full", "", 12, 3, 5);
   ASSERT_EQ(full.result.exit_code, 0) << full.result;
   const auto expected = logged_steps(root / "full/evaluation_results.jsonl");
-  for (const auto& [fault, rank] : std::vector<std::pair<std::string, int>>{
-           {"checkpoint_file_written@1:2", 1}, {"checkpoint_manifest_written@0:2", 0}}) {
+  for (const auto& [fault, rank] : std::vector<std::pair<std::string, int>>{{"checkpoint_file_written@1:2", 1},
+                                                                            {"checkpoint_manifest_written@0:2", 0}}) {
     SCOPED_TRACE(fault);
     const std::string id = fmt::format("killed_rank{}", rank);
     const TimedResult t = run_with_fault(dir, id, fault, 12, 3, 5);
@@ -1664,11 +1677,11 @@ TEST(DistributedFailureFullTest, ARankKilledDuringACheckpointWriteLeavesThePrevi
     EXPECT_THAT(info, HasSubstr("seen_steps_3-")) << info;
 
     const auto resume = dir.write("resume.toml", distributed_config("fsdp2_cpu_warmstart.toml", 12, 1, 3));
-    const CommandResult r = launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "warmstart", "--config_file_path",
-                                    resume.string(), "--experiments_root_path", root.string(), "--experiment_id",
-                                    "resumed_" + id, "--last_checkpoint_info_file_path",
-                                    (checkpoints / "last_checkpoint_info.json").string()},
-                                   120);
+    const CommandResult r =
+        launch({"--nproc-per-node", "2", "--grace-s", "5", "--", "warmstart", "--config_file_path", resume.string(),
+                "--experiments_root_path", root.string(), "--experiment_id", "resumed_" + id,
+                "--last_checkpoint_info_file_path", (checkpoints / "last_checkpoint_info.json").string()},
+               120);
     ASSERT_EQ(r.exit_code, 0) << r;
     const auto got = logged_steps(root / ("resumed_" + id) / "evaluation_results.jsonl");
     ASSERT_EQ(got.size(), 9u) << r;
@@ -1691,10 +1704,29 @@ TEST(DistributedRestartFullTest, MaxRestartsResumesFromTheLastCheckpointAndTheLe
   const std::filesystem::path root = dir.path() / "experiments";
   const auto config = dir.write("train.toml", distributed_config("fsdp2_cpu.toml", 12, 1, 3));
   const auto run = [&](int ranks, const std::string& id, const std::string& fault, int max_restarts) {
-    return run_command({"timeout", "-k", "5", "240", kHost, "launch", "--nproc-per-node", std::to_string(ranks),
-                        "--grace-s", "5", "--max-restarts", std::to_string(max_restarts), "--", "run",
-                        "--config_file_path", config.string(), "--experiments_root_path", root.string(),
-                        "--experiment_id", id, "--process_group_timeout_s", "10", "--resume_from_checkpoint_info",
+    return run_command({"timeout",
+                        "-k",
+                        "5",
+                        "240",
+                        kHost,
+                        "launch",
+                        "--nproc-per-node",
+                        std::to_string(ranks),
+                        "--grace-s",
+                        "5",
+                        "--max-restarts",
+                        std::to_string(max_restarts),
+                        "--",
+                        "run",
+                        "--config_file_path",
+                        config.string(),
+                        "--experiments_root_path",
+                        root.string(),
+                        "--experiment_id",
+                        id,
+                        "--process_group_timeout_s",
+                        "10",
+                        "--resume_from_checkpoint_info",
                         (root / id / "checkpoints/last_checkpoint_info.json").string()},
                        {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FAULT", fault}});
   };

@@ -50,8 +50,8 @@ TEST(PickleIndexTest, ReproducesModalitiesIndexesOfTheSampleCorpusByteForByte) {
 
 TEST(PickleIndexTest, ReproducesEveryFixtureIndexByteForByte) {
   MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
-  for (const char* name : {"data/lorem_ipsum.idx", "data/lorem_ipsum_long.idx",
-                           "derived/tests/data/datasets/danish_test_dataset.idx"}) {
+  for (const char* name :
+       {"data/lorem_ipsum.idx", "data/lorem_ipsum_long.idx", "derived/tests/data/datasets/danish_test_dataset.idx"}) {
     const std::string original = testing::read_file(kFixtures / name);
     ASSERT_FALSE(original.empty()) << name;
     const auto entries = unpickle_index(bytes_of(original), name);
@@ -134,7 +134,9 @@ TEST(PickleIndexTest, RefusesAnythingButAListOfPairs) {
 TEST(PickleIndexTest, ReadsEveryProtocolCPythonWrites) {
   const std::vector<std::string> pickles = {
       std::string("(lp0\n(I0\nI17\ntp1\na(I18\nI18\ntp2\na(L1099511627776L\nI3\ntp3\na."),
-      std::string("]q\x00((K\x00K\x11tq\x01(K\x12K\x12tq\x02(L1099511627776L\nK\x03tq\x03" "e.", 44),
+      std::string("]q\x00((K\x00K\x11tq\x01(K\x12K\x12tq\x02(L1099511627776L\nK\x03tq\x03"
+                  "e.",
+                  44),
       std::string("\x80\x02]q\x00(K\x00K\x11\x86q\x01K\x12K\x12\x86q\x02\x8a\x06\x00\x00\x00\x00\x00\x01K\x03\x86q\x03"
                   "e.",
                   35),
@@ -142,19 +144,27 @@ TEST(PickleIndexTest, ReadsEveryProtocolCPythonWrites) {
                   "e.",
                   35),
       std::string("\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00]\x94(K\x00K\x11\x86\x94K\x12K\x12\x86\x94\x8a\x06\x00"
-                  "\x00\x00\x00\x00\x01K\x03\x86\x94" "e.",
+                  "\x00\x00\x00\x00\x01K\x03\x86\x94"
+                  "e.",
                   40),
       std::string("\x80\x05\x95\x1d\x00\x00\x00\x00\x00\x00\x00]\x94(K\x00K\x11\x86\x94K\x12K\x12\x86\x94\x8a\x06\x00"
-                  "\x00\x00\x00\x00\x01K\x03\x86\x94" "e.",
+                  "\x00\x00\x00\x00\x01K\x03\x86\x94"
+                  "e.",
                   40)};
   const std::vector<IndexEntry> expected = {{0, 17}, {18, 18}, {1ULL << 40, 3}};
   for (std::size_t p = 0; p < pickles.size(); ++p)
     EXPECT_EQ(unpickle_index(bytes_of(pickles[p]), "p.idx"), expected) << "protocol " << p;
   // The same tuple pickled twice is a memo reference (BINGET).
-  const std::string twice("\x80\x02]q\x00(K\x05K\x06\x86q\x01h\x01" "e.", 17);
+  const std::string twice(
+      "\x80\x02]q\x00(K\x05K\x06\x86q\x01h\x01"
+      "e.",
+      17);
   EXPECT_EQ(unpickle_index(bytes_of(twice), "twice"), (std::vector<IndexEntry>{{5, 6}, {5, 6}}));
   // Negative offsets (Modalities' merged files) are kept by the signed reader only.
-  const std::string negative("\x80\x04\x95\x0d\x00\x00\x00\x00\x00\x00\x00]\x94J\xfe\xff\xff\xffK\x04\x86\x94" "a.", 24);
+  const std::string negative(
+      "\x80\x04\x95\x0d\x00\x00\x00\x00\x00\x00\x00]\x94J\xfe\xff\xff\xffK\x04\x86\x94"
+      "a.",
+      24);
   EXPECT_EQ(unpickle_signed_index(bytes_of(negative), "neg"), (std::vector<SignedIndexEntry>{{-2, 4}}));
   EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(negative), "neg.idx"); }),
               AllOf(HasSubstr("neg.idx"), HasSubstr("negative offset -2")));
@@ -195,11 +205,11 @@ TEST(PickleIndexTest, FramesAreCheckedLikePythonsUnframer) {
               HasSubstr("FRAME of 255 bytes, but only 3 bytes follow"));
   // A FRAME inside a frame that is not used up.
   EXPECT_THAT(error_of([&] {
-                unpickle_index(
-                    bytes_of(std::string("\x80\x04\x95\x03\x00\x00\x00\x00\x00\x00\x00]\x95\x01\x00\x00\x00\x00\x00\x00\x00"
-                                         "\x94.",
-                                         23)),
-                    "f");
+                unpickle_index(bytes_of(std::string(
+                                   "\x80\x04\x95\x03\x00\x00\x00\x00\x00\x00\x00]\x95\x01\x00\x00\x00\x00\x00\x00\x00"
+                                   "\x94.",
+                                   23)),
+                               "f");
               }),
               HasSubstr("FRAME inside a frame"));
   // An argument crossing the end of its frame (BININT2's second byte lies outside the frame).
@@ -215,9 +225,19 @@ TEST(PickleIndexTest, FramesAreCheckedLikePythonsUnframer) {
               HasSubstr("4 bytes after STOP"));
   EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04K\x01]\x94.", 7)), "f"); }),
               HasSubstr("left on the stack"));
-  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]\x88K\x01\x86" "a.", 9)), "f"); }),
+  EXPECT_THAT(error_of([&] {
+                unpickle_index(bytes_of(std::string("\x80\x04]\x88K\x01\x86"
+                                                    "a.",
+                                                    9)),
+                               "f");
+              }),
               HasSubstr("boolean"));
-  EXPECT_THAT(error_of([&] { unpickle_index(bytes_of(std::string("\x80\x04]]\x85" "a.", 7)), "f"); }),
+  EXPECT_THAT(error_of([&] {
+                unpickle_index(bytes_of(std::string("\x80\x04]]\x85"
+                                                    "a.",
+                                                    7)),
+                               "f");
+              }),
               HasSubstr("other than integers"));
 }
 
@@ -225,9 +245,11 @@ TEST(PickleIndexTest, FramesAreCheckedLikePythonsUnframer) {
 // dropped as faulty when the index was made.
 TEST(PickleIndexTest, RawIndexEntriesMustBeOrderedLines) {
   testing::ScratchDir dir;
-  std::ofstream(dir.path() / "overlap.idx", std::ios::binary) << pickle_index(std::vector<IndexEntry>{{0, 17}, {10, 5}});
-  EXPECT_THAT(error_of([&] { read_raw_index(dir.path() / "overlap.idx"); }),
-              AllOf(HasSubstr("overlap.idx"), HasSubstr("entry 1 starts at byte 10, inside or before the line of entry 0")));
+  std::ofstream(dir.path() / "overlap.idx", std::ios::binary)
+      << pickle_index(std::vector<IndexEntry>{{0, 17}, {10, 5}});
+  EXPECT_THAT(
+      error_of([&] { read_raw_index(dir.path() / "overlap.idx"); }),
+      AllOf(HasSubstr("overlap.idx"), HasSubstr("entry 1 starts at byte 10, inside or before the line of entry 0")));
   std::ofstream(dir.path() / "back.idx", std::ios::binary) << pickle_index(std::vector<IndexEntry>{{30, 5}, {0, 17}});
   EXPECT_THAT(error_of([&] { read_raw_index(dir.path() / "back.idx"); }), HasSubstr("entry 1 starts at byte 0"));
   std::ofstream(dir.path() / "gap.idx", std::ios::binary) << pickle_index(std::vector<IndexEntry>{{0, 17}, {30, 0}});
@@ -264,18 +286,36 @@ TEST(PackedHeaderTest, RejectsTruncatedAndForeignFiles) {
     return dir / name;
   };
   const std::string good = testing::read_file(kSample / "eval.pbin");
-  EXPECT_THAT([&] {
-    try { read_packed_header(write("short.pbin", "abc")); } catch (const Error& e) { return std::string(e.what()); }
-    return std::string();
-  }(), HasSubstr("too short"));
-  EXPECT_THAT([&] {
-    try { read_packed_header(write("trunc.pbin", good.substr(0, 100))); } catch (const Error& e) { return std::string(e.what()); }
-    return std::string();
-  }(), HasSubstr("truncated"));
-  EXPECT_THAT([&] {
-    try { read_packed_header(write("json.pbin", "{\"text\": \"not a pbin\"}\n")); } catch (const Error& e) { return std::string(e.what()); }
-    return std::string();
-  }(), HasSubstr("token size"));
+  EXPECT_THAT(
+      [&] {
+        try {
+          read_packed_header(write("short.pbin", "abc"));
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      }(),
+      HasSubstr("too short"));
+  EXPECT_THAT(
+      [&] {
+        try {
+          read_packed_header(write("trunc.pbin", good.substr(0, 100)));
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      }(),
+      HasSubstr("truncated"));
+  EXPECT_THAT(
+      [&] {
+        try {
+          read_packed_header(write("json.pbin", "{\"text\": \"not a pbin\"}\n"));
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      }(),
+      HasSubstr("token size"));
   fs::remove_all(dir);
 }
 

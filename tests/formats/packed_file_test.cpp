@@ -214,7 +214,10 @@ TEST(PackedFileTest, CorrectsTheOffsetsOfFilesMergedByModalities) {
   testing::ScratchDir dir;
   std::string bytes = make_pbin(2, {15496, 50256, 10603, 0, 50256, 15496, 50256, 10603, 0, 50256}, {});
   bytes.resize(12 + 20);
-  bytes += std::string("\x80\x02](K\x00K\x04\x86K\x04K\x06\x86J\xfe\xff\xff\xffK\x04\x86K\x02K\x06\x86" "e.", 29);
+  bytes += std::string(
+      "\x80\x02](K\x00K\x04\x86K\x04K\x06\x86J\xfe\xff\xff\xffK\x04\x86K\x02K\x06\x86"
+      "e.",
+      29);
   PackedFile f(dir.write("merged.pbin", bytes));
   EXPECT_EQ(f.index(), (std::vector<IndexEntry>{{0, 4}, {4, 6}, {10, 4}, {14, 6}}));
   EXPECT_THAT(f.document(3), ElementsAre(10603, 0, 50256));

@@ -114,9 +114,13 @@ TEST(SafetensorsTest, RejectsUnstorableTensorsAndKeepsThePreviousFile) {
   const fs::path p = dir.path() / "x.safetensors";
   write_safetensors(p, {{"a", torch::ones({2})}});
   const std::string before = slurp(p);
-  EXPECT_THAT(error_of([&] { write_safetensors(p, {{"a", torch::ones({2})}, {"b", at::Tensor()}}); }),
+  EXPECT_THAT(error_of([&] {
+                write_safetensors(p, {{"a", torch::ones({2})}, {"b", at::Tensor()}});
+              }),
               AllOf(HasSubstr("x.safetensors"), HasSubstr("'b' is undefined")));
-  EXPECT_THAT(error_of([&] { write_safetensors(p, {{"c", torch::ones({2}, torch::kComplexFloat)}}); }),
+  EXPECT_THAT(error_of([&] {
+                write_safetensors(p, {{"c", torch::ones({2}, torch::kComplexFloat)}});
+              }),
               HasSubstr("'c' has dtype ComplexFloat"));
   EXPECT_EQ(slurp(p), before);
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator{}), 1);  // no temp files left
@@ -139,17 +143,21 @@ TEST(SafetensorsTest, RejectsTruncatedAndCorruptFiles) {
         "tensor 'w': unknown dtype 'Q4'");
   check("bad_size.safetensors", make_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "xxxx"),
         "needs 8");
-  check("out_of_range.safetensors",
-        make_file(R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})", "xxxx"), "beyond the 4 bytes");
-  check("overlap.safetensors",
-        make_file(R"({"v":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"w":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})",
-                  "xxx"),
-        "overlap");
+  check("out_of_range.safetensors", make_file(R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})", "xxxx"),
+        "beyond the 4 bytes");
+  check(
+      "overlap.safetensors",
+      make_file(
+          R"({"v":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"w":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})",
+          "xxx"),
+      "overlap");
   check("bad_meta.safetensors", make_file(R"({"__metadata__":{"a":1}})", ""), "not a string");
-  check("gap.safetensors",
-        make_file(R"({"v":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})",
-                  "xxxx"),
-        "data bytes [1, 2) before tensor 'w' belong to no tensor");
+  check(
+      "gap.safetensors",
+      make_file(
+          R"({"v":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})",
+          "xxxx"),
+      "data bytes [1, 2) before tensor 'w' belong to no tensor");
   check("starts_late.safetensors", make_file(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", "xxx"),
         "data bytes [0, 1) before tensor 'w'");
   check("trailing.safetensors", make_file(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "xxx"),

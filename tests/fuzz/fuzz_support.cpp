@@ -36,7 +36,9 @@ void remove_scratch() {
 
 }  // namespace
 
-void set_failure_handler(FailureHandler handler) { g_failure_handler.store(handler != nullptr ? handler : &abort_with); }
+void set_failure_handler(FailureHandler handler) {
+  g_failure_handler.store(handler != nullptr ? handler : &abort_with);
+}
 
 void report_failure(const std::string& message) { g_failure_handler.load()(message); }
 
@@ -47,7 +49,7 @@ void expect_names_file(std::string_view target, std::string_view message, std::s
 }
 
 const std::filesystem::path& scratch_dir() {
-  static const std::filesystem::path& dir = [] () -> const std::filesystem::path& {
+  static const std::filesystem::path& dir = []() -> const std::filesystem::path& {
     const char* tmp = std::getenv("TMPDIR");
     std::string templ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/modalities-fuzz-XXXXXX";
     std::vector<char> buf(templ.begin(), templ.end());

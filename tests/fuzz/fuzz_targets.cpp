@@ -99,7 +99,8 @@ int fuzz_config(const std::uint8_t* data, std::size_t size) {
   try {
     const core::Registry registry;  // outlives the graph, which keeps a reference
     core::ComponentGraph graph(registry, root, core::find_pipeline("training"));
-    for (const core::Diagnostic& d : graph.validate()) expect_names_file("config: ComponentGraph::validate", d.str(), kConfigName);
+    for (const core::Diagnostic& d : graph.validate())
+      expect_names_file("config: ComponentGraph::validate", d.str(), kConfigName);
   } catch (const Error& e) {
     expect_names_file("config: ComponentGraph::validate", e.what(), kConfigName);
   }
@@ -145,8 +146,9 @@ int fuzz_pickle_index(const std::uint8_t* data, std::size_t size) {
     }
   } else if (signed_entries &&
              std::all_of(signed_entries->begin(), signed_entries->end(), [](const auto& e) { return e.first >= 0; })) {
-    report_failure("pickle_index: unpickle_signed_index accepts an index without negative offsets that "
-                   "unpickle_index refuses");
+    report_failure(
+        "pickle_index: unpickle_signed_index accepts an index without negative offsets that "
+        "unpickle_index refuses");
   }
 
   // The `.idx` file reader (datasets, `modalities data` tools).
@@ -213,8 +215,8 @@ void check_written_index(std::string_view jsonl, const fs::path& jsonl_file,
   write_file(idx, reinterpret_cast<const std::uint8_t*>(pickled.data()), pickled.size());
   try {
     if (formats::read_raw_index(idx) != entries)
-      report_failure(std::string("jsonl: read_raw_index reads back a different index than create_raw_index (") +
-                     mode + ") wrote");
+      report_failure(std::string("jsonl: read_raw_index reads back a different index than create_raw_index (") + mode +
+                     ") wrote");
     formats::check_raw_index_fits(entries, jsonl.size(), idx, jsonl_file);
   } catch (const Error& e) {
     report_failure(std::string("jsonl: the index create_raw_index (") + mode + ") writes is refused: " + e.what());
@@ -334,10 +336,10 @@ const CheckpointFolders& checkpoint_folders() {
   static const CheckpointFolders* folders = [] {
     // The reader hashes tensors on LibTorch's intra-op pool: one thread keeps runs reproducible.
     at::set_num_threads(1);
-    auto* f = new CheckpointFolders{
-        scratch_dir() / "fuzz_checkpoint",
-        scratch_dir() / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320",
-        scratch_dir() / "fuzz_safetensors"};
+    auto* f =
+        new CheckpointFolders{scratch_dir() / "fuzz_checkpoint",
+                              scratch_dir() / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320",
+                              scratch_dir() / "fuzz_safetensors"};
     std::error_code ec;
     for (const fs::path* dir : {&f->plain, &f->named}) {
       fs::create_directories(*dir, ec);
@@ -478,7 +480,8 @@ const fs::path& sharded_checkpoint_folder() {
     if (const char* seed = std::getenv("MODALITIES_FUZZ_MANIFEST_SEED"); seed != nullptr && *seed != '\0') {
       std::error_code ec;
       fs::copy_file(f / ck::kManifestFile, seed, fs::copy_options::overwrite_existing, ec);
-      if (ec) report_failure(std::string("manifest: cannot copy the fixture's manifest to ") + seed + ": " + ec.message());
+      if (ec)
+        report_failure(std::string("manifest: cannot copy the fixture's manifest to ") + seed + ": " + ec.message());
     }
     return f;
   }();
@@ -539,7 +542,9 @@ int modalities_fuzz_tokenizer_json(const std::uint8_t* data, std::size_t size) {
 int modalities_fuzz_checkpoint(const std::uint8_t* data, std::size_t size) {
   return modalities::fuzz::fuzz_checkpoint(data, size);
 }
-int modalities_fuzz_jinja(const std::uint8_t* data, std::size_t size) { return modalities::fuzz::fuzz_jinja(data, size); }
+int modalities_fuzz_jinja(const std::uint8_t* data, std::size_t size) {
+  return modalities::fuzz::fuzz_jinja(data, size);
+}
 int modalities_fuzz_hf_config(const std::uint8_t* data, std::size_t size) {
   return modalities::fuzz::fuzz_hf_config(data, size);
 }

@@ -113,8 +113,8 @@ TEST_F(PluginLoaderCliTest, StrictPluginsMakesAnyBadFileFatalWithExitCode3) {
   const CommandResult r = run_command(args);
   ASSERT_EQ(r.signal, 0) << r;
   EXPECT_EQ(r.exit_code, 3) << r;
-  EXPECT_THAT(r.err, HasSubstr(std::to_string(expected_warnings.size()) +
-                               " plugin problem(s) and --strict-plugins is set"))
+  EXPECT_THAT(r.err,
+              HasSubstr(std::to_string(expected_warnings.size()) + " plugin problem(s) and --strict-plugins is set"))
       << r;
   for (const auto& [file, reason] : expected_warnings) EXPECT_THAT(r.err, HasSubstr("/" + file + ": ")) << r;
   EXPECT_EQ(r.out, "") << r;
@@ -135,12 +135,11 @@ TEST_F(PluginLoaderCliTest, PluginPathEnvironmentEntryThatDoesNotExistIsReported
   first.link("libmodalities_test_good.so", MODALITIES_TEST_GOOD_PLUGIN);
   second.link("libmodalities_test_other.so", MODALITIES_TEST_OTHER_PLUGIN);
   const std::string missing = (first.path() / "no_such_dir").string();
-  const CommandResult r = run_command(
-      {kHost, "plugins", "list"},
-      {{"MODALITIES_PLUGIN_PATH", first.path().string() + ":" + missing + ":" + second.path().string()}});
+  const CommandResult r =
+      run_command({kHost, "plugins", "list"},
+                  {{"MODALITIES_PLUGIN_PATH", first.path().string() + ":" + missing + ":" + second.path().string()}});
   EXPECT_EQ(r.exit_code, 0) << r;
-  EXPECT_EQ(the_line_naming(r.err, "no_such_dir"), "warning: plugin " + missing + ": plugin path does not exist")
-      << r;
+  EXPECT_EQ(the_line_naming(r.err, "no_such_dir"), "warning: plugin " + missing + ": plugin path does not exist") << r;
   EXPECT_THAT(r.out, AllOf(HasSubstr("test_component/good"), HasSubstr("test_component/other"))) << r;
 }
 

@@ -246,8 +246,7 @@ TEST_F(PluginLoaderTest, WrongAbiPluginIsRefusedBeforeAnyOfItsCodeRuns) {
 
 TEST_F(PluginLoaderTest, RegisterFunctionThatThrowsIsReportedWithItsMessageAndCommitsNothing) {
   dir.link("libmodalities_test_throws.so", kThrowsPlugin);
-  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_test_throws.so"),
-              HasSubstr("registration failed: boom"));
+  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_test_throws.so"), HasSubstr("registration failed: boom"));
   // It registered before_boom, then threw: all or nothing.
   EXPECT_EQ(registry.find("test_component", "before_boom"), nullptr);
   EXPECT_THAT(registry.variant_keys("test_component"), UnorderedElementsAre("good", "other"));
@@ -259,9 +258,9 @@ TEST_F(PluginLoaderTest, SecondPluginRegisteringTheSameVariantIsRefusedNamingBot
   dir.link("libmodalities_test_dup_a.so", kDupAPlugin);
   dir.link("libmodalities_test_dup_b.so", kDupBPlugin);
   const std::string message = load_expecting_one_problem_about("libmodalities_test_dup_b.so");
-  EXPECT_THAT(message, AllOf(HasSubstr("variant test_component/dup registered twice"),
-                             HasSubstr("libmodalities_test_dup_a.so 1.0.0"),
-                             HasSubstr("libmodalities_test_dup_b.so 2.0.0")));
+  EXPECT_THAT(message,
+              AllOf(HasSubstr("variant test_component/dup registered twice"),
+                    HasSubstr("libmodalities_test_dup_a.so 1.0.0"), HasSubstr("libmodalities_test_dup_b.so 2.0.0")));
   const RegisteredVariant* dup = registry.find("test_component", "dup");
   ASSERT_NE(dup, nullptr);
   EXPECT_EQ(dup->plugin->name, "test_dup_a");
@@ -302,7 +301,8 @@ TEST_F(PluginLoaderTest, FileWithoutReadPermissionIsReported) {
         Registry r;
         PluginHost h(r);
         const std::optional<PluginProblem> problem = h.load_file(file);
-        const bool ok = problem && problem->reason.find("cannot open for reading: Permission denied") != std::string::npos;
+        const bool ok =
+            problem && problem->reason.find("cannot open for reading: Permission denied") != std::string::npos;
         std::exit(ok ? 0 : 1);
       },
       ::testing::ExitedWithCode(0), "")
@@ -343,9 +343,11 @@ TEST_F(PluginLoaderTest, EveryKindOfBrokenFileInOneDirectoryIsReportedOnceEach) 
 // --- crafted ELF files: the descriptor parser's checks, one by one ----------------------
 
 TEST_F(PluginLoaderTest, ElfObjectFileIsReportedAsNotASharedLibrary) {
-  dir.write("libmodalities_object.so", minimal_elf(MODALITIES_PLUGIN_SECTION, as_bytes(host_descriptor("x")),
-                                                   [](Elf64_Ehdr& eh, Elf64_Shdr&, Elf64_Shdr&) { eh.e_type = ET_REL; }));
-  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_object.so"), HasSubstr("ELF file is not a shared library"));
+  dir.write("libmodalities_object.so",
+            minimal_elf(MODALITIES_PLUGIN_SECTION, as_bytes(host_descriptor("x")),
+                        [](Elf64_Ehdr& eh, Elf64_Shdr&, Elf64_Shdr&) { eh.e_type = ET_REL; }));
+  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_object.so"),
+              HasSubstr("ELF file is not a shared library"));
   expect_neighbours_loaded();
 }
 
@@ -380,8 +382,7 @@ TEST_F(PluginLoaderTest, MatchingDescriptorInAFileThatCannotBeLoadedIsReported) 
   // Passes the descriptor gate (so the crafted image is well-formed enough), then dlopen refuses it.
   dir.write("libmodalities_unloadable.so",
             minimal_elf(MODALITIES_PLUGIN_SECTION, as_bytes(host_descriptor("test_unloadable"))));
-  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_unloadable.so"),
-              HasSubstr("cannot load shared library"));
+  EXPECT_THAT(load_expecting_one_problem_about("libmodalities_unloadable.so"), HasSubstr("cannot load shared library"));
   expect_neighbours_loaded();
 }
 

@@ -118,7 +118,8 @@ drop_last = true
 }
 
 const std::pair<std::string, std::string> kWithEval = {
-    "eval_dataloaders = []", "eval_dataloaders = [{ instance_key = \"val_dataloader\", pass_type = \"BY_REFERENCE\" }]"};
+    "eval_dataloaders = []",
+    "eval_dataloaders = [{ instance_key = \"val_dataloader\", pass_type = \"BY_REFERENCE\" }]"};
 
 CommandResult modalities(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {kHost};
@@ -149,8 +150,8 @@ std::vector<std::map<std::string, std::string>> train_results(const fs::path& fi
 
 fs::path checkpoint_folder(const fs::path& checkpoints, int step) {
   for (const auto& e : fs::directory_iterator(checkpoints))
-    if (e.is_directory() && e.path().filename().string().find("-seen_steps_" + std::to_string(step) + "-") !=
-                                std::string::npos)
+    if (e.is_directory() &&
+        e.path().filename().string().find("-seen_steps_" + std::to_string(step) + "-") != std::string::npos)
       return e.path();
   return {};
 }
@@ -242,16 +243,16 @@ TEST_F(TrainingRunTest, WarmStartIsExactWithDropoutAndEvaluation) {
 }
 
 TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeights) {
-  const fs::path train = dir_.write(
-      "train.toml",
-      tiny_config("train.toml",
-                  {{"model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
-                    "model = { instance_key = \"mp_model\", pass_type = \"BY_REFERENCE\" }"},
-                   {"[model_raw]\n",
-                    "[mp_model]\ncomponent_key = \"model\"\nvariant_key = \"mixed_precision\"\n"
-                    "config = { model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }, "
-                    "mixed_precision_settings = { param_dtype = \"BF_16\", reduce_dtype = \"BF_16\" } }\n\n"
-                    "[model_raw]\n"}}));
+  const fs::path train =
+      dir_.write("train.toml",
+                 tiny_config("train.toml",
+                             {{"model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
+                               "model = { instance_key = \"mp_model\", pass_type = \"BY_REFERENCE\" }"},
+                              {"[model_raw]\n",
+                               "[mp_model]\ncomponent_key = \"model\"\nvariant_key = \"mixed_precision\"\n"
+                               "config = { model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }, "
+                               "mixed_precision_settings = { param_dtype = \"BF_16\", reduce_dtype = \"BF_16\" } }\n\n"
+                               "[model_raw]\n"}}));
   const fs::path experiments = dir_.path() / "experiments";
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       experiments.string(), "--experiment_id", "bf16"});
@@ -275,14 +276,13 @@ TEST_F(TrainingRunTest, Bf16MixedPrecisionTrainsWithBf16LossesAndFp32MasterWeigh
 TEST_F(TrainingRunTest, ComponentWarningsArePrintedWithoutVerbose) {
   const fs::path train = dir_.write(
       "train.toml",
-      tiny_config("train.toml",
-                  {{"model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
-                    "model = { instance_key = \"compiled_model\", pass_type = \"BY_REFERENCE\" }"},
-                   {"[model_raw]\n",
-                    "[compiled_model]\ncomponent_key = \"model\"\nvariant_key = \"compiled\"\n"
-                    "config = { model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }, "
-                    "block_names = [\"GPT2Block\"] }\n\n"
-                    "[model_raw]\n"}}));
+      tiny_config("train.toml", {{"model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
+                                  "model = { instance_key = \"compiled_model\", pass_type = \"BY_REFERENCE\" }"},
+                                 {"[model_raw]\n",
+                                  "[compiled_model]\ncomponent_key = \"model\"\nvariant_key = \"compiled\"\n"
+                                  "config = { model = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }, "
+                                  "block_names = [\"GPT2Block\"] }\n\n"
+                                  "[model_raw]\n"}}));
   const fs::path experiments = dir_.path() / "experiments";
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       experiments.string(), "--experiment_id", "compiled"});
@@ -293,9 +293,8 @@ TEST_F(TrainingRunTest, ComponentWarningsArePrintedWithoutVerbose) {
 
 TEST_F(TrainingRunTest, EvaluationRunsAtItsIntervalInEvalModeAndIsRecorded) {
   const std::string tables = val_tables();
-  const fs::path train = dir_.write(
-      "train.toml",
-      tiny_config("train.toml", {kWithEval, {"[evaluation_subscriber]\n", tables}}));
+  const fs::path train =
+      dir_.write("train.toml", tiny_config("train.toml", {kWithEval, {"[evaluation_subscriber]\n", tables}}));
   const fs::path experiments = dir_.path() / "experiments";
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       experiments.string(), "--experiment_id", "eval"});
@@ -327,9 +326,9 @@ TEST_F(TrainingRunTest, EvaluationRunsAtItsIntervalInEvalModeAndIsRecorded) {
 }
 
 TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
-  const fs::path train = dir_.write(
-      "train.toml", tiny_config("train.toml", {{"max_lr = 3e-3", "max_lr = 1e30"}, {"\nlr = 3e-3", "\nlr = 1e30"},
-                                              {"max_norm = 1.0", "max_norm = 1e30"}}));
+  const fs::path train = dir_.write("train.toml", tiny_config("train.toml", {{"max_lr = 3e-3", "max_lr = 1e30"},
+                                                                             {"\nlr = 3e-3", "\nlr = 1e30"},
+                                                                             {"max_norm = 1.0", "max_norm = 1e30"}}));
   const fs::path experiments = dir_.path() / "experiments";
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       experiments.string(), "--experiment_id", "nan"});
@@ -350,8 +349,9 @@ TEST_F(TrainingRunTest, NanLossStopsWithTheStepNamedAndNoLaterCheckpoint) {
 
 TEST_F(TrainingRunTest, SigintFinishesTheStepCheckpointsAndExitsWith130) {
   const fs::path train = dir_.write(
-      "train.toml", tiny_config("train.toml", {{"num_target_steps = 8", "num_target_steps = 1800"},  // 230 400 of the 233 280 tokens
-                                              {"checkpointing_interval_in_steps = 4", "checkpointing_interval_in_steps = 900"}}));
+      "train.toml",
+      tiny_config("train.toml", {{"num_target_steps = 8", "num_target_steps = 1800"},  // 230 400 of the 233 280 tokens
+                                 {"checkpointing_interval_in_steps = 4", "checkpointing_interval_in_steps = 900"}}));
   const fs::path experiments = dir_.path() / "experiments";
   // SIGINT after 6 s, well into training (the build takes about a second, a step a few ms).
   const CommandResult r = run_command(
@@ -370,14 +370,20 @@ TEST_F(TrainingRunTest, SigintFinishesTheStepCheckpointsAndExitsWith130) {
 // 8-GPU distributed ones as rank 0 of 8; those without warnings).
 TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
   const std::vector<std::pair<const char*, const char*>> configs = {
-      {"configs/gpu/gpt2_124m.toml", "1"},           {"configs/gpu/llama_1b.toml", "1"},
-      {"configs/distributed/fsdp2_gpu_8.toml", "8"}, {"configs/distributed/hsdp_gpu_8.toml", "8"},
-      {"configs/distributed/fsdp2_cpu.toml", "4"},   {"configs/distributed/fsdp1_cpu.toml", "2"},
-      {"configs/distributed/tp_gpu_8.toml", "8"},    {"configs/distributed/tp_cpu.toml", "4"},
-      {"configs/distributed/pp_cpu.toml", "2"},      {"configs/distributed/pp_fsdp2_cpu.toml", "4"},
+      {"configs/gpu/gpt2_124m.toml", "1"},
+      {"configs/gpu/llama_1b.toml", "1"},
+      {"configs/distributed/fsdp2_gpu_8.toml", "8"},
+      {"configs/distributed/hsdp_gpu_8.toml", "8"},
+      {"configs/distributed/fsdp2_cpu.toml", "4"},
+      {"configs/distributed/fsdp1_cpu.toml", "2"},
+      {"configs/distributed/tp_gpu_8.toml", "8"},
+      {"configs/distributed/tp_cpu.toml", "4"},
+      {"configs/distributed/pp_cpu.toml", "2"},
+      {"configs/distributed/pp_fsdp2_cpu.toml", "4"},
       {"configs/distributed/pp_gpu_8.toml", "8"},
       // model/parallelized twins and the chained configs added with them
-      {"configs/distributed/hsdp_cpu.toml", "4"},    {"configs/distributed/ac_cpu.toml", "2"},
+      {"configs/distributed/hsdp_cpu.toml", "4"},
+      {"configs/distributed/ac_cpu.toml", "2"},
       {"configs/distributed/fsdp2_parallelized_cpu.toml", "4"},
       {"configs/distributed/hsdp_parallelized_cpu.toml", "4"},
       {"configs/distributed/ac_parallelized_cpu.toml", "2"},
@@ -389,8 +395,8 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
       {"configs/distributed/tp_parallelized_gpu_8.toml", "8"},
       {"configs/distributed/pp_parallelized_gpu_8.toml", "8"}};
   for (const auto& [name, world] : configs) {
-    const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline",
-                                         "training", "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},
+    const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline", "training",
+                                         "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},
                                         {{"RANK", "0"}, {"LOCAL_RANK", "0"}, {"WORLD_SIZE", world}});
     EXPECT_EQ(r.exit_code, 0) << r;
     EXPECT_THAT(r.out, HasSubstr("valid for pipeline 'training'")) << r;
@@ -433,7 +439,8 @@ TEST_F(WarmStartFaultTest, CorruptedCheckpointIsRefused) {
   std::string bytes = read_file(file);
   ASSERT_GT(bytes.size(), 4096u);
   for (std::size_t i = bytes.size() - 2048; i < bytes.size() - 1024; ++i) bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
-  std::ofstream(file, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(file, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   const CommandResult r = warm_start({});
   EXPECT_EQ(r.exit_code, 1) << r;
   EXPECT_THAT(r.err, HasSubstr(step4_.filename().string())) << r;
@@ -451,9 +458,8 @@ class WarmStartProgressTest : public WarmStartFaultTest {
     std::smatch m;
     EXPECT_TRUE(std::regex_match(name, m, std::regex(R"((.*-seen_steps_)4(-seen_tokens_)(\d+)(-.*))")));
     tokens4_ = std::stoll(m[3].str());
-    const fs::path renamed =
-        step4_.parent_path() / (m[1].str() + std::to_string(steps) + m[2].str() +
-                                std::to_string(tokens4_ / 4 * steps) + m[4].str());
+    const fs::path renamed = step4_.parent_path() / (m[1].str() + std::to_string(steps) + m[2].str() +
+                                                     std::to_string(tokens4_ / 4 * steps) + m[4].str());
     fs::rename(step4_, renamed);
     info_ = dir_.write("info.json", "{\"checkpoint_folder_path\": \"" + renamed.string() + "\"}");
     return renamed;
@@ -507,9 +513,9 @@ TEST_F(WarmStartProgressTest, BadValueInTheInfoFileIsReportedAgainstThatFile) {
 }
 
 TEST_F(TrainingRunTest, MissingDatasetIsNamed) {
-  const fs::path train = dir_.write(
-      "train.toml", tiny_config("train.toml", {{(kRoot / "data/sample/train.pbin").string(),
-                                                (dir_.path() / "nowhere.pbin").string()}}));
+  const fs::path train =
+      dir_.write("train.toml", tiny_config("train.toml", {{(kRoot / "data/sample/train.pbin").string(),
+                                                           (dir_.path() / "nowhere.pbin").string()}}));
   const CommandResult r = modalities({"run", "--config_file_path", train.string(), "--experiments_root_path",
                                       (dir_.path() / "experiments").string(), "--experiment_id", "missing"});
   EXPECT_EQ(r.exit_code, 1) << r;

@@ -151,9 +151,8 @@ std::string py_str(const Value& v) {
 // use. (Unassigned and rarer Cf code points are printed as they are.)
 bool py_unprintable(char32_t c) {
   return c < 0x20 || (c >= 0x7F && c <= 0xA0) || c == 0xAD || c == 0x1680 || (c >= 0x2000 && c <= 0x200F) ||
-         (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x2064) || (c >= 0x2066 && c <= 0x206F) ||
-         c == 0x3000 || c == 0xFEFF || (c >= 0xE000 && c <= 0xF8FF) || (c >= 0xFFF9 && c <= 0xFFFB) ||
-         c >= 0xF0000;
+         (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x2064) || (c >= 0x2066 && c <= 0x206F) || c == 0x3000 ||
+         c == 0xFEFF || (c >= 0xE000 && c <= 0xF8FF) || (c >= 0xFFF9 && c <= 0xFFFB) || c >= 0xF0000;
 }
 
 std::string str_repr(const std::string& s) {
@@ -171,7 +170,7 @@ std::string str_repr(const std::string& s) {
     else if (c == '\r') out += "\\r";
     else if (c == '\t') out += "\\t";
     else if (py_unprintable(c))
-      out += c < 0x100 ? fmt::format("\\x{:02x}", static_cast<std::uint32_t>(c))
+      out += c < 0x100     ? fmt::format("\\x{:02x}", static_cast<std::uint32_t>(c))
              : c < 0x10000 ? fmt::format("\\u{:04x}", static_cast<std::uint32_t>(c))
                            : fmt::format("\\U{:08x}", static_cast<std::uint32_t>(c));
     else out += piece;
@@ -244,7 +243,9 @@ bool is_number(const Value& v) {
   return v.kind == Value::Kind::kInt || v.kind == Value::Kind::kFloat || v.kind == Value::Kind::kBool;
 }
 double as_double(const Value& v) {
-  return v.kind == Value::Kind::kFloat ? v.f : v.kind == Value::Kind::kBool ? (v.b ? 1.0 : 0.0) : static_cast<double>(v.i);
+  return v.kind == Value::Kind::kFloat  ? v.f
+         : v.kind == Value::Kind::kBool ? (v.b ? 1.0 : 0.0)
+                                        : static_cast<double>(v.i);
 }
 std::int64_t as_int(const Value& v) { return v.kind == Value::Kind::kBool ? (v.b ? 1 : 0) : v.i; }
 
@@ -362,7 +363,7 @@ std::vector<Token> tokenize(std::string_view s, int line) {
               char32_t cp = 0;
               for (std::size_t k = 1; k <= n; ++k) {
                 const char h = s[j + k];
-                const int d = h >= '0' && h <= '9' ? h - '0'
+                const int d = h >= '0' && h <= '9'   ? h - '0'
                               : h >= 'a' && h <= 'f' ? h - 'a' + 10
                               : h >= 'A' && h <= 'F' ? h - 'A' + 10
                                                      : -1;
@@ -533,7 +534,8 @@ std::string py_strip(const std::string& s, const std::optional<std::string>& cha
 }
 
 Value get_attr(const Value& obj, const std::string& name, int line) {
-  if (obj.kind == Value::Kind::kUndefined) fail(line, fmt::format("'{}' is undefined: cannot read its '{}'", "value", name));
+  if (obj.kind == Value::Kind::kUndefined)
+    fail(line, fmt::format("'{}' is undefined: cannot read its '{}'", "value", name));
   if (obj.kind == Value::Kind::kDict || obj.kind == Value::Kind::kNamespace) {
     if (const Value* v = obj.find(name)) return *v;
   }
@@ -645,8 +647,8 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
   }
   if (op == "*" && a.kind == Value::Kind::kString && b.kind == Value::Kind::kInt) {
     if (b.i > 0 && a.s.size() > 0 && static_cast<std::uint64_t>(b.i) > kMaxRepeatBytes / a.s.size())
-      fail(line, fmt::format("repeating a string of {} bytes {} times exceeds {} bytes", a.s.size(), b.i,
-                             kMaxRepeatBytes));
+      fail(line,
+           fmt::format("repeating a string of {} bytes {} times exceeds {} bytes", a.s.size(), b.i, kMaxRepeatBytes));
     std::string s;
     for (std::int64_t i = 0; i < b.i; ++i) s += a.s;
     return Value::string(s);
@@ -658,8 +660,10 @@ Value arith(const std::string& op, const Value& a, const Value& b, int line) {
   // rather than a wrapped value.
   const bool fl = a.kind == Value::Kind::kFloat || b.kind == Value::Kind::kFloat;
   const bool by_zero = as_double(b) == 0.0;
-  if ((op == "/" || op == "//" || op == "%") && by_zero) fail(line, fmt::format("division by zero ({} {} {})", error_repr(a), op, error_repr(b)));
-  if (op == "**" && as_double(a) == 0.0 && as_double(b) < 0) fail(line, fmt::format("0 cannot be raised to the negative power {}", error_repr(b)));
+  if ((op == "/" || op == "//" || op == "%") && by_zero)
+    fail(line, fmt::format("division by zero ({} {} {})", error_repr(a), op, error_repr(b)));
+  if (op == "**" && as_double(a) == 0.0 && as_double(b) < 0)
+    fail(line, fmt::format("0 cannot be raised to the negative power {}", error_repr(b)));
   if (op == "/") return Value::real(as_double(a) / as_double(b));
   if (fl) {
     const double x = as_double(a), y = as_double(b);
@@ -808,7 +812,9 @@ std::string title(std::string s) {
   bool start = true;
   for (char& c : s) {
     const bool alpha = std::isalpha(static_cast<unsigned char>(c)) != 0;
-    c = static_cast<char>(alpha ? (start ? std::toupper(static_cast<unsigned char>(c)) : std::tolower(static_cast<unsigned char>(c))) : c);
+    c = static_cast<char>(
+        alpha ? (start ? std::toupper(static_cast<unsigned char>(c)) : std::tolower(static_cast<unsigned char>(c)))
+              : c);
     start = !alpha;
   }
   return s;
@@ -860,9 +866,9 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
   };
   if (name == "trim") {
     const Value* chars = a.get(0, "chars");
-    return Value::string(py_strip(py_str(v), chars && chars->kind != Value::Kind::kNone ? std::optional(py_str(*chars))
-                                                                                      : std::nullopt,
-                                  true, true));
+    return Value::string(
+        py_strip(py_str(v), chars && chars->kind != Value::Kind::kNone ? std::optional(py_str(*chars)) : std::nullopt,
+                 true, true));
   }
   if (name == "length" || name == "count") {
     if (v.kind == Value::Kind::kString) {
@@ -913,7 +919,8 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
     if (is_number(v)) return Value::real(as_double(v));
     return Value::real(parse_number(false).value_or(0.0));
   }
-  if (name == "abs") return v.kind == Value::Kind::kFloat ? Value::real(std::fabs(v.f)) : Value::integer(std::llabs(as_int(v)));
+  if (name == "abs")
+    return v.kind == Value::Kind::kFloat ? Value::real(std::fabs(v.f)) : Value::integer(std::llabs(as_int(v)));
   if (name == "round") {
     // Python's round(x, n): the exact binary value rounded half-to-even in decimal, as "%.nf" does.
     const std::int64_t prec = a.get(0, "precision") ? as_int(*a.get(0, "precision")) : 0;
@@ -1045,10 +1052,10 @@ Value apply_filter(const std::string& name, const Value& v, const Args& a, int l
   fail(line, fmt::format("unknown filter '{}'", name));
 }
 
-const std::set<std::string> kFilters = {"trim",   "length", "count",  "tojson",  "upper", "lower",      "title",
-                                        "capitalize", "string", "int", "float",  "abs",   "round",      "default",
-                                        "d",      "replace", "indent", "list",   "first", "last",       "reverse",
-                                        "join",   "items",  "unique", "sort",    "map",   "selectattr", "rejectattr"};
+const std::set<std::string> kFilters = {
+    "trim",    "length", "count", "tojson",  "upper", "lower",   "title",      "capitalize", "string", "int",
+    "float",   "abs",    "round", "default", "d",     "replace", "indent",     "list",       "first",  "last",
+    "reverse", "join",   "items", "unique",  "sort",  "map",     "selectattr", "rejectattr"};
 
 struct ArgExprs {
   std::vector<ExprPtr> pos;
@@ -1095,8 +1102,9 @@ struct Call : Expr {
         // jinja2's sandbox refuses ranges of more than 100000 items (MAX_RANGE); the count is
         // computed in 128 bits, so no step overflows.
         const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
-        const __int128 count = span <= 0 ? 0 : (span + (step > 0 ? step : -static_cast<__int128>(step)) - 1) /
-                                                   (step > 0 ? step : -static_cast<__int128>(step));
+        const __int128 count = span <= 0 ? 0
+                                         : (span + (step > 0 ? step : -static_cast<__int128>(step)) - 1) /
+                                               (step > 0 ? step : -static_cast<__int128>(step));
         if (count > kMaxRange)
           fail(line, fmt::format("range() of {} items: more than {} (jinja2's sandbox limit)",
                                  static_cast<unsigned long long>(count), kMaxRange));
@@ -1126,8 +1134,7 @@ struct Call : Expr {
         std::vector<std::string> options;
         if (!a.pos.empty() && a.pos[0].kind == Value::Kind::kList)
           for (const Value& x : *a.pos[0].list) options.push_back(py_str(x));
-        else
-          options.push_back(s_arg(0));
+        else options.push_back(s_arg(0));
         if (a.pos.size() > 1) fail(line, fmt::format("{}() with start/end positions is not supported", m));
         return Value::boolean(std::any_of(options.begin(), options.end(), [&](const std::string& o) {
           return m == "startswith" ? self.s.starts_with(o) : self.s.ends_with(o);
@@ -1277,7 +1284,8 @@ struct Set : Node {
       return;
     }
     Value ns = r.lookup(name);
-    if (ns.kind != Value::Kind::kNamespace) fail(line, fmt::format("'{}' is not a namespace(): cannot set '{}'", name, attr));
+    if (ns.kind != Value::Kind::kNamespace)
+      fail(line, fmt::format("'{}' is not a namespace(): cannot set '{}'", name, attr));
     ns.set(attr, std::move(v));  // shared: the namespace object itself changes
   }
 };
@@ -1317,7 +1325,8 @@ class ExprParser {
     return t_[p_++].text;
   }
   void expect_op(const char* o) {
-    if (!is_op(o)) fail(line_, fmt::format("expected '{}', got '{}'", o, t_[p_].type == Token::kEnd ? "end" : t_[p_].text));
+    if (!is_op(o))
+      fail(line_, fmt::format("expected '{}', got '{}'", o, t_[p_].type == Token::kEnd ? "end" : t_[p_].text));
     ++p_;
   }
   void expect_end() {
@@ -1392,7 +1401,8 @@ class ExprParser {
   ExprPtr compare() {
     ExprPtr e = additive();
     while (true) {
-      if (t_[p_].type == Token::kOp && (is_op("==") || is_op("!=") || is_op("<") || is_op(">") || is_op("<=") || is_op(">="))) {
+      if (t_[p_].type == Token::kOp &&
+          (is_op("==") || is_op("!=") || is_op("<") || is_op(">") || is_op("<=") || is_op(">="))) {
         const std::string op = t_[p_++].text;
         e = binary(op, std::move(e), additive());
       } else if (is_name("in")) {
@@ -1411,10 +1421,9 @@ class ExprParser {
         }
         if (t_[p_].type == Token::kOp && (is_op("==") || is_op("!="))) t->name = t_[p_++].text;
         else t->name = name();
-        static const std::set<std::string> tests = {"defined", "undefined", "none",  "string", "number", "integer",
-                                                    "float",   "boolean",   "true",  "false",  "mapping", "sequence",
-                                                    "iterable", "even",     "odd",   "eq",     "equalto", "==",
-                                                    "ne",      "!="};
+        static const std::set<std::string> tests = {
+            "defined", "undefined", "none",     "string", "number", "integer", "float",   "boolean", "true", "false",
+            "mapping", "sequence",  "iterable", "even",   "odd",    "eq",      "equalto", "==",      "ne",   "!="};
         if (!tests.count(t->name)) fail(line_, fmt::format("test '{}' is not supported", t->name));
         t->x = std::move(e);
         if (is_op("(")) {
@@ -1424,10 +1433,10 @@ class ExprParser {
             if (!is_op(")")) expect_op(",");
           }
           ++p_;
-        } else if (!at_end() && (t_[p_].type == Token::kString || t_[p_].type == Token::kInt ||
-                                 t_[p_].type == Token::kFloat ||
-                                 (t_[p_].type == Token::kName && !is_name("and") && !is_name("or") &&
-                                  !is_name("else") && !is_name("if")))) {
+        } else if (!at_end() &&
+                   (t_[p_].type == Token::kString || t_[p_].type == Token::kInt || t_[p_].type == Token::kFloat ||
+                    (t_[p_].type == Token::kName && !is_name("and") && !is_name("or") && !is_name("else") &&
+                     !is_name("if")))) {
           t->args.push_back(primary_postfix());
         }
         e = std::move(t);
@@ -1548,11 +1557,12 @@ class ExprParser {
       } else if (is_op("(")) {
         // Functions and methods are checked here, so a template is refused before rendering.
         static const std::set<std::string> functions = {"raise_exception", "namespace", "range"};
-        static const std::set<std::string> methods = {"strip", "lstrip", "rstrip", "upper",  "lower", "title",
-                                                      "startswith", "endswith", "replace", "split", "items",
-                                                      "keys", "values", "get"};
+        static const std::set<std::string> methods = {"strip", "lstrip",     "rstrip",   "upper",   "lower",
+                                                      "title", "startswith", "endswith", "replace", "split",
+                                                      "items", "keys",       "values",   "get"};
         if (const auto* n = dynamic_cast<const Name*>(e.get()); n && !functions.count(n->name))
-          fail(line_, fmt::format("function '{}' is not supported (raise_exception, namespace and range are)", n->name));
+          fail(line_,
+               fmt::format("function '{}' is not supported (raise_exception, namespace and range are)", n->name));
         if (const auto* at = dynamic_cast<const Attr*>(e.get()); at && !methods.count(at->name))
           fail(line_, fmt::format("method '{}' is not supported", at->name));
         if (dynamic_cast<const Name*>(e.get()) == nullptr && dynamic_cast<const Attr*>(e.get()) == nullptr)
@@ -1666,7 +1676,7 @@ std::vector<Piece> lex_template(std::string_view src) {
   std::vector<Piece> out;
   std::size_t i = 0;
   int line = 1;
-  bool strip_next_ws = false;   // a "-%}" / "-}}" before
+  bool strip_next_ws = false;      // a "-%}" / "-}}" before
   bool trim_next_newline = false;  // trim_blocks after "%}" / "#}"
   const auto count_lines = [](std::string_view s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); };
   while (i <= src.size()) {
@@ -1692,7 +1702,9 @@ std::vector<Piece> lex_template(std::string_view src) {
     const bool plus_left = inner < src.size() && src[inner] == '+';
     if (minus_left || plus_left) ++inner;
     if (minus_left) {
-      text.erase(text.find_last_not_of(" \t\r\n\x0b\x0c") == std::string::npos ? 0 : text.find_last_not_of(" \t\r\n\x0b\x0c") + 1);
+      text.erase(text.find_last_not_of(" \t\r\n\x0b\x0c") == std::string::npos
+                     ? 0
+                     : text.find_last_not_of(" \t\r\n\x0b\x0c") + 1);
     } else if (kind != '{' && !plus_left) {
       // lstrip_blocks: spaces and tabs between the start of the line (in the source) and a block tag.
       std::size_t k = open;
@@ -1790,8 +1802,7 @@ class TemplateParser {
       if (stops.count(kw)) return body;
       body.push_back(statement());
     }
-    if (!stops.empty())
-      fail(p_.empty() ? 1 : p_.back().line, fmt::format("missing '{{% {} %}}'", *stops.rbegin()));
+    if (!stops.empty()) fail(p_.empty() ? 1 : p_.back().line, fmt::format("missing '{{% {} %}}'", *stops.rbegin()));
     return body;
   }
 

@@ -25,10 +25,13 @@ void PackingSettings::describe(Schema<PackingSettings>& s) {
   s.ignore_unknown_keys();  // as in Modalities: settings may hold values used only for interpolation
   s.field("src_path", &C::src_path, "The JSONL file to tokenize.").required().existing_file();
   s.field("dst_path", &C::dst_path, "Output .pbin (default: <src folder>/<src stem>.pbin).");
-  s.field("index_path", &C::index_path, "Raw index of src_path (default: <src folder>/<src stem>.idx).").existing_file();
+  s.field("index_path", &C::index_path, "Raw index of src_path (default: <src folder>/<src stem>.idx).")
+      .existing_file();
   s.field("jq_pattern", &C::jq_pattern, "jq path of the text in each line, e.g. .text").required().non_empty();
   s.field("num_cpus", &C::num_cpus, "Tokenizer threads (default: all cores).").non_negative();
-  s.field("eod_token", &C::eod_token, "Token string appended to each document, e.g. <|endoftext|>.").required().non_empty();
+  s.field("eod_token", &C::eod_token, "Token string appended to each document, e.g. <|endoftext|>.")
+      .required()
+      .non_empty();
   s.field("processing_batch_size", &C::processing_batch_size, "Lines per work item.").at_least(1);
   s.field("raw_samples_queue_size", &C::raw_samples_queue_size, "Work items waiting for a worker.").at_least(1);
   s.field("processed_samples_queue_size", &C::processed_samples_queue_size, "Finished items waiting for the writer.")
@@ -83,12 +86,12 @@ std::uint32_t token_size_for_vocab(std::int64_t vocab_size) {
 namespace {
 
 struct Item {
-  std::string bytes;                  // encoded tokens of the item's documents
+  std::string bytes;                   // encoded tokens of the item's documents
   std::vector<std::uint64_t> lengths;  // byte length per written document
   std::uint64_t tokens = 0;
   std::vector<std::pair<std::uint64_t, std::string>> skipped;  // (line, why)
-  std::optional<std::pair<std::uint64_t, std::string>> error;   // first failing line
-  std::optional<std::string> wrong_index;                       // an entry that is not a line (fatal)
+  std::optional<std::pair<std::uint64_t, std::string>> error;  // first failing line
+  std::optional<std::string> wrong_index;                      // an entry that is not a line (fatal)
 };
 
 // Appends `ids` as `width`-byte little-endian integers (as Modalities writes them); false when an id
@@ -126,25 +129,28 @@ std::int64_t first_out_of_range(std::span<const std::int64_t> ids, std::uint64_t
 
 }  // namespace
 
-PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer& tokenizer, const PackingHooks& hooks) {
+PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer& tokenizer,
+                                const PackingHooks& hooks) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::filesystem::path src = settings.src_path;
   const std::filesystem::path dst = settings.resolved_dst();
   const std::filesystem::path idx_path = settings.resolved_index();
   if (!std::filesystem::exists(idx_path))
-    throw Error(fmt::format("the raw index '{}' of '{}' does not exist; create it with `modalities data "
-                            "create_raw_index {}`",
-                            idx_path.string(), src.string(), src.string()));
+    throw Error(
+        fmt::format("the raw index '{}' of '{}' does not exist; create it with `modalities data "
+                    "create_raw_index {}`",
+                    idx_path.string(), src.string(), src.string()));
   const JqPath jq = JqPath::parse(settings.jq_pattern);
   const std::uint32_t width = token_size_for_vocab(tokenizer.vocab_size());
   const std::int64_t eod = tokenizer.token_id(settings.eod_token);
   const std::uint64_t limit = width == 4 ? (std::uint64_t{1} << 32) : (std::uint64_t{1} << (8 * width));
   if (eod < 0 || static_cast<std::uint64_t>(eod) >= limit)
-    throw Error(fmt::format("{}settings.eod_token = '{}': the tokenizer (config key 'tokenizer') gives it the id {}, "
-                            "which does not fit in the {} byte(s) per token that its vocab_size {} calls for; the "
-                            "tokenizer's vocab_size must count its special tokens",
-                            settings.config_file.empty() ? "" : settings.config_file + ": ", settings.eod_token, eod,
-                            width, tokenizer.vocab_size()));
+    throw Error(
+        fmt::format("{}settings.eod_token = '{}': the tokenizer (config key 'tokenizer') gives it the id {}, "
+                    "which does not fit in the {} byte(s) per token that its vocab_size {} calls for; the "
+                    "tokenizer's vocab_size must count its special tokens",
+                    settings.config_file.empty() ? "" : settings.config_file + ": ", settings.eod_token, eod, width,
+                    tokenizer.vocab_size()));
 
   MappedFile file(src);
   file.advise_sequential();
@@ -161,13 +167,15 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
   const std::uint64_t end = index.empty() ? 0 : index.back().first + index.back().second + 1;
   if (end < text.size()) ++gaps;
   if (gaps > 0 && hooks.warn)
-    hooks.warn(fmt::format("the raw index '{}' leaves out {} stretch(es) of lines of '{}' (lines dropped as faulty "
-                           "when it was created?); they are not packed",
-                           idx_path.string(), gaps, src.string()));
+    hooks.warn(
+        fmt::format("the raw index '{}' leaves out {} stretch(es) of lines of '{}' (lines dropped as faulty "
+                    "when it was created?); they are not packed",
+                    idx_path.string(), gaps, src.string()));
 
   const std::size_t batch = static_cast<std::size_t>(settings.processing_batch_size);
   const std::size_t num_items = (index.size() + batch - 1) / batch;
-  const std::size_t window = static_cast<std::size_t>(settings.raw_samples_queue_size + settings.processed_samples_queue_size);
+  const std::size_t window =
+      static_cast<std::size_t>(settings.raw_samples_queue_size + settings.processed_samples_queue_size);
   unsigned workers = settings.num_cpus > 0 ? static_cast<unsigned>(settings.num_cpus)
                                            : std::max(1u, std::thread::hardware_concurrency());
   workers = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(workers, num_items)));
@@ -188,9 +196,10 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
   auto index_mismatch = [&](std::size_t begin, std::size_t end) -> std::optional<std::string> {
     for (std::size_t k = begin; k < end; ++k)
       if (auto why = formats::raw_index_entry_mismatch(text, index[k]))
-        return fmt::format("the raw index '{}' does not belong to '{}': entry {} ({}, {}) is not a line of the file: "
-                           "{}; re-create it with `modalities data create_raw_index`",
-                           idx_path.string(), src.string(), k, index[k].first, index[k].second, *why);
+        return fmt::format(
+            "the raw index '{}' does not belong to '{}': entry {} ({}, {}) is not a line of the file: "
+            "{}; re-create it with `modalities data create_raw_index`",
+            idx_path.string(), src.string(), k, index[k].first, index[k].second, *why);
     return std::nullopt;
   };
 
@@ -294,15 +303,17 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
         throw Error(fmt::format("{}:{}: {} (document {} of the index '{}'); nothing was written to '{}'{}",
                                 src.string(), item.error->first + 1, item.error->second, item.error->first,
                                 idx_path.string(), dst.string(),
-                                settings.skip_invalid_documents ? "" : " (set settings.skip_invalid_documents = true "
-                                                                        "to skip such documents)"));
+                                settings.skip_invalid_documents ? ""
+                                                                : " (set settings.skip_invalid_documents = true "
+                                                                  "to skip such documents)"));
       out.append(std::as_bytes(std::span(item.bytes)), item.lengths);
       result.tokens += item.tokens;
       lines_done = std::min<std::uint64_t>(index.size(), next_write * batch);
       for (auto& s : item.skipped) skipped.push_back(std::move(s));
       if (show) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        bar.update(lines_done, fmt::format("{} tok/s", human_count(static_cast<double>(result.tokens) / std::max(secs, 1e-9))));
+        bar.update(lines_done,
+                   fmt::format("{} tok/s", human_count(static_cast<double>(result.tokens) / std::max(secs, 1e-9))));
       }
     }
   } catch (...) {
@@ -318,7 +329,8 @@ PackingResult pack_encoded_data(const PackingSettings& settings, const Tokenizer
     for (std::size_t i = 0; i < std::min(kShown, skipped.size()); ++i)
       hooks.warn(fmt::format("{}:{}: skipped: {}", src.string(), skipped[i].first + 1, skipped[i].second));
     if (skipped.size() > kShown) hooks.warn(fmt::format("... and {} more skipped documents", skipped.size() - kShown));
-    if (result.documents == 0) hooks.warn(fmt::format("no document was packed; '{}' holds an empty dataset", dst.string()));
+    if (result.documents == 0)
+      hooks.warn(fmt::format("no document was packed; '{}' holds an empty dataset", dst.string()));
   }
   out.commit();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

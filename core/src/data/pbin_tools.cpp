@@ -31,7 +31,6 @@ namespace {
 
 constexpr std::uint64_t kProgressEvery = 4096;  // documents between progress updates
 
-
 void require_input_file(const fs::path& p, std::string_view what) {
   std::error_code ec;
   if (!fs::exists(p, ec)) throw Error(fmt::format("{} '{}' does not exist", what, p.string()));
@@ -84,7 +83,8 @@ std::vector<formats::IndexEntry> readlines(std::string_view text) {
   std::size_t p = 0;
   while (p < text.size()) {
     const void* nl = std::memchr(text.data() + p, '\n', text.size() - p);
-    const std::size_t end = nl == nullptr ? text.size() : static_cast<std::size_t>(static_cast<const char*>(nl) - text.data()) + 1;
+    const std::size_t end =
+        nl == nullptr ? text.size() : static_cast<std::size_t>(static_cast<const char*>(nl) - text.data()) + 1;
     lines.emplace_back(p, end - p);
     p = end;
   }
@@ -140,7 +140,8 @@ ToolResult merge_packed_data(std::span<const fs::path> sources, const fs::path& 
   result.output = target;
   std::error_code ec;
   if (fs::exists(target, ec))
-    throw Error(fmt::format("the target '{}' already exists; merge_packed_data never overwrites a file", target.string()));
+    throw Error(
+        fmt::format("the target '{}' already exists; merge_packed_data never overwrites a file", target.string()));
   const std::vector<fs::path> inputs = find_pbin_inputs(sources);
 
   // Headers first: token sizes must agree before anything is written.
@@ -171,7 +172,8 @@ ToolResult merge_packed_data(std::span<const fs::path> sources, const fs::path& 
     // In 64 MiB pieces for the progress bar; the index is relative to the first piece.
     for (std::size_t pos = 0; pos == 0 || pos < data.size(); pos += kBlock) {
       const auto piece = data.subspan(pos, std::min(kBlock, data.size() - pos));
-      out.append_block(piece, pos == 0 ? std::span<const formats::IndexEntry>(entries) : std::span<const formats::IndexEntry>());
+      out.append_block(
+          piece, pos == 0 ? std::span<const formats::IndexEntry>(entries) : std::span<const formats::IndexEntry>());
       bar.update(start + pos);
     }
     f.close();
@@ -308,8 +310,8 @@ std::vector<fs::path> read_chunk_file_list(const fs::path& list_file, const fs::
     fs::path rel(s);
     std::string name = rel.filename().string();
     if (name.empty() || name == "." || name == "..")
-      throw Error(fmt::format("{}:{}: '{}' has no file name to give the suffix {}", list_file.string(), line_no, s,
-                              suffix));
+      throw Error(
+          fmt::format("{}:{}: '{}' has no file name to give the suffix {}", list_file.string(), line_no, s, suffix));
     // pathlib's suffix: from the last '.', unless the name starts with it or ends with it.
     const std::size_t dot = name.rfind('.');
     if (dot != std::string::npos && dot > 0 && dot < name.size() - 1) name.erase(dot);

@@ -276,8 +276,8 @@ NumpyRandom::NumpyRandom(const PyInt& seed) {
 }
 
 NumpyRandom::NumpyRandom(std::span<const std::uint32_t> entropy) {
-  const std::vector<std::uint32_t> key = entropy.empty() ? std::vector<std::uint32_t>{0}
-                                                         : std::vector<std::uint32_t>(entropy.begin(), entropy.end());
+  const std::vector<std::uint32_t> key =
+      entropy.empty() ? std::vector<std::uint32_t>{0} : std::vector<std::uint32_t>(entropy.begin(), entropy.end());
   seed_state(seed_sequence_state(key));
 }
 

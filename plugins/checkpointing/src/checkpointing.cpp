@@ -9,7 +9,6 @@
 #include <modalities/sdk/device_setting.h>
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
-#include <modalities/sdk/log.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/interfaces/app_state.h>
 #include <modalities/sdk/interfaces/checkpoint_loading.h>
@@ -19,6 +18,7 @@
 #include <modalities/sdk/interfaces/lr_scheduler.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/log.h>
 #include <modalities/sdk/model_parts.h>
 #include <modalities/sdk/plugin.h>
 
@@ -198,7 +198,8 @@ struct ExecutionConfig {
     s.field("global_rank", &ExecutionConfig::global_rank, "Rank of this process; only rank 0 writes files.")
         .required()
         .non_negative();
-    s.field("experiment_id", &ExecutionConfig::experiment_id, "Experiment id, the eid_<id> of folder names.").required();
+    s.field("experiment_id", &ExecutionConfig::experiment_id, "Experiment id, the eid_<id> of folder names.")
+        .required();
   }
 };
 
@@ -214,13 +215,15 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
   FolderCheckpointExecution(const ExecutionConfig& c, std::string variant, bool fsdp1_keys)
       : c_(c), variant_(std::move(variant)), fsdp1_keys_(fsdp1_keys) {
     if (dist::initialized() && c_.global_rank != dist::rank())
-      throw Error(fmt::format("{}: global_rank is {}, but this process is rank {} of {} (use \"${{settings.cuda_env.global_rank}}\")",
-                              variant_, c_.global_rank, dist::rank(), dist::world_size()));
+      throw Error(fmt::format(
+          "{}: global_rank is {}, but this process is rank {} of {} (use \"${{settings.cuda_env.global_rank}}\")",
+          variant_, c_.global_rank, dist::rank(), dist::world_size()));
     if (c_.global_rank == 0)
       for (const auto& name : remove_stale_temporaries(c_.checkpoint_path))
-        log::warning(fmt::format("removed '{}' in {}, an unfinished checkpoint of a process that was killed "
-                                 "while writing it",
-                                 name, c_.checkpoint_path.string()));
+        log::warning(
+            fmt::format("removed '{}' in {}, an unfinished checkpoint of a process that was killed "
+                        "while writing it",
+                        name, c_.checkpoint_path.string()));
   }
 
   fs::path folder_for(const TrainingProgress& progress) const {
@@ -230,8 +233,8 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
   void save(AppState& app_state, const TrainingProgress& progress) override {
     StateDict state = app_state.state_dict();  // on every rank: sharded state may need collectives
     for (const auto& [name, t] : state)
-      MODALITIES_CHECK(!name.starts_with(kRngPrefix), "{}: the app state uses the reserved key '{}' (rng.* holds RNG states)",
-                       variant_, name);
+      MODALITIES_CHECK(!name.starts_with(kRngPrefix),
+                       "{}: the app state uses the reserved key '{}' (rng.* holds RNG states)", variant_, name);
     const fs::path folder = folder_for(progress);
     if (dist::world_size() > 1) {
       save_sharded(app_state, state, folder, progress);
@@ -272,10 +275,10 @@ class FolderCheckpointExecution final : public CheckpointSavingExecution {
         if (it == local.end()) continue;
         const auto sizes = it->second.sizes();
         if (std::vector<std::int64_t>(sizes.begin(), sizes.end()) != placement.global_shape)
-          throw Error(fmt::format("{}: '{}' is sharded across ranks (local {} of {}); this execution writes "
-                                  "unsharded state from rank 0 only, and sharded saving is not implemented",
-                                  variant_, fqn, shape_string({sizes.begin(), sizes.end()}),
-                                  shape_string(placement.global_shape)));
+          throw Error(fmt::format(
+              "{}: '{}' is sharded across ranks (local {} of {}); this execution writes "
+              "unsharded state from rank 0 only, and sharded saving is not implemented",
+              variant_, fqn, shape_string({sizes.begin(), sizes.end()}), shape_string(placement.global_shape)));
       }
     }
   }
@@ -358,14 +361,15 @@ class RawAppState final : public AppState {
 
   void load_state_dict(const StateDict& state) override {
     if (loaded_)
-      throw Error("cannot load a state dict into the app state twice: it was already loaded (an app state is "
-                  "restored from one checkpoint only)");
+      throw Error(
+          "cannot load a state dict into the app state twice: it was already loaded (an app state is "
+          "restored from one checkpoint only)");
     std::vector<std::string> unknown_prefix;
     for (const auto& [k, v] : state)
       if (!k.starts_with("model.") && !k.starts_with("optimizer.") && !k.starts_with("lr_scheduler."))
         unknown_prefix.push_back(k);
-    MODALITIES_CHECK(unknown_prefix.empty(),
-                     "app state: keys {} are neither model.*, optimizer.* nor lr_scheduler.*", some_names(unknown_prefix));
+    MODALITIES_CHECK(unknown_prefix.empty(), "app state: keys {} are neither model.*, optimizer.* nor lr_scheduler.*",
+                     some_names(unknown_prefix));
     // Model keys are checked over the union of the parts: each part takes its own keys (non-strict per part),
     // but a key no part has, or a part key the state lacks, is an error.
     const StateDict model = with_prefix_removed(state, "model.");
@@ -412,18 +416,20 @@ class RawAppState final : public AppState {
 // optimizer state follows its parameter) and the whole of everything else.
 void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
   if (app_state.is_loaded())
-    throw Error(fmt::format("cannot load checkpoint '{}': the app state was already loaded (an app state is restored "
-                            "from one checkpoint only)",
-                            checkpoint_dir.string()));
+    throw Error(
+        fmt::format("cannot load checkpoint '{}': the app state was already loaded (an app state is restored "
+                    "from one checkpoint only)",
+                    checkpoint_dir.string()));
   const CheckpointReader reader(checkpoint_dir);
   // A run continued under a new experiment id (the documented way) writes elsewhere, so the
   // unfinished checkpoint that the interrupted run left next to this one would stay forever: rank 0
   // removes such folders there too, as a new run does in its own checkpoint_path.
   if (!dist::initialized() || dist::is_rank0())
     for (const auto& name : remove_stale_temporaries(checkpoint_dir.parent_path()))
-      log::warning(fmt::format("removed '{}' in {}, an unfinished checkpoint of a process that was killed while "
-                               "writing it",
-                               name, checkpoint_dir.parent_path().string()));
+      log::warning(
+          fmt::format("removed '{}' in {}, an unfinished checkpoint of a process that was killed while "
+                      "writing it",
+                      name, checkpoint_dir.parent_path().string()));
   const StateDict live = app_state.state_dict();
   const auto sharded = sharded_model_entries(app_state, live);
   std::map<std::string, std::vector<std::int64_t>> global;
@@ -466,10 +472,11 @@ void load_into_app_state(AppState& app_state, const fs::path& checkpoint_dir) {
   for (const auto& [k, shape] : reader.shapes())
     if (k.starts_with("model.") && held.count(k) == 0) unknown.push_back(k.substr(6));
   if (!missing.empty() || !unknown.empty())
-    throw Error(fmt::format("checkpoint '{}' was written by a different model: {}{}{}", reader.folder().string(),
-                            missing.empty() ? "" : fmt::format("this model's {} are not in the checkpoint", some_names(missing)),
-                            missing.empty() || unknown.empty() ? "" : "; ",
-                            unknown.empty() ? "" : fmt::format("the checkpoint's {} are not in this model", some_names(unknown))));
+    throw Error(fmt::format(
+        "checkpoint '{}' was written by a different model: {}{}{}", reader.folder().string(),
+        missing.empty() ? "" : fmt::format("this model's {} are not in the checkpoint", some_names(missing)),
+        missing.empty() || unknown.empty() ? "" : "; ",
+        unknown.empty() ? "" : fmt::format("the checkpoint's {} are not in this model", some_names(unknown))));
   std::map<std::string, std::optional<Box>> regions;
   for (const auto& [k, shape] : reader.shapes()) {
     if (k.starts_with(kRngPrefix) || !is_local(k)) continue;
@@ -542,9 +549,10 @@ StateDict read_model_state(const fs::path& path) {
   if (fs::is_directory(path, ec)) return with_prefix_removed(CheckpointReader(path).read(is_model), "model.");
   const std::string ext = path.extension().string();
   if (ext == ".bin" || ext == ".pt" || ext == ".pth")
-    throw Error(fmt::format("'{}' looks like a PyTorch pickle checkpoint (torch.save), which LibTorch cannot read\n"
-                            "  hint: convert it with scripts/convert_checkpoint.py bin-to-safetensors <file> <out.safetensors>",
-                            path.string()));
+    throw Error(
+        fmt::format("'{}' looks like a PyTorch pickle checkpoint (torch.save), which LibTorch cannot read\n"
+                    "  hint: convert it with scripts/convert_checkpoint.py bin-to-safetensors <file> <out.safetensors>",
+                    path.string()));
   const auto meta = formats::read_safetensors_metadata(path);
   if (auto it = meta.find("format"); it != meta.end() && it->second == kFormatName) {
     if (fs::exists(path.parent_path() / kManifestFile, ec))
@@ -558,10 +566,10 @@ StateDict read_optimizer_state(const fs::path& path) {
   std::error_code ec;
   const auto is_opt = [](const std::string& k) { return k.starts_with("optimizer."); };
   StateDict state;
-  if (fs::is_directory(path, ec) || (fs::exists(path.parent_path() / kManifestFile, ec) && path.filename() == kAppStateFile))
+  if (fs::is_directory(path, ec) ||
+      (fs::exists(path.parent_path() / kManifestFile, ec) && path.filename() == kAppStateFile))
     state = CheckpointReader(path).read(is_opt);
-  else
-    state = formats::read_safetensors(path, is_opt);
+  else state = formats::read_safetensors(path, is_opt);
   MODALITIES_CHECK(!state.empty(), "'{}' holds no optimizer state (no optimizer.* tensors)", path.string());
   return with_prefix_removed(state, "optimizer.");
 }
@@ -750,8 +758,8 @@ void register_components(Registrar& r) {
   r.add<CheckpointLoading, TorchLoadingConfig>(
       "torch", "Loads the model of a checkpoint folder or .safetensors file (inference).",
       [](const TorchLoadingConfig& c) { return std::make_shared<TorchCheckpointLoading>(c); });
-  r.add_run_resume({"app_state/raw wrapped in app_state/dcp, training progress from the checkpoint folder's name",
-                    resume_run});
+  r.add_run_resume(
+      {"app_state/raw wrapped in app_state/dcp, training progress from the checkpoint folder's name", resume_run});
 }
 
 }  // namespace modalities::plugins::checkpointing

@@ -6,15 +6,15 @@
 #include <modalities/sdk/atomic_file.h>
 #include <modalities/sdk/build_info.h>
 #include <modalities/sdk/distributed.h>
-#include <modalities/sdk/fault.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/fault.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/run_context.h>
 
+#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <openssl/evp.h>
@@ -23,8 +23,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -163,9 +163,9 @@ std::string manifest_json(const CheckpointInfo& info, const formats::Safetensors
                           const std::map<std::string, std::string>& sha256, std::uint64_t file_size) {
   std::string tensors;
   for (const auto& [name, e] : header.tensors)
-    tensors += fmt::format("{}\n    {}: {{\"dtype\": \"{}\", \"shape\": [{}], \"sha256\": \"{}\"}}",
-                           tensors.empty() ? "" : ",", json_quote(name), e.dtype, fmt::join(e.shape, ", "),
-                           sha256.at(name));
+    tensors +=
+        fmt::format("{}\n    {}: {{\"dtype\": \"{}\", \"shape\": [{}], \"sha256\": \"{}\"}}",
+                    tensors.empty() ? "" : ",", json_quote(name), e.dtype, fmt::join(e.shape, ", "), sha256.at(name));
   return fmt::format(R"({},
   "files": {{{}: {{"bytes": {}}}}},
   "checksum": "sha256",
@@ -219,8 +219,8 @@ void commit_folder(const fs::path& temp, const fs::path& folder) {
   std::error_code ec;
   if (fs::exists(folder)) {
     if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, folder.c_str(), RENAME_EXCHANGE) != 0)
-      throw Error(fmt::format("cannot replace the existing checkpoint folder '{}': {}", folder.string(),
-                              std::strerror(errno)));
+      throw Error(
+          fmt::format("cannot replace the existing checkpoint folder '{}': {}", folder.string(), std::strerror(errno)));
     fs::remove_all(temp, ec);  // the old checkpoint, now under the temporary name
   } else if (::rename(temp.c_str(), folder.c_str()) != 0) {
     throw Error(fmt::format("cannot rename '{}' to '{}': {}", temp.string(), folder.string(), std::strerror(errno)));
@@ -251,7 +251,6 @@ std::string checkpoint_folder_name(std::string_view experiment_id, const Trainin
   return fmt::format("eid_{}-seen_steps_{}-seen_tokens_{}-target_steps_{}-target_tokens_{}", experiment_id,
                      p.num_seen_steps_total(), p.num_seen_tokens_total(), p.num_target_steps, p.num_target_tokens);
 }
-
 
 std::string shape_string(const std::vector<std::int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ",")); }
 
@@ -294,8 +293,8 @@ void write_checkpoint_folder(const fs::path& folder, const StateDict& state, con
   const fs::path temp = make_temp_folder(folder);
   try {
     const fs::path file = temp / kAppStateFile;
-    formats::write_safetensors(file, state,
-                               {{"format", std::string(kFormatName)}, {"format_version", std::to_string(kFormatVersion)}});
+    formats::write_safetensors(
+        file, state, {{"format", std::string(kFormatName)}, {"format_version", std::to_string(kFormatVersion)}});
     const formats::SafetensorsHeader header = formats::read_safetensors_header(file);
     write_file_atomically(temp / kManifestFile,
                           manifest_json(info, header, tensor_sha256(file, header), fs::file_size(file)));
@@ -309,7 +308,8 @@ void write_checkpoint_folder(const fs::path& folder, const StateDict& state, con
 
 void write_last_checkpoint_info(const fs::path& dir, const std::map<std::string, std::string>& entries) {
   std::string json = "{";
-  for (const auto& [k, v] : entries) json += fmt::format("{}{}: {}", json.size() > 1 ? ", " : "", json_quote(k), json_quote(v));
+  for (const auto& [k, v] : entries)
+    json += fmt::format("{}{}: {}", json.size() > 1 ? ", " : "", json_quote(k), json_quote(v));
   write_file_atomically(dir / kLastCheckpointInfoFile, json + "}\n");
 }
 
@@ -386,9 +386,10 @@ void check_tiling(const std::string& name, const std::vector<const PlannedChunk*
   std::int64_t total = 0;
   for (const PlannedChunk* c : chunks) total += volume(c->shape);
   if (total != volume(global))
-    throw Error(fmt::format("checkpoint: the chunks of '{}' held by the ranks have {} elements, the tensor {} {}; "
-                            "the ranks disagree about how it is sharded",
-                            name, total, shape_string(global), volume(global)));
+    throw Error(
+        fmt::format("checkpoint: the chunks of '{}' held by the ranks have {} elements, the tensor {} {}; "
+                    "the ranks disagree about how it is sharded",
+                    name, total, shape_string(global), volume(global)));
   // Equal volume and no two chunks overlapping means an exact tiling.
   for (std::size_t i = 0; i < chunks.size(); ++i)
     for (std::size_t j = i + 1; j < chunks.size(); ++j) {
@@ -397,11 +398,11 @@ void check_tiling(const std::string& name, const std::vector<const PlannedChunk*
         overlap = chunks[i]->offsets[d] < chunks[j]->offsets[d] + chunks[j]->shape[d] &&
                   chunks[j]->offsets[d] < chunks[i]->offsets[d] + chunks[i]->shape[d];
       if (overlap)
-        throw Error(fmt::format("checkpoint: ranks {} and {} hold overlapping but different chunks of '{}' ({} at {} "
-                                "and {} at {})",
-                                chunks[i]->writer, chunks[j]->writer, name, shape_string(chunks[i]->shape),
-                                shape_string(chunks[i]->offsets), shape_string(chunks[j]->shape),
-                                shape_string(chunks[j]->offsets)));
+        throw Error(fmt::format(
+            "checkpoint: ranks {} and {} hold overlapping but different chunks of '{}' ({} at {} "
+            "and {} at {})",
+            chunks[i]->writer, chunks[j]->writer, name, shape_string(chunks[i]->shape),
+            shape_string(chunks[i]->offsets), shape_string(chunks[j]->shape), shape_string(chunks[j]->offsets)));
     }
 }
 
@@ -600,10 +601,11 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
     bool dcp = fs::exists(folder_ / ".metadata", ec);
     for (const auto& entry : fs::directory_iterator(folder_, ec)) dcp = dcp || entry.path().extension() == ".distcp";
     if (dcp)
-      throw Error(fmt::format("checkpoint folder '{}' is a PyTorch Distributed Checkpoint (written by Python "
-                              "Modalities), which LibTorch cannot read\n  hint: convert it with "
-                              "scripts/convert_checkpoint.py dcp-to-modalities <DCP folder> <checkpoint_path>",
-                              where));
+      throw Error(
+          fmt::format("checkpoint folder '{}' is a PyTorch Distributed Checkpoint (written by Python "
+                      "Modalities), which LibTorch cannot read\n  hint: convert it with "
+                      "scripts/convert_checkpoint.py dcp-to-modalities <DCP folder> <checkpoint_path>",
+                      where));
     throw Error(fmt::format("'{}' is not a Modalities C++ checkpoint folder: {} is missing", where, kManifestFile));
   }
 
@@ -624,10 +626,11 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
   std::int64_t version = 0;
   if (root["format_version"].get_int64().get(version)) throw bad("'format_version' is missing");
   if (version != kFormatVersion && version != kShardedFormatVersion)
-    throw Error(fmt::format("checkpoint '{}' has format version {}; this checkpointing plugin ({}) reads versions {} "
-                            "and {}{}",
-                            where, version, kPluginVersion, kFormatVersion, kShardedFormatVersion,
-                            version > kShardedFormatVersion ? " (written by a newer version: update Modalities C++)" : ""));
+    throw Error(
+        fmt::format("checkpoint '{}' has format version {}; this checkpointing plugin ({}) reads versions {} "
+                    "and {}{}",
+                    where, version, kPluginVersion, kFormatVersion, kShardedFormatVersion,
+                    version > kShardedFormatVersion ? " (written by a newer version: update Modalities C++)" : ""));
   version_ = static_cast<int>(version);
   if (version_ == kShardedFormatVersion) {  // Note [Manifest checksum]
     const std::string_view text(json.data(), json.size());
@@ -639,8 +642,9 @@ CheckpointReader::CheckpointReader(const fs::path& path) {
       std::string unset(text);
       unset.replace(begin, recorded.size(), kUnsetManifestSha256);
       if (sha256_hex(unset.data(), unset.size()) != recorded)
-        throw bad("its text does not match its manifest_sha256 (the manifest was edited or damaged after it was "
-                  "written: chunk placements cannot be trusted)");
+        throw bad(
+            "its text does not match its manifest_sha256 (the manifest was edited or damaged after it was "
+            "written: chunk placements cannot be trusted)");
     }
   }
   std::string_view eid;
@@ -662,8 +666,8 @@ std::vector<std::int64_t> int_array(const simdjson::dom::element& e, const std::
   std::vector<std::int64_t> out;
   for (auto d : array) {
     std::int64_t v = 0;
-    if (d.get_int64().get(v) || v < 0) throw bad(fmt::format("{} holds {}, expected non-negative integers", what,
-                                                             simdjson::minify(d)));
+    if (d.get_int64().get(v) || v < 0)
+      throw bad(fmt::format("{} holds {}, expected non-negative integers", what, simdjson::minify(d)));
     out.push_back(v);
   }
   return out;
@@ -702,8 +706,8 @@ void CheckpointReader::read_v1(const simdjson::dom::element& root, const std::fu
     std::int64_t elements = 1;
     for (const std::int64_t d : r.shape)
       if (__builtin_mul_overflow(elements, d, &elements))
-        throw bad(fmt::format("tensor '{}' has shape {}, more elements than 64 bits count", name,
-                              shape_string(r.shape)));
+        throw bad(
+            fmt::format("tensor '{}' has shape {}, more elements than 64 bits count", name, shape_string(r.shape)));
     r.chunks.push_back({file, std::vector<std::int64_t>(r.shape.size(), 0), r.shape, std::string(sha)});
     if (name.starts_with(kRngPrefix)) rng_[0].second[name] = std::string(sha);
   }
@@ -763,7 +767,8 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
     rng_file = known_file(file, fmt::format("'ranks[{}]'", rank));
     for (auto field : rng) {
       std::string_view sha;
-      if (field.value.get_string().get(sha)) throw bad(fmt::format("'ranks[{}].rng.{}' is not a string", rank, field.key));
+      if (field.value.get_string().get(sha))
+        throw bad(fmt::format("'ranks[{}].rng.{}' is not a string", rank, field.key));
       hashes[std::string(field.key)] = std::string(sha);
     }
     ++rank;
@@ -791,8 +796,8 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
     std::int64_t elements = 1;
     for (const std::int64_t d : r.shape)
       if (__builtin_mul_overflow(elements, d, &elements))
-        throw bad(fmt::format("tensor '{}' has shape {}, more elements than 64 bits count", name,
-                              shape_string(r.shape)));
+        throw bad(
+            fmt::format("tensor '{}' has shape {}, more elements than 64 bits count", name, shape_string(r.shape)));
     std::int64_t covered = 0;
     for (auto c : chunks) {
       std::string_view file, sha;
@@ -827,15 +832,15 @@ void CheckpointReader::read_v2(const simdjson::dom::element& root, const std::fu
     }
     // In bounds, no overlap, and the count adds up: the chunks tile the tensor exactly.
     if (covered != volume(r.shape))
-      throw bad(fmt::format("the chunks of tensor '{}' hold {} elements, the tensor {}", name, covered, volume(r.shape)));
+      throw bad(
+          fmt::format("the chunks of tensor '{}' hold {} elements, the tensor {}", name, covered, volume(r.shape)));
   }
   // A missing or truncated rank file is found now, before anything is read or trained.
   for (const auto& [name, bytes] : file_bytes) {
     std::error_code ec;
     const fs::path path = folder_ / name;
     const auto size = fs::file_size(path, ec);
-    if (ec)
-      throw Error(fmt::format("checkpoint '{}' is incomplete: {} is missing ({})", where, name, ec.message()));
+    if (ec) throw Error(fmt::format("checkpoint '{}' is incomplete: {} is missing ({})", where, name, ec.message()));
     if (size != bytes)
       throw Error(fmt::format("checkpoint '{}' is corrupt: {} has {} bytes, {} records {} (truncated or replaced)",
                               where, name, size, kManifestFile, bytes));
@@ -853,8 +858,7 @@ void CheckpointReader::read_and_check_progress(const simdjson::dom::element& pro
     if (progress[key].get(e)) throw bad(fmt::format("'training_progress.{}' is missing", key));
     std::int64_t v = 0;
     if (e.get_int64().get(v) || v < 0)
-      throw bad(fmt::format("'training_progress.{}' is {}, expected a non-negative integer", key,
-                            simdjson::minify(e)));
+      throw bad(fmt::format("'training_progress.{}' is {}, expected a non-negative integer", key, simdjson::minify(e)));
     return v;
   };
   RecordedProgress r;
@@ -876,13 +880,13 @@ void CheckpointReader::read_and_check_progress(const simdjson::dom::element& pro
   for (std::size_t i = 0; i < 4; ++i) {
     const std::string in_name = m[i + 2].str();
     if (in_name != std::to_string(pairs[i].second))
-      throw Error(fmt::format("checkpoint '{}' contradicts itself: its folder name says {}_{}, but {} records {} = "
-                              "{}; the folder was renamed or its files were swapped; rename the folder back to the "
-                              "progress it holds (training from the wrong step would silently change the schedule)",
-                              folder_.string(), pairs[i].first, in_name, kManifestFile,
-                              i < 2 ? fmt::format("num_{}_total", pairs[i].first)
-                                    : fmt::format("num_{}", pairs[i].first),
-                              pairs[i].second));
+      throw Error(
+          fmt::format("checkpoint '{}' contradicts itself: its folder name says {}_{}, but {} records {} = "
+                      "{}; the folder was renamed or its files were swapped; rename the folder back to the "
+                      "progress it holds (training from the wrong step would silently change the schedule)",
+                      folder_.string(), pairs[i].first, in_name, kManifestFile,
+                      i < 2 ? fmt::format("num_{}_total", pairs[i].first) : fmt::format("num_{}", pairs[i].first),
+                      pairs[i].second));
   }
 }
 
@@ -899,12 +903,12 @@ void CheckpointReader::check_shapes(const std::map<std::string, std::vector<std:
     if (it == live.end() || it->second == shape) continue;
     const std::string shown =
         !strip_prefix.empty() && name.starts_with(strip_prefix) ? name.substr(strip_prefix.size()) : name;
-    throw Error(fmt::format("checkpoint '{}' was written by a model of a different shape: {} is {} in the checkpoint, "
-                            "{} in this model",
-                            folder_.string(), shown, shape_string(shape), shape_string(it->second)));
+    throw Error(
+        fmt::format("checkpoint '{}' was written by a model of a different shape: {} is {} in the checkpoint, "
+                    "{} in this model",
+                    folder_.string(), shown, shape_string(shape), shape_string(it->second)));
   }
 }
-
 
 StateDict CheckpointReader::read(const std::function<bool(const std::string&)>& select) const {
   std::map<std::string, std::optional<Box>> regions;
@@ -921,8 +925,7 @@ StateDict CheckpointReader::read_regions(const std::map<std::string, std::option
   std::map<std::string, Box> boxes;
   for (const auto& [name, region] : regions) {
     const auto it = tensors_.find(name);
-    if (it == tensors_.end())
-      throw Error(fmt::format("checkpoint '{}' holds no tensor '{}'", where, name));
+    if (it == tensors_.end()) throw Error(fmt::format("checkpoint '{}' holds no tensor '{}'", where, name));
     const TensorRecord& r = it->second;
     Box box = region ? *region : Box{std::vector<std::int64_t>(r.shape.size(), 0), r.shape};
     bool inside = box.offsets.size() == r.shape.size() && box.shape.size() == r.shape.size();
@@ -936,7 +939,8 @@ StateDict CheckpointReader::read_regions(const std::map<std::string, std::option
       const ChunkRecord& chunk = r.chunks[c];
       bool overlaps = volume(chunk.shape) > 0 && volume(box.shape) > 0;
       for (std::size_t d = 0; overlaps && d < r.shape.size(); ++d)
-        overlaps = chunk.offsets[d] < box.offsets[d] + box.shape[d] && box.offsets[d] < chunk.offsets[d] + chunk.shape[d];
+        overlaps =
+            chunk.offsets[d] < box.offsets[d] + box.shape[d] && box.offsets[d] < chunk.offsets[d] + chunk.shape[d];
       if (overlaps) per_file[chunk.file].emplace_back(&it->first, c);
     }
     boxes.emplace(name, std::move(box));
@@ -964,9 +968,10 @@ StateDict CheckpointReader::read_regions(const std::map<std::string, std::option
                                 c10::toString(t.scalar_type()), shape_string(t.sizes().vec()), file, r.dtype,
                                 shape_string(chunk.shape), kManifestFile));
       if (sha256_hex(t.data_ptr(), t.nbytes()) != chunk.sha256)
-        throw Error(fmt::format("checkpoint '{}' is corrupt: tensor '{}' in {} does not match its SHA-256 in {} (the "
-                                "file was changed or damaged after it was written)",
-                                where, name, file, kManifestFile));
+        throw Error(
+            fmt::format("checkpoint '{}' is corrupt: tensor '{}' in {} does not match its SHA-256 in {} (the "
+                        "file was changed or damaged after it was written)",
+                        where, name, file, kManifestFile));
     });
     for (const auto& [name_ptr, c] : wanted) {
       const std::string& name = *name_ptr;
@@ -989,10 +994,10 @@ StateDict CheckpointReader::read_regions(const std::map<std::string, std::option
   }
   for (const auto& [name, box] : boxes)
     if (filled[name] != volume(box.shape))
-      throw Error(fmt::format("checkpoint '{}' is corrupt: the chunks of tensor '{}' cover {} of the {} elements of "
-                              "the region {} at {}",
-                              where, name, filled[name], volume(box.shape), shape_string(box.shape),
-                              shape_string(box.offsets)));
+      throw Error(fmt::format(
+          "checkpoint '{}' is corrupt: the chunks of tensor '{}' cover {} of the {} elements of "
+          "the region {} at {}",
+          where, name, filled[name], volume(box.shape), shape_string(box.shape), shape_string(box.offsets)));
   return out;
 }
 
@@ -1004,8 +1009,7 @@ StateDict CheckpointReader::read_rng(int rank) const {
   const std::string& file = it->second.first;  // not a structured binding: captured below (clang < 16)
   const auto& hashes = it->second.second;
   if (hashes.empty()) return {};
-  StateDict out =
-      formats::read_safetensors(folder_ / file, [&](const std::string& k) { return hashes.contains(k); });
+  StateDict out = formats::read_safetensors(folder_ / file, [&](const std::string& k) { return hashes.contains(k); });
   for (const auto& [name, sha] : hashes) {
     const auto t = out.find(name);
     if (t == out.end() || sha256_hex(t->second.data_ptr(), t->second.nbytes()) != sha)

@@ -21,8 +21,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
 #include <sys/wait.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -62,7 +62,9 @@ class TinyModel final : public Module {
     impl_->register_buffer("scale", torch::full({1}, 2.0));
     if (c.extra) impl_->register_parameter("extra", torch::zeros({1}));
   }
-  TensorMap forward(const TensorMap& in) override { return {{"out", layer_(in.at("x")) * impl_->named_buffers()["scale"]}}; }
+  TensorMap forward(const TensorMap& in) override {
+    return {{"out", layer_(in.at("x")) * impl_->named_buffers()["scale"]}};
+  }
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
   StateDict state_dict() const override {
@@ -154,14 +156,16 @@ struct DecayConfig {
 
 class TinyDecay final : public LRScheduler {
  public:
-  explicit TinyDecay(const DecayConfig& c) : opt_(c.optimizer.shared()), gamma_(c.gamma), base_(opt_->learning_rates()[0]) {}
+  explicit TinyDecay(const DecayConfig& c)
+      : opt_(c.optimizer.shared()), gamma_(c.gamma), base_(opt_->learning_rates()[0]) {}
   void step() override {
     ++epoch_;
     opt_->set_learning_rate(0, base_ * std::pow(gamma_, static_cast<double>(epoch_)));
   }
   std::vector<double> last_lrs() const override { return opt_->learning_rates(); }
   StateDict state_dict() const override {
-    return {{"last_epoch", torch::tensor(epoch_, torch::kInt64)}, {"base_lrs", torch::tensor({base_}, torch::kFloat64)}};
+    return {{"last_epoch", torch::tensor(epoch_, torch::kInt64)},
+            {"base_lrs", torch::tensor({base_}, torch::kFloat64)}};
   }
   void load_state_dict(const StateDict& s) override {
     epoch_ = s.at("last_epoch").item<std::int64_t>();
@@ -298,7 +302,8 @@ void expect_same_state(const StateDict& a, const StateDict& b) {
   ASSERT_EQ(a.size(), b.size());
   for (const auto& [k, v] : a) {
     ASSERT_TRUE(b.count(k)) << k;
-    EXPECT_TRUE(torch::equal(v, b.at(k))) << k << ": max diff " << (v.to(torch::kDouble) - b.at(k).to(torch::kDouble)).abs().max().item<double>();
+    EXPECT_TRUE(torch::equal(v, b.at(k)))
+        << k << ": max diff " << (v.to(torch::kDouble) - b.at(k).to(torch::kDouble)).abs().max().item<double>();
   }
 }
 
@@ -340,8 +345,9 @@ TEST(CheckpointingTest, RoundTripRestoresModelOptimizerSchedulerAndRng) {
   StateDict expected = app->state_dict();
   EXPECT_TRUE(on_disk.count("rng.cpu"));
   EXPECT_EQ(on_disk.at("rng.cpu").scalar_type(), torch::kUInt8);
-  for (const auto& k : {"model.layer.weight", "model.layer.bias", "model.scale", "optimizer.state.layer.weight.momentum_buffer",
-                        "optimizer.param_groups.layer.weight.lr", "lr_scheduler.last_epoch"})
+  for (const auto& k :
+       {"model.layer.weight", "model.layer.bias", "model.scale", "optimizer.state.layer.weight.momentum_buffer",
+        "optimizer.param_groups.layer.weight.lr", "lr_scheduler.last_epoch"})
     EXPECT_TRUE(on_disk.count(k)) << k;
   const std::string manifest = slurp(folder / "manifest.json");
   EXPECT_THAT(manifest, AllOf(HasSubstr(R"("format": "modalities_checkpoint")"), HasSubstr(R"("format_version": 1)"),
@@ -381,11 +387,13 @@ TEST(CheckpointingTest, Fsdp1ExecutionWritesTheSameFolderAndModelOptimizerPaths)
   ASSERT_NE(app, nullptr) << h->build_error();
   h->get<CheckpointSaving>("checkpoint_saving")->save_checkpoint(progress_at(3), nullptr, *app, false);
   const std::string folder = fs::absolute(dir.path() / kFolder3).string();
-  EXPECT_EQ(slurp(dir.path() / "last_checkpoint_info.json"),
-            fmt::format("{{\"checkpoint_folder_path\": \"{0}\", \"model_checkpoint_path\": \"{0}/app_state.safetensors\", "
-                        "\"optimizer_checkpoint_path\": \"{0}/app_state.safetensors\"}}\n",
-                        folder));
-  EXPECT_THAT(slurp(fs::path(folder) / "manifest.json"), HasSubstr(R"("variant": "checkpoint_saving_execution/fsdp1")"));
+  EXPECT_EQ(
+      slurp(dir.path() / "last_checkpoint_info.json"),
+      fmt::format("{{\"checkpoint_folder_path\": \"{0}\", \"model_checkpoint_path\": \"{0}/app_state.safetensors\", "
+                  "\"optimizer_checkpoint_path\": \"{0}/app_state.safetensors\"}}\n",
+                  folder));
+  EXPECT_THAT(slurp(fs::path(folder) / "manifest.json"),
+              HasSubstr(R"("variant": "checkpoint_saving_execution/fsdp1")"));
 }
 
 TEST(CheckpointingTest, FolderNameFollowsModalities) {
@@ -395,7 +403,8 @@ TEST(CheckpointingTest, FolderNameFollowsModalities) {
   auto app = h->get<AppState>("app_state");
   TrainingProgress p{5, 160, 100, 3200, 7, 224};  // warm-started run: totals count both runs
   h->get<CheckpointSaving>("checkpoint_saving")->save_checkpoint(p, nullptr, *app, false);
-  EXPECT_TRUE(fs::is_directory(dir.path() / "eid_exp-seen_steps_12-seen_tokens_384-target_steps_100-target_tokens_3200"));
+  EXPECT_TRUE(
+      fs::is_directory(dir.path() / "eid_exp-seen_steps_12-seen_tokens_384-target_steps_100-target_tokens_3200"));
 }
 
 TEST(CheckpointingTest, StrategyInstructionSequences) {
@@ -462,7 +471,8 @@ TEST(CheckpointingTest, UnfinishedFoldersOfKilledWritersAreRemovedAtStart) {
 [e]
 component_key = "checkpoint_saving_execution"
 variant_key = "dcp"
-config = { checkpoint_path = ")" + dir.path().string() + R"(", global_rank = 0, experiment_id = "exp" })");
+config = { checkpoint_path = ")" +
+                     dir.path().string() + R"(", global_rank = 0, experiment_id = "exp" })");
   ::testing::internal::CaptureStderr();
   ASSERT_NE(h->get<CheckpointSavingExecution>("e"), nullptr) << h->build_error();
   EXPECT_THAT(::testing::internal::GetCapturedStderr(), HasSubstr(stale));
@@ -537,7 +547,8 @@ TEST(CheckpointingTest, DeletingAMissingFolderWarnsAndDeletingAForeignFolderFail
 [e]
 component_key = "checkpoint_saving_execution"
 variant_key = "dcp"
-config = { checkpoint_path = ")" + dir.path().string() + R"(", global_rank = 0, experiment_id = "exp" })");
+config = { checkpoint_path = ")" +
+                     dir.path().string() + R"(", global_rank = 0, experiment_id = "exp" })");
   auto e = h->get<CheckpointSavingExecution>("e");
   ASSERT_NE(e, nullptr) << h->build_error();
   // Already gone (removed by hand): a warning, the run goes on.
@@ -594,8 +605,9 @@ TEST(CheckpointingTest, AFailedWriteLeavesThePreviousCheckpointValid) {
   train(*app, 1);
   saving->save_checkpoint(progress_at(3), nullptr, *app, false);
   EXPECT_EQ(entries(dir.path()), before);
-  EXPECT_TRUE(torch::equal(formats::read_safetensors(dir.path() / kFolder3 / "app_state.safetensors").at("model.layer.weight"),
-                           app->state_dict().at("model.layer.weight")));
+  EXPECT_TRUE(
+      torch::equal(formats::read_safetensors(dir.path() / kFolder3 / "app_state.safetensors").at("model.layer.weight"),
+                   app->state_dict().at("model.layer.weight")));
 }
 
 class CorruptionTest : public ::testing::Test {
@@ -616,7 +628,9 @@ class CorruptionTest : public ::testing::Test {
   }
   fs::path folder() const { return dir.path() / kFolder3; }
   fs::path file() const { return folder() / "app_state.safetensors"; }
-  void rewrite(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes; }
+  void rewrite(const fs::path& p, const std::string& bytes) {
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+  }
   ScratchDir dir;
 };
 
@@ -645,7 +659,8 @@ TEST_F(CorruptionTest, ManifestProblemsAreReported) {
   std::string v2 = manifest;
   v2.replace(v2.find("\"format_version\": 1"), 19, "\"format_version\": 3");
   rewrite(folder() / "manifest.json", v2);
-  EXPECT_THAT(load_error(), AllOf(HasSubstr("format version 3"), HasSubstr("reads versions 1 and 2"), HasSubstr("newer")));
+  EXPECT_THAT(load_error(),
+              AllOf(HasSubstr("format version 3"), HasSubstr("reads versions 1 and 2"), HasSubstr("newer")));
   rewrite(folder() / "manifest.json", manifest.substr(0, manifest.size() / 2));
   EXPECT_THAT(load_error(), HasSubstr("manifest.json is not valid JSON"));
   fs::remove(folder() / "manifest.json");
@@ -667,7 +682,8 @@ TEST_F(CorruptionTest, ShapeMismatchNamesTheFirstTensor) {
 TEST_F(CorruptionTest, MissingAndUnknownModelKeysAreReported) {
   GraphOptions o;
   o.extra = true;
-  EXPECT_THAT(load_error(o), AllOf(HasSubstr("written by a different model"), HasSubstr("'extra' are not in the checkpoint")));
+  EXPECT_THAT(load_error(o),
+              AllOf(HasSubstr("written by a different model"), HasSubstr("'extra' are not in the checkpoint")));
 }
 
 TEST_F(CorruptionTest, AnAppStateLoadsOnlyOnce) {
@@ -700,7 +716,8 @@ config = { global_rank = 0 }
   b->get<DistributedCheckpointLoading>("loading")->load_checkpoint(*app, folder());
   EXPECT_TRUE(app->is_loaded());
   StateDict expected = formats::read_safetensors(file());
-  for (auto it = expected.begin(); it != expected.end();) it = it->first.starts_with("rng.") ? expected.erase(it) : std::next(it);
+  for (auto it = expected.begin(); it != expected.end();)
+    it = it->first.starts_with("rng.") ? expected.erase(it) : std::next(it);
   expect_same_state(app->state_dict(), expected);
 }
 
@@ -764,18 +781,21 @@ config = { device = "cpu" }
 
   loaded = b->get<CheckpointLoading>("bf16")->load_model_checkpoint(model, file());  // the file works too
   EXPECT_EQ(loaded->state_dict().at("layer.weight").scalar_type(), torch::kBFloat16);
-  EXPECT_TRUE(torch::equal(loaded->state_dict().at("layer.weight"), saved.at("model.layer.weight").to(torch::kBFloat16)));
+  EXPECT_TRUE(
+      torch::equal(loaded->state_dict().at("layer.weight"), saved.at("model.layer.weight").to(torch::kBFloat16)));
 
   // A plain (flat) safetensors file, e.g. exported from Hugging Face.
   const fs::path flat = dir.path() / "flat.safetensors";
-  formats::write_safetensors(flat, {{"layer.weight", torch::ones({4, 4})}, {"layer.bias", torch::zeros({4})},
-                                    {"scale", torch::full({1}, 3.0)}});
+  formats::write_safetensors(
+      flat,
+      {{"layer.weight", torch::ones({4, 4})}, {"layer.bias", torch::zeros({4})}, {"scale", torch::full({1}, 3.0)}});
   loaded = b->get<CheckpointLoading>("as_stored")->load_model_checkpoint(model, flat);
   EXPECT_TRUE(torch::equal(loaded->state_dict().at("layer.weight"), torch::ones({4, 4})));
 
   std::ofstream(dir.path() / "model.bin") << "pickle";
-  EXPECT_THAT(error_of([&] { b->get<CheckpointLoading>("as_stored")->load_model_checkpoint(model, dir.path() / "model.bin"); }),
-              AllOf(HasSubstr("PyTorch pickle"), HasSubstr("convert_checkpoint.py")));
+  EXPECT_THAT(
+      error_of([&] { b->get<CheckpointLoading>("as_stored")->load_model_checkpoint(model, dir.path() / "model.bin"); }),
+      AllOf(HasSubstr("PyTorch pickle"), HasSubstr("convert_checkpoint.py")));
 
   // The optimizer part of the same checkpoint.
   b->set_config_text(R"(
@@ -820,7 +840,8 @@ component_key = "optimizer"
 variant_key = "fsdp1_checkpointed"
 [restored.config]
 checkpoint_loading = { instance_key = "loading", pass_type = "BY_REFERENCE" }
-checkpoint_path = ")" + folder().string() + R"("
+checkpoint_path = ")" +
+                     folder().string() + R"("
 wrapped_model = { instance_key = "model", pass_type = "BY_REFERENCE" }
 optimizer = { instance_key = "optimizer", pass_type = "BY_REFERENCE" }
 )");
@@ -838,7 +859,8 @@ TEST(CheckpointingTest, RestoresAConvertedPyTorchCheckpointIntoAdamW) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.load_plugin(MODALITIES_TEST_LAYER_NORM_PLUGIN);
   h.load_plugin(MODALITIES_TEST_OPTIMIZERS_PLUGIN);
-  h.set_config_text(fmt::format(R"(
+  h.set_config_text(
+      fmt::format(R"(
 [model]
 component_key = "layer_norm"
 variant_key = "layer_norm"
@@ -857,11 +879,12 @@ variant_key = "dcp"
 checkpoint_dir_path = "{}"
 raw_app_state = {{ component_key = "app_state", variant_key = "raw", config = {{ model = {{ instance_key = "model", pass_type = "BY_REFERENCE" }}, optimizer = {{ instance_key = "optimizer", pass_type = "BY_REFERENCE" }} }} }}
 )",
-                                (data / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320").string()));
+                  (data / "eid_pyref-seen_steps_2-seen_tokens_64-target_steps_10-target_tokens_320").string()));
   auto app = h.get<AppState>("app_state");
   ASSERT_NE(app, nullptr) << h.build_error();
   const StateDict expected = formats::read_safetensors(data / "after_step_3.safetensors");
-  EXPECT_DOUBLE_EQ(app->optimizer()->learning_rates()[0], expected.at("lr").item<double>());  // restored from the checkpoint
+  EXPECT_DOUBLE_EQ(app->optimizer()->learning_rates()[0],
+                   expected.at("lr").item<double>());  // restored from the checkpoint
   auto model = app->model_parts()[0];
   const torch::Tensor x = torch::linspace(-1.0, 1.0, 24).reshape({3, 8});
   app->optimizer()->zero_grad();
@@ -886,8 +909,8 @@ component_key = "checkpoint_loading"
 variant_key = "torch"
 config = { device = -1 }
 )");
-  EXPECT_THAT(h->build_error(), AllOf(HasSubstr("a.config.device"), HasSubstr("a.config.precision"),
-                                      HasSubstr("b.config.device")));
+  EXPECT_THAT(h->build_error(),
+              AllOf(HasSubstr("a.config.device"), HasSubstr("a.config.precision"), HasSubstr("b.config.device")));
 }
 
 }  // namespace

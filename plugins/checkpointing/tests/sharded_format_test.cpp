@@ -106,9 +106,13 @@ TEST(ShardedFormatTest, ReadsWholeTensorsAndRegionsAcrossChunks) {
   EXPECT_EQ(part.at("model.b").numel(), 0);
   EXPECT_TRUE(torch::equal(reader.read_rng(1).at("rng.cpu"), f.rng1));
   EXPECT_THAT(error_of([&] { (void)reader.read_rng(2); }), HasSubstr("no generator states of rank 2"));
-  EXPECT_THAT(error_of([&] { (void)reader.read_regions({{"model.w", Box{{4, 0}, {2, 3}}}}); }),
+  EXPECT_THAT(error_of([&] {
+                (void)reader.read_regions({{"model.w", Box{{4, 0}, {2, 3}}}});
+              }),
               HasSubstr("outside tensor 'model.w' of shape [5,3]"));
-  EXPECT_THAT(error_of([&] { (void)reader.read_regions({{"model.nope", std::nullopt}}); }),
+  EXPECT_THAT(error_of([&] {
+                (void)reader.read_regions({{"model.nope", std::nullopt}});
+              }),
               HasSubstr("holds no tensor 'model.nope'"));
 }
 
@@ -190,23 +194,25 @@ TEST(ShardedFormatTest, AnEditedManifestFailsItsOwnChecksum) {
   const Folder dir;
   const fs::path folder = dir.path() / kName;
   TrainingProgress progress{2, 64, 4, 128, 0, 0};
-  write_sharded_checkpoint_folder(folder, {{"model.w", torch::randn({4, 2}), {4, 2}, {0, 0}},
-                                           {"model.v", torch::randn({3}), {3}, {0}}},
-                                  {}, {"x", progress, "test"}, {});
+  write_sharded_checkpoint_folder(
+      folder, {{"model.w", torch::randn({4, 2}), {4, 2}, {0, 0}}, {"model.v", torch::randn({3}), {3}, {0}}}, {},
+      {"x", progress, "test"}, {});
   const std::string good = slurp(folder / "manifest.json");
   ASSERT_THAT(good, HasSubstr("\"manifest_sha256\": \""));
   EXPECT_EQ(error_of([&] { CheckpointReader r(folder); }), "");
-  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
-           {"\"offsets\": [0, 0]", "\"offsets\": [1, 0]"}, {"\"shape\": [4, 2]", "\"shape\": [4, 3]"},
-           {"rank_00000.safetensors", "rank_00001.safetensors"},
-           {"\"manifest_sha256\": \"", "\"manifest_sha256\": \"f"}}) {
+  for (const auto& [from, to] :
+       std::vector<std::pair<std::string, std::string>>{{"\"offsets\": [0, 0]", "\"offsets\": [1, 0]"},
+                                                        {"\"shape\": [4, 2]", "\"shape\": [4, 3]"},
+                                                        {"rank_00000.safetensors", "rank_00001.safetensors"},
+                                                        {"\"manifest_sha256\": \"", "\"manifest_sha256\": \"f"}}) {
     std::string edited = good;
     const auto at = edited.find(from);
     ASSERT_NE(at, std::string::npos) << from;
     edited.replace(at, from.size(), to);
     std::ofstream(folder / "manifest.json", std::ios::trunc) << edited;
     EXPECT_THAT(error_of([&] { CheckpointReader r(folder); }),
-                AllOf(HasSubstr(kName), HasSubstr("does not match its manifest_sha256"))) << from;
+                AllOf(HasSubstr(kName), HasSubstr("does not match its manifest_sha256")))
+        << from;
   }
 }
 

@@ -6,8 +6,8 @@
 // Token tensors come out as int64 whatever the dataset's dtype (quirk Q12).
 // Shape legend: b = batch size, B = tokens per sample.
 #include <modalities/sdk/interfaces/collate_fn.h>
-#include <modalities/sdk/log.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
+#include <modalities/sdk/log.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
@@ -160,8 +160,11 @@ struct MaskLossConfig {
 class MaskLossCollator final : public CollateFn {
  public:
   MaskLossCollator(const MaskLossConfig& c, std::int64_t begin_id, std::int64_t end_id)
-      : wrapped_(c.wrapped_collate_fn.shared()), keys_(c.target_keys_to_mask), ignore_(c.loss_ignore_index),
-        begin_(begin_id), end_(end_id) {}
+      : wrapped_(c.wrapped_collate_fn.shared()),
+        keys_(c.target_keys_to_mask),
+        ignore_(c.loss_ignore_index),
+        begin_(begin_id),
+        end_(end_id) {}
 
   DatasetBatch collate(std::span<const Sample> samples) const override {
     DatasetBatch batch = wrapped_->collate(samples);
@@ -226,10 +229,10 @@ std::shared_ptr<CollateFn> make_mask_loss(const MaskLossConfig& c) {
   const std::int64_t b = id_of(c.mask_tokens.b_include_to_loss_token, "b_include_to_loss_token");
   const std::int64_t e = id_of(c.mask_tokens.e_include_to_loss_token, "e_include_to_loss_token");
   if (b == e)
-    throw ConfigError("mask_tokens", fmt::format("b_mask_token_id and e_mask_token_id must be different, both are {} "
-                                                 "('{}' and '{}')",
-                                                 b, c.mask_tokens.b_include_to_loss_token,
-                                                 c.mask_tokens.e_include_to_loss_token));
+    throw ConfigError("mask_tokens",
+                      fmt::format("b_mask_token_id and e_mask_token_id must be different, both are {} "
+                                  "('{}' and '{}')",
+                                  b, c.mask_tokens.b_include_to_loss_token, c.mask_tokens.e_include_to_loss_token));
   return std::make_shared<MaskLossCollator>(c, b, e);
 }
 
@@ -286,9 +289,9 @@ void register_components(Registrar& r) {
       "mask_loss_collator_wrapper",
       "Keeps only target tokens strictly between begin and end markers; the rest become loss_ignore_index.",
       [](const MaskLossConfig& c) { return make_mask_loss(c); });
-  r.add<CollateFn, CocaCollatorConfig>(
-      "coca_collator", "Stacks several keys; the text key is split into inputs and shifted targets.",
-      [](const CocaCollatorConfig& c) { return std::make_shared<CocaCollator>(c); });
+  r.add<CollateFn, CocaCollatorConfig>("coca_collator",
+                                       "Stacks several keys; the text key is split into inputs and shifted targets.",
+                                       [](const CocaCollatorConfig& c) { return std::make_shared<CocaCollator>(c); });
 }
 
 }  // namespace modalities::plugins::collators

@@ -62,9 +62,8 @@ class CollatorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto problem = h.registry().register_plugin({"collator_test_fakes", "0.0.0", {}, {}, {}}, [](Registrar& r) {
-      r.add<Tokenizer, NoConfig>("markers", "marker ids", [](const NoConfig&) {
-        return std::make_shared<MarkerTokenizer>();
-      });
+      r.add<Tokenizer, NoConfig>("markers", "marker ids",
+                                 [](const NoConfig&) { return std::make_shared<MarkerTokenizer>(); });
     });
     ASSERT_FALSE(problem.has_value()) << *problem;
   }
@@ -142,11 +141,11 @@ TEST_F(CollatorsTest, MaskLossMatchesTheSpecExample) {
 TEST_F(CollatorsTest, MaskLossHandlesSeveralSpansRowsAndOpenEnds) {
   add_mask_loss();
   auto c = h.get<CollateFn>("masked_collate_fn");
-  const DatasetBatch b = c->collate(std::vector<Sample>{
-      tokens({0, 3, 5, 4, 6, 3, 7, 4, 8}),  // two spans
-      tokens({0, 1, 3, 5, 6, 7, 8, 9, 2}),  // begins, never ends: open until the row ends
-      tokens({0, 5, 6, 7, 8, 9, 1, 2, 5}),  // no markers: fully masked (others have them)
-      tokens({0, 9, 9, 9, 9, 9, 9, 9, 3})});  // ends on a begin marker
+  const DatasetBatch b = c->collate(
+      std::vector<Sample>{tokens({0, 3, 5, 4, 6, 3, 7, 4, 8}),    // two spans
+                          tokens({0, 1, 3, 5, 6, 7, 8, 9, 2}),    // begins, never ends: open until the row ends
+                          tokens({0, 5, 6, 7, 8, 9, 1, 2, 5}),    // no markers: fully masked (others have them)
+                          tokens({0, 9, 9, 9, 9, 9, 9, 9, 3})});  // ends on a begin marker
   const at::Tensor& y = b.targets.at("target_ids");
   EXPECT_THAT(row(y, 0), ElementsAre(-100, 5, -100, -100, -100, 7, -100, -100));
   EXPECT_THAT(row(y, 1), ElementsAre(-100, -100, 5, 6, 7, 8, 9, 2));
@@ -228,8 +227,7 @@ TEST_F(CollatorsTest, CocaCollatorValidatorsNameTheConfigPath) {
 
 TEST(MaskLossGpt2Test, ResolvesMarkersWithTheGpt2Tokenizer) {
   MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
-  const std::filesystem::path gpt2 =
-      std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR) / "data/tokenizer/hf_gpt2";
+  const std::filesystem::path gpt2 = std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR) / "data/tokenizer/hf_gpt2";
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
   h.set_config_text(fmt::format(R"(

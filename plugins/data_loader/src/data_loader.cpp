@@ -75,8 +75,12 @@ DatasetBatch stack_each_key(std::span<const Sample> samples) {
 class DefaultDataLoader final : public DataLoader {
  public:
   DefaultDataLoader(const DataLoaderConfig& c, bool pin)
-      : tag_(c.dataloader_tag), dataset_(c.dataset.shared()), sampler_(c.batch_sampler.shared()),
-        collate_(c.collate_fn ? c.collate_fn->shared() : nullptr), workers_(c.num_workers), pin_(pin),
+      : tag_(c.dataloader_tag),
+        dataset_(c.dataset.shared()),
+        sampler_(c.batch_sampler.shared()),
+        collate_(c.collate_fn ? c.collate_fn->shared() : nullptr),
+        workers_(c.num_workers),
+        pin_(pin),
         window_(c.num_workers * c.prefetch_factor) {}
 
   ~DefaultDataLoader() override { stop_workers(); }

@@ -247,9 +247,10 @@ TEST_F(DataLoaderTest, WithoutCollateFnStacksEveryKey) {
   auto l = h.get<DataLoader>("loader");
   const auto batches = drain(*l);
   ASSERT_EQ(batches.size(), 2u);  // 10 div 4
-  EXPECT_TRUE(batches[1].samples.at("input_ids").equal(
-      at::stack({at::arange(4, 7, at::kLong), at::arange(5, 8, at::kLong), at::arange(6, 9, at::kLong),
-                 at::arange(7, 10, at::kLong)})));
+  EXPECT_TRUE(batches[1]
+                  .samples.at("input_ids")
+                  .equal(at::stack({at::arange(4, 7, at::kLong), at::arange(5, 8, at::kLong),
+                                    at::arange(6, 9, at::kLong), at::arange(7, 10, at::kLong)})));
   EXPECT_TRUE(batches[1].targets.empty());
 }
 

@@ -91,8 +91,8 @@ struct WeightedMixtureConfig {
             "Visit each source in a seed-determined order that changes every pass; false: in order.");
     s.rule([](const WeightedMixtureConfig& c, ParseContext& ctx) {
       if (c.weights.size() != c.datasets.size())
-        ctx.fail("weights", fmt::format("expected one weight per dataset ({}), got {}", c.datasets.size(),
-                                        c.weights.size()));
+        ctx.fail("weights",
+                 fmt::format("expected one weight per dataset ({}), got {}", c.datasets.size(), c.weights.size()));
       else if (std::none_of(c.weights.begin(), c.weights.end(), [](double w) { return w > 0; }))
         ctx.fail("weights", "at least one weight must be positive");
     });
@@ -192,7 +192,8 @@ void register_composite(Registrar& r) {
       "weighted_mixture",
       "NEW: weighted mixture of datasets; position -> (source, sample) is a pure function of the config.",
       [](const WeightedMixtureConfig& c) { return WeightedMixtureDataset::create(c); });
-  r.add<Dataset, DummyDatasetConfig>("dummy_dataset", "Random tensors of fixed shapes (float64 normal / int64 [0, 512)).",
+  r.add<Dataset, DummyDatasetConfig>("dummy_dataset",
+                                     "Random tensors of fixed shapes (float64 normal / int64 [0, 512)).",
                                      [](const DummyDatasetConfig& c) { return std::make_shared<DummyDataset>(c); });
 }
 

@@ -87,7 +87,8 @@ inline std::vector<i128> exact_integer_weights(const std::vector<double>& weight
   int emin = std::numeric_limits<int>::max();
   for (std::size_t i = 0; i < weights.size(); ++i) {
     const double w = weights[i];
-    if (!std::isfinite(w) || w < 0) throw std::invalid_argument("weights[" + std::to_string(i) + "]: must be finite and >= 0");
+    if (!std::isfinite(w) || w < 0)
+      throw std::invalid_argument("weights[" + std::to_string(i) + "]: must be finite and >= 0");
     if (w == 0) {
       parts.emplace_back(0, 0);
       continue;

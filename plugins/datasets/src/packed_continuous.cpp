@@ -46,10 +46,10 @@ class PackedContinuousDataset final : public Dataset {
     block_ = c.reuse_last_target ? stride_ + 1 : stride_;
     const auto tokens = static_cast<std::int64_t>(file_.num_tokens());
     if (tokens < block_)
-      throw ConfigError("sequence_length",
-                        fmt::format("{} holds {} tokens, fewer than one sample of {} tokens (sequence_length {}{})",
-                                    c.raw_data_path.string(), tokens, block_, stride_,
-                                    c.reuse_last_target ? " + 1" : ""));
+      throw ConfigError(
+          "sequence_length",
+          fmt::format("{} holds {} tokens, fewer than one sample of {} tokens (sequence_length {}{})",
+                      c.raw_data_path.string(), tokens, block_, stride_, c.reuse_last_target ? " + 1" : ""));
     // reuse: (T - B) div (B - 1) + 1 = (T - 1) div S;  no reuse: T div S.
     size_ = c.reuse_last_target ? (tokens - 1) / stride_ : tokens / stride_;
   }
@@ -57,8 +57,8 @@ class PackedContinuousDataset final : public Dataset {
   std::int64_t size() const override { return size_; }
 
   Sample get(std::int64_t index) const override {
-    MODALITIES_CHECK(index >= 0 && index < size_, "{}: sample index {} is out of range [0, {})",
-                     file_.path().string(), index, size_);
+    MODALITIES_CHECK(index >= 0 && index < size_, "{}: sample index {} is out of range [0, {})", file_.path().string(),
+                     index, size_);
     at::Tensor t = at::empty({block_}, at::kLong);
     file_.copy_tokens(static_cast<std::uint64_t>(index * stride_), static_cast<std::uint64_t>(block_),
                       t.data_ptr<std::int64_t>());

@@ -6,10 +6,10 @@
 // validator asserting that the message names the config path.
 #include "../src/mixture_schedule.h"
 
-#include <modalities/sdk/interfaces/dataset.h>
-#include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/sdk/formats/packed_data.h>
 #include <modalities/sdk/formats/packed_file.h>
+#include <modalities/sdk/interfaces/dataset.h>
+#include <modalities/sdk/interfaces/tokenizer.h>
 #include <modalities/testing/harness.h>
 #include <modalities/testing/shared_fixtures.h>
 
@@ -68,9 +68,8 @@ struct NoConfig {
 };
 void register_byte_tokenizer(testing::Harness& h) {
   auto problem = h.registry().register_plugin({"test_tokenizer", "0.0.0", {}, {}, {}}, [](Registrar& r) {
-    r.add<Tokenizer, NoConfig>("byte_test", "one id per byte", [](const NoConfig&) {
-      return std::make_shared<ByteTokenizer>();
-    });
+    r.add<Tokenizer, NoConfig>("byte_test", "one id per byte",
+                               [](const NoConfig&) { return std::make_shared<ByteTokenizer>(); });
   });
   ASSERT_FALSE(problem.has_value()) << *problem;
 }
@@ -189,12 +188,14 @@ TEST_F(DatasetsTest, BadPbinFilesAreReportedAtRawDataPath) {
   std::string ts3 = good;
   ts3[8] = 3;
   std::ofstream(dir / "ts3.pbin", std::ios::binary) << ts3;
-  const std::pair<const char*, const char*> cases[] = {
-      {"truncated.pbin", "truncated"}, {"empty.pbin", "too short"}, {"ts3.pbin", "token size 3"},
-      {"missing.pbin", "cannot open"}};
+  const std::pair<const char*, const char*> cases[] = {{"truncated.pbin", "truncated"},
+                                                       {"empty.pbin", "too short"},
+                                                       {"ts3.pbin", "token size 3"},
+                                                       {"missing.pbin", "cannot open"}};
   for (const auto& [name, why] : cases) {
     h.set("train_dataset.config.raw_data_path", Value((dir / name).string()));
-    EXPECT_THAT(h.build_error(), AllOf(HasSubstr("train_dataset.config.raw_data_path"), HasSubstr(name), HasSubstr(why)))
+    EXPECT_THAT(h.build_error(),
+                AllOf(HasSubstr("train_dataset.config.raw_data_path"), HasSubstr(name), HasSubstr(why)))
         << name;
   }
   fs::remove_all(dir);
@@ -274,10 +275,9 @@ TEST_F(DatasetsTest, WeightedMixtureValidatorsNameTheConfigPath) {
 
 TEST_F(DatasetsTest, WeightedMixtureRejectsAnEmptySourceWithPositiveWeight) {
   h.set("random_dataset.config.num_samples", Value(0));
-  h.set("mixture_dataset.config.datasets[0]", Value(Value::Table{{"instance_key", Value("random_dataset")},
-                                                                  {"pass_type", Value("BY_REFERENCE")}}));
-  EXPECT_THAT(h.build_error(),
-              HasSubstr("mixture_dataset.config.datasets[0]: is empty but has a positive weight"));
+  h.set("mixture_dataset.config.datasets[0]",
+        Value(Value::Table{{"instance_key", Value("random_dataset")}, {"pass_type", Value("BY_REFERENCE")}}));
+  EXPECT_THAT(h.build_error(), HasSubstr("mixture_dataset.config.datasets[0]: is empty but has a positive weight"));
 }
 
 TEST_F(DatasetsTest, DummyDatasetHasTheDefinedShapesTypesAndRanges) {
@@ -333,7 +333,8 @@ config = {{ raw_data_path = "{}", tokenizer = {{ instance_key = "tokenizer", pas
 };
 
 std::vector<std::int64_t> bytes_of(std::string_view s) {
-  return {reinterpret_cast<const unsigned char*>(s.data()), reinterpret_cast<const unsigned char*>(s.data()) + s.size()};
+  return {reinterpret_cast<const unsigned char*>(s.data()),
+          reinterpret_cast<const unsigned char*>(s.data()) + s.size()};
 }
 
 TEST_F(MemMapDatasetTest, TokenizesTheSelectedTextOfEachLine) {
@@ -385,12 +386,16 @@ TEST_F(MemMapDatasetTest, ValidatorsNameTheConfigPath) {
   EXPECT_THAT(h.build_error(), HasSubstr("jsonl_dataset.config.jq_pattern: unsupported jq_pattern 'text'"));
   h.set("jsonl_dataset.config.jq_pattern", Value(".text"));
   h.set("jsonl_dataset.config.raw_data_path", Value("does/not/exist.jsonl"));
-  EXPECT_THAT(h.build_error(), HasSubstr("jsonl_dataset.config.raw_data_path: file 'does/not/exist.jsonl' does not exist"));
-  h.set("jsonl_dataset.config.raw_data_path", Value((fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.jsonl").string()));
-  h.set("jsonl_dataset.config.index_path", Value((testing::tiny_example_dir() / "tiny.jsonl").string()));  // not a pickle
+  EXPECT_THAT(h.build_error(),
+              HasSubstr("jsonl_dataset.config.raw_data_path: file 'does/not/exist.jsonl' does not exist"));
+  h.set("jsonl_dataset.config.raw_data_path",
+        Value((fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.jsonl").string()));
+  h.set("jsonl_dataset.config.index_path",
+        Value((testing::tiny_example_dir() / "tiny.jsonl").string()));  // not a pickle
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("index pickle")));
   h.set("jsonl_dataset.config.raw_data_path", Value((testing::tiny_example_dir() / "tiny.jsonl").string()));
-  h.set("jsonl_dataset.config.index_path", Value((fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.idx").string()));  // longer file's index
+  h.set("jsonl_dataset.config.index_path",
+        Value((fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data/sample/eval.idx").string()));  // longer file's index
   EXPECT_THAT(h.build_error(), AllOf(HasSubstr("jsonl_dataset.config.index_path"), HasSubstr("does not belong to")));
   h.erase("jsonl_dataset.config.index_path");
   h.set("jsonl_dataset.config.tokenizer", Value(7));
@@ -399,7 +404,8 @@ TEST_F(MemMapDatasetTest, ValidatorsNameTheConfigPath) {
 
 // mem_map_dataset over `jsonl` with the tokenizer folder `tokenizer` gives the documents of
 // `pbin` (packed from the same file with that tokenizer) without their EOD `eod`.
-void expect_mem_map_equals_packed(const fs::path& tokenizer, const fs::path& jsonl, const fs::path& pbin, std::int64_t eod) {
+void expect_mem_map_equals_packed(const fs::path& tokenizer, const fs::path& jsonl, const fs::path& pbin,
+                                  std::int64_t eod) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.load_plugin(MODALITIES_TEST_HF_TOKENIZER_PLUGIN);
   h.set_config_text(fmt::format(R"(

@@ -30,7 +30,8 @@ std::vector<std::size_t> brute_force_sources(const std::vector<double>& w, std::
 
 TEST(MixtureScheduleTest, MatchesTheSortedDivisorKeys) {
   // Integer weights keep the long-double keys exact, so sorting is a valid reference.
-  for (const auto& w : std::vector<std::vector<double>>{{1, 1}, {1, 3}, {2, 3, 5}, {7, 1, 1, 1}, {1, 0, 4}, {13, 8, 5, 3, 2, 1, 1}}) {
+  for (const auto& w :
+       std::vector<std::vector<double>>{{1, 1}, {1, 3}, {2, 3, 5}, {7, 1, 1, 1}, {1, 0, 4}, {13, 8, 5, 3, 2, 1, 1}}) {
     const std::int64_t m = 600;
     MixtureSchedule s(w, std::vector<std::int64_t>(w.size(), 1000), m, 0, false);
     const auto expected = brute_force_sources(w, m);
@@ -51,7 +52,11 @@ TEST(MixtureScheduleTest, EveryPrefixStaysCloseToItsQuota) {
     std::vector<double> w(k);
     // Skewed, non-dyadic weights in [e^-4, e^2]; uniform doubles from raw bits (portable across libraries).
     for (auto& x : w) x = std::exp(-4.0 + 6.0 * static_cast<double>(rng() >> 11) * 0x1p-53);
-    const double total = [&] { double s = 0; for (double x : w) s += x; return s; }();
+    const double total = [&] {
+      double s = 0;
+      for (double x : w) s += x;
+      return s;
+    }();
     const std::int64_t m = 3000;
     MixtureSchedule s(w, std::vector<std::int64_t>(k, 1 << 20), m, 1, true);
     std::vector<std::int64_t> c(k, 0);

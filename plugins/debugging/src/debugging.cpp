@@ -145,7 +145,8 @@ std::vector<std::shared_ptr<RemovableHandle>> add_nan_hooks(const NanHookConfig&
         const std::string message = fmt::format(
             "model_debugging_hook/nan_hook: {} in {} {} of {}, forward call {} of this model (the micro-batch "
             "count since the run started){}",
-            kind, what, i, where(call.fqn, call.class_name), n, dist::world_size() > 1 ? fmt::format(", rank {}", dist::rank()) : "");
+            kind, what, i, where(call.fqn, call.class_name), n,
+            dist::world_size() > 1 ? fmt::format(", rank {}", dist::rank()) : "");
         if (raise) throw Error(message);
         std::cerr << "warning: " << message << "\n";
       };
@@ -212,7 +213,8 @@ struct SettingsConfig {
 
 class DebugSettings final : public Debugging {
  public:
-  explicit DebugSettings(const SettingsConfig& c) : handles_(c.forward_hooks.handles), determinism_(c.enable_determinism) {
+  explicit DebugSettings(const SettingsConfig& c)
+      : handles_(c.forward_hooks.handles), determinism_(c.enable_determinism) {
     if (!determinism_) return;
     auto& ctx = at::globalContext();
     was_deterministic_ = ctx.deterministicAlgorithms();
@@ -239,7 +241,8 @@ class DebugSettings final : public Debugging {
  private:
   std::vector<std::shared_ptr<RemovableHandle>> handles_;
   bool determinism_;
-  bool was_deterministic_ = false, was_warn_only_ = false, was_cudnn_deterministic_ = false, was_cudnn_benchmark_ = false;
+  bool was_deterministic_ = false, was_warn_only_ = false, was_cudnn_deterministic_ = false,
+       was_cudnn_benchmark_ = false;
   std::optional<std::string> cublas_workspace_;
 };
 
@@ -286,15 +289,16 @@ std::string stats_line(const at::Tensor& t, std::string_view tag, std::string_vi
   std::string torch_dtype = "torch." + std::string(c10::toString(dtype));
   // c10 names Float/BFloat16/Long; torch's repr is float32/bfloat16/int64.
   static const std::map<std::string, std::string> names = {
-      {"torch.Float", "torch.float32"}, {"torch.BFloat16", "torch.bfloat16"}, {"torch.Half", "torch.float16"},
-      {"torch.Double", "torch.float64"}, {"torch.Long", "torch.int64"},      {"torch.Int", "torch.int32"},
-      {"torch.Bool", "torch.bool"},     {"torch.Byte", "torch.uint8"},       {"torch.Char", "torch.int8"},
+      {"torch.Float", "torch.float32"},  {"torch.BFloat16", "torch.bfloat16"}, {"torch.Half", "torch.float16"},
+      {"torch.Double", "torch.float64"}, {"torch.Long", "torch.int64"},        {"torch.Int", "torch.int32"},
+      {"torch.Bool", "torch.bool"},      {"torch.Byte", "torch.uint8"},        {"torch.Char", "torch.int8"},
       {"torch.Short", "torch.int16"}};
   if (auto it = names.find(torch_dtype); it != names.end()) torch_dtype = it->second;
   const std::string shape = fmt::format("[{}]", fmt::join(x.sizes(), ", "));
   return fmt::format(
       "{{\"tensor_tag\": {}, \"hook_type\": {}, \"global_shape\": {}, \"local_shape\": {}, \"dtype\": {}, "
-      "\"is_dtensor\": false, \"nan_count\": {}, \"inf_count\": {}, \"mean\": {}, \"std\": {}, \"min\": {}, \"max\": {}, "
+      "\"is_dtensor\": false, \"nan_count\": {}, \"inf_count\": {}, \"mean\": {}, \"std\": {}, \"min\": {}, \"max\": "
+      "{}, "
       "\"counter\": {}, \"rank\": {}, \"timestamp_ns\": {}}}\n",
       py::json_string(tag), py::json_string(hook_type), shape, shape, py::json_string(torch_dtype), nans, infs, mean,
       stdev, min, max, counter, dist::rank(), timestamp_ns);
@@ -308,7 +312,8 @@ class StatsLog {
     std::FILE* f = std::fopen(file_.c_str(), "ab");
     if (f == nullptr) throw Error(fmt::format("model/debugging_enriched: cannot open '{}'", file_.string()));
     const bool ok = std::fwrite(lines.data(), 1, lines.size(), f) == lines.size();
-    if (std::fclose(f) != 0 || !ok) throw Error(fmt::format("model/debugging_enriched: cannot write '{}'", file_.string()));
+    if (std::fclose(f) != 0 || !ok)
+      throw Error(fmt::format("model/debugging_enriched: cannot write '{}'", file_.string()));
   }
 
  private:
@@ -350,9 +355,10 @@ void enrich(const EnrichedConfig& c) {
           const bool in_block = std::any_of(blocks.begin(), blocks.end(), [&](const std::string& b) {
             return name.size() > b.size() && name.compare(0, b.size(), b) == 0 && name[b.size()] == '.';
           });
-          const bool mine = call.fqn.empty() ? !in_block
-                                             : name.size() > call.fqn.size() && name.compare(0, call.fqn.size(), call.fqn) == 0 &&
-                                                   name[call.fqn.size()] == '.';
+          const bool mine = call.fqn.empty()
+                                ? !in_block
+                                : name.size() > call.fqn.size() && name.compare(0, call.fqn.size(), call.fqn) == 0 &&
+                                      name[call.fqn.size()] == '.';
           if (mine) lines += stats_line(p, call.fqn.empty() ? name : name, "forward_weights", counter, ts);
         }
       } else if (call.point == HookPoint::kForward) {
@@ -393,7 +399,8 @@ void register_components(Registrar& r) {
                                  "list<RemovableHandle>");
     if (nan)
       spec.build = [](const Value& config, BuildContext&) -> Value {
-        return handles_value(add_nan_hooks(detail::parse_or_throw<NanHookConfig>(config)), "model_debugging_hook/nan_hook");
+        return handles_value(add_nan_hooks(detail::parse_or_throw<NanHookConfig>(config)),
+                             "model_debugging_hook/nan_hook");
       };
     else
       spec.build = [](const Value& config, BuildContext&) -> Value {

@@ -79,7 +79,10 @@ TEST(DebuggingTest, NanHookWarnsWithoutRaiseAndChecksGradients) {
   out.at("logits").sum().backward();
   ::testing::internal::GetCapturedStdout();
   const std::string warnings = ::testing::internal::GetCapturedStderr();
-  EXPECT_THAT(warnings, HasSubstr("warning: model_debugging_hook/nan_hook: NaN in output 0 of 'transformer.h.0' (GPT2Block), forward call 1"));
+  EXPECT_THAT(
+      warnings,
+      HasSubstr(
+          "warning: model_debugging_hook/nan_hook: NaN in output 0 of 'transformer.h.0' (GPT2Block), forward call 1"));
   EXPECT_THAT(warnings, HasSubstr("in the gradient of output"));
 }
 

@@ -63,7 +63,8 @@ struct DeviceMeshConfig {
             "Loss parallelism over the tensor-parallel dim; needs tensor_parallel_degree > 1.");
     s.field("world_size", &C::world_size, "Number of ranks, usually ${cuda_env:WORLD_SIZE}.").required().positive();
     s.rule([](const C& c, ParseContext& ctx) {
-      if (c.data_parallel_replicate_degree == 0) ctx.fail("data_parallel_replicate_degree", "must be -1 or >= 1, got 0");
+      if (c.data_parallel_replicate_degree == 0)
+        ctx.fail("data_parallel_replicate_degree", "must be -1 or >= 1, got 0");
       if (c.data_parallel_shard_degree && *c.data_parallel_shard_degree == 0)
         ctx.fail("data_parallel_shard_degree", "must be -1 or >= 1, got 0");
       if (c.data_parallel_replicate_degree == -1 && c.data_parallel_shard_degree == -1)
@@ -78,7 +79,8 @@ struct DeviceMeshConfig {
 std::array<i64, 5> resolve_degrees(const DeviceMeshConfig& c) {
   const i64 world = c.world_size.value_or(1);
   std::array<i64, 5> d = {c.pipeline_parallel_degree, c.data_parallel_replicate_degree,
-                          c.data_parallel_shard_degree.value_or(1), c.context_parallel_degree, c.tensor_parallel_degree};
+                          c.data_parallel_shard_degree.value_or(1), c.context_parallel_degree,
+                          c.tensor_parallel_degree};
   const auto product_without = [&](std::size_t skip) {
     i64 p = 1;
     for (std::size_t k = 0; k < d.size(); ++k)
@@ -98,9 +100,10 @@ std::array<i64, 5> resolve_degrees(const DeviceMeshConfig& c) {
   i64 product = 1;
   for (i64 x : d) product *= x;
   if (product != world)
-    throw ConfigError("world_size", fmt::format("the degrees multiply to {} (pp {} x dp_replicate {} x dp_shard {} x cp {} "
-                                                "x tp {}), but world_size is {}",
-                                                product, d[0], d[1], d[2], d[3], d[4], world));
+    throw ConfigError("world_size",
+                      fmt::format("the degrees multiply to {} (pp {} x dp_replicate {} x dp_shard {} x cp {} "
+                                  "x tp {}), but world_size is {}",
+                                  product, d[0], d[1], d[2], d[3], d[4], world));
   return d;
 }
 
@@ -108,7 +111,7 @@ std::array<i64, 5> resolve_degrees(const DeviceMeshConfig& c) {
 struct MeshState {
   std::vector<MeshDim> names;  // mesh dims, in kDimOrder
   std::vector<i64> sizes;
-  std::vector<i64> coord;          // this rank's coordinate per dim
+  std::vector<i64> coord;  // this rank's coordinate per dim
   std::string device_type;
   std::map<std::vector<std::size_t>, c10::intrusive_ptr<c10d::ProcessGroup>> groups;  // by adjacent dim run
   bool distributed = false;
@@ -153,9 +156,7 @@ class Mesh final : public DeviceMesh {
     return std::make_shared<Mesh>(s_, std::move(picked));
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim dim) const override {
-    return group({at(dim)});
-  }
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim dim) const override { return group({at(dim)}); }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return group(dims_); }
   bool loss_parallel() const override { return s_->loss_parallel; }
 
@@ -167,7 +168,8 @@ class Mesh final : public DeviceMesh {
   }
   std::size_t at(MeshDim dim) const {
     if (auto d = find(dim)) return *d;
-    throw Error(fmt::format("device_mesh: no dim '{}' in this mesh (dims: {})", mesh_dim_name(dim), join_mesh_dims(dims())));
+    throw Error(
+        fmt::format("device_mesh: no dim '{}' in this mesh (dims: {})", mesh_dim_name(dim), join_mesh_dims(dims())));
   }
   c10::intrusive_ptr<c10d::ProcessGroup> group(const std::vector<std::size_t>& dims) const {
     if (!s_->distributed)
@@ -176,9 +178,10 @@ class Mesh final : public DeviceMesh {
     if (it == s_->groups.end()) {
       std::vector<MeshDim> names;
       for (std::size_t d : dims) names.push_back(s_->names[d]);
-      throw Error(fmt::format("device_mesh: no process group over [{}]: flattened groups exist for adjacent mesh dims "
-                              "only (mesh: {})",
-                              join_mesh_dims(names), join_mesh_dims(s_->names)));
+      throw Error(
+          fmt::format("device_mesh: no process group over [{}]: flattened groups exist for adjacent mesh dims "
+                      "only (mesh: {})",
+                      join_mesh_dims(names), join_mesh_dims(s_->names)));
     }
     return it->second;
   }
@@ -199,11 +202,12 @@ std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
     }
   const i64 world = c.world_size.value_or(1);
   if (world != dist::world_size())
-    throw ConfigError("world_size", fmt::format("is {}, but this run has {} process(es) ({}){}", world,
-                                                dist::world_size(), dist::env().source,
-                                                dist::world_size() == 1 ? ": start it with `modalities launch`, torchrun "
-                                                                          "or srun"
-                                                                        : ""));
+    throw ConfigError(
+        "world_size",
+        fmt::format("is {}, but this run has {} process(es) ({}){}", world, dist::world_size(), dist::env().source,
+                    dist::world_size() == 1 ? ": start it with `modalities launch`, torchrun "
+                                              "or srun"
+                                            : ""));
   // This rank's coordinates: row-major over the mesh dims.
   const std::size_t n = state->names.size();
   state->coord.assign(n, 0);
@@ -225,7 +229,8 @@ std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
         std::vector<std::size_t> run;
         for (std::size_t k = a; k < b; ++k) run.push_back(k);
         std::string run_name;
-        for (std::size_t k : run) run_name += (run_name.empty() ? "" : "+") + std::string(mesh_dim_name(state->names[k]));
+        for (std::size_t k : run)
+          run_name += (run_name.empty() ? "" : "+") + std::string(mesh_dim_name(state->names[k]));
         // Enumerate the other dims' coordinates (row-major), then the run's (row-major): ascending ranks.
         std::vector<std::size_t> others;
         for (std::size_t k = 0; k < n; ++k)

@@ -8,8 +8,8 @@
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/module.h>
-#include <modalities/sdk/plugin.h>
 #include <modalities/sdk/parallel.h>
+#include <modalities/sdk/plugin.h>
 #include <modalities/sdk/tensor_parallel.h>
 #include <modalities/testing/harness.h>
 
@@ -21,23 +21,24 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <optional>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace modalities::plugins::device_mesh {
 namespace {
 
-using ::testing::AllOf;
-using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using modalities::testing::CommandResult;
 using modalities::testing::Harness;
 using modalities::testing::run_command;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 std::string mesh_config(const std::string& fields) {
-  return "[device_mesh]\ncomponent_key = \"device_mesh\"\nvariant_key = \"default\"\nconfig = { device_type = \"cpu\", " +
+  return "[device_mesh]\ncomponent_key = \"device_mesh\"\nvariant_key = \"default\"\nconfig = { device_type = "
+         "\"cpu\", " +
          fields + " }\n";
 }
 
@@ -59,7 +60,8 @@ TEST(DeviceMeshTest, OneProcessHasDpShardOfSizeOneAndNoGroups) {
   EXPECT_EQ(mesh->rank(), 0);
   EXPECT_EQ(mesh->device_type(), "cpu");
   EXPECT_FALSE(mesh->has_dim(MeshDim::tp));
-  EXPECT_THAT([&] { (void)mesh->process_group(MeshDim::dp_shard); }, ::testing::ThrowsMessage<Error>(HasSubstr("single-process")));
+  EXPECT_THAT([&] { (void)mesh->process_group(MeshDim::dp_shard); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("single-process")));
   EXPECT_THAT([&] { (void)mesh->size(MeshDim::tp); }, ::testing::ThrowsMessage<Error>(HasSubstr("no dim 'tp'")));
 }
 
@@ -113,8 +115,9 @@ TEST(ParallelDimsTest, TokensPerStepRefusesWhatItCannotCount) {
 TEST(DeviceMeshTest, DegreesFollowModalitiesValidation) {
   EXPECT_THAT(build_error("data_parallel_shard_degree = -1, data_parallel_replicate_degree = -1, world_size = 1"),
               HasSubstr("at most one of the two data-parallel degrees may be -1"));
-  EXPECT_THAT(build_error("data_parallel_shard_degree = 2, world_size = 1"),
-              HasSubstr("the degrees multiply to 2 (pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1), but world_size is 1"));
+  EXPECT_THAT(
+      build_error("data_parallel_shard_degree = 2, world_size = 1"),
+      HasSubstr("the degrees multiply to 2 (pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1), but world_size is 1"));
   EXPECT_THAT(build_error("data_parallel_shard_degree = -1, tensor_parallel_degree = 3, world_size = 4"),
               HasSubstr("world_size 4 is not divisible by the product 3"));
   EXPECT_THAT(build_error("data_parallel_shard_degree = 0, world_size = 1"),
@@ -123,8 +126,9 @@ TEST(DeviceMeshTest, DegreesFollowModalitiesValidation) {
               HasSubstr("needs tensor_parallel_degree > 1"));
   EXPECT_THAT(build_error("world_size = 1"), HasSubstr("data_parallel_shard_degree"));
   Harness h(MODALITIES_TEST_PLUGIN);
-  h.set_config_text("[device_mesh]\ncomponent_key = \"device_mesh\"\nvariant_key = \"default\"\n"
-                    "config = { device_type = \"tpu\", data_parallel_shard_degree = 1, world_size = 1 }\n");
+  h.set_config_text(
+      "[device_mesh]\ncomponent_key = \"device_mesh\"\nvariant_key = \"default\"\n"
+      "config = { device_type = \"tpu\", data_parallel_shard_degree = 1, world_size = 1 }\n");
   EXPECT_THAT(h.build_error(), HasSubstr("device_mesh.config.device_type"));
 }
 
@@ -138,8 +142,8 @@ TEST(DeviceMeshTest, AWorldSizeThatIsNotTheRunsIsRefusedWithAHint) {
 // --- 4 ranks ----------------------------------------------------------------------------------
 
 void launch_workers(int ranks, const std::string& worker) {
-  testing::expect_workers_pass(testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "MeshWorker." + worker, {}, 120),
-                               ranks);
+  testing::expect_workers_pass(
+      testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "MeshWorker." + worker, {}, 120), ranks);
 }
 
 double allreduce_sum(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double value) {
@@ -174,7 +178,7 @@ MODALITIES_WORKER_CASE(MeshWorker, TwoReplicasOfTwoShards) {
   EXPECT_EQ(mesh->rank(), r);
   // Each group holds exactly the ranks that differ only along its dims: sums of global ranks.
   EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::dp_shard), r), 2 * (r / 2) * 2 + 1);  // {2a, 2a+1}
-  EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::dp_replicate), r), 2 * (r % 2) + 2);   // {s, s+2}
+  EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::dp_replicate), r), 2 * (r % 2) + 2);  // {s, s+2}
   EXPECT_EQ(allreduce_sum(mesh->flattened_process_group(), r), 0 + 1 + 2 + 3);
   const auto dp = mesh->sub_mesh({MeshDim::dp_replicate, MeshDim::dp_shard});
   EXPECT_EQ(dp->size(), 4);
@@ -183,8 +187,11 @@ MODALITIES_WORKER_CASE(MeshWorker, TwoReplicasOfTwoShards) {
   EXPECT_EQ(shard->rank(), r % 2);
   EXPECT_EQ(shard->size(), 2);
   EXPECT_EQ(allreduce_sum(shard->flattened_process_group(), 1), 2);
-  EXPECT_THAT([&] { (void)mesh->sub_mesh({MeshDim::dp_shard, MeshDim::dp_replicate}); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("in mesh order")));
+  EXPECT_THAT(
+      [&] {
+        (void)mesh->sub_mesh({MeshDim::dp_shard, MeshDim::dp_replicate});
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("in mesh order")));
   // The typed view: both dims shard data; every rank counts its own batch.
   const ParallelDims dims(mesh);
   EXPECT_EQ(dims.dp_size(), 4);
@@ -214,8 +221,11 @@ MODALITIES_WORKER_CASE(MeshWorker, PipelineAndTensorDimsWithAnInferredShardDegre
   EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::pp), r), 2 * (r % 2) + 2);
   EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::dp_shard), r), r);  // a group of one
   // pp and tp are not adjacent: their per-dim groups exist, a flattened one does not.
-  EXPECT_THAT([&] { (void)mesh->sub_mesh({MeshDim::pp, MeshDim::tp})->flattened_process_group(); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("adjacent mesh dims only")));
+  EXPECT_THAT(
+      [&] {
+        (void)mesh->sub_mesh({MeshDim::pp, MeshDim::tp})->flattened_process_group();
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("adjacent mesh dims only")));
   EXPECT_EQ(allreduce_sum(mesh->sub_mesh({MeshDim::dp_shard, MeshDim::tp})->flattened_process_group(), 1), 2);
   // The typed view: no dim shards data (dp_shard has degree 1), so one data-parallel rank, counted
   // by rank 0 alone; the degree-1 dim has no group to talk to.

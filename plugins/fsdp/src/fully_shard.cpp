@@ -59,19 +59,19 @@ struct Param {
 };
 
 struct Unit {
-  std::string name;                  // "root" or the first block's FQN (+ "..last")
-  std::vector<std::string> blocks;   // hook points in forward order (empty for the root)
-  std::vector<std::size_t> params;   // indexes into Engine::params_
-  at::Tensor flat_shard;             // [shard_numel], fp32 master values
+  std::string name;                 // "root" or the first block's FQN (+ "..last")
+  std::vector<std::string> blocks;  // hook points in forward order (empty for the root)
+  std::vector<std::size_t> params;  // indexes into Engine::params_
+  at::Tensor flat_shard;            // [shard_numel], fp32 master values
   i64 shard_numel = 0;
   bool root = false;
   bool gathered = false;
-  int pending_grads = 0;             // module parameters of this unit still to accumulate this backward
+  int pending_grads = 0;  // module parameters of this unit still to accumulate this backward
   bool awaiting_grads = false;
   // A prefetched all-gather in flight (Note [Prefetching]): its work and output buffer.
   c10::intrusive_ptr<c10d::Work> pending;
   at::Tensor pending_buffer;
-  at::Tensor pending_send;           // the shard cast to the gather dtype, alive until the gather ends
+  at::Tensor pending_send;  // the shard cast to the gather dtype, alive until the gather ends
 };
 
 // Frees / re-allocates the bytes of a tensor's storage without touching the tensor.
@@ -103,7 +103,8 @@ struct GradAccumulated final : torch::autograd::PostAccumulateGradHook {
 class Engine {
  public:
   Engine(std::shared_ptr<Module> inner, ShardingOptions o) : inner_(std::move(inner)), o_(std::move(o)) {
-    if (o_.blocks_per_unit < 1) throw Error(fmt::format("fsdp: blocks per unit must be >= 1, got {}", o_.blocks_per_unit));
+    if (o_.blocks_per_unit < 1)
+      throw Error(fmt::format("fsdp: blocks per unit must be >= 1, got {}", o_.blocks_per_unit));
     if (o_.shard_group) {  // none: one process, nothing to communicate (same code path otherwise)
       world_ = o_.shard_group->getSize();
       rank_ = o_.shard_group->getRank();
@@ -251,7 +252,8 @@ class Engine {
 
     for (const auto& [fqn, t] : named) {
       if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
-      if (t.dim() == 0) throw Error(fmt::format("fsdp: parameter {} is a 0-dim tensor, which cannot be sharded on dim 0", fqn));
+      if (t.dim() == 0)
+        throw Error(fmt::format("fsdp: parameter {} is a 0-dim tensor, which cannot be sharded on dim 0", fqn));
       std::size_t u = units_.size() - 1;
       for (const auto& [block, g] : unit_of_block)
         if (fqn.size() > block.size() && fqn.compare(0, block.size(), block) == 0 && fqn[block.size()] == '.') u = g;
@@ -474,7 +476,8 @@ class Engine {
       o_.replicate_group->allreduce(t)->wait();
       mine.div_(static_cast<double>(o_.replicate_group->getSize()));
     }
-    const at::Tensor master = mine.scalar_type() == unit.flat_shard.scalar_type() ? mine : mine.to(unit.flat_shard.scalar_type());
+    const at::Tensor master =
+        mine.scalar_type() == unit.flat_shard.scalar_type() ? mine : mine.to(unit.flat_shard.scalar_type());
     for (std::size_t i : unit.params) {
       Param& p = params_[i];
       if (!p.shard.requires_grad()) continue;
@@ -498,7 +501,7 @@ class Engine {
   bool sync_ = true;
   int in_flight_ = 0;             // forwards with autograd whose backward has not ended (Note [End of backward])
   bool callback_queued_ = false;  // the end-of-backward callback of the running backward is queued
-  bool exact_ = false;  // gather in the master dtype (with_all_gathered; Note [Mixed precision])
+  bool exact_ = false;            // gather in the master dtype (with_all_gathered; Note [Mixed precision])
   double bytes_gathered_ = 0, bytes_reduced_ = 0;  // since construction; see traffic()
 
  public:
@@ -512,8 +515,8 @@ class Engine {
     Traffic t{bytes_gathered_, bytes_reduced_, 0, 0};
     for (const Unit& unit : units_) {
       if (!unit.flat_shard.defined()) continue;
-      const double b = static_cast<double>(unit.shard_numel * world_) *
-                       static_cast<double>(c10::elementSize(gather_dtype(unit)));
+      const double b =
+          static_cast<double>(unit.shard_numel * world_) * static_cast<double>(c10::elementSize(gather_dtype(unit)));
       t.model += b;
       if (unit.root) t.root = b;
     }
@@ -588,9 +591,10 @@ class FullyShardedModule final : public Module {
         if (p.local_rows > 0)
           p.shard.copy_(v.narrow(0, static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.local_rows));
       } else {
-        throw Error(fmt::format("fsdp: load_state_dict: {} has shape {}, expected the full shape {} or this rank's "
-                                "shard {}",
-                                item.key(), v.sizes().vec(), p.full_shape, p.shard.sizes().vec()));
+        throw Error(
+            fmt::format("fsdp: load_state_dict: {} has shape {}, expected the full shape {} or this rank's "
+                        "shard {}",
+                        item.key(), v.sizes().vec(), p.full_shape, p.shard.sizes().vec()));
       }
     }
     StateDict buffers;
@@ -641,9 +645,10 @@ class FullyShardedModule final : public Module {
   void to(const c10::Device& device, std::optional<c10::ScalarType> dtype) override {
     const c10::Device mine = engine_->params().empty() ? device : engine_->params().front().shard.device();
     if (device != mine || dtype)
-      throw Error(fmt::format("fsdp: a sharded model cannot be moved or cast after wrapping (it is on {}; asked for "
-                              "{}{}); build the model on the run device before model/fsdp2_wrapped",
-                              mine.str(), device.str(), dtype ? std::string(", ") + c10::toString(*dtype) : ""));
+      throw Error(
+          fmt::format("fsdp: a sharded model cannot be moved or cast after wrapping (it is on {}; asked for "
+                      "{}{}); build the model on the run device before model/fsdp2_wrapped",
+                      mine.str(), device.str(), dtype ? std::string(", ") + c10::toString(*dtype) : ""));
   }
 
   std::string sample_key() const override { return engine_->inner().sample_key(); }

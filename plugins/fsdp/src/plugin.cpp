@@ -99,8 +99,7 @@ std::shared_ptr<Module> wrap_fsdp1(const Fsdp1Config& c) {
   ShardingOptions o;
   for (const std::string& name : c.block_names) {
     const auto fqns = inner->submodules_of_class(name);
-    if (fqns.empty())
-      throw ConfigError("block_names", fmt::format("the model has no submodule of class '{}'", name));
+    if (fqns.empty()) throw ConfigError("block_names", fmt::format("the model has no submodule of class '{}'", name));
     for (const std::string& fqn : fqns)
       if (std::find(o.block_fqns.begin(), o.block_fqns.end(), fqn) == o.block_fqns.end()) o.block_fqns.push_back(fqn);
   }

@@ -20,8 +20,8 @@
 #include <modalities/sdk/module_hooks.h>
 #include <modalities/sdk/registrar.h>
 #include <modalities/sdk/schema.h>
-#include <torch/torch.h>
 #include <modalities/testing/harness.h>
+#include <torch/torch.h>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -47,10 +47,10 @@
 namespace modalities::plugins::fsdp {
 namespace {
 
-using ::testing::HasSubstr;
 using modalities::testing::CommandResult;
 using modalities::testing::Harness;
 using modalities::testing::run_command;
+using ::testing::HasSubstr;
 
 // --- a second model: model/fsdp2_wrapped shards it knowing only the SDK --------------------------
 
@@ -94,7 +94,8 @@ class ToyModel final : public Module {
     hooks_.call(HookPoint::kPreForward, "", "ToyStack", {}, {});  // a wrapper gathers the root here
     at::Tensor h = emb_(inputs.at("input_ids"));
     for (std::size_t i = 0; i < blocks_.size(); ++i)
-      h = hooks_.around(fqns_[i], "ToyBlock", h, [block = blocks_[i]](const at::Tensor& x) { return block->forward(x); });
+      h = hooks_.around(fqns_[i], "ToyBlock", h,
+                        [block = blocks_[i]](const at::Tensor& x) { return block->forward(x); });
     return {{"logits", head_(h)}};
   }
   torch::nn::Module& module() override { return *root_; }
@@ -264,7 +265,8 @@ void compare_step(Module& sharded, Module& reference, const at::Tensor& global_i
   }
   // The whole gradient's norm from the shards (sum of squares over ranks) equals the reference's.
   double local = 0, reference_sq = 0;
-  for (const auto& [name, shard] : sharded.named_parameters()) local += shard.grad().to(at::kDouble).square().sum().item<double>();
+  for (const auto& [name, shard] : sharded.named_parameters())
+    local += shard.grad().to(at::kDouble).square().sum().item<double>();
   for (const auto& [name, g] : ref_grads) reference_sq += g.to(at::kDouble).square().sum().item<double>();
   at::Tensor total = at::full({1}, local, at::kDouble);
   if (dist::initialized()) {
@@ -272,7 +274,8 @@ void compare_step(Module& sharded, Module& reference, const at::Tensor& global_i
     // HSDP: every replica holds the whole gradient once.
     dist::world()->allreduce(t)->wait();
   }
-  const double replicas = dist::initialized() ? static_cast<double>(dist::world_size()) / static_cast<double>(dp_shard_size) : 1.0;
+  const double replicas =
+      dist::initialized() ? static_cast<double>(dist::world_size()) / static_cast<double>(dp_shard_size) : 1.0;
   EXPECT_NEAR(std::sqrt(total.item<double>() / replicas), std::sqrt(reference_sq), 1e-6 * std::sqrt(reference_sq))
       << "round " << round << ": gradient norm";
   // SGD on both, then clear the gradients.
@@ -358,10 +361,10 @@ struct WorkerRuntime {
 void launch(int ranks, int replicate, int layers_per_unit, bool toy = false, bool prefetch = true,
             const std::string& fsdp1 = "", const std::string& worker_case = "FsdpWorker.MatchesOneProcess") {
   testing::expect_workers_pass(
-      testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, worker_case,
-                           {{"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {} {} {}", replicate, layers_per_unit,
-                                                                   toy ? 1 : 0, prefetch ? 1 : 0,
-                                                                   fsdp1.empty() ? "-" : fsdp1)}}),
+      testing::run_workers(
+          MODALITIES_TEST_HOST_BINARY, ranks, worker_case,
+          {{"MODALITIES_TEST_LAYOUT", fmt::format("{} {} {} {} {}", replicate, layers_per_unit, toy ? 1 : 0,
+                                                  prefetch ? 1 : 0, fsdp1.empty() ? "-" : fsdp1)}}),
       ranks);
 }
 
@@ -369,8 +372,8 @@ void launch(int ranks, int replicate, int layers_per_unit, bool toy = false, boo
 Layout layout_of_this_launch() {
   Layout l;
   l.world = dist::world_size();
-  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy >> l.prefetch >>
-      l.fsdp1;
+  std::istringstream(std::getenv("MODALITIES_TEST_LAYOUT")) >> l.replicate >> l.layers_per_unit >> l.toy >>
+      l.prefetch >> l.fsdp1;
   if (l.fsdp1 == "-") l.fsdp1.clear();
   if (l.fsdp1 == "SHARD_GRAD_OP" || l.fsdp1 == "_HYBRID_SHARD_ZERO2") l.reshard_after_forward = false;
   return l;
@@ -465,10 +468,10 @@ MODALITIES_WORKER_CASE(FsdpWorker, MemoryPerRank) {
   const double total = total_params * 4 + steps;
   const double mine = params + grads + state + gathered;
   const double bound = total / world * 1.05 + largest_block;
-  std::printf("rank %d of %d: parameters %.0f B, gradients %.0f B, optimizer state %.0f B, still gathered %.0f B = "
-              "%.0f B; whole model %.0f B, / %d = %.0f B; bound %.0f B (x1.05 + largest unit %.0f B)\n",
-              dist::rank(), world, params, grads, state, gathered, mine, total, world, total / world, bound,
-              largest_block);
+  std::printf(
+      "rank %d of %d: parameters %.0f B, gradients %.0f B, optimizer state %.0f B, still gathered %.0f B = "
+      "%.0f B; whole model %.0f B, / %d = %.0f B; bound %.0f B (x1.05 + largest unit %.0f B)\n",
+      dist::rank(), world, params, grads, state, gathered, mine, total, world, total / world, bound, largest_block);
   EXPECT_EQ(gathered, 0);  // after backward every unit is freed
   EXPECT_LE(mine, bound);
 }
@@ -488,7 +491,9 @@ TEST(FsdpTest, FourRanksAsHsdpTwoByTwoMatchOneProcess) { launch(4, 2, 1); }
 // FSDP1's ZeRO-2 strategies (parameters stay gathered from forward to backward) on the same engine;
 // FULL_SHARD, NO_SHARD and HYBRID_SHARD over two nodes train in tests/distributed.
 TEST(FsdpTest, Fsdp1ShardGradOpOnTwoRanksMatchesOneProcess) { launch(2, 1, 1, false, true, "SHARD_GRAD_OP"); }
-TEST(FsdpTest, Fsdp1HybridShardZero2OnTwoRanksMatchesOneProcess) { launch(2, 1, 1, false, true, "_HYBRID_SHARD_ZERO2"); }
+TEST(FsdpTest, Fsdp1HybridShardZero2OnTwoRanksMatchesOneProcess) {
+  launch(2, 1, 1, false, true, "_HYBRID_SHARD_ZERO2");
+}
 
 // --- gradient clippers over shards ----------------------------------------------------------------
 

@@ -34,7 +34,8 @@ const TaggedUnion<NormWrapperConfig>& norm_union() {
              // giving neither elementwise_affine nor bias is taken by the RMSNorm config class,
              // whose eps default is 1e-5. Only with one of them present does the LayerNorm
              // class (default 1e-6) win. README.md describes it for users.
-             const bool layer_norm_class = config.find("elementwise_affine") != nullptr || config.find("bias") != nullptr;
+             const bool layer_norm_class =
+                 config.find("elementwise_affine") != nullptr || config.find("bias") != nullptr;
              out.eps = config.find("eps") != nullptr ? f.eps : (layer_norm_class ? 1e-6 : 1e-5);
              out.weight = f.elementwise_affine;
              out.bias = f.elementwise_affine && f.bias;
@@ -53,24 +54,24 @@ const TaggedUnion<NormWrapperConfig>& norm_union() {
              ctx.warn(join_path(path, "norm_type"),
                       "rms_norm (Modalities' RMSLayerNorm) is deprecated in Modalities; prefer pytorch_rms_norm");
            }),
-       U::alternative<norms::TorchRmsNormConfig>(
-           "pytorch_rms_norm", "RMSNorm keys",
-           [](const norms::TorchRmsNormConfig& f, const Value&, NormWrapperConfig& out, const std::string&,
-              ParseContext&) {
-             out.norm_type = "pytorch_rms_norm";
-             out.kind = norms::Kind::kTorchRmsNorm;
-             out.size = f.normalized_shape;
-             out.size_key = "normalized_shape";
-             out.eps = f.eps;
-             out.weight = true;
-             out.bias = false;
-           })}};
+       U::alternative<norms::TorchRmsNormConfig>("pytorch_rms_norm", "RMSNorm keys",
+                                                 [](const norms::TorchRmsNormConfig& f, const Value&,
+                                                    NormWrapperConfig& out, const std::string&, ParseContext&) {
+                                                   out.norm_type = "pytorch_rms_norm";
+                                                   out.kind = norms::Kind::kTorchRmsNorm;
+                                                   out.size = f.normalized_shape;
+                                                   out.size_key = "normalized_shape";
+                                                   out.eps = f.eps;
+                                                   out.weight = true;
+                                                   out.bias = false;
+                                                 })}};
   return u;
 }
 
 const TaggedUnion<QkvTransformConfig>& qkv_transform_union() {
   using U = TaggedUnion<QkvTransformConfig>;
-  static const U u{"type_hint", "Transform class applied to (q, k, v) after the head split.",
+  static const U u{"type_hint",
+                   "Transform class applied to (q, k, v) after the head split.",
                    "IdentityTransform: {}; RotaryTransform: the fields below.",
                    {U::alternative<IdentityFields>("IdentityTransform", "no keys",
                                                    [](const IdentityFields&, const Value&, QkvTransformConfig& out,
@@ -89,15 +90,15 @@ const TaggedUnion<QkvTransformConfig>& qkv_transform_union() {
 }
 
 void GPT2Config::check_norm(const NormWrapperConfig& n, const std::string& key, std::int64_t expected,
-                       const std::string& what, ParseContext& ctx) {
+                            const std::string& what, ParseContext& ctx) {
   if (n.size != expected)
     ctx.fail(fmt::format("{}.config.{}", key, n.size_key),
              fmt::format("must equal {} ({}), got {}", what, expected, n.size));
 }
 
 void GPT2Config::validate(const GPT2Config& c, ParseContext& ctx) {
-  for (const auto& [value, key] : {std::pair{c.vocab_size, "vocab_size"}, std::pair{c.n_embd, "n_embd"},
-                                   std::pair{c.ffn_hidden, "ffn_hidden"}})
+  for (const auto& [value, key] :
+       {std::pair{c.vocab_size, "vocab_size"}, std::pair{c.n_embd, "n_embd"}, std::pair{c.ffn_hidden, "ffn_hidden"}})
     if (value % 128 != 0)
       ctx.fail(key, fmt::format("must be divisible by 128 (for efficient training, as in Modalities), got {}", value));
   const bool heads_ok = c.n_embd % c.n_head_q == 0;
@@ -138,8 +139,8 @@ void GPT2Config::validate(const GPT2Config& c, ParseContext& ctx) {
     check_norm(*c.attention_config.qk_norm_config, "attention_config.qk_norm_config", c.head_dim(),
                "the head dim n_embd / n_head_q", ctx);
   if (c.ffn_hidden != 4 * c.n_embd)
-    ctx.warn("ffn_hidden", fmt::format("expected 4 * n_embd ({}), got {} (allowed; Modalities warns too)",
-                                       4 * c.n_embd, c.ffn_hidden));
+    ctx.warn("ffn_hidden", fmt::format("expected 4 * n_embd ({}), got {} (allowed; Modalities warns too)", 4 * c.n_embd,
+                                       c.ffn_hidden));
 }
 
 }  // namespace modalities::plugins::gpt2

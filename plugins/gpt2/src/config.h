@@ -61,8 +61,8 @@ struct RopeScalingConfig {
         .at_least(1);
     s.rule([](const C& c, ParseContext& ctx) {
       if (c.rope_type == "llama3" && c.high_freq_factor <= c.low_freq_factor)
-        ctx.fail("high_freq_factor", fmt::format("must exceed low_freq_factor ({}), got {}", c.low_freq_factor,
-                                                 c.high_freq_factor));
+        ctx.fail("high_freq_factor",
+                 fmt::format("must exceed low_freq_factor ({}), got {}", c.low_freq_factor, c.high_freq_factor));
     });
   }
 };
@@ -100,7 +100,6 @@ struct QkvTransformConfig {
 
 struct FromPretrainedArgs {};
 struct FromPretrainedKwargs {};
-
 
 // Modalities' two tagged unions of the GPT-2 config (config.cpp).
 const TaggedUnion<NormWrapperConfig>& norm_union();
@@ -148,8 +147,8 @@ struct Codec<plugins::gpt2::FromPretrainedKwargs> {
       if (key != "torch_dtype" && key != "dtype") {
         ctx.fail(join_path(path, key), "not supported (the from_pretrained keyword argument taken here: torch_dtype)");
         r = Parsed::kError;
-      } else if (!item.is_string() || (item.as_string() != "float32" && item.as_string() != "torch.float32" &&
-                                       item.as_string() != "auto")) {
+      } else if (!item.is_string() ||
+                 (item.as_string() != "float32" && item.as_string() != "torch.float32" && item.as_string() != "auto")) {
         ctx.fail(join_path(path, key),
                  "parameters are float32 master weights here (\"float32\" or \"auto\"); for bf16 compute use "
                  "model/mixed_precision or fsdp2_wrapped's mixed_precision_settings");
@@ -298,7 +297,6 @@ struct GPT2Config {
                          const std::string& what, ParseContext& ctx);
   static void validate(const GPT2Config& c, ParseContext& ctx);
 };
-
 
 /// model/huggingface_pretrained_model: Modalities' keys; see README.md.
 struct HuggingFacePretrainedConfig {

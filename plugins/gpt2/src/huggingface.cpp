@@ -33,9 +33,10 @@ class ConfigReader {
  public:
   explicit ConfigReader(fs::path file) : file_(std::move(file)) {
     if (!fs::is_regular_file(file_))
-      throw Error(fmt::format("{}: no such file (a Hugging Face model folder has config.json next to its "
-                              "model.safetensors)",
-                              file_.string()));
+      throw Error(
+          fmt::format("{}: no such file (a Hugging Face model folder has config.json next to its "
+                      "model.safetensors)",
+                      file_.string()));
     if (parser_.load(file_.string()).get(root_) || !root_.is_object())
       throw Error(fmt::format("{}: not a JSON object", file_.string()));
     refuse_duplicate_keys(root_, "");
@@ -175,7 +176,8 @@ std::optional<RopeScaling> rope_scaling(const ConfigReader& r) {
   if (s.rope_type == "llama3") {
     s.low_freq_factor = num("low_freq_factor", std::nullopt);
     s.high_freq_factor = num("high_freq_factor", std::nullopt);
-    s.original_max_position_embeddings = static_cast<std::int64_t>(num("original_max_position_embeddings", std::nullopt));
+    s.original_max_position_embeddings =
+        static_cast<std::int64_t>(num("original_max_position_embeddings", std::nullopt));
     if (!(s.high_freq_factor > s.low_freq_factor && s.low_freq_factor > 0))
       throw r.error("rope_scaling", "needs 0 < low_freq_factor < high_freq_factor");
   }
@@ -250,15 +252,17 @@ ImportedConfig read_gpt2(const ConfigReader& r) {
   if (act == "gelu_new" || act == "gelu_pytorch_tanh") s.activation = "gelu_tanh";
   else if (act == "gelu") s.activation = "gelu";
   else
-    throw r.error("activation_function",
-                  fmt::format("is '{}'; model/gpt2 has gelu_new / gelu_pytorch_tanh (tanh approximation) and gelu", act));
+    throw r.error(
+        "activation_function",
+        fmt::format("is '{}'; model/gpt2 has gelu_new / gelu_pytorch_tanh (tanh approximation) and gelu", act));
   if (s.n_embd % s.n_head_q != 0)
     throw r.error("n_head", fmt::format("must divide n_embd ({}), got {}", s.n_embd, s.n_head_q));
   if (!r.boolean("scale_attn_weights", true))
     throw r.error("scale_attn_weights", "is false; model/gpt2 always scales attention scores by 1/sqrt(head dim)");
   if (r.boolean("scale_attn_by_inverse_layer_idx", false))
     throw r.error("scale_attn_by_inverse_layer_idx", "is true; model/gpt2 has no per-layer attention scaling");
-  if (r.boolean("add_cross_attention", false)) throw r.error("add_cross_attention", "is true; decoder-only models only");
+  if (r.boolean("add_cross_attention", false))
+    throw r.error("add_cross_attention", "is true; decoder-only models only");
   return c;
 }
 
@@ -298,8 +302,9 @@ std::vector<Link> links(const std::string& model_type, const DecoderSpec& s) {
       out.push_back({h + "attn.c_attn.weight",
                      {o + "attn.q_attn.weight", o + "attn.k_attn.weight", o + "attn.v_attn.weight"},
                      Kind::kQkvWeight});
-      out.push_back(
-          {h + "attn.c_attn.bias", {o + "attn.q_attn.bias", o + "attn.k_attn.bias", o + "attn.v_attn.bias"}, Kind::kQkvBias});
+      out.push_back({h + "attn.c_attn.bias",
+                     {o + "attn.q_attn.bias", o + "attn.k_attn.bias", o + "attn.v_attn.bias"},
+                     Kind::kQkvBias});
       add(h + "attn.c_proj.weight", o + "attn.c_proj.weight", Kind::kTransposed);
       add(h + "attn.c_proj.bias", o + "attn.c_proj.bias");
       add(h + "mlp.c_fc.weight", o + "mlp.c_fc.weight", Kind::kTransposed);
@@ -315,15 +320,15 @@ std::vector<Link> links(const std::string& model_type, const DecoderSpec& s) {
       const std::string h = fmt::format("model.layers.{}.", i), o = fmt::format("transformer.h.{}.", i);
       add(h + "input_layernorm.weight", o + "attention_norm.weight");
       add(h + "post_attention_layernorm.weight", o + "ffn_norm.weight");
-      for (const auto& [hf, ours] : {std::pair{"q_proj", "q_attn"}, std::pair{"k_proj", "k_attn"},
-                                     std::pair{"v_proj", "v_attn"}}) {
+      for (const auto& [hf, ours] :
+           {std::pair{"q_proj", "q_attn"}, std::pair{"k_proj", "k_attn"}, std::pair{"v_proj", "v_attn"}}) {
         add(h + "self_attn." + hf + ".weight", o + "attn." + ours + ".weight");
         if (s.qkv_bias) add(h + "self_attn." + hf + ".bias", o + "attn." + ours + ".bias");
       }
       add(h + "self_attn.o_proj.weight", o + "attn.c_proj.weight");
       if (s.attn_proj_bias) add(h + "self_attn.o_proj.bias", o + "attn.c_proj.bias");
-      for (const auto& [hf, ours] : {std::pair{"gate_proj", "W"}, std::pair{"up_proj", "V"},
-                                     std::pair{"down_proj", "W_2"}}) {
+      for (const auto& [hf, ours] :
+           {std::pair{"gate_proj", "W"}, std::pair{"up_proj", "V"}, std::pair{"down_proj", "W_2"}}) {
         add(h + "mlp." + hf + ".weight", o + "mlp." + ours + ".weight");
         if (s.mlp_bias) add(h + "mlp." + hf + ".bias", o + "mlp." + ours + ".bias");
       }
@@ -395,26 +400,32 @@ std::string choose_model_type(const DecoderSpec& s) {
   if (s.absolute_positions) {
     if (s.activation == "swiglu") why.push_back("learned positions (ABSOLUTE) with SwiGLU");
     if (s.norm != "layer_norm") why.push_back("learned positions need LayerNorm with weight and bias (GPT-2)");
-    if (s.n_head_kv != s.n_head_q) why.push_back("GPT-2 has no grouped-query attention (n_head_kv must equal n_head_q)");
-    if (!(s.qkv_bias && s.attn_proj_bias && s.mlp_bias)) why.push_back("GPT-2 has biases on every linear (bias = true)");
+    if (s.n_head_kv != s.n_head_q)
+      why.push_back("GPT-2 has no grouped-query attention (n_head_kv must equal n_head_q)");
+    if (!(s.qkv_bias && s.attn_proj_bias && s.mlp_bias))
+      why.push_back("GPT-2 has biases on every linear (bias = true)");
     if (s.sliding_window) why.push_back("GPT-2 has no sliding window");
     if (why.empty()) return "gpt2";
   } else {
-    if (s.activation != "swiglu") why.push_back(fmt::format("RoPE with {} (the RoPE families use SwiGLU)", s.activation));
-    if (s.norm != "rms_norm") why.push_back("RoPE models need RMSNorm without bias (pytorch_rms_norm, or rms_norm with bias = false)");
+    if (s.activation != "swiglu")
+      why.push_back(fmt::format("RoPE with {} (the RoPE families use SwiGLU)", s.activation));
+    if (s.norm != "rms_norm")
+      why.push_back("RoPE models need RMSNorm without bias (pytorch_rms_norm, or rms_norm with bias = false)");
     const bool no_bias = !s.qkv_bias && !s.attn_proj_bias && !s.mlp_bias;
     if (s.sliding_window && !no_bias) why.push_back("a sliding window (Mistral) with biases");
     if (why.empty()) {
       if (s.sliding_window) return "mistral";
       if (s.qkv_bias && !s.attn_proj_bias && !s.mlp_bias) return "qwen2";
       if (s.qkv_bias == s.attn_proj_bias) return "llama";
-      why.push_back("biases on q/k/v and attn.c_proj differ (Llama's attention_bias covers all four, Qwen2 has q/k/v only)");
+      why.push_back(
+          "biases on q/k/v and attn.c_proj differ (Llama's attention_bias covers all four, Qwen2 has q/k/v only)");
     }
   }
-  throw Error(fmt::format("this model has no transformers counterpart: {}. Exported are Llama (RoPE, SwiGLU, RMSNorm), "
-                          "Mistral (the same with a sliding window), Qwen2 (biases on q/k/v) and GPT-2 (learned "
-                          "positions, GELU, LayerNorm, biases)",
-                          fmt::join(why, "; ")));
+  throw Error(
+      fmt::format("this model has no transformers counterpart: {}. Exported are Llama (RoPE, SwiGLU, RMSNorm), "
+                  "Mistral (the same with a sliding window), Qwen2 (biases on q/k/v) and GPT-2 (learned "
+                  "positions, GELU, LayerNorm, biases)",
+                  fmt::join(why, "; ")));
 }
 
 }  // namespace
@@ -429,8 +440,8 @@ void check_allocatable(const ConfigReader& r, const ImportedConfig& c) {
   const long double d = static_cast<long double>(s.n_embd);
   const long double head = d / static_cast<long double>(s.n_head_q);
   const long double kv = head * static_cast<long double>(s.n_head_kv);
-  const long double per_layer = d * (d + 2 * kv) + d * d +
-                                (s.activation == "swiglu" ? 3 : 2) * d * static_cast<long double>(s.mlp_hidden);
+  const long double per_layer =
+      d * (d + 2 * kv) + d * d + (s.activation == "swiglu" ? 3 : 2) * d * static_cast<long double>(s.mlp_hidden);
   // Embedding (and untied head), wpe or the RoPE table, the blocks.
   const long double params = static_cast<long double>(s.vocab_size) * d * (s.tie_word_embeddings ? 1 : 2) +
                              static_cast<long double>(s.max_positions) * (s.absolute_positions ? d : head) +
@@ -441,13 +452,15 @@ void check_allocatable(const ConfigReader& r, const ImportedConfig& c) {
   const std::string sizes =
       gpt2 ? fmt::format("vocab_size {}, n_positions {}, n_embd {}, n_inner {}, n_layer {}", s.vocab_size,
                          s.max_positions, s.n_embd, s.mlp_hidden, s.n_layer)
-           : fmt::format("vocab_size {}, max_position_embeddings {}, hidden_size {}, intermediate_size {}, "
-                         "num_hidden_layers {}",
-                         s.vocab_size, s.max_positions, s.n_embd, s.mlp_hidden, s.n_layer);
-  throw Error(fmt::format("{}: the sizes ({}) describe a model of {:.3g} parameters, {:.3g} GB in fp32, more than "
-                          "this machine's {:.3g} GB of memory; a size is wrong",
-                          r.file().string(), sizes, static_cast<double>(params), static_cast<double>(bytes / 1e9),
-                          static_cast<double>(memory / 1e9)));
+           : fmt::format(
+                 "vocab_size {}, max_position_embeddings {}, hidden_size {}, intermediate_size {}, "
+                 "num_hidden_layers {}",
+                 s.vocab_size, s.max_positions, s.n_embd, s.mlp_hidden, s.n_layer);
+  throw Error(
+      fmt::format("{}: the sizes ({}) describe a model of {:.3g} parameters, {:.3g} GB in fp32, more than "
+                  "this machine's {:.3g} GB of memory; a size is wrong",
+                  r.file().string(), sizes, static_cast<double>(params), static_cast<double>(bytes / 1e9),
+                  static_cast<double>(memory / 1e9)));
 }
 
 ImportedConfig read_config(const fs::path& folder) {
@@ -473,8 +486,7 @@ StateDict to_modalities(const ImportedConfig& config, const StateDict& hf_in,
     if (ignorable(name)) continue;
     if (is_gpt2(config.model_type) && !name.starts_with("transformer.") && name != "lm_head.weight")
       hf.emplace("transformer." + name, t);
-    else
-      hf.emplace(name, t);
+    else hf.emplace(name, t);
   }
   if (config.spec.tie_word_embeddings) hf.erase("lm_head.weight");  // transformers ties it to the embedding
   StateDict out;
@@ -501,7 +513,8 @@ StateDict to_modalities(const ImportedConfig& config, const StateDict& hf_in,
     switch (l.kind) {
       case Kind::kSame: put(l.ours[0], t, l.hf); break;
       case Kind::kTransposed:
-        if (t.dim() != 2) throw Error(fmt::format("{}: '{}' is {}, expected a matrix", folder, l.hf, shape_of(t.sizes())));
+        if (t.dim() != 2)
+          throw Error(fmt::format("{}: '{}' is {}, expected a matrix", folder, l.hf, shape_of(t.sizes())));
         put(l.ours[0], t.t(), l.hf);
         break;
       case Kind::kQkvWeight:
@@ -553,11 +566,11 @@ HuggingFaceCheckpoint to_huggingface(const DecoderSpec& s, const StateDict& ours
   const std::string dtype = dtype_name(options.dtype.value_or(wte.defined() ? wte.scalar_type() : at::kFloat));
 
   JsonObject j;
-  j.raw("architectures", fmt::format("[\n    {}\n  ]", formats::json_quote(
-                                                           model_type == "gpt2"      ? "GPT2LMHeadModel"
-                                                           : model_type == "llama"   ? "LlamaForCausalLM"
-                                                           : model_type == "mistral" ? "MistralForCausalLM"
-                                                                                     : "Qwen2ForCausalLM")));
+  j.raw("architectures",
+        fmt::format("[\n    {}\n  ]", formats::json_quote(model_type == "gpt2"      ? "GPT2LMHeadModel"
+                                                          : model_type == "llama"   ? "LlamaForCausalLM"
+                                                          : model_type == "mistral" ? "MistralForCausalLM"
+                                                                                    : "Qwen2ForCausalLM")));
   j.str("model_type", model_type).num("vocab_size", s.vocab_size).boolean("tie_word_embeddings", s.tie_word_embeddings);
   j.opt("bos_token_id", options.bos_token_id).opt("eos_token_id", options.eos_token_id);
   if (options.pad_token_id) j.num("pad_token_id", *options.pad_token_id);
@@ -586,16 +599,20 @@ HuggingFaceCheckpoint to_huggingface(const DecoderSpec& s, const StateDict& ours
     } else {
       j.raw("rope_scaling", "null");
     }
-    if (model_type == "llama") j.boolean("attention_bias", s.qkv_bias).boolean("mlp_bias", s.mlp_bias).num("pretraining_tp", 1);
+    if (model_type == "llama")
+      j.boolean("attention_bias", s.qkv_bias).boolean("mlp_bias", s.mlp_bias).num("pretraining_tp", 1);
     if (model_type == "mistral") j.opt("sliding_window", s.sliding_window);
     if (model_type == "qwen2") j.boolean("use_sliding_window", false).raw("sliding_window", "null");
   }
-  c.architecture = model_type == "gpt2" ? "GPT2LMHeadModel" : model_type == "llama" ? "LlamaForCausalLM"
-                                                           : model_type == "mistral" ? "MistralForCausalLM"
-                                                                                     : "Qwen2ForCausalLM";
+  c.architecture = model_type == "gpt2"      ? "GPT2LMHeadModel"
+                   : model_type == "llama"   ? "LlamaForCausalLM"
+                   : model_type == "mistral" ? "MistralForCausalLM"
+                                             : "Qwen2ForCausalLM";
   c.config_json = j.dump() + "\n";
   JsonObject g;
-  g.boolean("_from_model_config", true).opt("bos_token_id", options.bos_token_id).opt("eos_token_id", options.eos_token_id);
+  g.boolean("_from_model_config", true)
+      .opt("bos_token_id", options.bos_token_id)
+      .opt("eos_token_id", options.eos_token_id);
   if (options.pad_token_id) g.num("pad_token_id", *options.pad_token_id);
   c.generation_config_json = g.dump() + "\n";
   return c;

@@ -50,8 +50,7 @@ ImportedConfig read_config(const std::filesystem::path& folder);
 /// transformers' tensors (by their names) -> model/gpt2's state dict (without RoPE buffers).
 /// `expected` holds model/gpt2's shapes; every tensor must be used and every expected one found.
 StateDict to_modalities(const ImportedConfig& config, const StateDict& hf,
-                        const std::map<std::string, std::vector<std::int64_t>>& expected,
-                        const std::string& folder);
+                        const std::map<std::string, std::vector<std::int64_t>>& expected, const std::string& folder);
 
 /// model/gpt2's state dict -> a transformers checkpoint (architecture chosen from the spec:
 /// GPT-2 for learned positions, otherwise Mistral with a sliding window, Qwen2 with biases on

@@ -63,8 +63,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     if (it == inputs.end()) {
       std::vector<std::string> keys;
       for (const auto& [k, v] : inputs) keys.push_back(k);
-      throw Error(fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key,
-                              quoted_list(keys)));
+      throw Error(
+          fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key, quoted_list(keys)));
     }
     return {{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_)}};
   }
@@ -116,8 +116,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     if (!any_meta) return Module::to(device, dtype);
     impl_->remap_leaves([&](const at::Tensor& t) {
       const c10::ScalarType target = dtype && c10::isFloatingType(t.scalar_type()) ? *dtype : t.scalar_type();
-      at::Tensor out = t.is_meta() ? at::empty(t.sizes(), t.options().device(device).dtype(target))
-                                   : t.detach().to(device, target);
+      at::Tensor out =
+          t.is_meta() ? at::empty(t.sizes(), t.options().device(device).dtype(target)) : t.detach().to(device, target);
       return out.set_requires_grad(t.requires_grad());
     });
   }
@@ -157,8 +157,9 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   void reset_parameters() override {
     for (const auto& t : impl_->parameters())
       if (t.is_meta())
-        throw Error("gpt2: reset_parameters() needs materialized tensors; the model is on the meta device "
-                    "(move it with to(device) first)");
+        throw Error(
+            "gpt2: reset_parameters() needs materialized tensors; the model is on the meta device "
+            "(move it with to(device) first)");
     // Split: the whole model is initialized as in one process (same random numbers), each rank keeps its part.
     if (tp_ && !whole_) return apply_to_full_parameters([](Module& full) { full.reset_parameters(); });
     GPT2LLMImpl::reset_leaves(*impl_);
@@ -172,9 +173,10 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   // `modalities convert_pytorch_to_hf_checkpoint` (README.md, "Hugging Face interop").
   HuggingFaceCheckpoint to_huggingface(const HuggingFaceExportOptions& options) const override {
     if (tp_ || retained_)
-      throw Error("gpt2: a tensor-parallel or pipeline-split model holds part of the weights; export the whole "
-                  "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
-                  "sharded checkpoints whole)");
+      throw Error(
+          "gpt2: a tensor-parallel or pipeline-split model holds part of the weights; export the whole "
+          "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
+          "sharded checkpoints whole)");
     for (const auto& t : impl_->parameters())
       if (t.is_meta()) throw Error("gpt2: the model is on the meta device; load a checkpoint into it before exporting");
     return hf::to_huggingface(spec_from_config(config_), state_dict(), options);
@@ -187,8 +189,9 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   // device too (the chunks are meta then).
   void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options) override {
     if (dims.has(MeshDim::dp_replicate))
-      throw ConfigError("device_mesh", "has a dp_replicate dim; tensor parallelism composes with dp_shard only (as in "
-                                       "Modalities)");
+      throw ConfigError("device_mesh",
+                        "has a dp_replicate dim; tensor parallelism composes with dp_shard only (as in "
+                        "Modalities)");
     parallelize(TpPlan::from(dims, options));
   }
 
@@ -260,14 +263,16 @@ class GPT2 final : public Module, public HuggingFaceExportable {
       const at::Tensor& t = item.value();
       if (!d || split.contains(t.unsafeGetTensorImpl())) continue;
       if (t.is_meta())
-        throw Error("gpt2_tp: the model's parameters are on the meta device; move it to a device before "
-                    "initializing it (model/model_initialized does)");
+        throw Error(
+            "gpt2_tp: the model's parameters are on the meta device; move it to a device before "
+            "initializing it (model/model_initialized does)");
       at::Tensor full = tp::gather_from_tensor_parallel(t, *d, tp_->group).set_requires_grad(t.requires_grad());
       split.emplace(t.unsafeGetTensorImpl(), Split{t, std::move(full), *d});
     }
     const auto swap_to = [&](bool whole) {
       std::unordered_map<const void*, at::Tensor> to;
-      for (const auto& [impl, s] : split) to.emplace(whole ? s.local.unsafeGetTensorImpl() : s.full.unsafeGetTensorImpl(), whole ? s.full : s.local);
+      for (const auto& [impl, s] : split)
+        to.emplace(whole ? s.local.unsafeGetTensorImpl() : s.full.unsafeGetTensorImpl(), whole ? s.full : s.local);
       impl_->remap_leaves([&](const at::Tensor& t) {
         const auto it = to.find(t.unsafeGetTensorImpl());
         return it == to.end() ? t : it->second;
@@ -299,14 +304,16 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
     auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta));
-    if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
+    if (tp_) copy->parallelize(*tp_);                 // the same local shapes and plan
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
     for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
     for (const auto& item : impl_->named_buffers(true)) mine.emplace(item.key(), item.value());
     std::unordered_map<const void*, std::string> names;  // meta tensor of the copy -> its FQN
-    for (const auto& item : copy->impl_->named_parameters(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
-    for (const auto& item : copy->impl_->named_buffers(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    for (const auto& item : copy->impl_->named_parameters(true))
+      names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    for (const auto& item : copy->impl_->named_buffers(true))
+      names.emplace(item.value().unsafeGetTensorImpl(), item.key());
     copy->impl_->remap_leaves([&](const at::Tensor& t) {
       const at::Tensor& src = mine.at(names.at(t.unsafeGetTensorImpl()));
       return src.detach().clone().set_requires_grad(src.requires_grad());
@@ -326,12 +333,11 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   GPT2Config config_;
   std::shared_ptr<GPT2LLMImpl> impl_;
   Dt param_dtype_;
-  std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
+  std::shared_ptr<const TpPlan> tp_;                               // model/gpt2_tp
   std::map<std::string, std::vector<std::int64_t>> local_shapes_;  // of every parameter, once split
-  bool whole_ = false;                // inside apply_to_full_parameters: the tensors are whole
+  bool whole_ = false;                                // inside apply_to_full_parameters: the tensors are whole
   std::optional<std::vector<std::string>> retained_;  // a pipeline stage's modules
 };
-
 
 }  // namespace
 

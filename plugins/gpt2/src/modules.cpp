@@ -8,10 +8,10 @@
 #include <modalities/sdk/norms.h>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/dropout.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -106,10 +106,7 @@ class EmbeddingImpl final : public Leaf {
 class NormImpl final : public Leaf {
  public:
   NormImpl(const NormWrapperConfig& c, const at::TensorOptions& o)
-      : Leaf(norms::module_name(c.kind)),
-        kind_(c.kind),
-        n_(c.size),
-        eps_(c.eps) {
+      : Leaf(norms::module_name(c.kind)), kind_(c.kind), n_(c.size), eps_(c.eps) {
     if (c.weight) register_parameter("weight", at::empty({n_}, o));
     if (c.bias) register_parameter("bias", at::empty({n_}, o));
     sync();
@@ -251,7 +248,7 @@ class CausalMaskCache {
         mask_.scalar_type() == o.dtype().toScalarType())
       return mask_;
     mask_ = at::zeros({T, T}, o).masked_fill_(allowed(T, o.device()).logical_not(),
-                                               -std::numeric_limits<double>::infinity());
+                                              -std::numeric_limits<double>::infinity());
     return mask_;
   }
   // Boolean [T, T] (true: attend) when a sliding window cuts into length T; undefined otherwise
@@ -336,8 +333,9 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
         sk.sin = sq.sin;
       }
       sk.repeat = sv.repeat = q_norm ? 1 : r;
-      Qkv h = fused_qkv(x, cast(q_attn->weight, dt), cast(q_attn->bias, dt), cast(k_attn->weight, dt),
-                        cast(k_attn->bias, dt), cast(v_attn->weight, dt), cast(v_attn->bias, dt), B, T, hd_, sq, sk, sv);
+      Qkv h =
+          fused_qkv(x, cast(q_attn->weight, dt), cast(q_attn->bias, dt), cast(k_attn->weight, dt),
+                    cast(k_attn->bias, dt), cast(v_attn->weight, dt), cast(v_attn->bias, dt), B, T, hd_, sq, sk, sv);
       q = std::move(h.q);
       k = std::move(h.k);
       v = std::move(h.v);
@@ -408,7 +406,8 @@ class SwiGLUImpl final : public torch::nn::Module {
   // x: [B*T, d] -> [B*T, h] -> [B*T, d]; no dropout (as in Modalities). Under TP h is this
   // rank's part of the hidden units and W_2 is row-parallel.
   at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
-    const at::Tensor g = fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt));
+    const at::Tensor g =
+        fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt));
     return tp ? row_parallel(*W_2, g, B, T, dt, *tp) : (*W_2)(g, dt);
   }
 
@@ -541,8 +540,7 @@ at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
   } else if (transformer_->contains("wte")) {
     if (absolute_ && transformer_->contains("wpe"))
       h = ((*wte_)(input, dt) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
-    else
-      h = (*wte_)(input.reshape({B * T}), dt);  // [B*T, d]
+    else h = (*wte_)(input.reshape({B * T}), dt);  // [B*T, d]
   } else {
     TORCH_CHECK(input.dim() == 3, "gpt2: a part without wte expects hidden states [B, T, d], got ", input.sizes());
     h = (input.is_floating_point() ? cast(input, dt) : input).reshape({B * T, input.size(2)});
@@ -573,7 +571,7 @@ at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
     if (!tp->loss_parallel) h = tp::gather_from_tensor_parallel(h, 1, tp->group);
   } else if (transformer_->contains("lm_head")) {
     h = (*lm_head_)(h, dt);  // [B*T, V]
-  } else if (sp) {  // a part without the head hands on whole, replicated hidden states
+  } else if (sp) {           // a part without the head hands on whole, replicated hidden states
     h = tp::gather_from_tensor_parallel(h.view({B, T / tp->size, -1}), 1, tp->group).reshape({B * T, -1});
   }
   return h.view({B, T, -1});

@@ -92,5 +92,4 @@ class GPT2LLMImpl final : public torch::nn::Module {
   std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
 };
 
-
 }  // namespace modalities::plugins::gpt2

@@ -32,8 +32,7 @@ struct MixedPrecisionConfig {
   Ref<Module> model;
   MixedPrecisionSettings mixed_precision_settings;
   static void describe(Schema<MixedPrecisionConfig>& s) {
-    s.field("model", &MixedPrecisionConfig::model, "Model to run in mixed precision (returned, modified).")
-        .required();
+    s.field("model", &MixedPrecisionConfig::model, "Model to run in mixed precision (returned, modified).").required();
     s.field("mixed_precision_settings", &MixedPrecisionConfig::mixed_precision_settings,
             "{param_dtype, reduce_dtype}, as in model/fsdp2_wrapped.")
         .required();
@@ -75,7 +74,6 @@ std::shared_ptr<Module> split_model(const Gpt2TpConfig& c) {
   }
   return c.model.shared();
 }
-
 
 }  // namespace
 

@@ -107,9 +107,9 @@ GPT2Config config_from_spec(const hf::DecoderSpec& s) {
     t.rope.seq_length_dim = -2;
     t.rope.base_freq = s.rope_theta;
     if (s.rope_scaling)
-      t.rope.rope_scaling = RopeScalingConfig{s.rope_scaling->rope_type, s.rope_scaling->factor,
-                                              s.rope_scaling->low_freq_factor, s.rope_scaling->high_freq_factor,
-                                              s.rope_scaling->original_max_position_embeddings};
+      t.rope.rope_scaling =
+          RopeScalingConfig{s.rope_scaling->rope_type, s.rope_scaling->factor, s.rope_scaling->low_freq_factor,
+                            s.rope_scaling->high_freq_factor, s.rope_scaling->original_max_position_embeddings};
     c.attention_config.qkv_transforms.push_back(t);
   }
   NormWrapperConfig n;
@@ -133,8 +133,9 @@ GPT2Config config_from_spec(const hf::DecoderSpec& s) {
 
 std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
   if (c.model_type != "AutoModelForCausalLM")
-    throw ConfigError("model_type", "AutoModelForMaskedLM (encoder models such as BERT) is not supported: model/gpt2 "
-                                    "is a causal decoder; use AutoModelForCausalLM");
+    throw ConfigError("model_type",
+                      "AutoModelForMaskedLM (encoder models such as BERT) is not supported: model/gpt2 "
+                      "is a causal decoder; use AutoModelForCausalLM");
   const std::filesystem::path folder = c.model_name;
   if (!std::filesystem::is_directory(folder))
     throw ConfigError("model_name",
@@ -165,6 +166,5 @@ std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
   model->load_state_dict(weights, /*strict=*/true);
   return model;
 }
-
 
 }  // namespace modalities::plugins::gpt2

@@ -104,8 +104,8 @@ TEST_P(FusedOpsTest, RmsNormEqualsAtRmsNormWithResidualFanOut) {
       const auto fused = run(body([](auto x, auto w) { return g::fused_rms_norm(x, w, 1e-5); }), {x, w}, seed);
       const auto composite =
           run(body([](auto x, auto w) { return at::rms_norm(x, {x.size(-1)}, optional(w), 1e-5); }), {x, w}, seed);
-      const std::string what = "rms_norm " + std::string(weight ? "with" : "without") + " weight, " +
-                               std::to_string(shape.size()) + "-d";
+      const std::string what =
+          "rms_norm " + std::string(weight ? "with" : "without") + " weight, " + std::to_string(shape.size()) + "-d";
       if (weight) {
         expect_bit_identical(fused, composite, what);
       } else {
@@ -148,9 +148,9 @@ TEST_P(FusedOpsTest, AttentionHeadsEqualTheCompositeChain) {
         return in[0] + at::linear(y.transpose(1, 2).contiguous().view({B * T, -1}), in[4]);
       };
       const std::vector<at::Tensor> inputs{x, wq, wk, wv, wo};
-      expect_bit_identical(run(fused_f, inputs, seed), run(composite_f, inputs, seed),
-                           std::string("attention, rotary ") + (rotary ? "on" : "off") + ", repeat " +
-                               std::to_string(rep));
+      expect_bit_identical(
+          run(fused_f, inputs, seed), run(composite_f, inputs, seed),
+          std::string("attention, rotary ") + (rotary ? "on" : "off") + ", repeat " + std::to_string(rep));
     }
   }
   (void)r;
@@ -194,8 +194,9 @@ TEST_P(FusedOpsTest, SwigluEqualsTheComposite) {
         return h + swiglu(h, in[1], bias ? in[2] : at::Tensor(), in[3], bias ? in[4] : at::Tensor()).narrow(1, 0, 16);
       };
     };
-    const auto fused = run(body([](auto x, auto w, auto bw, auto v, auto bv) { return g::fused_swiglu(x, w, bw, v, bv); }),
-                           {x, w, bw, v, bv}, seed);
+    const auto fused =
+        run(body([](auto x, auto w, auto bw, auto v, auto bv) { return g::fused_swiglu(x, w, bw, v, bv); }),
+            {x, w, bw, v, bv}, seed);
     const auto composite = run(body([](auto x, auto w, auto bw, auto v, auto bv) {
                                  return at::silu(at::linear(x, w, bw)) * at::linear(x, v, bv);
                                }),
@@ -203,8 +204,8 @@ TEST_P(FusedOpsTest, SwigluEqualsTheComposite) {
     if (bias) {
       expect_bit_identical(fused, composite, "swiglu with bias");
     } else {
-      expect_bit_identical({fused[0], fused[1], fused[2], fused[4]}, {composite[0], composite[1], composite[2], composite[4]},
-                           "swiglu");
+      expect_bit_identical({fused[0], fused[1], fused[2], fused[4]},
+                           {composite[0], composite[1], composite[2], composite[4]}, "swiglu");
     }
   }
 }
@@ -219,7 +220,8 @@ TEST_P(FusedOpsTest, HeadsEdgeShapes) {
     const std::int64_t d = sh.H * sh.hd;
     const auto tables = rope_tables(sh.T, sh.hd + sh.hd % 2, GetParam());
     const at::Tensor c = sh.rotary ? tables.first : at::Tensor(), s = sh.rotary ? tables.second : at::Tensor();
-    const at::Tensor x = randn({sh.B * sh.T, d}), w = randn({d, d}), seed = randn({sh.B, sh.H * sh.repeat, sh.T, sh.hd});
+    const at::Tensor x = randn({sh.B * sh.T, d}), w = randn({d, d}),
+                     seed = randn({sh.B, sh.H * sh.repeat, sh.T, sh.hd});
     auto fused_f = [&](const std::vector<at::Tensor>& in) {
       const g::HeadsSpec spec{sh.H, c, s, sh.repeat};
       return g::fused_qkv(in[0], in[1], {}, in[1], {}, in[1], {}, sh.B, sh.T, sh.hd, spec, spec, spec).k;
@@ -232,8 +234,8 @@ TEST_P(FusedOpsTest, HeadsEdgeShapes) {
       return k;
     };
     expect_bit_identical(run(fused_f, {x, w}, seed), run(composite_f, {x, w}, seed),
-                         "heads B=" + std::to_string(sh.B) + " T=" + std::to_string(sh.T) + " H=" +
-                             std::to_string(sh.H) + " hd=" + std::to_string(sh.hd));
+                         "heads B=" + std::to_string(sh.B) + " T=" + std::to_string(sh.T) +
+                             " H=" + std::to_string(sh.H) + " hd=" + std::to_string(sh.hd));
   }
 }
 
@@ -251,7 +253,9 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest, ::testing::Values(at::kFloat, at:
 TEST(FusedOpsBehaviourTest, NoGradRecordsNoGraph) {
   const at::Tensor x = at::randn({4, 8}, at::kFloat).requires_grad_(true), w = at::randn({3, 8}).requires_grad_(true);
   c10::GradMode::set_enabled(false);  // restored below
-  struct Restore { ~Restore() { c10::GradMode::set_enabled(true); } } restore;
+  struct Restore {
+    ~Restore() { c10::GradMode::set_enabled(true); }
+  } restore;
   EXPECT_FALSE(g::fused_linear(x, w, {}).requires_grad());
   EXPECT_FALSE(g::fused_rms_norm(x, {}, 1e-5).requires_grad());
   const g::HeadsSpec spec{2, {}, {}, 1};

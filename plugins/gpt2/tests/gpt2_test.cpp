@@ -50,7 +50,6 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
 
 // ---- the reference data --------------------------------------------------------------
 
-
 struct RefTensor {
   std::string key;
   std::vector<std::int64_t> shape;
@@ -63,9 +62,9 @@ struct RefCase {
   std::string dtype;  // "float32" or "bfloat16"
   double loss = 0;
   std::string logits_file;
-  std::vector<std::string> keys;                     // every state-dict key, Modalities' order
-  std::vector<RefTensor> tensors;                    // filled by the hash
-  std::map<std::string, std::string> tied;           // key -> key it shares storage with
+  std::vector<std::string> keys;                      // every state-dict key, Modalities' order
+  std::vector<RefTensor> tensors;                     // filled by the hash
+  std::map<std::string, std::string> tied;            // key -> key it shares storage with
   std::map<std::string, std::vector<float>> buffers;  // inv_freq as Modalities computed it
   struct Grad {
     std::string key;
@@ -160,8 +159,8 @@ std::pair<at::Tensor, at::Tensor> batch() {
 }
 
 at::Tensor clm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), {},
-                                at::Reduction::Mean, -100);
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), {}, at::Reduction::Mean,
+                                -100);
 }
 
 // Loads the hash values of `c` (our own inv_freq stays) with a strict load, so the key
@@ -282,8 +281,8 @@ TEST(Gpt2ParityTest, Bf16MixedPrecisionMatchesModalitiesCastToBf16) {
     EXPECT_LE(mean, 2e-3) << "mean |logits - Modalities bf16| = " << mean;
     const double loss = clm_loss(logits, targets).to(at::kFloat).item<double>();
     EXPECT_NEAR(loss, c->loss, 0.0625) << "loss " << loss << " vs Modalities " << c->loss;
-    std::printf("[parity bf16] %-48s max|dlogits| = %.3g mean %.3g  loss %.9g vs %.9g\n", c->name.c_str(), diff,
-                mean, loss, c->loss);
+    std::printf("[parity bf16] %-48s max|dlogits| = %.3g mean %.3g  loss %.9g vs %.9g\n", c->name.c_str(), diff, mean,
+                loss, c->loss);
   }
 }
 
@@ -311,7 +310,8 @@ TEST(Gpt2ParityTest, RopeInvFreqMatchesModalitiesBitForBit) {
     for (const auto& [key, values] : c.buffers) {
       const at::Tensor mine = sd.at(key);
       ASSERT_EQ(mine.numel(), static_cast<std::int64_t>(values.size()));
-      for (std::size_t j = 0; j < values.size(); ++j) EXPECT_EQ(mine[j].item<float>(), values[j]) << key << "[" << j << "]";
+      for (std::size_t j = 0; j < values.size(); ++j)
+        EXPECT_EQ(mine[j].item<float>(), values[j]) << key << "[" << j << "]";
       ++checked;
     }
   }
@@ -418,7 +418,8 @@ std::pair<std::int64_t, std::int64_t> decay_split(const Module& m) {
 
 TEST(Gpt2TutorialTest, WeightDecaySplitOfModelMd8) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
-  EXPECT_EQ(decay_split(*build(h, Tutorial().meta())), std::make_pair(std::int64_t{6'733'824}, std::int64_t{6'440'192}));
+  EXPECT_EQ(decay_split(*build(h, Tutorial().meta())),
+            std::make_pair(std::int64_t{6'733'824}, std::int64_t{6'440'192}));
   EXPECT_EQ(decay_split(*build(h, Tutorial().tied())), std::make_pair(std::int64_t{294'912}, std::int64_t{6'440'192}));
 }
 
@@ -472,11 +473,13 @@ TEST(Gpt2HookTest, RootAndBlockHooksFireInForwardAndBackwardOrder) {
   auto handle = m->add_hook(record, {});
   const at::Tensor ids = at::randint(0, 50304, {2, 16}, at::kLong);
   at::Tensor logits = m->forward({{"input_ids", ids}}).at("logits");
-  EXPECT_THAT(calls, ElementsAre("pre <root> GPT2LLM", "pre transformer.h.0 GPT2Block", "fwd transformer.h.0 GPT2Block",
-                                 "pre transformer.h.1 GPT2Block", "fwd transformer.h.1 GPT2Block", "fwd <root> GPT2LLM"));
+  EXPECT_THAT(calls,
+              ElementsAre("pre <root> GPT2LLM", "pre transformer.h.0 GPT2Block", "fwd transformer.h.0 GPT2Block",
+                          "pre transformer.h.1 GPT2Block", "fwd transformer.h.1 GPT2Block", "fwd <root> GPT2LLM"));
   calls.clear();
   logits.to(at::kFloat).square().mean().backward();
-  EXPECT_THAT(calls, ElementsAre("bwd <root> GPT2LLM", "bwd transformer.h.1 GPT2Block", "bwd transformer.h.0 GPT2Block"));
+  EXPECT_THAT(calls,
+              ElementsAre("bwd <root> GPT2LLM", "bwd transformer.h.1 GPT2Block", "bwd transformer.h.0 GPT2Block"));
   EXPECT_EQ(grad_shapes[""], (std::vector<std::int64_t>{2, 16, 50304}));
   EXPECT_EQ(grad_shapes["transformer.h.0"], (std::vector<std::int64_t>{2 * 16, 128}));  // blocks see [B*T, d]
 
@@ -526,15 +529,15 @@ TEST(Gpt2TutorialTest, CanonicalNamesOrderAndBlocks) {
   std::vector<std::string> modules;
   for (const auto& item : m->module().named_modules("", false))
     if (item.key().rfind("transformer.h.1", 0) != 0) modules.push_back(item.key());
-  EXPECT_THAT(modules, ElementsAre("transformer", "transformer.wte", "transformer.wpe", "transformer.drop",
-                                   "transformer.h", "transformer.h.0", "transformer.h.0.attention_norm",
-                                   "transformer.h.0.ffn_norm", "transformer.h.0.attn", "transformer.h.0.attn.q_attn",
-                                   "transformer.h.0.attn.k_attn", "transformer.h.0.attn.v_attn",
-                                   "transformer.h.0.attn.c_proj", "transformer.h.0.attn.resid_dropout",
-                                   "transformer.h.0.attn.qkv_transforms", "transformer.h.0.attn.qkv_transforms.0",
-                                   "transformer.h.0.mlp", "transformer.h.0.mlp.W", "transformer.h.0.mlp.silu",
-                                   "transformer.h.0.mlp.V", "transformer.h.0.mlp.W_2", "transformer.lm_head_norm",
-                                   "transformer.lm_head"));
+  EXPECT_THAT(
+      modules,
+      ElementsAre("transformer", "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h",
+                  "transformer.h.0", "transformer.h.0.attention_norm", "transformer.h.0.ffn_norm",
+                  "transformer.h.0.attn", "transformer.h.0.attn.q_attn", "transformer.h.0.attn.k_attn",
+                  "transformer.h.0.attn.v_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.attn.resid_dropout",
+                  "transformer.h.0.attn.qkv_transforms", "transformer.h.0.attn.qkv_transforms.0", "transformer.h.0.mlp",
+                  "transformer.h.0.mlp.W", "transformer.h.0.mlp.silu", "transformer.h.0.mlp.V",
+                  "transformer.h.0.mlp.W_2", "transformer.lm_head_norm", "transformer.lm_head"));
 }
 
 // ---- RoPE, GQA, attention implementations ------------------------------------------------------
@@ -554,11 +557,13 @@ TEST(Gpt2RopeTest, InvFreqAndTheirBf16RoundingOfModelMd5) {
     const at::Tensor rounded = inv.to(at::kBFloat16).to(at::kFloat);
     for (std::size_t j = 0; j < bf16.size(); ++j) EXPECT_FLOAT_EQ(rounded[j].item<float>(), bf16[j]) << j;
   };
-  check(10000, {1, 0.316227764f, 0.1f, 0.0316227786f, 0.01f}, {1, 0.31640625f, 0.100097656f, 0.0317382812f, 0.0100097656f});
-  check(100000,
-        {1, 0.237137362f, 0.0562341288f, 0.0133352149f, 0.00316227786f, 0.000749894185f, 0.00017782794f, 4.21696532e-05f},
-        {1, 0.237304688f, 0.0561523438f, 0.0133056641f, 0.00315856934f, 0.000751495361f, 0.000177383423f,
-         4.22000885e-05f});
+  check(10000, {1, 0.316227764f, 0.1f, 0.0316227786f, 0.01f},
+        {1, 0.31640625f, 0.100097656f, 0.0317382812f, 0.0100097656f});
+  check(
+      100000,
+      {1, 0.237137362f, 0.0562341288f, 0.0133352149f, 0.00316227786f, 0.000749894185f, 0.00017782794f, 4.21696532e-05f},
+      {1, 0.237304688f, 0.0561523438f, 0.0133056641f, 0.00315856934f, 0.000751495361f, 0.000177383423f,
+       4.22000885e-05f});
 }
 
 // A tiny model (vocab 256) for behaviour checks.
@@ -681,7 +686,8 @@ TEST(Gpt2TyingTest, SharedMatrixListedOnceStoredTwiceLoadedFromEitherKey) {
   h.set("m.config.use_weight_tying", Value(true));
   auto m = h.get<Module>("m");
   std::int64_t listed = 0;
-  for (const auto& [name, p] : m->named_parameters()) listed += name == "transformer.wte.weight" || name == "transformer.lm_head.weight";
+  for (const auto& [name, p] : m->named_parameters())
+    listed += name == "transformer.wte.weight" || name == "transformer.lm_head.weight";
   EXPECT_EQ(listed, 1);
   StateDict sd = m->state_dict();
   ASSERT_EQ(sd.count("transformer.wte.weight"), 1u);
@@ -808,10 +814,12 @@ TEST(Gpt2ForwardTest, InputErrorsAreExplained) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.set_config_text(tiny_toml(""));
   auto m = h.get<Module>("m");
-  EXPECT_THAT([&] { m->forward({{"ids", tiny_ids()}}); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("the input has no 'input_ids' (sample_key)")));
-  EXPECT_THAT([&] { m->forward({{"input_ids", at::zeros({1, 17}, at::kLong)}}); },
-              ::testing::Throws<std::exception>());
+  EXPECT_THAT(
+      [&] {
+        m->forward({{"ids", tiny_ids()}});
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("the input has no 'input_ids' (sample_key)")));
+  EXPECT_THAT([&] { m->forward({{"input_ids", at::zeros({1, 17}, at::kLong)}}); }, ::testing::Throws<std::exception>());
   try {
     m->forward({{"input_ids", at::zeros({1, 17}, at::kLong)}});
   } catch (const std::exception& e) {
@@ -860,14 +868,18 @@ TEST(Gpt2ConfigTest, EveryValidatorNamesTheField) {
       {"dropout", Value(-0.1), "m.config.dropout: must be in [0, 1]"},
       {"attention_norm_config.config.normalized_shape", Value(64),
        "m.config.attention_norm_config.config.normalized_shape: must equal n_embd (128), got 64"},
-      {"lm_head_norm_config.config.ndim", Value(64), "m.config.lm_head_norm_config.config.ndim: must equal n_embd (128)"},
+      {"lm_head_norm_config.config.ndim", Value(64),
+       "m.config.lm_head_norm_config.config.ndim: must equal n_embd (128)"},
       {"ffn_norm_config.config.epsilon", Value(1e-6), "m.config.ffn_norm_config.config.epsilon: unknown key"},
       {"ffn_norm_config.norm_type", Value("batch_norm"),
        "m.config.ffn_norm_config.norm_type: must be one of 'layer_norm', 'rms_norm', 'pytorch_rms_norm'"},
-      {"attention_config.qk_norm_config", Value(Value::Table{{"norm_type", Value("pytorch_rms_norm")},
-                                                             {"config", Value(Value::Table{{"normalized_shape", Value(128)}})}}),
-       "m.config.attention_config.qk_norm_config.config.normalized_shape: must equal the head dim n_embd / n_head_q (16)"},
-      {"enforce_swiglu_hidden_dim_multiple_of", Value(0), "m.config.enforce_swiglu_hidden_dim_multiple_of: must be >= 1"},
+      {"attention_config.qk_norm_config",
+       Value(Value::Table{{"norm_type", Value("pytorch_rms_norm")},
+                          {"config", Value(Value::Table{{"normalized_shape", Value(128)}})}}),
+       "m.config.attention_config.qk_norm_config.config.normalized_shape: must equal the head dim n_embd / n_head_q "
+       "(16)"},
+      {"enforce_swiglu_hidden_dim_multiple_of", Value(0),
+       "m.config.enforce_swiglu_hidden_dim_multiple_of: must be >= 1"},
       {"n_embd", Value(128.0), "m.config.n_embd: expected an integer"},
   };
   for (const BadCase& c : cases) {

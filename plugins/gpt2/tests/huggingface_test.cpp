@@ -23,13 +23,13 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include <unistd.h>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace modalities::plugins::gpt2 {
@@ -40,8 +40,8 @@ using ::testing::HasSubstr;
 
 const fs::path kHf = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "tests" / "data" / "hf";
 
-const char* const kImports[] = {"llama", "llama3_scaled_bias", "mistral_window", "qwen2_linear", "gpt2",
-                                "gpt2_gelu_untied"};
+const char* const kImports[] = {"llama", "llama3_scaled_bias", "mistral_window", "qwen2_linear",
+                                "gpt2",  "gpt2_gelu_untied"};
 const char* const kExports[] = {"llama", "qwen2_llama3_rope", "mistral_window", "gpt2"};
 
 using TempDir = modalities::testing::ScratchDir;
@@ -169,7 +169,6 @@ void expect_config_fields(const fs::path& actual, const fs::path& expected) {
 
 // --- export cases -----------------------------------------------------------------------------------
 
-
 void fill(Module& m, const fs::path& weights_txt) {
   std::ifstream in(weights_txt);
   ASSERT_TRUE(in) << weights_txt;
@@ -245,11 +244,27 @@ TEST(HuggingFaceExportTest, ImportThenExportGivesTheOriginalTensors) {
     const fs::path subset = tmp.path() / "subset.json";
     std::string text = "{";
     bool first = true;
-    for (const char* key : {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                            "num_attention_heads", "num_key_value_heads", "rope_theta", "rope_scaling",
-                            "sliding_window", "attention_bias", "mlp_bias", "tie_word_embeddings", "n_embd",
-                            "n_positions", "n_head", "n_layer", "activation_function", "layer_norm_epsilon",
-                            "rms_norm_eps", "max_position_embeddings"}) {
+    for (const char* key : {"model_type",
+                            "vocab_size",
+                            "hidden_size",
+                            "intermediate_size",
+                            "num_hidden_layers",
+                            "num_attention_heads",
+                            "num_key_value_heads",
+                            "rope_theta",
+                            "rope_scaling",
+                            "sliding_window",
+                            "attention_bias",
+                            "mlp_bias",
+                            "tie_word_embeddings",
+                            "n_embd",
+                            "n_positions",
+                            "n_head",
+                            "n_layer",
+                            "activation_function",
+                            "layer_norm_epsilon",
+                            "rms_norm_eps",
+                            "max_position_embeddings"}) {
       simdjson::dom::element v;
       if (orig[key].get(v)) continue;
       text += fmt::format("{}\"{}\": {}", first ? "" : ", ", key, simdjson::to_string(v));
@@ -283,12 +298,12 @@ TEST(HuggingFaceErrorsTest, NameWhatIsUnsupported) {
   TempDir tmp;
   // An architecture model/gpt2 cannot express.
   copy_with_config(kHf / "import_llama", tmp.path() / "bert", "\"model_type\": \"llama\"", "\"model_type\": \"bert\"");
-  EXPECT_THAT(import_error(tmp.path() / "bert"),
-              ::testing::AllOf(HasSubstr("config.json: 'model_type' is 'bert'"), HasSubstr("llama"), HasSubstr("gpt2")));
+  EXPECT_THAT(import_error(tmp.path() / "bert"), ::testing::AllOf(HasSubstr("config.json: 'model_type' is 'bert'"),
+                                                                  HasSubstr("llama"), HasSubstr("gpt2")));
   // A config.json that does not fit the weights.
   copy_with_config(kHf / "import_gpt2", tmp.path() / "wide", "\"n_embd\": 32", "\"n_embd\": 64");
-  EXPECT_THAT(import_error(tmp.path() / "wide"), ::testing::AllOf(HasSubstr("transformer.wte.weight"),
-                                                                  HasSubstr("[96, 32]"), HasSubstr("[96, 64]")));
+  EXPECT_THAT(import_error(tmp.path() / "wide"),
+              ::testing::AllOf(HasSubstr("transformer.wte.weight"), HasSubstr("[96, 32]"), HasSubstr("[96, 64]")));
   // RoPE scaling we do not implement.
   copy_with_config(kHf / "import_qwen2_linear", tmp.path() / "yarn", "\"rope_type\": \"linear\"",
                    "\"rope_type\": \"yarn\"");
@@ -351,8 +366,9 @@ TEST(HuggingFaceErrorsTest, ExportRefusesModelsWithoutCounterpart) {
   const std::string tail = "use_weight_tying = true";
   ASSERT_NE(toml.find(tail), std::string::npos);
   toml.replace(toml.find(tail), tail.size(),
-               tail + ", attention_config = { qkv_transforms = [], qk_norm_config = { norm_type = \"pytorch_rms_norm\", "
-                      "config = { normalized_shape = 16 } } }");
+               tail +
+                   ", attention_config = { qkv_transforms = [], qk_norm_config = { norm_type = \"pytorch_rms_norm\", "
+                   "config = { normalized_shape = 16 } } }");
   // The line now has attention_config twice; drop the first one.
   const auto first = toml.find("attention_config = {");
   const auto end = toml.find("] }", first);
@@ -362,8 +378,8 @@ TEST(HuggingFaceErrorsTest, ExportRefusesModelsWithoutCounterpart) {
   auto m = h.get<Module>("model");
   ASSERT_NE(m, nullptr) << h.build_error();
   EXPECT_THAT([&] { dynamic_cast<const HuggingFaceExportable&>(*m).to_huggingface({}); },
-              ::testing::ThrowsMessage<Error>(::testing::AllOf(HasSubstr("qk_norm_config"),
-                                                               HasSubstr("no position encoding"))));
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::AllOf(HasSubstr("qk_norm_config"), HasSubstr("no position encoding"))));
   // A folder that exists and is not empty is not overwritten.
   TempDir tmp;
   std::ofstream(tmp.path() / "keep.txt") << "x";

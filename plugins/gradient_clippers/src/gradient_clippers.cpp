@@ -17,20 +17,20 @@
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
-#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/interfaces/gradient_clipper.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/model_parts.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -64,10 +64,8 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
   for (const at::Tensor& t : tensors) {
     const std::pair key{t.device(), t.scalar_type()};
     auto it = std::find_if(buckets.begin(), buckets.end(), [&](const auto& b) { return b.first == key; });
-    if (it == buckets.end())
-      buckets.push_back({key, {t}});
-    else
-      it->second.push_back(t);
+    if (it == buckets.end()) buckets.push_back({key, {t}});
+    else it->second.push_back(t);
   }
   std::vector<std::vector<at::Tensor>> out;
   for (auto& b : buckets) out.push_back(std::move(b.second));
@@ -173,8 +171,7 @@ at::Tensor sharded_total_norm(const std::vector<at::Tensor>& grads, double order
 // placement is whole on every rank of its pipeline stage: `unplaced_replicas` = world / pp), and
 // the sum over the world counts each element once. Pipeline stages hold different parameters, so
 // the same sum covers the whole model. In float64, like sharded_total_norm.
-at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, double order,
-                            double unplaced_replicas) {
+at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, double order, double unplaced_replicas) {
   const bool max = std::isinf(order);
   std::vector<at::Tensor> grads;
   std::vector<double> replicas;
@@ -208,7 +205,15 @@ at::Tensor world_total_norm(const std::vector<std::shared_ptr<Module>>& parts, d
 
 // How the total norm is computed and what happens to the gradients.
 enum class Mode {
-  kFsdp1, kFsdp1Sharded, kTorch, kTorchLoggingOnly, kValue, kSharded, kShardedLoggingOnly, kWorld, kWorldLoggingOnly
+  kFsdp1,
+  kFsdp1Sharded,
+  kTorch,
+  kTorchLoggingOnly,
+  kValue,
+  kSharded,
+  kShardedLoggingOnly,
+  kWorld,
+  kWorldLoggingOnly
 };
 
 // How many ranks of the world hold each row of the parts' sharded parameters: the rows all ranks
@@ -247,7 +252,11 @@ class Clipper final : public GradientClipper {
  public:
   Clipper(Mode mode, std::vector<std::shared_ptr<Module>> parts, double order, double limit,
           c10::intrusive_ptr<c10d::ProcessGroup> group = {}, double unplaced_replicas = 1)
-      : mode_(mode), parts_(std::move(parts)), order_(order), limit_(limit), group_(std::move(group)),
+      : mode_(mode),
+        parts_(std::move(parts)),
+        order_(order),
+        limit_(limit),
+        group_(std::move(group)),
         unplaced_replicas_(unplaced_replicas) {}
 
   at::Tensor clip_gradients() override {
@@ -273,22 +282,19 @@ class Clipper final : public GradientClipper {
         scale(grads, limit_, total, /*cast_coef=*/false);
         return total;
       }
-      case Mode::kTorchLoggingOnly:
-        return total_norm(grads, order_);
+      case Mode::kTorchLoggingOnly: return total_norm(grads, order_);
       case Mode::kSharded: {
         const at::Tensor total = sharded_total_norm(grads, order_, group_);
         scale(grads, limit_, total, /*cast_coef=*/false);
         return total;
       }
-      case Mode::kShardedLoggingOnly:
-        return sharded_total_norm(grads, order_, group_);
+      case Mode::kShardedLoggingOnly: return sharded_total_norm(grads, order_, group_);
       case Mode::kWorld: {
         const at::Tensor total = world_total_norm(parts_, order_, unplaced_replicas_);
         scale(grads, limit_, total, /*cast_coef=*/false);
         return total;
       }
-      case Mode::kWorldLoggingOnly:
-        return world_total_norm(parts_, order_, unplaced_replicas_);
+      case Mode::kWorldLoggingOnly: return world_total_norm(parts_, order_, unplaced_replicas_);
       case Mode::kValue: {
         const at::Tensor total = total_norm(grads, 2.0);
         for (const auto& bucket : by_device_and_dtype(grads)) {
@@ -305,10 +311,10 @@ class Clipper final : public GradientClipper {
   Mode mode_;
   std::vector<std::shared_ptr<Module>> parts_;
   double order_;
-  double limit_;  // max_norm, or clip_value
+  double limit_;                                  // max_norm, or clip_value
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // sharded variants: the dp_shard group (null: one rank)
-  double replicas_ = 0;                            // kFsdp1Sharded: found at the first call
-  double unplaced_replicas_;  // kWorld: ranks holding a parameter without a placement (world / pp)
+  double replicas_ = 0;                           // kFsdp1Sharded: found at the first call
+  double unplaced_replicas_;                      // kWorld: ranks holding a parameter without a placement (world / pp)
 };
 
 // --- configs --------------------------------------------------------------------------------------
@@ -432,21 +438,25 @@ std::shared_ptr<Clipper> mesh_clipper(bool clip, const ModelParts& parts, const 
 void register_components(Registrar& r) {
   r.add<GradientClipper, Fsdp2Config>(
       "fsdp2", "Clips a sharded model's gradients to max_norm of the whole gradient (norm combined over dp_shard).",
-      [](const Fsdp2Config& c) { return mesh_clipper(true, c.model_parts, c.norm_type, c.max_norm, c.device_mesh.shared()); });
+      [](const Fsdp2Config& c) {
+        return mesh_clipper(true, c.model_parts, c.norm_type, c.max_norm, c.device_mesh.shared());
+      });
   r.add<GradientClipper, Fsdp2LoggingConfig>(
       "fsdp2_logging_only", "The whole gradient's norm of a sharded model (combined over dp_shard); no clipping.",
-      [](const Fsdp2LoggingConfig& c) { return mesh_clipper(false, c.model_parts, c.norm_type, 0.0, c.device_mesh.shared()); });
+      [](const Fsdp2LoggingConfig& c) {
+        return mesh_clipper(false, c.model_parts, c.norm_type, 0.0, c.device_mesh.shared());
+      });
   r.add<GradientClipper, Fsdp1Config>(
       "fsdp1", "FSDP1 clip_grad_norm_: clips to max_norm, returns the total norm (over all ranks for a sharded model).",
       [](const Fsdp1Config& c) {
         if (dist::world_size() > 1 && any_sharded(c.wrapped_model.shared()))
           return std::make_shared<Clipper>(Mode::kFsdp1Sharded, c.wrapped_model.shared(), norm_order(c.norm_type),
                                            c.max_norm, dist::world());
-        return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type),
-                                         c.max_norm);
+        return std::make_shared<Clipper>(Mode::kFsdp1, c.wrapped_model.shared(), norm_order(c.norm_type), c.max_norm);
       });
   r.add<GradientClipper, Fsdp1LoggingConfig>(
-      "fsdp1_logging_only", "FSDP1 clip_grad_norm_ with max_norm = inf: the total norm (over all ranks when sharded), no clipping.",
+      "fsdp1_logging_only",
+      "FSDP1 clip_grad_norm_ with max_norm = inf: the total norm (over all ranks when sharded), no clipping.",
       [](const Fsdp1LoggingConfig& c) {
         if (dist::world_size() > 1 && any_sharded(c.wrapped_model.shared()))
           return std::make_shared<Clipper>(Mode::kFsdp1Sharded, c.wrapped_model.shared(), norm_order(c.norm_type),
@@ -458,15 +468,13 @@ void register_components(Registrar& r) {
       "norm", "torch.nn.utils.clip_grad_norm_ over all parts: clips to max_norm, returns the total norm.",
       [](const NormConfig& c) {
         refuse_shards(c.model_parts.shared(), "norm");
-        return std::make_shared<Clipper>(Mode::kTorch, c.model_parts.shared(), norm_order(c.norm_type),
-                                         c.max_norm);
+        return std::make_shared<Clipper>(Mode::kTorch, c.model_parts.shared(), norm_order(c.norm_type), c.max_norm);
       });
   r.add<GradientClipper, LoggingOnlyConfig>(
       "logging_only", "The total gradient norm over all parts (torch.nn.utils.get_total_norm); gradients untouched.",
       [](const LoggingOnlyConfig& c) {
         refuse_shards(c.model_parts.shared(), "logging_only");
-        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type),
-                                         0.0);
+        return std::make_shared<Clipper>(Mode::kTorchLoggingOnly, c.model_parts.shared(), norm_order(c.norm_type), 0.0);
       });
   r.add<GradientClipper, ValueConfig>(
       "value", "torch.nn.utils.clip_grad_value_: clamps every gradient element; returns the pre-clip L2 norm.",
@@ -478,4 +486,5 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::gradient_clippers
 
-MODALITIES_PLUGIN(gradient_clippers, MODALITIES_PLUGIN_VERSION, modalities::plugins::gradient_clippers::register_components)
+MODALITIES_PLUGIN(gradient_clippers, MODALITIES_PLUGIN_VERSION,
+                  modalities::plugins::gradient_clippers::register_components)

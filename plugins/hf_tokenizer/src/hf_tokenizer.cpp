@@ -248,7 +248,7 @@ std::optional<SpecialValue> special_value(const JsonFile& f, dom::element v, con
 
 std::string clean_up_tokenization(std::string s) {
   static const std::pair<std::string_view, std::string_view> kRules[] = {
-      {" .", "."},   {" ?", "?"},     {" !", "!"},   {" ,", ","},     {" ' ", "'"},
+      {" .", "."},     {" ?", "?"},   {" !", "!"},   {" ,", ","},     {" ' ", "'"},
       {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
   for (const auto& [from, to] : kRules) {
     std::string out;
@@ -334,9 +334,10 @@ class PretrainedHfTokenizer final : public Tokenizer {
   // literally in the vocabulary.
   std::int64_t token_id(std::string_view token) const override {
     if (auto id = tok_->token_to_id(token)) return *id;
-    throw Error(fmt::format("token '{}' is not in the vocabulary of {} (it is not represented by a single token id; "
-                            "transformers would silently map it to the unknown token)",
-                            token, tok_->file().string()));
+    throw Error(
+        fmt::format("token '{}' is not in the vocabulary of {} (it is not represented by a single token id; "
+                    "transformers would silently map it to the unknown token)",
+                    token, tok_->file().string()));
   }
 
   bool is_special_token_id(std::int64_t id) const override { return special_ids_.contains(id); }
@@ -372,7 +373,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
       strip_accents = f.boolean("strip_accents");
       tokenize_chinese_chars = f.boolean("tokenize_chinese_chars");
       if (auto v = f.number("extra_ids")) {
-        if (*v < 0 || *v != static_cast<double>(static_cast<std::int64_t>(*v))) f.bad("extra_ids", "a non-negative integer");
+        if (*v < 0 || *v != static_cast<double>(static_cast<std::int64_t>(*v)))
+          f.bad("extra_ids", "a non-negative integer");
         extra_ids = static_cast<std::int64_t>(*v);
       }
       additional_given = f.get("additional_special_tokens").has_value();
@@ -397,7 +399,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
         if (a->get_array().get(list) != simdjson::SUCCESS) f.bad("additional_special_tokens", "a list");
         std::size_t k = 0;
         for (dom::element e : list)
-          if (auto sv = special_value(f, e, fmt::format("additional_special_tokens[{}]", k++))) additional.push_back(*sv);
+          if (auto sv = special_value(f, e, fmt::format("additional_special_tokens[{}]", k++)))
+            additional.push_back(*sv);
       }
       if (auto d = f.get("added_tokens_decoder")) {
         has_decoder = true;
@@ -418,9 +421,10 @@ class PretrainedHfTokenizer final : public Tokenizer {
         std::sort(decoder.begin(), decoder.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
       }
     } else {
-      ctx.warn(fmt::format("{} has no tokenizer_config.json: using PreTrainedTokenizerFast defaults (no special "
-                           "tokens, no model_max_length); transformers' AutoTokenizer would refuse this folder",
-                           dir.string()));
+      ctx.warn(
+          fmt::format("{} has no tokenizer_config.json: using PreTrainedTokenizerFast defaults (no special "
+                      "tokens, no model_max_length); transformers' AutoTokenizer would refuse this folder",
+                      dir.string()));
     }
 
     // Legacy: special_tokens_map.json fills attributes only without added_tokens_decoder.
@@ -461,8 +465,10 @@ class PretrainedHfTokenizer final : public Tokenizer {
     if (base == "GPT2Tokenizer" || base == "CodeGenTokenizer") {
       for (const char* key : {"unk_token", "bos_token", "eos_token"}) default_attr(key, "<|endoftext|>", false);
       if (base == "CodeGenTokenizer" && add_bos_token.value_or(false))
-        throw Error(fmt::format("{}: CodeGenTokenizer does not support add_bos_token = true (transformers raises "
-                                "a ValueError)", config_file.string()));
+        throw Error(
+            fmt::format("{}: CodeGenTokenizer does not support add_bos_token = true (transformers raises "
+                        "a ValueError)",
+                        config_file.string()));
     } else if (base == "Qwen2Tokenizer") {
       for (const char* key : {"unk_token", "eos_token", "pad_token"}) default_attr(key, "<|endoftext|>", true);
     } else if (base == "LlamaTokenizer" || base == "T5Tokenizer") {
@@ -486,7 +492,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
         const std::int64_t extra = extra_ids.value_or(100);
         std::vector<SpecialValue> extras;
         for (std::int64_t k = 0; k < extra; ++k)
-          extras.push_back(SpecialValue{AddedToken{fmt::format("<extra_id_{}>", k), false, false, false, false, true}, false});
+          extras.push_back(
+              SpecialValue{AddedToken{fmt::format("<extra_id_{}>", k), false, false, false, false, true}, false});
         if (!additional_given && additional.empty()) {
           additional = extras;
         } else {
@@ -495,8 +502,10 @@ class PretrainedHfTokenizer final : public Tokenizer {
           });
           if (have == 0) additional.insert(additional.end(), extras.begin(), extras.end());
           else if (extra > 0 && have != extra)
-            throw Error(fmt::format("{}: extra_ids = {} but additional_special_tokens has {} <extra_id_*> tokens "
-                                    "(transformers raises a ValueError)", config_file.string(), extra, have));
+            throw Error(
+                fmt::format("{}: extra_ids = {} but additional_special_tokens has {} <extra_id_*> tokens "
+                            "(transformers raises a ValueError)",
+                            config_file.string(), extra, have));
         }
       }
     } else if (base == "GemmaTokenizer") {
@@ -545,7 +554,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
       throw Error(fmt::format(
           "{}: tokenizer_class '{}' is not supported: its class-specific loading rules are not reproduced "
           "(supported: PreTrainedTokenizerFast, GPT2, CodeGen, Qwen2, Llama, Gemma, GPTNeoX, Cohere, Roberta, "
-          "XLMRoberta, Bloom, Bert and T5 tokenizers, slow or Fast){}. If the tokenizer.json alone defines the tokenizer, set "
+          "XLMRoberta, Bloom, Bert and T5 tokenizers, slow or Fast){}. If the tokenizer.json alone defines the "
+          "tokenizer, set "
           "\"tokenizer_class\": \"PreTrainedTokenizerFast\".",
           config_file.string(), cls,
           base == "CodeLlamaTokenizer" ? "; CodeLlama's infilling (<FILL_ME>) is Python code in transformers" : ""));
@@ -607,10 +617,10 @@ class PretrainedHfTokenizer final : public Tokenizer {
         to_add.push_back(t);
         return;
       }
-      const bool known = std::any_of(tok_->added_tokens().begin(), tok_->added_tokens().end(),
-                                     [&](const auto& e) { return e.second.content == sv.token.content; }) ||
-                         std::any_of(to_add.begin(), to_add.end(),
-                                     [&](const AddedToken& t) { return t.content == sv.token.content; });
+      const bool known =
+          std::any_of(tok_->added_tokens().begin(), tok_->added_tokens().end(),
+                      [&](const auto& e) { return e.second.content == sv.token.content; }) ||
+          std::any_of(to_add.begin(), to_add.end(), [&](const AddedToken& t) { return t.content == sv.token.content; });
       if (!known) to_add.push_back(AddedToken{sv.token.content, false, false, false, false, true});
     };
     for (const auto& key : kAttributes)
@@ -704,8 +714,9 @@ class PretrainedHfTokenizer final : public Tokenizer {
     if (!max_length) {
       if (padding == Padding::Mode::kMaxLength) {
         if (unbounded) {
-          ctx.warn("padding = \"max_length\" without max_length and without model_max_length in "
-                   "tokenizer_config.json: no padding is applied (as in transformers)");
+          ctx.warn(
+              "padding = \"max_length\" without max_length and without model_max_length in "
+              "tokenizer_config.json: no padding is applied (as in transformers)");
           padding = Padding::Mode::kNone;
         } else {
           max_length = static_cast<std::int64_t>(model_max_length_);
@@ -713,8 +724,9 @@ class PretrainedHfTokenizer final : public Tokenizer {
       }
       if (truncation) {
         if (unbounded) {
-          ctx.warn("truncation = true without max_length and without model_max_length in tokenizer_config.json: "
-                   "no truncation is applied (as in transformers)");
+          ctx.warn(
+              "truncation = true without max_length and without model_max_length in tokenizer_config.json: "
+              "no truncation is applied (as in transformers)");
           truncation = false;
         } else {
           max_length = static_cast<std::int64_t>(model_max_length_);
@@ -758,7 +770,8 @@ class PretrainedHfTokenizer final : public Tokenizer {
 void register_components(Registrar& r) {
   r.add<Tokenizer, HfTokenizerConfig>(
       "pretrained_hf_tokenizer",
-      "Hugging Face fast tokenizer (tokenizer.json: byte-level BPE, SentencePiece-style BPE, Unigram, WordPiece) from a "
+      "Hugging Face fast tokenizer (tokenizer.json: byte-level BPE, SentencePiece-style BPE, Unigram, WordPiece) from "
+      "a "
       "local folder, as AutoTokenizer loads it.",
       [](const HfTokenizerConfig& c, BuildContext& ctx) { return std::make_shared<PretrainedHfTokenizer>(c, ctx); });
 }

@@ -51,8 +51,9 @@ std::string range_items(const CodePointSet& set) {
   std::string out;
   auto add = [&](char32_t a, char32_t b) {
     if (b < a) return;
-    out += a == b ? fmt::format("\\x{{{:X}}}", static_cast<std::uint32_t>(a))
-                  : fmt::format("\\x{{{:X}}}-\\x{{{:X}}}", static_cast<std::uint32_t>(a), static_cast<std::uint32_t>(b));
+    out += a == b
+               ? fmt::format("\\x{{{:X}}}", static_cast<std::uint32_t>(a))
+               : fmt::format("\\x{{{:X}}}-\\x{{{:X}}}", static_cast<std::uint32_t>(a), static_cast<std::uint32_t>(b));
   };
   for (const auto& [a, b] : set.ranges()) {
     if (b < 0xD800 || a > 0xDFFF) {
@@ -78,7 +79,8 @@ struct ClassNode {
 };
 
 std::string literal_item(char32_t c) {
-  if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) return std::string(1, static_cast<char>(c));
+  if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'))
+    return std::string(1, static_cast<char>(c));
   return fmt::format("\\x{{{:X}}}", static_cast<std::uint32_t>(c));
 }
 
@@ -123,11 +125,16 @@ class Translator {
       return Escape{Item{std::move(native_items), range_items(s)}, upper, &s};
     };
     switch (d) {
-      case 's': case 'S': return simple("\\s", std::string(kSpaceItems), true);
-      case 'w': case 'W': return simple("\\w", std::string(kWordItems), true);
-      case 'd': case 'D': return simple("\\d", "\\p{Nd}", true);
-      case 'h': case 'H': return simple("\\h", "0-9a-fA-F", false);
-      case 'p': case 'P': {
+      case 's':
+      case 'S': return simple("\\s", std::string(kSpaceItems), true);
+      case 'w':
+      case 'W': return simple("\\w", std::string(kWordItems), true);
+      case 'd':
+      case 'D': return simple("\\d", "\\p{Nd}", true);
+      case 'h':
+      case 'H': return simple("\\h", "0-9a-fA-F", false);
+      case 'p':
+      case 'P': {
         if (i_ + 2 >= p_.size() || p_[i_ + 2] != '{') refuse_("'\\p' without '{name}'");
         const std::size_t close = p_.find('}', i_ + 3);
         if (close == std::string_view::npos) refuse_("unterminated '\\p{'");
@@ -164,7 +171,8 @@ class Translator {
     const char d = p_[i_ + 1];
     auto hex = [&](std::size_t from, std::size_t n) -> char32_t {
       const std::string digits(p_.substr(from, n));
-      if (digits.empty() || digits.size() > 8 || digits.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+      if (digits.empty() || digits.size() > 8 ||
+          digits.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
         refuse_(fmt::format("the escape '{}'", p_.substr(i_, from + n - i_)));
       return static_cast<char32_t>(std::stoul(digits, nullptr, 16));
     };
@@ -388,7 +396,8 @@ class Translator {
   std::vector<bool> icase_;
 };
 
-std::shared_ptr<const Regex::Compiled> compile(const std::string& pattern, const std::function<void(std::string)>& error) {
+std::shared_ptr<const Regex::Compiled> compile(const std::string& pattern,
+                                               const std::function<void(std::string)>& error) {
   pcre2_compile_context* cc = pcre2_compile_context_create(nullptr);
   pcre2_set_newline(cc, PCRE2_NEWLINE_LF);
   int err = 0;
@@ -464,8 +473,8 @@ const CodePointSet& pcre2_class(const std::string& items) {
 
 Regex::Regex(const std::string& onig_pattern, const std::filesystem::path& file, std::string_view where) {
   Translator t(onig_pattern, [&](std::string_view why) {
-    throw Error(fmt::format("{}: {}: regex '{}' uses {}, which is not supported", file.string(), where, onig_pattern,
-                            why));
+    throw Error(
+        fmt::format("{}: {}: regex '{}' uses {}, which is not supported", file.string(), where, onig_pattern, why));
   });
   t.run();
   auto error = [&](const std::string& pattern) {
@@ -479,13 +488,13 @@ Regex::Regex(const std::string& onig_pattern, const std::filesystem::path& file,
   CodePointSet delta;
   for (const auto& [items, onig] : t.checked) delta = delta | (pcre2_class(items) ^ *onig);
   delta_ = std::make_shared<const CodePointSet>(std::move(delta));
-  fast_ = onig_pattern == kGpt2Pattern     ? Fast::kGpt2
-          : onig_pattern == kLlama3Pattern ? Fast::kLlama3
-          : onig_pattern == kQwen2Pattern  ? Fast::kQwen2
-          : onig_pattern == kGpt4oPattern  ? Fast::kGpt4o
-          : onig_pattern == kTekkenPattern ? Fast::kTekken
+  fast_ = onig_pattern == kGpt2Pattern         ? Fast::kGpt2
+          : onig_pattern == kLlama3Pattern     ? Fast::kLlama3
+          : onig_pattern == kQwen2Pattern      ? Fast::kQwen2
+          : onig_pattern == kGpt4oPattern      ? Fast::kGpt4o
+          : onig_pattern == kTekkenPattern     ? Fast::kTekken
           : onig_pattern == kDeepSeekV3Pattern ? Fast::kDeepSeekV3
-                                           : Fast::kNone;
+                                               : Fast::kNone;
   // Note [Runs of one class]
   // A pattern that is a single class repeated (DeepSeek-V3's first two splits: numbers in threes,
   // runs of kana and CJK ideographs; BLOOM's split, an optional space and then a run outside a
@@ -565,13 +574,16 @@ const WordClassTable& word_class_table() {
   static const WordClassTable table = [] {
     const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
                                *oniguruma_class("Lo") | *oniguruma_class("M");
-    const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
-                               *oniguruma_class("M");
+    const CodePointSet lower =
+        *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") | *oniguruma_class("M");
     const CodePointSet punct_or_symbol = *oniguruma_class("P") | *oniguruma_class("S");
-    const std::pair<const CodePointSet*, std::uint8_t> sets[] = {
-        {oniguruma_class("L"), kInL}, {oniguruma_class("N"), kInN}, {oniguruma_class("\\s"), kInSpace},
-        {&upper, kInU},           {&lower, kInW},           {oniguruma_class("M"), kInM},
-        {&punct_or_symbol, kInPS}};
+    const std::pair<const CodePointSet*, std::uint8_t> sets[] = {{oniguruma_class("L"), kInL},
+                                                                 {oniguruma_class("N"), kInN},
+                                                                 {oniguruma_class("\\s"), kInSpace},
+                                                                 {&upper, kInU},
+                                                                 {&lower, kInW},
+                                                                 {oniguruma_class("M"), kInM},
+                                                                 {&punct_or_symbol, kInPS}};
     std::vector<std::uint8_t> all(0x110000, 0);  // set by range, not by a lookup per code point
     for (const auto& [set, bit] : sets)
       for (const auto& [first, last] : set->ranges())
@@ -715,7 +727,7 @@ std::size_t Regex::word_match(Fast pattern, std::string_view text, std::size_t f
   if (pattern == Fast::kLlama3 || pattern == Fast::kQwen2) {
     if (c == '\'')
       if (const std::size_t e = contraction(from, true); e != from) return e;
-    if (b0 & kInL) return run_of(from, kInL);                      // \p{L}+
+    if (b0 & kInL) return run_of(from, kInL);                         // \p{L}+
     if (b0 & kInN) return numbers(pattern == Fast::kLlama3 ? 3 : 1);  // \p{N}{1,3} | \p{N}
     if (before_word && (b1 & kInL)) return run_of(from + len0, kInL);
   } else {  // GPT-4o, Tekken
@@ -772,7 +784,7 @@ std::size_t Regex::deepseek_v3_match(std::string_view text, std::size_t& from) {
       end = classes.run_of(at + len0, kInL | kInM);  // [^\r\n\p{L}\p{P}\p{S}][\p{L}\p{M}]+
     } else if ((b0 & (kInL | kInM)) != 0) {
       end = classes.run_of(at, kInL | kInM);  // [\p{L}\p{M}]+
-    } else if ((b0 & kInPS) != 0) {  //  ?[\p{P}\p{S}]+[\r\n]*
+    } else if ((b0 & kInPS) != 0) {           //  ?[\p{P}\p{S}]+[\r\n]*
       end = line_breaks(classes.run_of(at, kInPS));
     } else if (c == ' ' && (b1 & kInPS) != 0) {
       end = line_breaks(classes.run_of(at + 1, kInPS));
@@ -812,7 +824,9 @@ std::vector<std::pair<std::size_t, std::size_t>> regex_matches(const std::string
                                                                bool exact) {
   Regex re(pattern, "<pattern>", "regex_matches");
   std::vector<std::pair<std::size_t, std::size_t>> out;
-  (exact ? re.with_exact_tables() : re).for_each_match(text, [&](std::size_t b, std::size_t e) { out.emplace_back(b, e); });
+  (exact ? re.with_exact_tables() : re).for_each_match(text, [&](std::size_t b, std::size_t e) {
+    out.emplace_back(b, e);
+  });
   return out;
 }
 

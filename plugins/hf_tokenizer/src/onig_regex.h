@@ -34,7 +34,8 @@ class Regex {
     if (fast_ != Fast::kNone) {  // Note [Common patterns on every code point]
       for (std::size_t i = 0; i < text.size();) {
         std::size_t start = i;
-        const std::size_t end = fast_ == Fast::kDeepSeekV3 ? deepseek_v3_match(text, start) : word_match(fast_, text, i);
+        const std::size_t end =
+            fast_ == Fast::kDeepSeekV3 ? deepseek_v3_match(text, start) : word_match(fast_, text, i);
         if (end == std::string_view::npos) break;
         on_match(start, end);
         i = end;

@@ -32,10 +32,9 @@
 #include <simdjson.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <array>
-#include <bit>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +42,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <type_traits>
 
 namespace modalities::plugins::hf_tokenizer {
 namespace {
@@ -463,8 +463,9 @@ inline std::uint64_t slot_hash(std::string_view w) {
   }
   std::uint64_t v;
   if (n >= 4) v = load4(p) | (load4(p + n - 4) << 32);
-  else if (n > 0) v = static_cast<unsigned char>(p[0]) | (static_cast<std::uint64_t>(static_cast<unsigned char>(p[n / 2])) << 8) |
-                      (static_cast<std::uint64_t>(static_cast<unsigned char>(p[n - 1])) << 16);
+  else if (n > 0)
+    v = static_cast<unsigned char>(p[0]) | (static_cast<std::uint64_t>(static_cast<unsigned char>(p[n / 2])) << 8) |
+        (static_cast<std::uint64_t>(static_cast<unsigned char>(p[n - 1])) << 16);
   else v = 0;
   return mix(h ^ v, kB ^ n);
 }
@@ -504,17 +505,26 @@ bool is_rust_word_char(char32_t c) { return whitespace_pretokenizer_word().conta
 // which only offsets need)
 
 struct NormalizerStep {
-  enum class Kind { kForm, kPrepend, kReplace, kStrip, kLowercase, kStripAccents, kBert, kNmt, kPrecompiled } kind =
-      Kind::kForm;
+  enum class Kind {
+    kForm,
+    kPrepend,
+    kReplace,
+    kStrip,
+    kLowercase,
+    kStripAccents,
+    kBert,
+    kNmt,
+    kPrecompiled
+  } kind = Kind::kForm;
   std::shared_ptr<const PrecompiledCharsmap> charsmap;  // kPrecompiled
-  int options = 0;          // kForm: utf8proc options
-  std::string text;         // kPrepend: prefix; kReplace: replacement
-  std::string literal;      // kReplace with a String pattern
-  Regex regex;              // kReplace with a Regex pattern
-  std::string regex_source; // ... as written
-  bool left = false, right = false;  // kStrip
+  int options = 0;                                      // kForm: utf8proc options
+  std::string text;                                     // kPrepend: prefix; kReplace: replacement
+  std::string literal;                                  // kReplace with a String pattern
+  Regex regex;                                          // kReplace with a Regex pattern
+  std::string regex_source;                             // ... as written
+  bool left = false, right = false;                     // kStrip
   bool clean_text = true, chinese = true, strip_accents = false, lowercase = true;  // kBert
-  std::optional<bool> strip_accents_given;  // kBert: null follows lowercase
+  std::optional<bool> strip_accents_given;                                          // kBert: null follows lowercase
   std::shared_ptr<const struct CharTable> bert_table;  // kBert: Note [One-pass BertNormalizer]
 
   // Applies the step to `in`; returns false (leaving `out` alone) when nothing changes. Sets
@@ -572,7 +582,8 @@ bool ascii_fast_path(const NormalizerStep& n, std::string_view in, std::string& 
         continue;
       }
     }
-    if ((n.kind == K::kLowercase || (n.kind == K::kBert && n.lowercase)) && c >= 'A' && c <= 'Z') c = static_cast<char>(c + 32);
+    if ((n.kind == K::kLowercase || (n.kind == K::kBert && n.lowercase)) && c >= 'A' && c <= 'Z')
+      c = static_cast<char>(c + 32);
     changed = changed || c != in[i];
     r += c;
   }
@@ -744,7 +755,8 @@ FusedMaps fused_maps(std::span<const NormalizerStep> steps) {
     char32_t c = b;
     for (const NormalizerStep& m : steps) {
       if (m.kind == K::kLowercase && c >= 'A' && c <= 'Z') c += 32;
-      if ((m.kind == K::kNmt && nmt_removed().contains(c)) || (m.kind == K::kStripAccents && strip_accents_marks().contains(c))) {
+      if ((m.kind == K::kNmt && nmt_removed().contains(c)) ||
+          (m.kind == K::kStripAccents && strip_accents_marks().contains(c))) {
         c = kRemovedAscii;
         break;
       }
@@ -804,7 +816,8 @@ std::optional<bool> fused_one_pass(std::span<const NormalizerStep> steps, const 
             if (len != lowered.size()) {  // several characters (U+0130 becomes "i\u0307")
               const std::string pieces = lowered;
               bool any = false;
-              for (std::size_t i = 0; i < pieces.size(); i += len) any = self(self, decode_at(pieces, i, &len), s + 1) || any;
+              for (std::size_t i = 0; i < pieces.size(); i += len)
+                any = self(self, decode_at(pieces, i, &len), s + 1) || any;
               return any;
             }
             c = d;
@@ -908,11 +921,14 @@ bool bert_four_passes(const NormalizerStep& n, std::string_view in, std::string&
   if (n.clean_text) {
     const CodePointSet& removed = bert_removed();
     const CodePointSet& space = bert_to_space();
-    if (map_chars(cur, next, [&](char32_t c, std::string_view raw, std::string& r) {
-          if (removed.contains(c)) return;
-          if (space.contains(c)) r += ' ';
-          else r += raw;
-        }, start_removed)) {
+    if (map_chars(
+            cur, next,
+            [&](char32_t c, std::string_view raw, std::string& r) {
+              if (removed.contains(c)) return;
+              if (space.contains(c)) r += ' ';
+              else r += raw;
+            },
+            start_removed)) {
       cur.swap(next);
       changed = true;
     }
@@ -934,9 +950,12 @@ bool bert_four_passes(const NormalizerStep& n, std::string_view in, std::string&
     const bool decomposed = normalize_form(cur, normalization_form_options("NFD"), nfd);
     const CodePointSet& marks = bert_nonspacing_marks();
     std::string_view src = decomposed ? std::string_view(nfd) : std::string_view(cur);
-    if (map_chars(src, next, [&](char32_t c, std::string_view raw, std::string& r) {
-          if (!marks.contains(c)) r += raw;
-        }, start_removed)) {
+    if (map_chars(
+            src, next,
+            [&](char32_t c, std::string_view raw, std::string& r) {
+              if (!marks.contains(c)) r += raw;
+            },
+            start_removed)) {
       cur.swap(next);
       changed = true;
     } else if (decomposed) {
@@ -1063,7 +1082,8 @@ bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_re
       if (regex) {
         regex.for_each_match(in, on_match);
       } else if (!literal.empty()) {
-        for (std::size_t pos = in.find(literal); pos != std::string_view::npos; pos = in.find(literal, pos + literal.size()))
+        for (std::size_t pos = in.find(literal); pos != std::string_view::npos;
+             pos = in.find(literal, pos + literal.size()))
           on_match(pos, pos + literal.size());
       }
       if (!any) return false;
@@ -1098,19 +1118,25 @@ bool NormalizerStep::apply(std::string_view in, std::string& out, bool* start_re
       });
     case Kind::kStripAccents: {
       const CodePointSet& marks = strip_accents_marks();
-      return map_chars(in, out, [&](char32_t c, std::string_view raw, std::string& r) {
-        if (!marks.contains(c)) r += raw;
-      }, start_removed);
+      return map_chars(
+          in, out,
+          [&](char32_t c, std::string_view raw, std::string& r) {
+            if (!marks.contains(c)) r += raw;
+          },
+          start_removed);
     }
     case Kind::kPrecompiled: return charsmap->normalize(in, out, start_removed);
     case Kind::kNmt: {
       const CodePointSet& removed = nmt_removed();
       const CodePointSet& space = nmt_to_space();
-      return map_chars(in, out, [&](char32_t c, std::string_view raw, std::string& r) {
-        if (removed.contains(c)) return;
-        if (space.contains(c)) r += ' ';
-        else r += raw;
-      }, start_removed);
+      return map_chars(
+          in, out,
+          [&](char32_t c, std::string_view raw, std::string& r) {
+            if (removed.contains(c)) return;
+            if (space.contains(c)) r += ' ';
+            else r += raw;
+          },
+          start_removed);
     }
     case Kind::kBert: {
       bool one_pass_start_removed = false;
@@ -1218,8 +1244,8 @@ void split_one_stage(const Stage& st, std::string_view piece, Emit&& emit) {
 // wherever any of them would and drops what any Removed stage matches, instead of one pass (and
 // one call per piece) per stage. Checked against the stages one by one on every code point.
 struct CharSplitRun {
-  std::size_t end = 0;                   // the stage after the run
-  std::array<std::uint32_t, 128> ascii{};  // bit k: stage k of the run matches the ASCII character
+  std::size_t end = 0;                                      // the stage after the run
+  std::array<std::uint32_t, 128> ascii{};                   // bit k: stage k of the run matches the ASCII character
   std::uint32_t removed = 0, isolated = 0, contiguous = 0;  // stages by behaviour
   std::vector<const Stage*> stages;
 };
@@ -1464,7 +1490,8 @@ class PrefixTrie {
     for (char ch : s) {
       const auto b = static_cast<unsigned char>(ch);
       auto& next = building_[n].next;
-      auto it = std::lower_bound(next.begin(), next.end(), b, [](const auto& e, unsigned char v) { return e.first < v; });
+      auto it =
+          std::lower_bound(next.begin(), next.end(), b, [](const auto& e, unsigned char v) { return e.first < v; });
       if (it == next.end() || it->first != b) {
         const auto child = static_cast<std::uint32_t>(building_.size());
         it = next.insert(it, {b, child});
@@ -1534,13 +1561,13 @@ class PrefixTrie {
 
 struct DecoderStep {
   enum class Kind { kByteLevel, kByteFallback, kFuse, kStrip, kReplace, kMetaspace, kWordPiece, kBpe } kind;
-  std::string content;      // kStrip: the character; kReplace: replacement; kMetaspace: replacement
-  std::string literal;      // kReplace with a String pattern
-  Regex regex;              // kReplace with a Regex pattern
+  std::string content;              // kStrip: the character; kReplace: replacement; kMetaspace: replacement
+  std::string literal;              // kReplace with a String pattern
+  Regex regex;                      // kReplace with a Regex pattern
   std::size_t start = 0, stop = 0;  // kStrip
   PrependScheme prepend = PrependScheme::kAlways;  // kMetaspace
-  std::string prefix;       // kWordPiece prefix, kBpe suffix
-  bool cleanup = true;      // kWordPiece
+  std::string prefix;                              // kWordPiece prefix, kBpe suffix
+  bool cleanup = true;                             // kWordPiece
 };
 
 }  // namespace
@@ -1554,14 +1581,14 @@ struct TokenizerJson::Impl {
   std::vector<NormalizerStep> normalizers;
   // [begin, end) ranges of `normalizers`: single steps and runs of Note [Fused character maps].
   std::vector<std::pair<std::size_t, std::size_t>> normalizer_plan;
-  bool fused_characters = true;  // false: the runs go step by step (tests)
+  bool fused_characters = true;         // false: the runs go step by step (tests)
   std::vector<FusedMaps> fused_tables;  // per entry of normalizer_plan
   void plan_normalizers();
   bool top_level_bert = false;  // the normalizer is one BertNormalizer (not in a Sequence)
 
   // Pre-tokenizer: stages, then (optionally, always last) ByteLevel.
   std::vector<Stage> stages;
-  std::vector<Stage> post_stages;  // Note [Pre-tokenizers after ByteLevel]
+  std::vector<Stage> post_stages;        // Note [Pre-tokenizers after ByteLevel]
   std::vector<CharSplitRun> split_runs;  // per stage: the run of Note [One pass for character splits] it starts
   bool fused_splits = true;              // false: stage by stage (tests)
   bool byte_level = false;
@@ -1599,9 +1626,9 @@ struct TokenizerJson::Impl {
   // Note [Splitting SentencePiece-style words]. False when that is not safe.
   bool split_at_mark = false;
   // Note [Cached chunks]
-  bool chunk_cuts = false;   // the pipeline allows them
-  BmpBits chunk_neutral;     // the neutral non-ASCII characters
-  bool chunking = true;      // false: whole segments (tests)
+  bool chunk_cuts = false;  // the pipeline allows them
+  BmpBits chunk_neutral;    // the neutral non-ASCII characters
+  bool chunking = true;     // false: whole segments (tests)
   void plan_chunks();
   void encode_chunked(std::string_view segment, bool at_origin, Sink& out) const;
   void cached_chunk(std::string_view chunk, bool at_origin, Sink& out) const;
@@ -1623,8 +1650,8 @@ struct TokenizerJson::Impl {
   void parse_pre_tokenizer(const Json& j, dom::element el, const std::string& where, bool top_level);
   void parse_model(const Json& j, dom::element el);
   void parse_vocab_map(const Json& j, dom::element el);
-  void parse_post_processor(const Json& j, dom::element el, const std::string& where,
-                            std::vector<std::int64_t>& prefix, std::vector<std::int64_t>& suffix);
+  void parse_post_processor(const Json& j, dom::element el, const std::string& where, std::vector<std::int64_t>& prefix,
+                            std::vector<std::int64_t>& suffix);
   void parse_decoder(const Json& j, dom::element el, const std::string& where);
   Regex parse_pattern(const Json& j, dom::element pattern, const std::string& where, std::string& literal,
                       bool allow_empty);
@@ -1687,8 +1714,7 @@ void check_padding_and_truncation(const Json& j, dom::element root) {
   };
   const auto one_of = [&](dom::element v, std::string_view where, std::initializer_list<std::string_view> allowed) {
     std::string_view s;
-    if (v.get_string().get(s) != simdjson::SUCCESS ||
-        std::find(allowed.begin(), allowed.end(), s) == allowed.end())
+    if (v.get_string().get(s) != simdjson::SUCCESS || std::find(allowed.begin(), allowed.end(), s) == allowed.end())
       fail(j.file, where, fmt::format("expected one of {}", fmt::join(allowed, ", ")));
   };
   if (auto t = j.optional_member(root, "truncation")) {
@@ -1717,7 +1743,8 @@ void check_padding_and_truncation(const Json& j, dom::element root) {
     unsigned_at(*p, "pad_id", "padding", UINT32_MAX);
     unsigned_at(*p, "pad_type_id", "padding", UINT32_MAX);
     j.string(j.member(*p, "pad_token", "padding"), "padding.pad_token");
-    if (auto m = j.optional_member(*p, "pad_to_multiple_of")) unsigned_at(*p, "pad_to_multiple_of", "padding", UINT64_MAX);
+    if (auto m = j.optional_member(*p, "pad_to_multiple_of"))
+      unsigned_at(*p, "pad_to_multiple_of", "padding", UINT64_MAX);
   }
 }
 
@@ -1780,7 +1807,8 @@ void TokenizerJson::Impl::load(std::vector<std::int64_t>& prefix, std::vector<st
 // A `pattern` object: {"String": "..."} (returned in `literal`) or {"Regex": "..."}.
 Regex TokenizerJson::Impl::parse_pattern(const Json& j, dom::element pattern, const std::string& where,
                                          std::string& literal, bool allow_empty) {
-  if (auto r = j.optional_member(pattern, "Regex")) return Regex(j.string(*r, where + ".Regex"), file, where + ".Regex");
+  if (auto r = j.optional_member(pattern, "Regex"))
+    return Regex(j.string(*r, where + ".Regex"), file, where + ".Regex");
   if (auto l = j.optional_member(pattern, "String")) {
     literal = j.string(*l, where + ".String");
     if (literal.empty() && !allow_empty) fail(file, where + ".String", "an empty pattern is not supported");
@@ -1807,7 +1835,8 @@ void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const
   } else if (type == "Replace") {
     n.kind = K::kReplace;
     n.regex = parse_pattern(j, j.member(el, "pattern", where), where + ".pattern", n.literal, true);
-    if (auto r = j.optional_member(j.member(el, "pattern", where), "Regex")) n.regex_source = j.string(*r, where + ".pattern.Regex");
+    if (auto r = j.optional_member(j.member(el, "pattern", where), "Regex"))
+      n.regex_source = j.string(*r, where + ".pattern.Regex");
     n.text = j.string(j.member(el, "content", where), where + ".content");
   } else if (type == "Strip") {
     n.kind = K::kStrip;
@@ -1826,13 +1855,15 @@ void TokenizerJson::Impl::parse_normalizer(const Json& j, dom::element el, const
       const std::string b64 = j.string(*m, where + ".precompiled_charsmap");
       if (!absl::Base64Unescape(b64, &blob)) fail(file, where + ".precompiled_charsmap", "not valid base64");
     }
-    n.charsmap = std::make_shared<const PrecompiledCharsmap>(std::move(blob), fmt::format("{}: {}", file.string(), where));
+    n.charsmap =
+        std::make_shared<const PrecompiledCharsmap>(std::move(blob), fmt::format("{}: {}", file.string(), where));
   } else if (type == "BertNormalizer") {
     n.kind = K::kBert;
     n.clean_text = j.flag(el, "clean_text", true, where);
     n.chinese = j.flag(el, "handle_chinese_chars", true, where);
     n.lowercase = j.flag(el, "lowercase", true, where);
-    if (auto v = j.optional_member(el, "strip_accents")) n.strip_accents_given = j.boolean(*v, where + ".strip_accents");
+    if (auto v = j.optional_member(el, "strip_accents"))
+      n.strip_accents_given = j.boolean(*v, where + ".strip_accents");
     n.strip_accents = n.strip_accents_given.value_or(n.lowercase);
     n.bert_table = bert_char_table(n);
     top_level_bert = where == "normalizer";
@@ -1927,7 +1958,8 @@ void TokenizerJson::Impl::parse_pre_tokenizer(const Json& j, dom::element el, co
       if (v == "always") s.prepend = PrependScheme::kAlways;
       else if (v == "first") s.prepend = PrependScheme::kFirst;
       else if (v == "never") s.prepend = PrependScheme::kNever;
-      else fail(file, where + ".prepend_scheme", fmt::format("expected \"always\", \"first\" or \"never\", got '{}'", v));
+      else
+        fail(file, where + ".prepend_scheme", fmt::format("expected \"always\", \"first\" or \"never\", got '{}'", v));
     } else {
       // Files from before prepend_scheme: add_prefix_space decides (true = always).
       s.prepend = j.flag(el, "add_prefix_space", true, where) ? PrependScheme::kAlways : PrependScheme::kNever;
@@ -1944,7 +1976,8 @@ void TokenizerJson::Impl::parse_vocab_map(const Json& j, dom::element el) {
   std::int64_t max_id = -1;
   for (auto field : j.object(j.member(el, "vocab", "model"), "model.vocab")) {
     const std::int64_t id = j.integer(field.value, fmt::format("model.vocab[\"{}\"]", field.key));
-    if (id < 0 || id >= (1 << 26)) fail(file, fmt::format("model.vocab[\"{}\"]", field.key), fmt::format("id {} out of range [0, 2^26)", id));
+    if (id < 0 || id >= (1 << 26))
+      fail(file, fmt::format("model.vocab[\"{}\"]", field.key), fmt::format("id {} out of range [0, 2^26)", id));
     vocab.insert_or_assign(std::string(field.key), static_cast<std::int32_t>(id));
     max_id = std::max(max_id, id);
   }
@@ -1972,8 +2005,9 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
   } else if (v && v->is_object() && j.optional_member(el, "unk_token")) {
     type = "WordLevel";
   } else {
-    fail(file, "model", "has no 'type', and its fields fit none of BPE (merges), Unigram (a vocab list), WordPiece "
-                        "and WordLevel (a vocab map with unk_token)");
+    fail(file, "model",
+         "has no 'type', and its fields fit none of BPE (merges), Unigram (a vocab list), WordPiece "
+         "and WordLevel (a vocab map with unk_token)");
   }
 
   if (type == "WordPiece" || type == "WordLevel") {
@@ -1982,7 +2016,8 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
     unk_token = j.string(j.member(el, "unk_token", "model"), "model.unk_token");
     if (model_kind == ModelKind::kWordPiece) {
       subword_prefix = j.string(j.member(el, "continuing_subword_prefix", "model"), "model.continuing_subword_prefix");
-      const std::int64_t m = j.integer(j.member(el, "max_input_chars_per_word", "model"), "model.max_input_chars_per_word");
+      const std::int64_t m =
+          j.integer(j.member(el, "max_input_chars_per_word", "model"), "model.max_input_chars_per_word");
       if (m < 0) fail(file, "model.max_input_chars_per_word", "expected a non-negative integer");
       max_input_chars_per_word = static_cast<std::size_t>(m);
     }
@@ -2012,7 +2047,8 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
     }
     if (auto u = j.optional_member(el, "unk_id")) {
       const std::int64_t v = j.integer(*u, "model.unk_id");
-      if (v < 0 || v >= id) fail(file, "model.unk_id", fmt::format("{} is not a piece index (vocabulary of {})", v, id));
+      if (v < 0 || v >= id)
+        fail(file, "model.unk_id", fmt::format("{} is not a piece index (vocabulary of {})", v, id));
       unk_id = static_cast<std::int32_t>(v);
       unk_token = vocab_r[v];
     }
@@ -2020,8 +2056,7 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
     pieces.freeze();
     return;
   }
-  if (type != "BPE")
-    unsupported(file, "model.type", "model", type, "BPE, Unigram, WordPiece and WordLevel");
+  if (type != "BPE") unsupported(file, "model.type", "model", type, "BPE, Unigram, WordPiece and WordLevel");
 
   if (auto d = j.optional_member(el, "dropout")) {
     double p = 0;
@@ -2029,7 +2064,8 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
     if (p != 0.0) fail(file, "model.dropout", fmt::format("BPE dropout {} is not supported (must be null)", p));
   }
   if (auto u = j.optional_member(el, "unk_token")) unk_token = j.string(*u, "model.unk_token");
-  if (auto p = j.optional_member(el, "continuing_subword_prefix")) subword_prefix = j.string(*p, "model.continuing_subword_prefix");
+  if (auto p = j.optional_member(el, "continuing_subword_prefix"))
+    subword_prefix = j.string(*p, "model.continuing_subword_prefix");
   if (auto s = j.optional_member(el, "end_of_word_suffix")) word_suffix = j.string(*s, "model.end_of_word_suffix");
   fuse_unk = j.flag(el, "fuse_unk", false, "model");
   byte_fallback = j.flag(el, "byte_fallback", false, "model");
@@ -2083,8 +2119,8 @@ void TokenizerJson::Impl::parse_model(const Json& j, dom::element el) {
 // at those positions gives the same ids while each piece is cached like a word.
 void TokenizerJson::Impl::find_split_character() {
   const std::string mark = "\xE2\x96\x81";  // U+2581
-  if (model_kind != ModelKind::kBpe || byte_level || !subword_prefix.empty() ||
-      !word_suffix.empty() || !vocab.contains(mark))
+  if (model_kind != ModelKind::kBpe || byte_level || !subword_prefix.empty() || !word_suffix.empty() ||
+      !vocab.contains(mark))
     return;
   for (const auto& [token, id] : vocab)
     for (std::size_t pos = token.find(mark, 1); pos != std::string::npos; pos = token.find(mark, pos + 1))
@@ -2148,7 +2184,8 @@ void TokenizerJson::Impl::parse_post_processor(const Json& j, dom::element el, c
         dom::element def;
         if (specials.at_key(name).get(def) != simdjson::SUCCESS)
           fail(file, w, fmt::format("special token '{}' is missing from {}.special_tokens", name, where));
-        for (dom::element id : j.array(j.member(def, "ids", where), fmt::format("{}.special_tokens.{}.ids", where, name)))
+        for (dom::element id :
+             j.array(j.member(def, "ids", where), fmt::format("{}.special_tokens.{}.ids", where, name)))
           (seen_a ? after : before).push_back(j.integer(id, fmt::format("{}.special_tokens.{}.ids", where, name)));
       } else {
         fail(file, w, "expected {\"Sequence\": ...} or {\"SpecialToken\": ...}");
@@ -2297,9 +2334,9 @@ bool TokenizerJson::Impl::normalize(std::string_view in, std::string& out, bool*
       step_changed = all[b].apply(current, next, start_removed);
     } else {
       bool removed = false;  // Note [Fused character maps]
-      std::optional<bool> fused =
-          fused_characters ? fused_one_pass(all.subspan(b, e - b), fused_tables[k], current, next, &removed)
-                           : std::nullopt;
+      std::optional<bool> fused = fused_characters
+                                      ? fused_one_pass(all.subspan(b, e - b), fused_tables[k], current, next, &removed)
+                                      : std::nullopt;
       if (fused) {
         if (removed) *start_removed = true;
         step_changed = *fused;
@@ -2427,9 +2464,9 @@ void TokenizerJson::Impl::plan_chunks() {
   // What splits at the space first.
   const Stage* s0 = stages.empty() ? nullptr : &stages.front();
   const bool metaspace = s0 != nullptr && s0->kind == Stage::Kind::kMetaspace && s0->split;
-  const bool drops_spaces = s0 != nullptr && s0->behavior == Behavior::kRemoved &&
-                            (s0->kind == Stage::Kind::kWhitespace ||
-                             (s0->kind == Stage::Kind::kChars && s0->chars == &rust_whitespace()));
+  const bool drops_spaces =
+      s0 != nullptr && s0->behavior == Behavior::kRemoved &&
+      (s0->kind == Stage::Kind::kWhitespace || (s0->kind == Stage::Kind::kChars && s0->chars == &rust_whitespace()));
   // (Not ByteLevel's own regex, GPT-2 and RoBERTa: their one pass over a segment is as fast as
   // cutting it, and on text with fewer repeats the chunks' misses made them 6-8% slower.)
   const bool regex = s0 != nullptr && s0->kind == Stage::Kind::kRegex && s0->behavior == Behavior::kIsolated &&
@@ -2456,12 +2493,12 @@ void TokenizerJson::Impl::plan_chunks() {
   chunk_neutral = BmpBits::where(0x80, [&](char32_t c) {
     if (!lone_grapheme(c)) return false;
     for (const NormalizerStep& n : normalizers) {
-      const bool kept = n.kind == K::kNmt           ? !nmt_removed().contains(c) && !nmt_to_space().contains(c)
-                        : n.kind == K::kLowercase   ? !lowercase_changes().contains(c)
+      const bool kept = n.kind == K::kNmt            ? !nmt_removed().contains(c) && !nmt_to_space().contains(c)
+                        : n.kind == K::kLowercase    ? !lowercase_changes().contains(c)
                         : n.kind == K::kStripAccents ? !strip_accents_marks().contains(c)
-                        : n.kind == K::kForm        ? form_stable(c, n.options)
-                        : n.kind == K::kPrecompiled ? n.charsmap->keeps(c)
-                                                    : true;
+                        : n.kind == K::kForm         ? form_stable(c, n.options)
+                        : n.kind == K::kPrecompiled  ? n.charsmap->keeps(c)
+                                                     : true;
       if (!kept) return false;
     }
     return true;
@@ -2578,7 +2615,8 @@ void TokenizerJson::Impl::pre_tokenize(std::string_view piece, std::size_t stage
   const Stage& st = stages[stage];
   if (st.kind == Stage::Kind::kMetaspace) {
     auto next = [&](std::string_view word, bool first) { pre_tokenize(word, stage + 1, at_origin && first, out); };
-    if (fused_splits && !piece.empty() && metaspace_in_place(st)) metaspace_in_place(st, piece, at_origin, next);  // Note [Metaspace without a copy]
+    if (fused_splits && !piece.empty() && metaspace_in_place(st))
+      metaspace_in_place(st, piece, at_origin, next);  // Note [Metaspace without a copy]
     else metaspace_by_replacing(st, piece, at_origin, next);
     return;
   }
@@ -2642,15 +2680,15 @@ void TokenizerJson::Impl::after_byte_level(std::string_view raw, Sink& out) cons
   post_split(raw, mapped, at, 0, mapped.size(), 0, out);
 }
 
-void TokenizerJson::Impl::post_split(std::string_view raw, std::string_view mapped, const std::vector<std::uint32_t>& at,
-                                     std::size_t b, std::size_t e, std::size_t stage, Sink& out) const {
+void TokenizerJson::Impl::post_split(std::string_view raw, std::string_view mapped,
+                                     const std::vector<std::uint32_t>& at, std::size_t b, std::size_t e,
+                                     std::size_t stage, Sink& out) const {
   if (stage == post_stages.size()) {
     model(raw.substr(at[b], at[e] - at[b]), out);
     return;
   }
-  split_one_stage(post_stages[stage], mapped.substr(b, e - b), [&](std::size_t sb, std::size_t se) {
-    post_split(raw, mapped, at, b + sb, b + se, stage + 1, out);
-  });
+  split_one_stage(post_stages[stage], mapped.substr(b, e - b),
+                  [&](std::size_t sb, std::size_t se) { post_split(raw, mapped, at, b + sb, b + se, stage + 1, out); });
 }
 
 void TokenizerJson::Impl::model(std::string_view word, Sink& out) const {
@@ -2874,8 +2912,8 @@ void TokenizerJson::Impl::merge_heap(std::vector<std::int32_t>& syms) const {
     const std::int32_t left = s[pos].id, right = s[s[pos].next].id;
     auto it = merges.find((static_cast<std::uint64_t>(left) << 32) | static_cast<std::uint32_t>(right));
     if (it == merges.end()) return false;
-    c = {(it->second >> 32) << 32 | static_cast<std::uint32_t>(pos), static_cast<std::int32_t>(it->second & 0xFFFFFFFFu),
-         left, right};
+    c = {(it->second >> 32) << 32 | static_cast<std::uint32_t>(pos),
+         static_cast<std::int32_t>(it->second & 0xFFFFFFFFu), left, right};
     return true;
   };
   heap.clear();
@@ -2948,8 +2986,9 @@ void TokenizerJson::Impl::unigram(std::string_view w, std::vector<std::int32_t>&
       Node& target = best[at + mblen];
       const double candidate = unk_score + till_here;
       if (target.starts_at < 0 || candidate > target.score) {
-        if (!unk_id) throw Error(fmt::format("{}: the Unigram model has no unk_id, but '{}' is not in its pieces",
-                                             file.string(), w.substr(at, mblen)));
+        if (!unk_id)
+          throw Error(fmt::format("{}: the Unigram model has no unk_id, but '{}' is not in its pieces", file.string(),
+                                  w.substr(at, mblen)));
         target.score = candidate;
         target.starts_at = static_cast<std::int64_t>(at);
         target.id = *unk_id;
@@ -3050,8 +3089,8 @@ namespace {
 // The WordPiece decoder's clean-up (tokenizers' decoders::wordpiece::cleanup).
 std::string wordpiece_cleanup(std::string s) {
   static const std::pair<std::string_view, std::string_view> kRules[] = {
-      {" .", "."},     {" ?", "?"},     {" !", "!"},         {" ,", ","},     {" ' ", "'"},   {" n't", "n't"},
-      {" 'm", "'m"},   {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+      {" .", "."},   {" ?", "?"},           {" !", "!"},   {" ,", ","},     {" ' ", "'"},   {" n't", "n't"},
+      {" 'm", "'m"}, {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
   for (const auto& [from, to] : kRules) {
     std::string out;
     std::size_t pos = 0;
@@ -3077,7 +3116,8 @@ std::string replace_all(std::string_view in, const std::string& literal, const R
   if (regex) {
     regex.for_each_match(in, on_match);
   } else if (!literal.empty()) {
-    for (std::size_t pos = in.find(literal); pos != std::string_view::npos; pos = in.find(literal, pos + literal.size()))
+    for (std::size_t pos = in.find(literal); pos != std::string_view::npos;
+         pos = in.find(literal, pos + literal.size()))
       on_match(pos, pos + literal.size());
   }
   out.append(in, prev, std::string_view::npos);
@@ -3166,7 +3206,8 @@ std::string TokenizerJson::Impl::decode_tokens(std::vector<std::string> tokens) 
           // tokenizers indexes chars.len() - i - 1 for i < stop: it panics when stop exceeds a token made of
           // the content character only, and when the cuts cross.
           if (stop_cut < start_cut || (stop_cut == 0 && d.stop > starts.size()))
-            throw Error(fmt::format("{}: the Strip decoder cannot strip '{}' (tokenizers panics on it)", file.string(), t));
+            throw Error(
+                fmt::format("{}: the Strip decoder cannot strip '{}' (tokenizers panics on it)", file.string(), t));
           const std::size_t b = start_cut < starts.size() ? starts[start_cut] : t.size();
           const std::size_t e = stop_cut < starts.size() ? starts[stop_cut] : t.size();
           next.push_back(t.substr(b, e - b));
@@ -3271,7 +3312,8 @@ std::vector<std::int64_t> TokenizerJson::encode(std::string_view text) const {
 }
 
 std::optional<std::string> TokenizerJson::id_to_token(std::int64_t id) const {
-  if (auto it = impl_->added_by_id.find(id); it != impl_->added_by_id.end()) return impl_->added[it->second].second.content;
+  if (auto it = impl_->added_by_id.find(id); it != impl_->added_by_id.end())
+    return impl_->added[it->second].second.content;
   if (id >= 0 && static_cast<std::size_t>(id) < impl_->vocab_r.size() && impl_->vocab_r_present[id])
     return impl_->vocab_r[id];
   return std::nullopt;
@@ -3367,7 +3409,9 @@ std::vector<std::pair<std::string, bool>> metaspace_words(std::string_view text,
   Stage st;
   st.kind = Stage::Kind::kMetaspace;
   st.replacement = std::string(replacement);
-  st.prepend = scheme == "always" ? PrependScheme::kAlways : scheme == "first" ? PrependScheme::kFirst : PrependScheme::kNever;
+  st.prepend = scheme == "always"  ? PrependScheme::kAlways
+               : scheme == "first" ? PrependScheme::kFirst
+                                   : PrependScheme::kNever;
   st.split = split;
   std::vector<std::pair<std::string, bool>> words;
   auto emit = [&](std::string_view w, bool first) { words.emplace_back(std::string(w), first); };
@@ -3387,8 +3431,9 @@ std::vector<std::string> split_characters(std::span<const std::string_view> stag
       s.behavior = Behavior::kRemoved;
     } else if (name.starts_with("Punctuation")) {
       s.chars = &bert_punctuation();
-      s.behavior = name.ends_with("Removed") ? Behavior::kRemoved : name.ends_with("Contiguous") ? Behavior::kContiguous
-                                                                                                  : Behavior::kIsolated;
+      s.behavior = name.ends_with("Removed")      ? Behavior::kRemoved
+                   : name.ends_with("Contiguous") ? Behavior::kContiguous
+                                                  : Behavior::kIsolated;
     } else if (name.starts_with("Digits")) {
       s.chars = &rust_numeric();
       s.behavior = name.ends_with("Individual") ? Behavior::kIsolated : Behavior::kContiguous;

@@ -37,14 +37,16 @@ CodePointSet CodePointSet::from_ranges(std::vector<std::pair<char32_t, char32_t>
   CodePointSet s;
   for (const auto& [a, b] : ranges) {
     if (b < a) continue;
-    if (!s.ranges_.empty() && a <= s.ranges_.back().second + 1) s.ranges_.back().second = std::max(s.ranges_.back().second, b);
+    if (!s.ranges_.empty() && a <= s.ranges_.back().second + 1)
+      s.ranges_.back().second = std::max(s.ranges_.back().second, b);
     else s.ranges_.emplace_back(a, b);
   }
   for (const auto& [a, b] : s.ranges_)
     for (char32_t c = a; c <= std::min<char32_t>(b, 0xFFFF); ++c) s.bmp_[c >> 6] |= std::uint64_t{1} << (c & 63);
   // The code points each UTF-8 lead byte starts: [lo, hi].
   auto intersects = [&](char32_t lo, char32_t hi) {
-    return std::any_of(s.ranges_.begin(), s.ranges_.end(), [&](const auto& r) { return r.first <= hi && r.second >= lo; });
+    return std::any_of(s.ranges_.begin(), s.ranges_.end(),
+                       [&](const auto& r) { return r.first <= hi && r.second >= lo; });
   };
   for (unsigned b = 0; b < 256; ++b) {
     bool any = false;
@@ -171,7 +173,7 @@ std::string loose(std::string_view name) {
 }
 
 struct OnigTables {
-  std::map<std::string, CodePointSet, std::less<>> by_name;  // canonical name -> set
+  std::map<std::string, CodePointSet, std::less<>> by_name;   // canonical name -> set
   std::map<std::string, std::string, std::less<>> canonical;  // loose alias -> canonical name
   OnigTables() {
     auto add = [&](std::string name, CodePointSet set, std::initializer_list<std::string_view> aliases) {
@@ -256,10 +258,10 @@ std::string oniguruma_property_name(std::string_view name) {
   return it == t.canonical.end() ? std::string() : it->second;
 }
 
-#define MODALITIES_TABLE(function, table)  \
-  const CodePointSet& function() {         \
+#define MODALITIES_TABLE(function, table)                \
+  const CodePointSet& function() {                       \
     static const CodePointSet s = set_of(tables::table); \
-    return s;                              \
+    return s;                                            \
   }
 MODALITIES_TABLE(rust_numeric, kRustIsNumeric)
 MODALITIES_TABLE(rust_whitespace, kRustIsWhitespace)
@@ -275,14 +277,19 @@ MODALITIES_TABLE(hf_normalization_unknown, kHfNormalizationUnknown)
 
 // Nmt (tokenizers' normalizers::unicode::Nmt): fixed lists in its source, not Unicode data.
 const CodePointSet& nmt_removed() {
-  static const CodePointSet s = CodePointSet::from_ranges(
-      {{0x01, 0x08}, {0x0B, 0x0B}, {0x0E, 0x1F}, {0x7F, 0x7F}, {0x8F, 0x8F}, {0x9F, 0x9F}});
+  static const CodePointSet s =
+      CodePointSet::from_ranges({{0x01, 0x08}, {0x0B, 0x0B}, {0x0E, 0x1F}, {0x7F, 0x7F}, {0x8F, 0x8F}, {0x9F, 0x9F}});
   return s;
 }
 
 const CodePointSet& nmt_to_space() {
-  static const CodePointSet s = CodePointSet::from_ranges({{0x09, 0x0A}, {0x0C, 0x0D}, {0x1680, 0x1680}, {0x200B, 0x200F},
-                                                           {0x2028, 0x2029}, {0x2581, 0x2581}, {0xFEFF, 0xFEFF},
+  static const CodePointSet s = CodePointSet::from_ranges({{0x09, 0x0A},
+                                                           {0x0C, 0x0D},
+                                                           {0x1680, 0x1680},
+                                                           {0x200B, 0x200F},
+                                                           {0x2028, 0x2029},
+                                                           {0x2581, 0x2581},
+                                                           {0xFEFF, 0xFEFF},
                                                            {0xFFFD, 0xFFFD}});
   return s;
 }
@@ -387,9 +394,9 @@ class StableTable {
       std::string one;
       append_utf8(one, c);
       utf8proc_uint8_t* dst = nullptr;
-      const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(one.data()),
-                                              static_cast<utf8proc_ssize_t>(one.size()), &dst,
-                                              static_cast<utf8proc_option_t>(options));
+      const utf8proc_ssize_t n =
+          utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(one.data()), static_cast<utf8proc_ssize_t>(one.size()),
+                       &dst, static_cast<utf8proc_option_t>(options));
       if (n >= 0 && std::string_view(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n)) == one) {
         cls_[c] = mark ? Stability::kMark : Stability::kStable;
         ccc_[c] = static_cast<std::uint8_t>(p->combining_class);
@@ -422,9 +429,9 @@ const StableTable& stable_table(int options) {
 
 std::string utf8proc_normalize(std::string_view s, int options) {
   utf8proc_uint8_t* dst = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                          static_cast<utf8proc_ssize_t>(s.size()), &dst,
-                                          static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()), &dst,
+                   static_cast<utf8proc_option_t>(options));
   if (n < 0) throw Error(fmt::format("Unicode normalization failed: {}", utf8proc_errmsg(n)));
   std::string out(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
   std::free(dst);
@@ -486,9 +493,10 @@ void require_known_utf8proc() {
   // whose property encoding this file also reads; another version could normalize differently.
   static const bool known_utf8proc = std::string_view(utf8proc_version()) == "2.8.0";
   if (!known_utf8proc)
-    throw Error(fmt::format("Unicode normalization: this build links utf8proc {}, but the normalizers were checked "
-                            "against utf8proc 2.8.0 only (Debian 12's); rebuild with it rather than risk other ids",
-                            utf8proc_version()));
+    throw Error(
+        fmt::format("Unicode normalization: this build links utf8proc {}, but the normalizers were checked "
+                    "against utf8proc 2.8.0 only (Debian 12's); rebuild with it rather than risk other ids",
+                    utf8proc_version()));
 }
 
 }  // namespace
@@ -604,12 +612,21 @@ std::string utf8_lossy(std::string_view in) {
     std::size_t need = 0;
     unsigned char lo = 0x80, hi = 0xBF;
     if (b >= 0xC2 && b <= 0xDF) need = 1;
-    else if (b == 0xE0) { need = 2; lo = 0xA0; }
-    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) need = 2;
-    else if (b == 0xED) { need = 2; hi = 0x9F; }
-    else if (b == 0xF0) { need = 3; lo = 0x90; }
-    else if (b >= 0xF1 && b <= 0xF3) need = 3;
-    else if (b == 0xF4) { need = 3; hi = 0x8F; }
+    else if (b == 0xE0) {
+      need = 2;
+      lo = 0xA0;
+    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) need = 2;
+    else if (b == 0xED) {
+      need = 2;
+      hi = 0x9F;
+    } else if (b == 0xF0) {
+      need = 3;
+      lo = 0x90;
+    } else if (b >= 0xF1 && b <= 0xF3) need = 3;
+    else if (b == 0xF4) {
+      need = 3;
+      hi = 0x8F;
+    }
     if (need == 0) {
       out += "\xEF\xBF\xBD";
       ++i;
@@ -631,7 +648,6 @@ std::string utf8_lossy(std::string_view in) {
   }
   return out;
 }
-
 
 // ---- SentencePiece charsmaps ---------------------------------------------
 // The trie layout is darts-clone's (as SentencePiece writes it and spm_precompiled reads it): a
@@ -671,12 +687,15 @@ PrecompiledCharsmap::PrecompiledCharsmap(std::string blob, const std::string& wh
   };
   if (blob.size() < 4) throw bad("shorter than its 4-byte header");
   std::uint32_t trie_bytes = 0;
-  for (int i = 3; i >= 0; --i) trie_bytes = (trie_bytes << 8) | static_cast<unsigned char>(blob[static_cast<std::size_t>(i)]);
-  if (trie_bytes % 4 != 0 || trie_bytes > blob.size() - 4) throw bad(fmt::format("trie size {} does not fit", trie_bytes));
+  for (int i = 3; i >= 0; --i)
+    trie_bytes = (trie_bytes << 8) | static_cast<unsigned char>(blob[static_cast<std::size_t>(i)]);
+  if (trie_bytes % 4 != 0 || trie_bytes > blob.size() - 4)
+    throw bad(fmt::format("trie size {} does not fit", trie_bytes));
   units_.resize(trie_bytes / 4);
   for (std::size_t u = 0; u < units_.size(); ++u) {
     std::uint32_t v = 0;
-    for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(blob[4 + u * 4 + static_cast<std::size_t>(i)]);
+    for (int i = 3; i >= 0; --i)
+      v = (v << 8) | static_cast<unsigned char>(blob[4 + u * 4 + static_cast<std::size_t>(i)]);
     units_[u] = v;
   }
   pool_ = blob.substr(4 + trie_bytes);
@@ -815,7 +834,8 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
     }
     std::size_t len;
     const char32_t c = decode_at(in, i, &len);
-    if (fast_ && i > 0 && prev_simple && c >= 0x80 && simple_.contains(c) && (i + len == in.size() || simple_at(i + len))) {
+    if (fast_ && i > 0 && prev_simple && c >= 0x80 && simple_.contains(c) &&
+        (i + len == in.size() || simple_at(i + len))) {
       if (start < i) emit(start, i);  // Note [Lone grapheme clusters]
       emit(i, i + len);
       state = 0;
@@ -832,11 +852,11 @@ bool PrecompiledCharsmap::normalize(std::string_view in, std::string& out, bool*
       // tokenizers would then replace the pair by the character's entry alone.
       if (prev_len + len < 6 && utf8proc_category(static_cast<utf8proc_int32_t>(c)) == UTF8PROC_CATEGORY_CN &&
           transform(in.substr(prev_at, prev_len)))
-        throw Error(fmt::format("the Precompiled normalizer cannot decide U+{:04X} after U+{:04X}: U+{:04X} is not in "
-                                "Unicode 15.0 (utf8proc), so whether it extends the grapheme cluster before it (and "
-                                "how tokenizers normalizes the pair) is unknown here",
-                                static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(prev),
-                                static_cast<std::uint32_t>(c)));
+        throw Error(fmt::format(
+            "the Precompiled normalizer cannot decide U+{:04X} after U+{:04X}: U+{:04X} is not in "
+            "Unicode 15.0 (utf8proc), so whether it extends the grapheme cluster before it (and "
+            "how tokenizers normalizes the pair) is unknown here",
+            static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(prev), static_cast<std::uint32_t>(c)));
       if (utf8proc_grapheme_break_stateful(static_cast<utf8proc_int32_t>(prev), static_cast<utf8proc_int32_t>(c),
                                            &state)) {
         emit(start, i);

@@ -17,9 +17,9 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
-#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>

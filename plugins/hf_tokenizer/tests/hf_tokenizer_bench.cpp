@@ -31,8 +31,9 @@ const std::vector<std::string>& corpus() {
   static const std::vector<std::string> texts = [] {
     std::vector<std::string> lines;
     const char* other = std::getenv("MODALITIES_BENCH_CORPUS");
-    std::ifstream in(other != nullptr ? fs::path(other)
-                                      : fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl");
+    std::ifstream in(other != nullptr
+                         ? fs::path(other)
+                         : fs::path(MODALITIES_TEST_SOURCE_ROOT) / "data" / "multilingual" / "multilingual.jsonl");
     simdjson::dom::parser parser;
     for (std::string line; std::getline(in, line);) {
       std::string_view s;
@@ -53,8 +54,7 @@ const std::vector<std::string>& corpus() {
 
 fs::path tokenizer_file(const std::string& name) {
   if (name == "gpt2")
-    return fs::path(MODALITIES_TEST_FIXTURES_DIR) / "data" / "tokenizer" / "hf_gpt2" /
-           "tokenizer.json";
+    return fs::path(MODALITIES_TEST_FIXTURES_DIR) / "data" / "tokenizer" / "hf_gpt2" / "tokenizer.json";
   const fs::path data = fs::path(MODALITIES_TEST_SOURCE_ROOT) / "plugins" / "hf_tokenizer" / "tests" / "data";
   if (fs::exists(data / name)) return data / name / "tokenizer.json";
   return data / "families" / name / "tokenizer.json";
@@ -78,8 +78,8 @@ void BM_Encode(benchmark::State& state, const std::string& name) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (best_seconds == 0 || s < best_seconds) best_seconds = s;
   }
-  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(tokens) * state.iterations(),
-                                                  benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(tokens) * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["best_pass_tokens/s"] = static_cast<double>(tokens) / best_seconds;
   state.counters["tokens"] = static_cast<double>(tokens);
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
@@ -88,20 +88,17 @@ void BM_Encode(benchmark::State& state, const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (const char* name : {"gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
-                           "deepseek_v3_style", "gptneox_style", "roberta_style", "bloom_style", "llama2_style",
-                           "mistral_style", "gemma_style", "bert_style", "t5_style", "t5_nmt_style", "unigram_style",
-                           "pretok_sequences_style", "whitespace_style"})
-  {
+  for (const char* name :
+       {"gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style", "deepseek_v3_style",
+        "gptneox_style", "roberta_style", "bloom_style", "llama2_style", "mistral_style", "gemma_style", "bert_style",
+        "t5_style", "t5_nmt_style", "unigram_style", "pretok_sequences_style", "whitespace_style"}) {
     auto* b = benchmark::RegisterBenchmark((std::string("BM_Encode/") + name).c_str(), BM_Encode, std::string(name))
                   ->Unit(benchmark::kMillisecond);
     // MODALITIES_BENCH_PASSES: exactly that many passes (scripts/bench_tokenizer.py gives both engines
     // the same number); otherwise as many as fit in a second.
     const char* passes = std::getenv("MODALITIES_BENCH_PASSES");
-    if (const int n = passes != nullptr ? std::atoi(passes) : 0; n > 0)
-      b->Iterations(n);
-    else
-      b->MinTime(1.0);
+    if (const int n = passes != nullptr ? std::atoi(passes) : 0; n > 0) b->Iterations(n);
+    else b->MinTime(1.0);
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -22,8 +22,8 @@
 #include <simdjson.h>
 
 #include <filesystem>
-#include <iostream>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <random>
 #include <thread>
@@ -122,15 +122,17 @@ struct Built {
 Built build(const std::string& config_inline) {
   Built b;
   b.harness = std::make_unique<testing::Harness>(MODALITIES_TEST_PLUGIN);
-  b.harness->set_config_text("[tok]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\nconfig = " +
-                             config_inline + "\n");
+  b.harness->set_config_text(
+      "[tok]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_hf_tokenizer\"\nconfig = " + config_inline +
+      "\n");
   b.error = b.harness->build_error();
   if (b.error.empty()) b.tok = b.harness->get<Tokenizer>("tok");
   return b;
 }
 
 std::string folder_config(const fs::path& folder, const std::string& extra = "") {
-  return "{ pretrained_model_name_or_path = " + toml_quote(folder.string()) + (extra.empty() ? "" : ", " + extra) + " }";
+  return "{ pretrained_model_name_or_path = " + toml_quote(folder.string()) + (extra.empty() ? "" : ", " + extra) +
+         " }";
 }
 
 // The returned pointer keeps its harness (and so the plugin) alive; the tokenizer goes first.
@@ -195,7 +197,8 @@ TEST_P(CorpusTest, MatchesHuggingFaceOnEveryLine) {
     const std::string decoded = engine.decode(content);
     const std::string want_decoded = string_field(row, "decoded").value_or(texts[i]);
     if (decoded != want_decoded && decode_mismatches++ < 5)
-      ADD_FAILURE() << name << " line " << i + 1 << " decode differs\n  want: " << want_decoded << "\n  got:  " << decoded;
+      ADD_FAILURE() << name << " line " << i + 1 << " decode differs\n  want: " << want_decoded
+                    << "\n  got:  " << decoded;
     const std::string full = engine.decode(std::span<const std::int64_t>(want.data(), n_template)) + want_decoded;
     const std::string want_hf = string_field(row, "decoded_hf").value_or(full);
     if (tok->decode(want) != want_hf && hf_decode_mismatches++ < 5)
@@ -207,7 +210,8 @@ TEST_P(CorpusTest, MatchesHuggingFaceOnEveryLine) {
   EXPECT_EQ(hf_decode_mismatches, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, CorpusTest, ::testing::Values("gpt2", "gpt2_style_8k", "llama3_style", "qwen2_style"));
+INSTANTIATE_TEST_SUITE_P(Tokenizers, CorpusTest,
+                         ::testing::Values("gpt2", "gpt2_style_8k", "llama3_style", "qwen2_style"));
 
 // ---------------------------------------------------------------------------
 // Tokenizer families (scripts/reference/make_tokenizer_families.py): small tokenizers built with the
@@ -250,8 +254,8 @@ TEST_P(FamilyTest, MatchesTransformersOnEveryDocument) {
       continue;
     }
     if (got != want && ids++ < 4)
-      ADD_FAILURE() << name << " document " << i + 1 << " ids differ\n  text: " << texts[i] << "\n  want: " << show(want)
-                    << "\n  got:  " << show(got);
+      ADD_FAILURE() << name << " document " << i + 1 << " ids differ\n  text: " << texts[i]
+                    << "\n  want: " << show(want) << "\n  got:  " << show(got);
     dom::element raw_row;
     const auto want_raw = row["raw_ids"].get(raw_row) == simdjson::SUCCESS ? ids_of(raw_row) : want;
     wanted_raw.push_back(want_raw);
@@ -271,8 +275,9 @@ TEST_P(FamilyTest, MatchesTransformersOnEveryDocument) {
   std::size_t cached = 0;
   for (std::size_t i = 0; i < texts.size(); ++i)
     if (engine.encode(texts[i]) != wanted_raw[i] && cached++ < 2)
-      ADD_FAILURE() << name << " document " << i + 1 << " differs when encoded again (word cache)\n  want: "
-                    << show(wanted_raw[i]) << "\n  got:  " << show(engine.encode(texts[i]));
+      ADD_FAILURE() << name << " document " << i + 1
+                    << " differs when encoded again (word cache)\n  want: " << show(wanted_raw[i])
+                    << "\n  got:  " << show(engine.encode(texts[i]));
   EXPECT_EQ(ids, 0u) << "documents with other ids, of " << texts.size();
   EXPECT_EQ(raw, 0u);
   EXPECT_EQ(cached, 0u);
@@ -282,18 +287,18 @@ TEST_P(FamilyTest, MatchesTransformersOnEveryDocument) {
   // Facts: vocab_size, special ids, the template of an empty text.
   dom::element facts = parser.load((kFamilies / "expected" / "facts.json").string()).value()[name].value();
   EXPECT_EQ(tok->vocab_size(), facts["vocab_size"].get_int64().value()) << name;
-  for (std::int64_t id : ids_of(facts["all_special_ids"].value())) EXPECT_TRUE(tok->is_special_token_id(id)) << name << " " << id;
+  for (std::int64_t id : ids_of(facts["all_special_ids"].value()))
+    EXPECT_TRUE(tok->is_special_token_id(id)) << name << " " << id;
   EXPECT_EQ(show(tok->tokenize("")), show(ids_of(facts["empty_ids"].value()))) << name;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Families, FamilyTest,
-    ::testing::Values("gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style", "gpt4o_style",
-                      "deepseek_v3_style", "gptneox_style", "gptneox_bos_style", "roberta_style", "bloom_style",
-                      "llama2_style", "mistral_style", "gemma_style", "bert_style", "bert_cased_style", "t5_style",
-                      "t5_nmt_style", "xlm_roberta_style", "unigram_style", "pretok_sequences_style", "whitespace_style",
-                      "falcon_style"));
-
+INSTANTIATE_TEST_SUITE_P(Families, FamilyTest,
+                         ::testing::Values("gpt2", "llama3_style", "qwen2_style", "starcoder_style", "tekken_style",
+                                           "gpt4o_style", "deepseek_v3_style", "gptneox_style", "gptneox_bos_style",
+                                           "roberta_style", "bloom_style", "llama2_style", "mistral_style",
+                                           "gemma_style", "bert_style", "bert_cased_style", "t5_style", "t5_nmt_style",
+                                           "xlm_roberta_style", "unigram_style", "pretok_sequences_style",
+                                           "whitespace_style", "falcon_style"));
 
 TEST(HfTokenizerTest, OldGpt2SerialisationEncodesLikeTheNewOne) {
   MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
@@ -350,7 +355,8 @@ TEST(HfTokenizerTest, ProbeStringsMatchTokenizers) {
       const std::string text(probe["text"].get_string().value());
       const auto want = ids_of(probe["ids"].value());
       EXPECT_EQ(show(engine.encode(text)), show(want)) << name << ": '" << text << "'";
-      EXPECT_EQ(engine.decode(want), std::string(probe["decoded"].get_string().value())) << name << ": '" << text << "'";
+      EXPECT_EQ(engine.decode(want), std::string(probe["decoded"].get_string().value()))
+          << name << ": '" << text << "'";
     }
   }
 }
@@ -515,11 +521,12 @@ TEST(HfTokenizerTest, ARobertaMaskTokenOfTokenizerJsonKeepsItsFlags) {
   for (const bool with_map : {false, true}) {
     TempDir dir;
     dir.write("tokenizer.json", json);
-    dir.write("tokenizer_config.json",
-              R"({"add_prefix_space": false, "bos_token": "<s>", "clean_up_tokenization_spaces": false, "cls_token": "<s>", )"
-              R"("eos_token": "</s>", "errors": "replace", "mask_token": "<mask>", "model_max_length": 512, )"
-              R"("pad_token": "<pad>", "sep_token": "</s>", "tokenizer_class": "RobertaTokenizer", "trim_offsets": true, )"
-              R"("unk_token": "<unk>"})");
+    dir.write(
+        "tokenizer_config.json",
+        R"({"add_prefix_space": false, "bos_token": "<s>", "clean_up_tokenization_spaces": false, "cls_token": "<s>", )"
+        R"("eos_token": "</s>", "errors": "replace", "mask_token": "<mask>", "model_max_length": 512, )"
+        R"("pad_token": "<pad>", "sep_token": "</s>", "tokenizer_class": "RobertaTokenizer", "trim_offsets": true, )"
+        R"("unk_token": "<unk>"})");
     if (with_map) dir.write("special_tokens_map.json", testing::read_file(from / "special_tokens_map.json"));
     auto tok = build_ok(dir.path());
     ASSERT_NE(tok, nullptr);
@@ -607,9 +614,11 @@ TEST(HfTokenizerTest, OneInstanceIsSafeToUseFromManyThreads) {
 // Refused inputs, with their messages.
 
 // A minimal valid byte-level BPE tokenizer.json whose parts can be swapped.
-std::string tiny_json(const std::string& normalizer = "null", const std::string& pre = R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true})",
-                      const std::string& model_extra = "", const std::string& post = "null",
-                      const std::string& decoder = R"({"type":"ByteLevel"})") {
+std::string tiny_json(
+    const std::string& normalizer = "null",
+    const std::string& pre = R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true})",
+    const std::string& model_extra = "", const std::string& post = "null",
+    const std::string& decoder = R"({"type":"ByteLevel"})") {
   std::string vocab;
   // The 256 byte-level characters of 'a', 'b' and a few others would suffice; use all via escapes.
   std::map<int, std::string> chars;
@@ -649,17 +658,21 @@ TEST(HfTokenizerTest, PaddingAndTruncationBlocksHaveTheShapeTokenizersRequires) 
     json.replace(json.find(null_block), null_block.size(), "\"" + key + "\":" + value);
     return engine_error(json);
   };
-  const std::string pad = R"("direction":"Right","pad_to_multiple_of":null,"pad_id":0,"pad_type_id":0,"pad_token":"[PAD]")";
+  const std::string pad =
+      R"("direction":"Right","pad_to_multiple_of":null,"pad_id":0,"pad_type_id":0,"pad_token":"[PAD]")";
   EXPECT_EQ(with("padding", R"({"strategy":"BatchLongest",)" + pad + "}"), "");
   EXPECT_EQ(with("padding", R"({"strategy":{"Fixed":12},"x":1,)" + pad + "}"), "");
   EXPECT_EQ(with("truncation", R"({"max_length":10,"strategy":"LongestFirst","stride":0})"), "");
   EXPECT_THAT(with("padding", "{}"), HasSubstr("padding.strategy"));
   EXPECT_THAT(with("padding", R"({"strategy":"Longest",)" + pad + "}"), HasSubstr("padding.strategy"));
   EXPECT_THAT(with("padding", R"({"strategy":{"Fixed":-1},)" + pad + "}"), HasSubstr("padding.strategy.Fixed"));
-  EXPECT_THAT(with("padding", R"({"strategy":"BatchLongest","direction":"Up","pad_id":0,"pad_type_id":0,"pad_token":"x"})"),
-              HasSubstr("padding.direction: expected one of Left, Right"));
-  EXPECT_THAT(with("padding", R"({"strategy":"BatchLongest","direction":"Left","pad_id":4294967296,"pad_type_id":0,"pad_token":"x"})"),
-              HasSubstr("padding.pad_id: expected an unsigned integer below 2^32"));
+  EXPECT_THAT(
+      with("padding", R"({"strategy":"BatchLongest","direction":"Up","pad_id":0,"pad_type_id":0,"pad_token":"x"})"),
+      HasSubstr("padding.direction: expected one of Left, Right"));
+  EXPECT_THAT(
+      with("padding",
+           R"({"strategy":"BatchLongest","direction":"Left","pad_id":4294967296,"pad_type_id":0,"pad_token":"x"})"),
+      HasSubstr("padding.pad_id: expected an unsigned integer below 2^32"));
   EXPECT_THAT(with("padding", R"({"strategy":"BatchLongest","direction":"Left","pad_id":0,"pad_type_id":0})"),
               HasSubstr("padding.pad_token"));
   EXPECT_THAT(with("padding", R"("x")"), HasSubstr("padding: expected null or an object"));
@@ -705,9 +718,16 @@ TEST(HfTokenizerTest, AddedTokensAreFoundWithAnyNumberOfFirstBytes) {
   const auto two = with({"<a>", "[b]"});
   const auto four = with({"<a>", "[b]", "#zz#", "%y%"});
   const auto six = with({"<a>", "[b]", "#zz#", "%y%", "~w~", "\x01q"});
-  const std::vector<std::string> texts = {
-      "<a>", "x<a>y [b]<a><a", "<<a>[[b]] <a [b", "<a>[b]<a>", "no tokens here", "<", "[", "[b", "tail <a>",
-      "\xC3\xA9<a>\xE2\x96\x81[b]\xF0\x9F\x98\x80<a>"};
+  const std::vector<std::string> texts = {"<a>",
+                                          "x<a>y [b]<a><a",
+                                          "<<a>[[b]] <a [b",
+                                          "<a>[b]<a>",
+                                          "no tokens here",
+                                          "<",
+                                          "[",
+                                          "[b",
+                                          "tail <a>",
+                                          "\xC3\xA9<a>\xE2\x96\x81[b]\xF0\x9F\x98\x80<a>"};
   const std::int64_t a = two->encode("<a>").at(0), b = two->encode("[b]").at(0);
   EXPECT_EQ(two->encode("x<a>y"), (std::vector<std::int64_t>{two->encode("x").at(0), a, two->encode("y").at(0)}));
   EXPECT_EQ(two->encode("[b]<a>"), (std::vector<std::int64_t>{b, a}));
@@ -770,7 +790,8 @@ TEST(HfTokenizerTest, StripAndByteFallbackDecodersAtTheirEdges) {
   EXPECT_EQ(t.decode(std::vector<std::int64_t>{ab, b}), "bb");
   EXPECT_THROW(t.decode(std::vector<std::int64_t>{ab, b, a}), Error);
   TempDir dir2;
-  dir2.write("tokenizer.json", tiny_json("null", "null", "", "null", R"({"type":"Strip","content":"a","start":0,"stop":3})"));
+  dir2.write("tokenizer.json",
+             tiny_json("null", "null", "", "null", R"({"type":"Strip","content":"a","start":0,"stop":3})"));
   TokenizerJson t2(dir2.path() / "tokenizer.json");
   EXPECT_EQ(t2.decode(std::vector<std::int64_t>{b}), "b");
   // Strip('a', 0, 3): a token of content characters only, shorter than stop, makes tokenizers panic.
@@ -883,26 +904,38 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
       {"t5_nmt_style", testing::read_file(kData / "families" / "t5_nmt_style" / "tokenizer.json"), true},
       {"t5_style", testing::read_file(kData / "families" / "t5_style" / "tokenizer.json"), true},
       {"nfd_strip_lower_first",
-       with_json_value(with_json_value(unigram, "normalizer", seq(R"({"type":"NFD"},{"type":"StripAccents"},{"type":"Lowercase"})")),
+       with_json_value(with_json_value(unigram, "normalizer",
+                                       seq(R"({"type":"NFD"},{"type":"StripAccents"},{"type":"Lowercase"})")),
                        "pre_tokenizer", meta("first", true)),
        true},
       {"nfc_lower_strip_right_never",
-       with_json_value(with_json_value(unigram, "normalizer",
-                                       seq(R"({"type":"NFC"},{"type":"Lowercase"},{"type":"Strip","strip_left":false,"strip_right":true})")),
-                       "pre_tokenizer", meta("never", true)),
+       with_json_value(
+           with_json_value(
+               unigram, "normalizer",
+               seq(R"({"type":"NFC"},{"type":"Lowercase"},{"type":"Strip","strip_left":false,"strip_right":true})")),
+           "pre_tokenizer", meta("never", true)),
        true},
       {"nfkd_no_normalizer_split", with_json_value(unigram, "normalizer", R"({"type":"NFKD"})"), true},
       {"none", with_json_value(unigram, "normalizer", "null"), true},
       {"whitespace_style", testing::read_file(kData / "families" / "whitespace_style" / "tokenizer.json"), true},
-      {"pretok_sequences_style", testing::read_file(kData / "families" / "pretok_sequences_style" / "tokenizer.json"), true},
+      {"pretok_sequences_style", testing::read_file(kData / "families" / "pretok_sequences_style" / "tokenizer.json"),
+       true},
       {"whitespace_split_then_metaspace_strip_both",
-       with_json_value(with_json_value(unigram, "normalizer", seq(R"({"type":"NFKC"},{"type":"Strip","strip_left":true,"strip_right":true})")),
-                       "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[{"type":"WhitespaceSplit"},)" + meta("first", true) + "]}"),
+       with_json_value(
+           with_json_value(unigram, "normalizer",
+                           seq(R"({"type":"NFKC"},{"type":"Strip","strip_left":true,"strip_right":true})")),
+           "pre_tokenizer",
+           R"({"type":"Sequence","pretokenizers":[{"type":"WhitespaceSplit"},)" + meta("first", true) + "]}"),
        true},
-      {"bert_pre_tokenizer_lowercase", with_json_value(with_json_value(unigram, "normalizer", R"({"type":"Lowercase"})"),
-                                                       "pre_tokenizer", R"({"type":"BertPreTokenizer"})"),
+      {"bert_pre_tokenizer_lowercase",
+       with_json_value(with_json_value(unigram, "normalizer", R"({"type":"Lowercase"})"), "pre_tokenizer",
+                       R"({"type":"BertPreTokenizer"})"),
        true},
-      {"metaspace_then_digits", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[)" + meta("always", true) + R"(,{"type":"Digits","individual_digits":true}]})"), true},
+      {"metaspace_then_digits",
+       with_json_value(unigram, "pre_tokenizer",
+                       R"({"type":"Sequence","pretokenizers":[)" + meta("always", true) +
+                           R"(,{"type":"Digits","individual_digits":true}]})"),
+       true},
       {"gpt2_style_8k", testing::read_file(folder_of("gpt2_style_8k") / "tokenizer.json"), false},  // ByteLevel's regex
       {"llama3_style", testing::read_file(folder_of("llama3_style") / "tokenizer.json"), true},
       {"qwen2_style", testing::read_file(folder_of("qwen2_style") / "tokenizer.json"), true},
@@ -911,29 +944,50 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
       {"roberta_style", testing::read_file(kData / "families" / "roberta_style" / "tokenizer.json"), false},
       {"deepseek_v3_style", testing::read_file(kData / "families" / "deepseek_v3_style" / "tokenizer.json"), false},
       {"bloom_style", testing::read_file(kData / "families" / "bloom_style" / "tokenizer.json"), false},
-      {"gptneox_style", testing::read_file(kData / "families" / "gptneox_style" / "tokenizer.json"), false},  // tokens of spaces
-      {"qwen2_rstrip_token", [&] {
+      {"gptneox_style", testing::read_file(kData / "families" / "gptneox_style" / "tokenizer.json"),
+       false},  // tokens of spaces
+      {"qwen2_rstrip_token",
+       [&] {
          std::string j = testing::read_file(folder_of("qwen2_style") / "tokenizer.json");
          j.replace(j.find("false", j.find("\"rstrip\"")), 5, "true");  // of the normalized token "ñ"
          return j;
-       }(), false},
-      {"strip_left", with_json_value(unigram, "normalizer", R"({"type":"Strip","strip_left":true,"strip_right":false})"), false},
-      {"split_space_first", with_json_value(unigram, "pre_tokenizer", R"({"type":"Split","pattern":{"String":" "},"behavior":"Removed","invert":false})"), false},
-      {"punctuation_first", with_json_value(unigram, "pre_tokenizer", R"({"type":"Sequence","pretokenizers":[{"type":"Punctuation","behavior":"Isolated"},{"type":"WhitespaceSplit"}]})"), false},
-      {"replace_space", with_json_value(unigram, "normalizer", R"({"type":"Replace","pattern":{"String":" "},"content":"_"})"), false},
-      {"replace_other_regex", with_json_value(unigram, "normalizer", R"({"type":"Replace","pattern":{"Regex":" +"},"content":" "})"), false},
+       }(),
+       false},
+      {"strip_left",
+       with_json_value(unigram, "normalizer", R"({"type":"Strip","strip_left":true,"strip_right":false})"), false},
+      {"split_space_first",
+       with_json_value(unigram, "pre_tokenizer",
+                       R"({"type":"Split","pattern":{"String":" "},"behavior":"Removed","invert":false})"),
+       false},
+      {"punctuation_first",
+       with_json_value(
+           unigram, "pre_tokenizer",
+           R"({"type":"Sequence","pretokenizers":[{"type":"Punctuation","behavior":"Isolated"},{"type":"WhitespaceSplit"}]})"),
+       false},
+      {"replace_space",
+       with_json_value(unigram, "normalizer", R"({"type":"Replace","pattern":{"String":" "},"content":"_"})"), false},
+      {"replace_other_regex",
+       with_json_value(unigram, "normalizer", R"({"type":"Replace","pattern":{"Regex":" +"},"content":" "})"), false},
       {"prepend", with_json_value(unigram, "normalizer", R"({"type":"Prepend","prepend":"_"})"), false},
-      {"bert", with_json_value(unigram, "normalizer", R"({"type":"BertNormalizer","clean_text":true,"handle_chinese_chars":true,"strip_accents":null,"lowercase":true})"), false},
+      {"bert",
+       with_json_value(
+           unigram, "normalizer",
+           R"({"type":"BertNormalizer","clean_text":true,"handle_chinese_chars":true,"strip_accents":null,"lowercase":true})"),
+       false},
       {"no_split", with_json_value(unigram, "pre_tokenizer", meta("always", false)), false},
       {"whitespace_split", with_json_value(unigram, "pre_tokenizer", R"({"type":"WhitespaceSplit"})"), true},
   };
   const std::vector<std::string> alphabet = {
-      " ", " ", " ", " ", "a", "B", "z", "Q", "s", "t", "7", "12", ",", ".", "'", "-", "/", "\t", "\n", "\r",
-      "\x01", "\x0B", "\x7F", "\u0085", "\u2028", "\u180E", "\u02B0", "<|endoftext|>", "\u00F1", "n\u0303",
-      "\u00A0", "\u3000", "\u2581", "\u200B", "\u200D", "\u0301", "\u0306", "\u0308", "\u093E", "\u0600",
-      "\u0915", "\u093C", "\u1100", "\u1161", "\u11A8", "\uAC00", "\u00E9", "\u00C9", "\uFB01", "\u2460",
-      "\u0419", "\u0438", "\u0436", "\u0416", "\u05D0", "\u0627", "\u0E01", "\u0E33", "\u4E2D", "\u3042",
-      "\U0001F600", "\U0001F1E9", "\U0001F1EA", "\uFF21", "\u00B4", "\u0130", "\u03A3", "\u1E9E"};
+      " ",      " ",       " ",      " ",      "a",          "B",          "z",
+      "Q",      "s",       "t",      "7",      "12",         ",",          ".",
+      "'",      "-",       "/",      "\t",     "\n",         "\r",         "\x01",
+      "\x0B",   "\x7F",    "\u0085", "\u2028", "\u180E",     "\u02B0",     "<|endoftext|>",
+      "\u00F1", "n\u0303", "\u00A0", "\u3000", "\u2581",     "\u200B",     "\u200D",
+      "\u0301", "\u0306",  "\u0308", "\u093E", "\u0600",     "\u0915",     "\u093C",
+      "\u1100", "\u1161",  "\u11A8", "\uAC00", "\u00E9",     "\u00C9",     "\uFB01",
+      "\u2460", "\u0419",  "\u0438", "\u0436", "\u0416",     "\u05D0",     "\u0627",
+      "\u0E01", "\u0E33",  "\u4E2D", "\u3042", "\U0001F600", "\U0001F1E9", "\U0001F1EA",
+      "\uFF21", "\u00B4",  "\u0130", "\u03A3", "\u1E9E"};
   std::mt19937 rng(1234);
   for (const Variant& v : variants) {
     TempDir dir;
@@ -956,8 +1010,9 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
         ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want) << "\n  chunked: " << show(got);
     }
     // Every pair of characters before and after a space, from the characters that could matter.
-    const std::vector<std::string> around = {"a", "Z", "7", ".", " ", "\u0600", "\u0301", "\u1100", "\uAC00",
-                                             "\u00B4", "\u3000", "\x01", "\u0436", "\U0001F600", "\u200D"};
+    const std::vector<std::string> around = {"a",      "Z",      "7",      ".",          " ",
+                                             "\u0600", "\u0301", "\u1100", "\uAC00",     "\u00B4",
+                                             "\u3000", "\x01",   "\u0436", "\U0001F600", "\u200D"};
     for (const auto& x2 : around)
       for (const auto& x1 : around)
         for (const auto& y1 : around)
@@ -966,7 +1021,8 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
             const auto want = whole.encode(text);
             const auto got = chunked.encode(text);
             if (got != want && mismatches++ < 3)
-              ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want) << "\n  chunked: " << show(got);
+              ADD_FAILURE() << v.name << ": '" << text << "'\n  whole:   " << show(want)
+                            << "\n  chunked: " << show(got);
           }
     // The same bytes as the text's first chunk and as the first chunk of a later segment (after an
     // added token: not at the origin, where Metaspace's "first" scheme prepends nothing) or after a
@@ -975,7 +1031,7 @@ TEST(HfTokenizerTest, CachedChunksChangeNothing) {
     chunked.add_tokens(sep);
     whole.add_tokens(sep);
     for (const std::string_view text : {"word", "<sep>word", "word", " word", "<sep> word", " word", "a word",
-                                    "<sep>a word", "\u2581word", "<sep>\u2581word", "\u2581word"}) {
+                                        "<sep>a word", "\u2581word", "<sep>\u2581word", "\u2581word"}) {
       const auto want = whole.encode(text);
       const auto got = chunked.encode(text);
       if (got != want && mismatches++ < 3)
@@ -1025,7 +1081,8 @@ TEST(HfTokenizerTest, PrecompiledShortcutsChangeNothing) {
     auto check = [&](const std::string& text) {
       bool r1 = false, r2 = false;
       const std::string a = run(fast, text, &r1), b = run(slow, text, &r2);
-      if ((a != b || r1 != r2) && differences++ < 5) ADD_FAILURE() << "'" << text << "': '" << a << "' vs '" << b << "'";
+      if ((a != b || r1 != r2) && differences++ < 5)
+        ADD_FAILURE() << "'" << text << "': '" << a << "' vs '" << b << "'";
     };
     for (char32_t c = 0; c < 0x110000; ++c) {
       if (c >= 0xD800 && c <= 0xDFFF) continue;
@@ -1062,10 +1119,14 @@ TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
               HasSubstr("pre-tokenizer 'UnicodeScripts' is not supported"));
   // Stages after ByteLevel are supported (Falcon; Note [Pre-tokenizers after ByteLevel]), but not a
   // second ByteLevel or a Metaspace there.
-  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"ByteLevel"}]})")),
+  EXPECT_THAT(engine_error(tiny_json(
+                  "null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"ByteLevel"}]})")),
               HasSubstr("pre-tokenizer 'ByteLevel' after ByteLevel is not supported"));
-  EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"Metaspace","replacement":"_"}]})")),
-              HasSubstr("pre-tokenizer 'Metaspace' after ByteLevel is not supported"));
+  EXPECT_THAT(
+      engine_error(tiny_json(
+          "null",
+          R"({"type":"Sequence","pretokenizers":[{"type":"ByteLevel"},{"type":"Metaspace","replacement":"_"}]})")),
+      HasSubstr("pre-tokenizer 'Metaspace' after ByteLevel is not supported"));
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"ByteLevel"})", "", R"({"type":"Whatever"})")),
               HasSubstr("post-processor 'Whatever' is not supported"));
   EXPECT_THAT(engine_error(tiny_json("null", R"({"type":"ByteLevel"})", "", "null", R"({"type":"CTC"})")),
@@ -1074,7 +1135,8 @@ TEST(HfTokenizerTest, RejectsUnsupportedPipelinePartsByName) {
   dropout.replace(dropout.find(R"("dropout":null)"), 14, R"("dropout":0.1)");
   EXPECT_THAT(engine_error(dropout), HasSubstr("dropout 0.1 is not supported"));
   auto split = [](const std::string& regex) {
-    return tiny_json("null", R"({"type":"Split","pattern":{"Regex":)" + regex + R"(},"behavior":"Isolated","invert":false})");
+    return tiny_json("null",
+                     R"({"type":"Split","pattern":{"Regex":)" + regex + R"(},"behavior":"Isolated","invert":false})");
   };
   EXPECT_THAT(engine_error(split(R"x("[[:alpha:]]")x")), HasSubstr("POSIX bracket"));
   EXPECT_THAT(engine_error(split(R"x("\\p{Garay}")x")), HasSubstr("not known"));
@@ -1124,7 +1186,8 @@ TEST(HfTokenizerTest, SpecialTokensMustAlreadyBeInTheVocabulary) {
   const std::string e = build_error(folder_of("gpt2_style_8k"), R"(special_tokens = { pad_token = "[PAD]" })");
   EXPECT_THAT(e, HasSubstr("tok.config.special_tokens"));
   EXPECT_THAT(e, HasSubstr("pad_token = '[PAD]' not in the vocabulary"));
-  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(special_tokens = { pad_tokn = "x" })"), HasSubstr("did you mean 'pad_token'"));
+  EXPECT_THAT(build_error(folder_of("gpt2_style_8k"), R"(special_tokens = { pad_tokn = "x" })"),
+              HasSubstr("did you mean 'pad_token'"));
 }
 
 TEST(HfTokenizerTest, RejectsBadPaddingAndLengthSettings) {
@@ -1221,7 +1284,9 @@ TEST(HfTokenizerTest, OnePassBertNormalizerEqualsTheFourPassesOnEveryCodePoint) 
     std::string alone, between = "Ab", before_kept = "a";
     append_utf8(alone, c);
     append_utf8(between, c);
-    between += "\xcc\x81" "c\xcc\xa7";  // U+0301, c, U+0327 (marks that are removed)
+    between +=
+        "\xcc\x81"
+        "c\xcc\xa7";  // U+0301, c, U+0327 (marks that are removed)
     append_utf8(before_kept, c);
     before_kept += "\xf0\x9d\x85\xa5";  // U+1D165 (class 216, Mc: kept), reordered after a kept class 230
     for (const auto& [strip, lower] : {std::pair{true, true}, std::pair{false, true}, std::pair{true, false}})
@@ -1230,8 +1295,8 @@ TEST(HfTokenizerTest, OnePassBertNormalizerEqualsTheFourPassesOnEveryCodePoint) 
         const std::string one = bert_normalize(text, strip, lower, true, &removed_one);
         const std::string four = bert_normalize(text, strip, lower, false, &removed_four);
         if ((one != four || removed_one != removed_four) && differences++ < 5)
-          ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << " strip " << strip << " lower "
-                        << lower << ": '" << one << "' vs '" << four << "'";
+          ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << " strip " << strip << " lower " << lower
+                        << ": '" << one << "' vs '" << four << "'";
       }
   }
   EXPECT_EQ(differences, 0u);
@@ -1242,17 +1307,19 @@ TEST(HfTokenizerTest, OnePassBertNormalizerEqualsTheFourPassesOnEveryCodePoint) 
 // and removed marks, after a removed first character, and before a kept non-starter.
 TEST(HfTokenizerTest, FusedCharacterMapsEqualTheStepsOnEveryCodePoint) {
   using Steps = std::vector<std::string_view>;
-  const std::vector<Steps> chains = {{"NFD", "StripAccents", "Lowercase"}, {"Lowercase", "StripAccents"},
-                                     {"Nmt", "Lowercase"}, {"NFD", "Nmt", "StripAccents"}, {"NFD", "Lowercase"},
-                                     {"Lowercase"}};
+  const std::vector<Steps> chains = {
+      {"NFD", "StripAccents", "Lowercase"}, {"Lowercase", "StripAccents"}, {"Nmt", "Lowercase"},
+      {"NFD", "Nmt", "StripAccents"},       {"NFD", "Lowercase"},          {"Lowercase"}};
   std::size_t differences = 0, fused = 0;
   for (char32_t c = 0; c < 0x110000; ++c) {
     if (c >= 0xD800 && c <= 0xDFFF) continue;
     std::string alone, between = "Ab", after_removed = "\xcc\x81\x01", before_kept = "a";
     append_utf8(alone, c);
     append_utf8(between, c);
-    between += "\xcc\x81" "c\xcc\xa7";  // U+0301, c, U+0327 (marks that StripAccents removes)
-    append_utf8(after_removed, c);      // U+0301 and U+0001 first: StripAccents and Nmt remove them
+    between +=
+        "\xcc\x81"
+        "c\xcc\xa7";                // U+0301, c, U+0327 (marks that StripAccents removes)
+    append_utf8(after_removed, c);  // U+0301 and U+0001 first: StripAccents and Nmt remove them
     append_utf8(before_kept, c);
     before_kept += "\xf0\x9d\x85\xa5";  // U+1D165 (class 216, Mc: kept), reordered after a kept class 230
     for (const Steps& chain : chains)
@@ -1350,8 +1417,9 @@ TEST(HfTokenizerTest, LongWordCacheKeepsIdsThroughFillingAndEmptying) {
 // gives the same ids on every short string of spaces, the pattern byte, U+2581 and other
 // characters, including replacements by nothing at the start (Metaspace's "first" scheme).
 TEST(HfTokenizerTest, ReplaceByHandEqualsTheRegexPath) {
-  const std::string unigram = with_json_value(testing::read_file(kData / "families" / "unigram_style" / "tokenizer.json"), "pre_tokenizer",
-                                              R"({"type":"Metaspace","replacement":"\u2581","prepend_scheme":"first","split":true})");
+  const std::string unigram =
+      with_json_value(testing::read_file(kData / "families" / "unigram_style" / "tokenizer.json"), "pre_tokenizer",
+                      R"({"type":"Metaspace","replacement":"\u2581","prepend_scheme":"first","split":true})");
   const std::string gemma = testing::read_file(kData / "families" / "gemma_style" / "tokenizer.json");
   const auto replace = [](const std::string& kind, const std::string& pattern, const std::string& content) {
     return R"({"type":"Replace","pattern":{")" + kind + R"(":")" + pattern + R"("},"content":")" + content + R"("})";
@@ -1389,13 +1457,14 @@ TEST(HfTokenizerTest, MetaspaceInPlaceEqualsReplacingAndSplitting) {
   for (const std::string_view replacement : {"\u2581", "_"})
     for (const std::string_view scheme : {"always", "first", "never"})
       for (const bool at_origin : {true, false})
-        strings += for_each_short_string({" ", "\u2581", "_", "a", "\u2580", "\u4e2d"}, 6, [&](const std::string& text) {
-          const auto in_place = metaspace_words(text, replacement, scheme, true, at_origin, true);
-          const auto replacing = metaspace_words(text, replacement, scheme, true, at_origin, false);
-          if (in_place != replacing && differences++ < 5)
-            ADD_FAILURE() << "'" << text << "' " << replacement << " " << scheme << " " << at_origin << ": "
-                          << in_place.size() << " vs " << replacing.size() << " words";
-        });
+        strings +=
+            for_each_short_string({" ", "\u2581", "_", "a", "\u2580", "\u4e2d"}, 6, [&](const std::string& text) {
+              const auto in_place = metaspace_words(text, replacement, scheme, true, at_origin, true);
+              const auto replacing = metaspace_words(text, replacement, scheme, true, at_origin, false);
+              if (in_place != replacing && differences++ < 5)
+                ADD_FAILURE() << "'" << text << "' " << replacement << " " << scheme << " " << at_origin << ": "
+                              << in_place.size() << " vs " << replacing.size() << " words";
+            });
   EXPECT_EQ(differences, 0u) << "of " << strings;
   EXPECT_EQ(metaspace_words(" a\u2581b  c", "\u2581", "always", true, true, true),
             (std::vector<std::pair<std::string, bool>>{
@@ -1411,7 +1480,8 @@ TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
   std::vector<std::string> texts = corpora_and_every_code_point();
   // Each ASCII byte at every offset of an eight-byte word, after ASCII that is not in most sets.
   for (int c = 0; c < 0x80; ++c)
-    for (std::size_t k = 0; k < 17; ++k) texts.push_back(std::string(k, 'a') + static_cast<char>(c) + std::string(9, 'b'));
+    for (std::size_t k = 0; k < 17; ++k)
+      texts.push_back(std::string(k, 'a') + static_cast<char>(c) + std::string(9, 'b'));
   const Regex gpt4o(std::string(kGpt4oPattern), "<test>", "pattern");
   const std::vector<CodePointSet> sets = {
       gpt4o.delta(), *oniguruma_class("Lo"), CodePointSet::from_ranges({{'x', 'x'}}),
@@ -1444,18 +1514,52 @@ TEST(HfTokenizerTest, CodePointSetFindInEqualsAScan) {
 // Nl, Po, Cc, spaces, astral letters and symbols, a symbol newer than PCRE2's tables); then the corpora
 // and, for the patterns that tile the text, a text of every code point.
 TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
-  const std::vector<std::string> ascii_cases = {" ", "\t", "\n", "\r", "\x1c", "'", "s", "R", "e", "l", "Q", "7",
-                                                "!", "\xc3\xa9" /* é */, "\xc5\xbf" /* ſ */, "\xd9\xa3" /* Arabic 3 */,
-                                                "\xc2\xa0" /* NBSP */, "\xc2\xa7" /* § */, "\xe2\x80\xa8" /* U+2028 */,
-                                                "/", "\xc3\x89" /* É */, "\xcc\x81" /* combining acute */, "\x01"};
-  const std::vector<std::string> classes = {
-      " ", "\n", "'", "S", "a", "\xc7\x85" /* ǅ Lt */, "\xca\xb0" /* ʰ Lm */, "\xe4\xb8\xad" /* 中 Lo */,
-      "\xcc\x81" /* Mn */, "\xe0\xa4\x83" /* U+0903 Mc */, "\xe2\x85\xa0" /* Ⅰ Nl */, "\xe3\x80\x80" /* U+3000 */,
-      "\xf0\x9d\x90\x80" /* U+1D400 Lu */, "\xf0\x9f\x98\x80" /* U+1F600 So */, "\xf0\x9f\xab\xa8" /* U+1FAE8 */,
-      "\xc5\xbf" /* ſ */, "/", "7", "\xe3\x80\x81" /* 、 Po */, "\x01"};
+  const std::vector<std::string> ascii_cases = {" ",
+                                                "\t",
+                                                "\n",
+                                                "\r",
+                                                "\x1c",
+                                                "'",
+                                                "s",
+                                                "R",
+                                                "e",
+                                                "l",
+                                                "Q",
+                                                "7",
+                                                "!",
+                                                "\xc3\xa9" /* é */,
+                                                "\xc5\xbf" /* ſ */,
+                                                "\xd9\xa3" /* Arabic 3 */,
+                                                "\xc2\xa0" /* NBSP */,
+                                                "\xc2\xa7" /* § */,
+                                                "\xe2\x80\xa8" /* U+2028 */,
+                                                "/",
+                                                "\xc3\x89" /* É */,
+                                                "\xcc\x81" /* combining acute */,
+                                                "\x01"};
+  const std::vector<std::string> classes = {" ",
+                                            "\n",
+                                            "'",
+                                            "S",
+                                            "a",
+                                            "\xc7\x85" /* ǅ Lt */,
+                                            "\xca\xb0" /* ʰ Lm */,
+                                            "\xe4\xb8\xad" /* 中 Lo */,
+                                            "\xcc\x81" /* Mn */,
+                                            "\xe0\xa4\x83" /* U+0903 Mc */,
+                                            "\xe2\x85\xa0" /* Ⅰ Nl */,
+                                            "\xe3\x80\x80" /* U+3000 */,
+                                            "\xf0\x9d\x90\x80" /* U+1D400 Lu */,
+                                            "\xf0\x9f\x98\x80" /* U+1F600 So */,
+                                            "\xf0\x9f\xab\xa8" /* U+1FAE8 */,
+                                            "\xc5\xbf" /* ſ */,
+                                            "/",
+                                            "7",
+                                            "\xe3\x80\x81" /* 、 Po */,
+                                            "\x01"};
   const std::vector<std::string> every = corpora_and_every_code_point();
-  for (const std::string_view pattern : {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern, kGpt4oPattern, kTekkenPattern,
-                                          kDeepSeekV3Pattern}) {
+  for (const std::string_view pattern :
+       {kGpt2Pattern, kLlama3Pattern, kQwen2Pattern, kGpt4oPattern, kTekkenPattern, kDeepSeekV3Pattern}) {
     const Regex fast(std::string(pattern), "<test>", "pattern");
     ASSERT_TRUE(fast.has_hand_written_matcher()) << pattern;
     const Regex pcre = fast.without_hand_written_matchers();
@@ -1469,8 +1573,8 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
       ASSERT_EQ(matches_of(fast, text), matches_of(pcre, text)) << pattern << ": " << text.substr(0, 200);
     // Every contraction in every case (and "ſ" for "s"), after nothing, a word or a space, before
     // a letter, a space or the end.
-    for (const std::string c : {"s", "t", "re", "ve", "m", "ll", "d", "S", "T", "RE", "Re", "rE", "VE", "Ve", "vE", "M",
-                                "LL", "Ll", "lL", "D", "\xc5\xbf", "r", "v", "l", "x"})
+    for (const std::string c : {"s",  "t",  "re", "ve", "m",  "ll", "d", "S",        "T", "RE", "Re", "rE", "VE",
+                                "Ve", "vE", "M",  "LL", "Ll", "lL", "D", "\xc5\xbf", "r", "v",  "l",  "x"})
       for (const std::string before : {"", "ab", "AB", " "})
         for (const std::string after : {"", "a", " ", "'"}) {
           const std::string text = before + "'" + c + after;
@@ -1480,8 +1584,8 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
   // The classes the matchers read, on every code point, against Oniguruma's sets.
   const CodePointSet upper = *oniguruma_class("Lu") | *oniguruma_class("Lt") | *oniguruma_class("Lm") |
                              *oniguruma_class("Lo") | *oniguruma_class("M");
-  const CodePointSet lower = *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") |
-                             *oniguruma_class("M");
+  const CodePointSet lower =
+      *oniguruma_class("Ll") | *oniguruma_class("Lm") | *oniguruma_class("Lo") | *oniguruma_class("M");
   std::size_t wrong = 0;
   for (char32_t c = 0; c < 0x110000; ++c) {
     if (c >= 0xD800 && c <= 0xDFFF) continue;
@@ -1490,19 +1594,22 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
                      (lower.contains(c) ? 16 : 0) | (oniguruma_class("M")->contains(c) ? 64 : 0) |
                      (oniguruma_class("P")->contains(c) || oniguruma_class("S")->contains(c) ? 128 : 0);
     if (word_match_classes(c) != want && wrong++ < 5)
-      ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << ": " << int{word_match_classes(c)} << " vs " << want;
+      ADD_FAILURE() << "U+" << std::hex << static_cast<std::uint32_t>(c) << ": " << int{word_match_classes(c)} << " vs "
+                    << want;
   }
   EXPECT_EQ(wrong, 0u);
   // Only these patterns take the fast path, and the family fixtures use them as real exports write them.
   EXPECT_FALSE(Regex(" ?\\p{L}+|\\s+", "<test>", "pattern").has_hand_written_matcher());
-  for (const auto& [family, split, pattern] : {std::tuple{"gpt4o_style", 0, kGpt4oPattern},
-                                               std::tuple{"tekken_style", 0, kTekkenPattern},
-                                               std::tuple{"deepseek_v3_style", 2, kDeepSeekV3Pattern}}) {
+  for (const auto& [family, split, pattern] :
+       {std::tuple{"gpt4o_style", 0, kGpt4oPattern}, std::tuple{"tekken_style", 0, kTekkenPattern},
+        std::tuple{"deepseek_v3_style", 2, kDeepSeekV3Pattern}}) {
     dom::parser parser;
     std::string_view regex;
-    ASSERT_EQ(parser.load((kFamilies / family / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"].at(split)
-                  ["pattern"]["Regex"].get(regex),
-              simdjson::SUCCESS) << family;
+    ASSERT_EQ(parser.load((kFamilies / family / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"]
+                  .at(split)["pattern"]["Regex"]
+                  .get(regex),
+              simdjson::SUCCESS)
+        << family;
     EXPECT_EQ(regex, pattern) << family;
   }
 }
@@ -1512,9 +1619,14 @@ TEST(HfTokenizerTest, WordMatchersGiveThePcreMatches) {
 // their distinguishing characters, on a text of every code point and on the corpora.
 TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
   const std::vector<std::string> texts = corpora_and_every_code_point();
-  const std::vector<std::string> alphabet = {"7", "\xd9\xa3" /* Arabic 3 */, "\xe2\x85\xa0" /* Roman numeral I */, "a",
-                                             "\xe4\xb8\xad" /* U+4E2D */, "\xe3\x82\xa2" /* katakana a */,
-                                             "\xe9\xbe\xa6" /* U+9FA6, after the range */, " "};
+  const std::vector<std::string> alphabet = {"7",
+                                             "\xd9\xa3" /* Arabic 3 */,
+                                             "\xe2\x85\xa0" /* Roman numeral I */,
+                                             "a",
+                                             "\xe4\xb8\xad" /* U+4E2D */,
+                                             "\xe3\x82\xa2" /* katakana a */,
+                                             "\xe9\xbe\xa6" /* U+9FA6, after the range */,
+                                             " "};
   for (const std::string pattern : {"\\p{N}{1,3}", "\\p{N}", "\\p{N}+", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"}) {
     const Regex fast(pattern, "<test>", "pattern");
     ASSERT_TRUE(fast.has_hand_written_matcher()) << pattern;
@@ -1527,7 +1639,8 @@ TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
   // The DeepSeek-V3 family fixture uses these two patterns as its first splits.
   dom::parser parser;
   std::string_view first, second;
-  dom::element splits = parser.load((kFamilies / "deepseek_v3_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"];
+  dom::element splits =
+      parser.load((kFamilies / "deepseek_v3_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"];
   ASSERT_EQ(splits.at(0)["pattern"]["Regex"].get(first), simdjson::SUCCESS);
   ASSERT_EQ(splits.at(1)["pattern"]["Regex"].get(second), simdjson::SUCCESS);
   EXPECT_TRUE(Regex(std::string(first), "<test>", "pattern").has_hand_written_matcher()) << first;
@@ -1538,13 +1651,15 @@ TEST(HfTokenizerTest, RunsOfOneClassGiveThePcreMatches) {
   ASSERT_TRUE(bloom.has_hand_written_matcher());
   const Regex bloom_pcre = bloom.without_hand_written_matchers();
   for (const std::string& text : texts) ASSERT_EQ(matches_of(bloom, text), matches_of(bloom_pcre, text)) << "BLOOM";
-  for_each_short_string({" ", "a", "(", "|", ".", "\t", "\u2026", "\u3002", "\u3000", "\u0085", "\u4e2d", "["},
-                        5, [&](const std::string& text) {
-                          ASSERT_EQ(matches_of(bloom, text), matches_of(bloom_pcre, text)) << "BLOOM on '" << text << "'";
+  for_each_short_string({" ", "a", "(", "|", ".", "\t", "\u2026", "\u3002", "\u3000", "\u0085", "\u4e2d", "["}, 5,
+                        [&](const std::string& text) {
+                          ASSERT_EQ(matches_of(bloom, text), matches_of(bloom_pcre, text))
+                              << "BLOOM on '" << text << "'";
                         });
   std::string_view bloom_regex;
-  ASSERT_EQ(parser.load((kFamilies / "bloom_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"].at(0)
-                ["pattern"]["Regex"].get(bloom_regex),
+  ASSERT_EQ(parser.load((kFamilies / "bloom_style" / "tokenizer.json").string())["pre_tokenizer"]["pretokenizers"]
+                .at(0)["pattern"]["Regex"]
+                .get(bloom_regex),
             simdjson::SUCCESS);
   EXPECT_EQ(bloom_regex, kBloomPattern);
 }
@@ -1650,20 +1765,20 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
   };
   auto utf8proc_form = [](const std::string& text, int options) {  // the reference
     utf8proc_uint8_t* dst = nullptr;
-    const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                static_cast<utf8proc_ssize_t>(text.size()), &dst, static_cast<utf8proc_option_t>(options));
+    const auto n =
+        utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()), static_cast<utf8proc_ssize_t>(text.size()),
+                     &dst, static_cast<utf8proc_option_t>(options));
     std::string out(reinterpret_cast<const char*>(dst), static_cast<std::size_t>(n));
     std::free(dst);
     return out;
   };
-  const std::pair<const char*, int> forms[] = {
-      {"NFC", UTF8PROC_STABLE | UTF8PROC_COMPOSE},
-      {"NFD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE},
-      {"NFKC", UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT},
-      {"NFKD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT}};
+  const std::pair<const char*, int> forms[] = {{"NFC", UTF8PROC_STABLE | UTF8PROC_COMPOSE},
+                                               {"NFD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE},
+                                               {"NFKC", UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT},
+                                               {"NFKD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT}};
   const std::vector<std::string> before = {"", "e", "A", utf8(0xAC00), utf8(0x0B47), utf8(0x1100)};
-  const std::vector<std::string> after = {"", utf8(0x0301), utf8(0x0345), utf8(0x1161), utf8(0x11A8), utf8(0x0B3E),
-                                          utf8(0x3099), "x"};
+  const std::vector<std::string> after = {"",           utf8(0x0301), utf8(0x0345), utf8(0x1161),
+                                          utf8(0x11A8), utf8(0x0B3E), utf8(0x3099), "x"};
   std::size_t checked = 0, mismatches = 0;
   for (const auto& [form, options] : forms) {
     for (char32_t c = 0x20; c < 0x10000; ++c) {
@@ -1686,10 +1801,10 @@ TEST(HfTokenizerTest, NormalizationFastPathAgreesWithUtf8proc) {
     }
   }
   // Random mixtures of characters that compose, decompose, reorder or combine across neighbours.
-  const std::vector<char32_t> pool = {'a', 'e', 'A', ' ', 0x00E9, 0x0301, 0x0300, 0x0323, 0x0345, 0x0327, 0x1100,
-                                      0x1161, 0x11A8, 0xAC00, 0xAC01, 0x0B47, 0x0B3E, 0x0B57, 0x212B, 0x2126, 0xFB01,
-                                      0x00C5, 0x030A, 0x3099, 0x304B, 0x00A0, 0x1E9B, 0x0F73, 0x0344, 0x00BD, 0x1F600,
-                                      0x0E01, 0x0E48, 0x0E38, 0x05D0, 0x05B0, 0x05B8, 0x0628, 0x064E, 0x0651, 0x093C};
+  const std::vector<char32_t> pool = {
+      'a',    'e',    'A',     ' ',    0x00E9, 0x0301, 0x0300, 0x0323, 0x0345, 0x0327, 0x1100, 0x1161, 0x11A8, 0xAC00,
+      0xAC01, 0x0B47, 0x0B3E,  0x0B57, 0x212B, 0x2126, 0xFB01, 0x00C5, 0x030A, 0x3099, 0x304B, 0x00A0, 0x1E9B, 0x0F73,
+      0x0344, 0x00BD, 0x1F600, 0x0E01, 0x0E48, 0x0E38, 0x05D0, 0x05B0, 0x05B8, 0x0628, 0x064E, 0x0651, 0x093C};
   // Note [Marks in order]: every run of up to three marks after a base (precomposed ones too), marks that only reorder
   // (Thai, Hebrew, Arabic, Devanagari, Tibetan) mixed with marks that compose or decompose.
   const std::vector<char32_t> marks = {0x0E48, 0x0E38, 0x05B0, 0x05B8, 0x064E, 0x0651, 0x093C,
@@ -1731,8 +1846,11 @@ TEST(HfTokenizerTest, NormalizationLeavesCodePointsTokenizersDoesNotKnow) {
   const std::string hangul_lv_and_old_t = "\xEA\xB0\x80\xE1\x86\xA7";  // U+AC00 U+11A7 (utf8proc 2.8 drops U+11A7)
   EXPECT_EQ(unicode_normalize(hangul_lv_and_old_t, "NFC"), hangul_lv_and_old_t);
   EXPECT_EQ(unicode_normalize(hangul_lv_and_old_t, "NFD"), "\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA7");
-  const std::string dives_akuru = "a\xF0\x91\xA4\xB8" "b";  // U+11938 (Unicode 13): canonical decomposition there
-  for (const char* form : {"NFC", "NFD", "NFKC", "NFKD"}) EXPECT_EQ(unicode_normalize(dives_akuru, form), dives_akuru) << form;
+  const std::string dives_akuru =
+      "a\xF0\x91\xA4\xB8"
+      "b";  // U+11938 (Unicode 13): canonical decomposition there
+  for (const char* form : {"NFC", "NFD", "NFKC", "NFKD"})
+    EXPECT_EQ(unicode_normalize(dives_akuru, form), dives_akuru) << form;
   const std::string reiwa = "\xE3\x8B\xBF";  // U+32FF SQUARE ERA NAME REIWA (Unicode 12.1): NFKC -> 令和 in utf8proc
   EXPECT_EQ(unicode_normalize(reiwa, "NFKC"), reiwa);
   const std::string segmented_nine = "x\xF0\x9F\xAF\xB9";  // U+1FBF9 (Unicode 13): NFKC -> 9 in utf8proc
@@ -1742,9 +1860,9 @@ TEST(HfTokenizerTest, NormalizationLeavesCodePointsTokenizersDoesNotKnow) {
 
 TEST(HfTokenizerTest, Utf8LossyReplacesMaximalInvalidSubsequences) {
   EXPECT_EQ(utf8_lossy("abc"), "abc");
-  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), "\xEF\xBF\xBD");              // truncated 4-byte sequence: one U+FFFD
+  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), "\xEF\xBF\xBD");  // truncated 4-byte sequence: one U+FFFD
   EXPECT_EQ(utf8_lossy("\xF0\x9F\x98x"), "\xEF\xBF\xBDx");
-  EXPECT_EQ(utf8_lossy("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");      // overlong: two
+  EXPECT_EQ(utf8_lossy("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");                  // overlong: two
   EXPECT_EQ(utf8_lossy("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate: three
   EXPECT_EQ(utf8_lossy("\xE2\x82\xAC\xFF"), "\xE2\x82\xAC\xEF\xBF\xBD");
 }

@@ -257,8 +257,9 @@ struct Llama3Config {
   bool depth_init = true;
 
   static void describe(Schema<Llama3Config>& s) {
-    s.field("num_layers", &Llama3Config::num_layers, "Number of transformer layers (std of output projections "
-                                                     "when depth_init = false).")
+    s.field("num_layers", &Llama3Config::num_layers,
+            "Number of transformer layers (std of output projections "
+            "when depth_init = false).")
         .required()
         .positive();
     s.field("n_embd", &Llama3Config::n_embd, "Model width: lm_head std 1/sqrt(n_embd), bounds +-3/sqrt(n_embd).")
@@ -316,9 +317,10 @@ class Llama3Initializer final : public ModelInitializer {
                        "every model part holding wte and lm_head)",
                        rules_[r].pattern.text);
     if (!unmatched.empty())  // Modalities logs one warning per parameter; one line here
-      log::warning(fmt::format("model_initialization/gpt2_llama3_like: {} parameter(s) match no rule and keep their "
-                               "values: {}",
-                               unmatched.size(), name_list(unmatched)));
+      log::warning(
+          fmt::format("model_initialization/gpt2_llama3_like: {} parameter(s) match no rule and keep their "
+                      "values: {}",
+                      unmatched.size(), name_list(unmatched)));
 
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < params.size(); ++i) {

@@ -31,9 +31,10 @@ void materialize_and_initialize(Module& model, const ModelInitializer& initializ
     if (first == nullptr) first = &entry;
   }
   if (meta != nullptr && real != nullptr)
-    throw Error(fmt::format("model/model_initialized: the model ({}) mixes meta-device and materialized tensors "
-                            "('{}' is on meta, '{}' on {}); build all of it on the meta device or none of it",
-                            origin, meta->first, real->first, real->second.device().str()));
+    throw Error(
+        fmt::format("model/model_initialized: the model ({}) mixes meta-device and materialized tensors "
+                    "('{}' is on meta, '{}' on {}); build all of it on the meta device or none of it",
+                    origin, meta->first, real->first, real->second.device().str()));
   const bool on_meta = meta != nullptr;
 
   at::NoGradGuard no_grad;
@@ -73,6 +74,5 @@ void materialize_and_initialize(Module& model, const ModelInitializer& initializ
     initializer.initialize_in_place(full);
   });
 }
-
 
 }  // namespace modalities::plugins::initialization

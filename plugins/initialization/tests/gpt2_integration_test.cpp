@@ -120,12 +120,15 @@ class Gpt2InitializationTest : public ::testing::Test {
 };
 
 TEST_F(Gpt2InitializationTest, ComposedScaledOnAMetaDeviceGpt2) {
-  auto m = build(true, "composed", R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 2)");
+  auto m = build(true, "composed",
+                 R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 2)");
   ASSERT_NE(m, nullptr);
   expect_usable(*m);
   expect_normal(select(*m, R"(transformer\.(wte|lm_head)\.weight)"), 0.02, "embeddings");
-  expect_normal(select(*m, R"(transformer\.h\.\d+\.(attn\.(q_attn|k_attn|v_attn)|mlp\.(W|V))\.weight)"), 0.02, "q/k/v/W/V");
-  expect_normal(select(*m, R"(transformer\.h\.\d+\.(attn\.c_proj|mlp\.W_2)\.weight)"), 0.01, "c_proj/W_2: 0.02/sqrt(4)");
+  expect_normal(select(*m, R"(transformer\.h\.\d+\.(attn\.(q_attn|k_attn|v_attn)|mlp\.(W|V))\.weight)"), 0.02,
+                "q/k/v/W/V");
+  expect_normal(select(*m, R"(transformer\.h\.\d+\.(attn\.c_proj|mlp\.W_2)\.weight)"), 0.01,
+                "c_proj/W_2: 0.02/sqrt(4)");
   EXPECT_TRUE(select(*m, R"(.*norm\.weight)").eq(1.0).all().item<bool>()) << "norms reset to 1";
   // RoPE inv_freq recomputed by reset_parameters: 1 / 100000^(2j/16)
   const at::Tensor inv_freq = m->state_dict().at("transformer.h.0.attn.qkv_transforms.0.inv_freq");

@@ -44,9 +44,9 @@ struct TinyGpt2Config {
   bool use_weight_tying = false;
   bool absolute_positions = false;
   bool use_meta_device = false;
-  bool mixed_meta = false;          // wte materialized, everything else on meta
-  bool supports_reset = true;       // false: reset_parameters() is the SDK default (throws)
-  std::string block_infix;          // inserted after "transformer.h.<i>." (a wrapper leaking its name)
+  bool mixed_meta = false;     // wte materialized, everything else on meta
+  bool supports_reset = true;  // false: reset_parameters() is the SDK default (throws)
+  std::string block_infix;     // inserted after "transformer.h.<i>." (a wrapper leaking its name)
 
   static void describe(Schema<TinyGpt2Config>& s) {
     s.field("n_layer", &TinyGpt2Config::n_layer, "");
@@ -219,12 +219,11 @@ class InitializationTest : public ::testing::Test {
  protected:
   void SetUp() override {
     at::manual_seed(0);
-    auto failure = h.registry().register_plugin(core::PluginInfo{"tiny_gpt2_for_tests", "0.0.0", {}, {}, {}},
-                                                [](Registrar& r) {
-                                                  r.add<Module, TinyGpt2Config>(
-                                                      "tiny_gpt2", "GPT-2 names and shapes, no forward.",
-                                                      [](const TinyGpt2Config& c) { return std::make_shared<TinyGpt2>(c); });
-                                                });
+    auto failure =
+        h.registry().register_plugin(core::PluginInfo{"tiny_gpt2_for_tests", "0.0.0", {}, {}, {}}, [](Registrar& r) {
+          r.add<Module, TinyGpt2Config>("tiny_gpt2", "GPT-2 names and shapes, no forward.",
+                                        [](const TinyGpt2Config& c) { return std::make_shared<TinyGpt2>(c); });
+        });
     ASSERT_FALSE(failure) << *failure;
   }
   std::shared_ptr<Module> build(const std::string& model_config, const std::string& variant,
@@ -258,7 +257,8 @@ TEST_F(InitializationTest, ComposedScaledDrawsPlainStdAndScaledOutputProjections
 }
 
 TEST_F(InitializationTest, ComposedPlainWithAutoStdUsesHiddenDimAndMean) {
-  auto m = build("", "composed", R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.1, std = "auto", hidden_dim = 256)");
+  auto m = build("", "composed",
+                 R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.1, std = "auto", hidden_dim = 256)");
   ASSERT_NE(m, nullptr) << h.build_error();
   const double std = std::sqrt(2.0 / (5.0 * 256));
   expect_normal(select(*m, R"(transformer\.(wte|lm_head)\.weight)"), 0.1, std, "embeddings");
@@ -284,8 +284,9 @@ TEST_F(InitializationTest, ComposedScaledCoversGeluMlp) {
 }
 
 TEST_F(InitializationTest, InitializersLeaveNormsAndBuffersUntouched) {
-  h.set_config_text(graph("norm_bias = true", "composed",
-                          R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)"));
+  h.set_config_text(
+      graph("norm_bias = true", "composed",
+            R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)"));
   auto model = h.get<Module>("model_raw");
   auto init = h.get<ModelInitializer>("init");
   ASSERT_NE(model, nullptr) << h.build_error();
@@ -299,8 +300,9 @@ TEST_F(InitializationTest, InitializersLeaveNormsAndBuffersUntouched) {
 TEST_F(InitializationTest, ComposedCocaDrawsEverythingOutsideNormsAndIgnoresScaling) {
   // CoCa's patterns: every .weight/.bias whose name contains neither "norm" nor "ln_";
   // its scaled group is empty, so c_proj keeps the plain std.
-  h.set_config_text(graph("bias = true", "composed",
-                          R"(model_type = "coca", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)"));
+  h.set_config_text(
+      graph("bias = true", "composed",
+            R"(model_type = "coca", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)"));
   auto model = h.get<Module>("model_raw");
   ASSERT_NE(model, nullptr) << h.build_error();
   for (auto& t : select(*model, kNorms + "(weight|bias)")) t.detach().fill_(0.5);
@@ -334,7 +336,8 @@ TEST_F(InitializationTest, TiedMatrixIsInitializedOnceAndStaysShared) {
 }
 
 TEST_F(InitializationTest, SameSeedGivesIdenticalWeights) {
-  const std::string init = R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)";
+  const std::string init =
+      R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)";
   at::manual_seed(7);
   auto a = build("n_layer = 1, n_embd = 32, vocab_size = 64, ffn_hidden = 64", "composed", init)->state_dict();
   at::manual_seed(7);
@@ -344,25 +347,31 @@ TEST_F(InitializationTest, SameSeedGivesIdenticalWeights) {
 
 TEST_F(InitializationTest, ComposedConfigRulesNameTheField) {
   const std::string model = "n_layer = 1, n_embd = 32, vocab_size = 64, ffn_hidden = 64";
-  EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = "auto")"),
-              HasSubstr("init.config.hidden_dim: required when std = \"auto\""));
+  EXPECT_THAT(
+      error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = "auto")"),
+      HasSubstr("init.config.hidden_dim: required when std = \"auto\""));
   EXPECT_THAT(error_of(model, "composed",
                        R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = 0.02, hidden_dim = 32)"),
               HasSubstr("init.config.hidden_dim: must not be given when std is a number"));
   EXPECT_THAT(error_of(model, "composed",
                        R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = 0.02, num_layers = 1)"),
               HasSubstr("init.config.num_layers: must not be given when weight_init_type = \"plain\""));
-  EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "scaled_embed", mean = 0.0, std = 0.02)"),
-              HasSubstr("init.config.num_layers: required when weight_init_type = \"scaled_embed\""));
+  EXPECT_THAT(
+      error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "scaled_embed", mean = 0.0, std = 0.02)"),
+      HasSubstr("init.config.num_layers: required when weight_init_type = \"scaled_embed\""));
   EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = -0.1)"),
               HasSubstr("init.config.std: must be >= 0 or \"auto\", got -0.1"));
-  EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = "automatic")"),
-              HasSubstr("init.config.std: expected a number >= 0 or \"auto\", got \"automatic\""));
-  EXPECT_THAT(error_of(model, "composed", R"(model_type = "llama", weight_init_type = "plain", mean = 0.0, std = 0.02)"),
-              HasSubstr("init.config.model_type: must be one of 'gpt2', 'coca'"));
-  EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "scale", mean = 0.0, std = 0.02, num_layers = 1)"),
+  EXPECT_THAT(
+      error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "plain", mean = 0.0, std = "automatic")"),
+      HasSubstr("init.config.std: expected a number >= 0 or \"auto\", got \"automatic\""));
+  EXPECT_THAT(
+      error_of(model, "composed", R"(model_type = "llama", weight_init_type = "plain", mean = 0.0, std = 0.02)"),
+      HasSubstr("init.config.model_type: must be one of 'gpt2', 'coca'"));
+  EXPECT_THAT(error_of(model, "composed",
+                       R"(model_type = "gpt2", weight_init_type = "scale", mean = 0.0, std = 0.02, num_layers = 1)"),
               HasSubstr("init.config.weight_init_type: must be one of"));
-  EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 0)"),
+  EXPECT_THAT(error_of(model, "composed",
+                       R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 0)"),
               HasSubstr("init.config.num_layers: must be > 0, got 0"));
   EXPECT_THAT(error_of(model, "composed", R"(model_type = "gpt2", weight_init_type = "plain", std = 0.02)"),
               HasSubstr("init.config.mean: missing required key"));
@@ -394,8 +403,8 @@ TEST_F(InitializationTest, Llama3LikeDepthInitScalesOutputProjectionsPerLayer) {
 TEST_F(InitializationTest, Llama3LikeWithoutDepthInitUsesNumLayers) {
   auto m = build(kLlamaModel, "gpt2_llama3_like", "num_layers = 3, n_embd = 256, depth_init = false");
   ASSERT_NE(m, nullptr) << h.build_error();
-  expect_normal(select(*m, R"(transformer\.h\.\d+\.(attn\.c_proj|mlp\.V|mlp\.W_2)\.weight)"), 0.0, 0.02 / std::sqrt(6.0),
-                "output projections");
+  expect_normal(select(*m, R"(transformer\.h\.\d+\.(attn\.c_proj|mlp\.V|mlp\.W_2)\.weight)"), 0.0,
+                0.02 / std::sqrt(6.0), "output projections");
 }
 
 TEST_F(InitializationTest, Llama3LikeOnlyWarnsAboutUnmatchedParameters) {
@@ -431,7 +440,8 @@ TEST_F(InitializationTest, Llama3LikeRejectsModelUntouched) {
 TEST_F(InitializationTest, Llama3LikeConfigErrors) {
   EXPECT_THAT(error_of(kLlamaModel, "gpt2_llama3_like", "num_layers = 0, n_embd = 256"),
               HasSubstr("init.config.num_layers: must be > 0, got 0"));
-  EXPECT_THAT(error_of(kLlamaModel, "gpt2_llama3_like", "num_layers = 3"), HasSubstr("init.config.n_embd: missing required key"));
+  EXPECT_THAT(error_of(kLlamaModel, "gpt2_llama3_like", "num_layers = 3"),
+              HasSubstr("init.config.n_embd: missing required key"));
 }
 
 TEST(TruncatedNormalTest, MatchesTheTruncatedDistributionAndItsBounds) {
@@ -458,8 +468,9 @@ TEST(TruncatedNormalTest, MatchesTheTruncatedDistributionAndItsBounds) {
 // --- model/model_initialized -------------------------------------------------------------
 
 TEST_F(InitializationTest, ModelInitializedMaterializesAMetaModelOnTheRunDevice) {
-  h.set_config_text(graph("use_meta_device = true, norm_bias = true", "composed",
-                          R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)"));
+  h.set_config_text(
+      graph("use_meta_device = true, norm_bias = true", "composed",
+            R"(model_type = "gpt2", weight_init_type = "scaled", mean = 0.0, std = 0.02, num_layers = 3)"));
   auto model = h.get<Module>("model");
   ASSERT_NE(model, nullptr) << h.build_error();
   EXPECT_EQ(model.get(), h.get<Module>("model_raw").get()) << "model_initialized returns the same object";

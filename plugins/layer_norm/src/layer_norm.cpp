@@ -50,24 +50,23 @@ class NormModule final : public Module {
 }  // namespace
 
 void register_components(Registrar& r) {
-  r.add<Module, LayerNormConfig>("layer_norm", "layer_norm", "Standard LayerNorm over the last dimension.",
-                                 [](const LayerNormConfig& c) {
-                                   return std::make_shared<NormModule>(norms::Kind::kLayerNorm, c.normalized_shape,
-                                                                       c.eps, c.elementwise_affine,
-                                                                       c.elementwise_affine && c.bias);
-                                 });
+  r.add<Module, LayerNormConfig>(
+      "layer_norm", "layer_norm", "Standard LayerNorm over the last dimension.", [](const LayerNormConfig& c) {
+        return std::make_shared<NormModule>(norms::Kind::kLayerNorm, c.normalized_shape, c.eps, c.elementwise_affine,
+                                            c.elementwise_affine && c.bias);
+      });
   r.add<Module, RmsLayerNormConfig>(
       "layer_norm", "rms_norm",
-      "Modalities' RMSLayerNorm: RMS normalisation in fp32, then weight (and bias). Deprecated: prefer pytorch_rms_norm.",
+      "Modalities' RMSLayerNorm: RMS normalisation in fp32, then weight (and bias). Deprecated: prefer "
+      "pytorch_rms_norm.",
       [](const RmsLayerNormConfig& c, BuildContext& ctx) {
         ctx.warn("layer_norm/rms_norm is deprecated (as in Modalities); prefer layer_norm/pytorch_rms_norm");
         return std::make_shared<NormModule>(norms::Kind::kRmsLayerNorm, c.ndim, c.epsilon, true, c.bias);
       });
-  r.add<Module, TorchRmsNormConfig>("layer_norm", "pytorch_rms_norm", "Standard RMSNorm (weight only).",
-                                    [](const TorchRmsNormConfig& c) {
-                                      return std::make_shared<NormModule>(norms::Kind::kTorchRmsNorm,
-                                                                          c.normalized_shape, c.eps, true, false);
-                                    });
+  r.add<Module, TorchRmsNormConfig>(
+      "layer_norm", "pytorch_rms_norm", "Standard RMSNorm (weight only).", [](const TorchRmsNormConfig& c) {
+        return std::make_shared<NormModule>(norms::Kind::kTorchRmsNorm, c.normalized_shape, c.eps, true, false);
+      });
 }
 
 }  // namespace modalities::plugins::layer_norm

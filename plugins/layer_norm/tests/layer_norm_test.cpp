@@ -16,7 +16,8 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-const std::filesystem::path kExample = std::filesystem::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
+const std::filesystem::path kExample =
+    std::filesystem::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
 
 std::vector<std::string> names(const Module& m) {
   std::vector<std::string> out;

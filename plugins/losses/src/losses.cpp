@@ -27,8 +27,7 @@ struct ClmCrossEntropyLossConfig {
     s.field("target_key", &ClmCrossEntropyLossConfig::target_key, "Batch target holding the labels [B, T].")
         .required()
         .non_empty();
-    s.field("prediction_key", &ClmCrossEntropyLossConfig::prediction_key,
-            "Model output holding the logits [B, T, V].")
+    s.field("prediction_key", &ClmCrossEntropyLossConfig::prediction_key, "Model output holding the logits [B, T, V].")
         .required()
         .non_empty();
     s.field("tag", &ClmCrossEntropyLossConfig::tag,
@@ -67,8 +66,8 @@ class ClmCrossEntropyLoss final : public Loss {
                      c_.tag, c_.target_key, shape_of(targets), c_.prediction_key, shape_of(logits));
     // Labels follow the logits (model parallelism may put them elsewhere) as int64.
     const at::Tensor labels = targets.to(logits.device(), at::kLong);
-    return at::cross_entropy_loss(logits.reshape({-1, vocab}), labels.reshape({-1}), /*weight=*/{},
-                                  at::Reduction::Mean, kIgnoreIndex, /*label_smoothing=*/0.0);
+    return at::cross_entropy_loss(logits.reshape({-1, vocab}), labels.reshape({-1}), /*weight=*/{}, at::Reduction::Mean,
+                                  kIgnoreIndex, /*label_smoothing=*/0.0);
   }
 
   // Loss parallel: logits [..., V / tp] hold classes [start, start + V / tp) on this rank; the

@@ -78,18 +78,19 @@ class Gpt2MfuCalculator final : public MFUCalculator {
     // A pipeline rank holds its stages only: summed over the pp group (a collective: every rank
     // builds this component at the same point of the graph).
     const std::int64_t n = count_trainable_parameters(parts, c.device_mesh ? c.device_mesh->get() : nullptr);
-    flops_per_token_ = 6.0 * static_cast<double>(n) +
-                       12.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.sequence_length) *
-                           static_cast<double>(c.n_embd);
+    flops_per_token_ = 6.0 * static_cast<double>(n) + 12.0 * static_cast<double>(c.n_layer) *
+                                                          static_cast<double>(c.sequence_length) *
+                                                          static_cast<double>(c.n_embd);
     std::optional<double> peak = c.peak_flops_per_device;
     if (!peak) {
       const c10::Device device = run_device();
       const std::optional<std::string> name = device.is_cuda() ? cuda_device_name(device) : std::nullopt;
       if (name) peak = peak_flops_for_device_name(*name);
       if (!peak)
-        ctx.warn(fmt::format("MFU is reported as -1: no peak FLOP/s known for {}; set peak_flops_per_device to "
-                             "enable it",
-                             name ? fmt::format("GPU '{}'", *name) : fmt::format("device {}", device.str())));
+        ctx.warn(
+            fmt::format("MFU is reported as -1: no peak FLOP/s known for {}; set peak_flops_per_device to "
+                        "enable it",
+                        name ? fmt::format("GPU '{}'", *name) : fmt::format("device {}", device.str())));
       else  // Modalities assumes bf16 for FSDP2 models as well
         ctx.warn(fmt::format("MFU assumes 16-bit (bf16/fp16) compute: peak {:.4g} FLOP/s per '{}'", *peak, *name));
     }

@@ -115,8 +115,9 @@ class MfuTest : public ::testing::Test {
   void SetUp() override {
     auto failure = h.registry().register_plugin(
         core::PluginInfo{"tutorial_gpt2_for_tests", "0.0.0", {}, {}, {}}, [](Registrar& r) {
-          r.add<Module, TutorialModelConfig>("tutorial_gpt2", "Tutorial GPT-2 shapes on the meta device.",
-                                             [](const TutorialModelConfig& c) { return std::make_shared<TutorialModel>(c); });
+          r.add<Module, TutorialModelConfig>(
+              "tutorial_gpt2", "Tutorial GPT-2 shapes on the meta device.",
+              [](const TutorialModelConfig& c) { return std::make_shared<TutorialModel>(c); });
         });
     ASSERT_FALSE(failure) << *failure;
   }

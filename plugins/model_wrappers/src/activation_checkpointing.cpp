@@ -104,18 +104,24 @@ class RecomputeBlock final : public torch::autograd::Node {
  public:
   RecomputeBlock(BlockFunction run, at::Tensor input, bool input_requires_grad, RandomState random,
                  std::shared_ptr<Selective> selective)
-      : run_(std::move(run)), input_(std::move(input)), input_version_(input_._version()),
-        input_requires_grad_(input_requires_grad), random_(std::move(random)), selective_(std::move(selective)) {}
+      : run_(std::move(run)),
+        input_(std::move(input)),
+        input_version_(input_._version()),
+        input_requires_grad_(input_requires_grad),
+        random_(std::move(random)),
+        selective_(std::move(selective)) {}
 
   std::string name() const override { return "ActivationCheckpointBackward"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (!grads[0].defined()) return {at::Tensor()};  // nothing flows back through this block
-    TORCH_CHECK(run_, "activation checkpointing: the block was already recomputed and released; a second "
-                      "backward through it needs retain_graph");
+    TORCH_CHECK(run_,
+                "activation checkpointing: the block was already recomputed and released; a second "
+                "backward through it needs retain_graph");
     TORCH_CHECK(input_._version() == input_version_,
                 "activation checkpointing: a checkpointed block's input was modified in place after its forward "
-                "(version ", input_version_, " -> ", input_._version(), "); the recomputation would differ");
+                "(version ",
+                input_version_, " -> ", input_._version(), "); the recomputation would differ");
     at::Tensor x = input_.detach().requires_grad_(input_requires_grad_);
     at::Tensor y;
     {

@@ -49,8 +49,9 @@ std::set<selective_checkpoint::Op> save_ops(const std::optional<std::vector<std:
                                            "the key (the attention is recomputed)",
                                            key));
     } else if (key == "ops._c10d_functional.reduce_scatter_tensor.default") {
-      throw ConfigError(where, "'ops._c10d_functional.reduce_scatter_tensor.default' is not supported: the "
-                               "tensor-parallel collectives are recomputed; remove the key");
+      throw ConfigError(where,
+                        "'ops._c10d_functional.reduce_scatter_tensor.default' is not supported: the "
+                        "tensor-parallel collectives are recomputed; remove the key");
     } else {
       throw ConfigError(where, fmt::format("unknown key '{}': Modalities' keys are ops.aten.mm.default, "
                                            "ops.aten._scaled_dot_product_efficient_attention.default, "
@@ -91,7 +92,8 @@ void apply_activation_checkpointing(Module& model, const AcOptions& c, BuildCont
       throw ConfigError("ac_fun_params", "full_activation_checkpointing takes no parameters (ac_fun_params = {})");
     chosen = blocks;
   } else if (c.ac_variant == kSelectiveLayerActivationCheckpointing) {
-    if (!p.ac_freq) throw ConfigError("ac_fun_params.ac_freq", "selective_layer_activation_checkpointing needs ac_freq");
+    if (!p.ac_freq)
+      throw ConfigError("ac_fun_params.ac_freq", "selective_layer_activation_checkpointing needs ac_freq");
     if (p.save_ops_keys)
       throw ConfigError("ac_fun_params.save_ops_keys", "not a parameter of selective_layer_activation_checkpointing");
     // Modalities counts blocks with a process-wide counter that is never reset; per model here
@@ -106,9 +108,9 @@ void apply_activation_checkpointing(Module& model, const AcOptions& c, BuildCont
       throw ConfigError("ac_fun_params.ac_freq", "not a parameter of selective_op_activation_checkpointing");
     const std::set<selective_checkpoint::Op> save = save_ops(p.save_ops_keys);
     // Every block, keeping the chosen ops' outputs (Modalities applies it to all layers).
-    model.add_block_runner(
-        [save](const at::Tensor& input, const BlockFunction& run) { return selectively_checkpointed(input, run, save); },
-        blocks);
+    model.add_block_runner([save](const at::Tensor& input,
+                                  const BlockFunction& run) { return selectively_checkpointed(input, run, save); },
+                           blocks);
     return;
   }
   if (!chosen.empty()) model.add_block_runner(checkpointed, chosen);

@@ -33,8 +33,7 @@ struct ActivationCheckpointedConfig {
   static void describe(Schema<ActivationCheckpointedConfig>& s) {
     using C = ActivationCheckpointedConfig;
     AcOptions::describe_fields(s);
-    s.field("model", &C::model, "The model (before sharding: apply activation checkpointing, then FSDP).")
-        .required();
+    s.field("model", &C::model, "The model (before sharding: apply activation checkpointing, then FSDP).").required();
   }
 };
 
@@ -60,9 +59,10 @@ std::shared_ptr<Module> activation_checkpointed_fsdp1(const ActivationCheckpoint
   for (const std::string& cls : c.activation_checkpointing_modules) {
     const std::vector<std::string> found = model->submodules_of_class(cls);
     if (found.empty())
-      ctx.warn(fmt::format("activation_checkpointing_modules: the model has no submodule of class '{}' (as in "
-                           "Modalities, nothing is checkpointed for it)",
-                           cls));
+      ctx.warn(
+          fmt::format("activation_checkpointing_modules: the model has no submodule of class '{}' (as in "
+                      "Modalities, nothing is checkpointed for it)",
+                      cls));
     chosen.insert(chosen.end(), found.begin(), found.end());
   }
   if (!chosen.empty()) model->add_block_runner(checkpointed, chosen);
@@ -96,8 +96,9 @@ std::shared_ptr<Module> compiled(const CompiledConfig& c, BuildContext& ctx) {
     if (model->submodules_of_class(c.block_names[i]).empty())
       throw ConfigError(fmt::format("block_names[{}]", i),
                         fmt::format("the model has no submodule of class '{}'", c.block_names[i]));
-  ctx.warn("LibTorch has no torch.compile: model/compiled runs the model eager, as built (gpt2 uses its fused "
-           "ops either way)");
+  ctx.warn(
+      "LibTorch has no torch.compile: model/compiled runs the model eager, as built (gpt2 uses its fused "
+      "ops either way)");
   return model;
 }
 
@@ -122,5 +123,4 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::model_wrappers
 
-MODALITIES_PLUGIN(model_wrappers, MODALITIES_PLUGIN_VERSION,
-                  modalities::plugins::model_wrappers::register_components)
+MODALITIES_PLUGIN(model_wrappers, MODALITIES_PLUGIN_VERSION, modalities::plugins::model_wrappers::register_components)

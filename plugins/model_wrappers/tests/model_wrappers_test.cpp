@@ -25,8 +25,8 @@
 namespace modalities::plugins::model_wrappers {
 namespace {
 
-using ::testing::HasSubstr;
 using modalities::testing::Harness;
+using ::testing::HasSubstr;
 
 std::string example() {
   std::ifstream in(std::string(MODALITIES_TEST_PLUGIN_SOURCE_DIR) + "/configs/example.toml");
@@ -281,8 +281,8 @@ class CountingAllocator final : public c10::Allocator {
 // plus the time of a forward + backward. Checkpointing every block must keep less than half.
 TEST(ActivationCheckpointingTest, SavesActivationMemoryAndReportsTheCost) {
   std::string base = example();
-  for (const auto& [from, to] : std::map<std::string, std::string>{
-           {"n_layer = 4", "n_layer = 8"}, {"sequence_length = 32", "sequence_length = 256"}})
+  for (const auto& [from, to] : std::map<std::string, std::string>{{"n_layer = 4", "n_layer = 8"},
+                                                                   {"sequence_length = 32", "sequence_length = 256"}})
     for (std::size_t at; (at = base.find(from)) != std::string::npos;) base.replace(at, from.size(), to);
   // The same selective op on a copy with biases ("selective_op_bias").
   std::string selective_bias = kSelectiveOp;

@@ -29,7 +29,8 @@ struct ParallelDegreeConfig {
   Ref<DeviceMesh> device_mesh;
   std::vector<std::string> parallelism_methods;
   static void describe(Schema<ParallelDegreeConfig>& s) {
-    s.field("device_mesh", &ParallelDegreeConfig::device_mesh, "Device mesh whose dimensions are multiplied.").required();
+    s.field("device_mesh", &ParallelDegreeConfig::device_mesh, "Device mesh whose dimensions are multiplied.")
+        .required();
     s.field("parallelism_methods", &ParallelDegreeConfig::parallelism_methods,
             "Mesh dimensions to multiply, e.g. [\"dp_shard\", \"dp_replicate\"] for the data-parallel degree.")
         .required()
@@ -65,9 +66,10 @@ struct LocalMicroBatchSizeFromGlobalBatchSizeConfig {
 i64 local_micro_batch_size_from_global_batch_size(const LocalMicroBatchSizeFromGlobalBatchSizeConfig& c) {
   const i64 per_micro_step = c.dp_degree * c.gradient_accumulation_steps;
   if (c.global_batch_size % per_micro_step != 0)
-    throw Error(fmt::format("global_batch_size {} is not divisible by dp_degree {} x gradient_accumulation_steps {} = "
-                            "{}: choose a global batch that is a multiple of it, or another world size",
-                            c.global_batch_size, c.dp_degree, c.gradient_accumulation_steps, per_micro_step));
+    throw Error(
+        fmt::format("global_batch_size {} is not divisible by dp_degree {} x gradient_accumulation_steps {} = "
+                    "{}: choose a global batch that is a multiple of it, or another world size",
+                    c.global_batch_size, c.dp_degree, c.gradient_accumulation_steps, per_micro_step));
   return c.global_batch_size / per_micro_step;
 }
 
@@ -77,7 +79,9 @@ struct LocalNumBatchesFromNumSamplesConfig {
     using C = LocalNumBatchesFromNumSamplesConfig;
     s.field("num_ranks", &C::num_ranks, "Number of data-parallel ranks.").required().positive();
     s.field("global_num_samples", &C::global_num_samples, "Samples over all ranks.").required().non_negative();
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
   }
 };
 
@@ -88,7 +92,9 @@ struct LocalNumBatchesFromNumTokensConfig {
     s.field("num_ranks", &C::num_ranks, "Number of data-parallel ranks.").required().positive();
     s.field("global_num_tokens", &C::global_num_tokens, "Tokens over all ranks.").required().non_negative();
     s.field("sequence_length", &C::sequence_length, "Tokens per sample.").required().positive();
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
   }
 };
 
@@ -106,7 +112,9 @@ struct NumStepsFromNumSamplesConfig {
   static void describe(Schema<NumStepsFromNumSamplesConfig>& s) {
     using C = NumStepsFromNumSamplesConfig;
     s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().positive().alias("num_ranks");
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
     s.field("global_num_samples", &C::global_num_samples, "Samples over all ranks.").required().non_negative();
     s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
         .required()
@@ -120,7 +128,9 @@ struct NumStepsFromNumTokensConfig {
   static void describe(Schema<NumStepsFromNumTokensConfig>& s) {
     using C = NumStepsFromNumTokensConfig;
     s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().positive();
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
     s.field("global_num_tokens", &C::global_num_tokens, "Tokens over all ranks.").required().non_negative();
     s.field("sequence_length", &C::sequence_length, "Tokens per sample.").required().positive();
     s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
@@ -137,7 +147,9 @@ struct NumTokensFromNumStepsConfig {
     using C = NumTokensFromNumStepsConfig;
     s.field("num_steps", &C::num_steps, "Optimizer steps.").required().non_negative();
     s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().positive();
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
     s.field("sequence_length", &C::sequence_length, "Tokens per sample.").required().positive();
     s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
         .required()
@@ -169,8 +181,9 @@ i64 number_in_path(const std::filesystem::path& path, const std::string& key) {
   std::vector<std::string> found;
   for (auto it = std::sregex_iterator(s.begin(), s.end(), re); it != std::sregex_iterator(); ++it)
     found.push_back((*it)[1].str());
-  MODALITIES_CHECK(found.size() == 1, "checkpoint path '{}' must contain '{}_<number>' exactly once, found it {} time(s)",
-                   s, key, found.size());
+  MODALITIES_CHECK(found.size() == 1,
+                   "checkpoint path '{}' must contain '{}_<number>' exactly once, found it {} time(s)", s, key,
+                   found.size());
   try {
     return std::stoll(found[0]);
   } catch (const std::out_of_range&) {
@@ -208,7 +221,9 @@ struct NumTokensFromPackedDatasetConfig {
         .existing_file();
     s.field("sequence_length", &C::sequence_length, "Tokens per sample.").required().positive();
     s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().positive();
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
     s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
         .required()
         .positive();
@@ -223,9 +238,10 @@ i64 continuous_num_samples(const NumTokensFromPackedDatasetConfig& c) {
   const auto header = formats::read_packed_header(c.dataset_path);
   const i64 tokens = static_cast<i64>(header.num_tokens());
   const i64 block = c.reuse_last_target ? c.sequence_length + 1 : c.sequence_length;
-  MODALITIES_CHECK(block >= 2, "a block of {} token(s) is too small: sequence_length must be >= 2 without reuse_last_target",
+  MODALITIES_CHECK(
+      block >= 2, "a block of {} token(s) is too small: sequence_length must be >= 2 without reuse_last_target", block);
+  MODALITIES_CHECK(tokens >= block, "{} has {} tokens, fewer than one block of {}", c.dataset_path.string(), tokens,
                    block);
-  MODALITIES_CHECK(tokens >= block, "{} has {} tokens, fewer than one block of {}", c.dataset_path.string(), tokens, block);
   return c.reuse_last_target ? (tokens - 1) / c.sequence_length : tokens / c.sequence_length;
 }
 
@@ -238,7 +254,9 @@ struct NumStepsFromRawIndexConfig {
         .required()
         .existing_file();
     s.field("num_ranks", &C::num_ranks, "Number of data-parallel ranks.").required().positive();
-    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.").required().positive();
+    s.field("local_micro_batch_size", &C::local_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .positive();
     s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
         .required()
         .positive();
@@ -249,16 +267,18 @@ struct NumStepsFromRawIndexConfig {
 
 void register_components(Registrar& r) {
   constexpr std::string_view kKey = "number_conversion";
-  r.add_value<i64, ParallelDegreeConfig>(kKey, "parallel_degree",
-                                         "Product of the sizes of the listed device-mesh dimensions (absent ones count 1).",
-                                         parallel_degree);
+  r.add_value<i64, ParallelDegreeConfig>(
+      kKey, "parallel_degree", "Product of the sizes of the listed device-mesh dimensions (absent ones count 1).",
+      parallel_degree);
   r.add_value<i64, LocalMicroBatchSizeFromGlobalBatchSizeConfig>(
       kKey, "local_micro_batch_size_from_global_batch_size",
       "global_batch_size / (dp_degree * gradient_accumulation_steps), which must divide exactly (our extension).",
       local_micro_batch_size_from_global_batch_size);
   r.add_value<i64, LocalNumBatchesFromNumSamplesConfig>(
       kKey, "local_num_batches_from_num_samples", "global_num_samples // num_ranks // local_micro_batch_size.",
-      [](const LocalNumBatchesFromNumSamplesConfig& c) { return c.global_num_samples / c.num_ranks / c.local_micro_batch_size; });
+      [](const LocalNumBatchesFromNumSamplesConfig& c) {
+        return c.global_num_samples / c.num_ranks / c.local_micro_batch_size;
+      });
   r.add_value<i64, LocalNumBatchesFromNumTokensConfig>(
       kKey, "local_num_batches_from_num_tokens",
       "(global_num_tokens // sequence_length) // num_ranks // local_micro_batch_size.",
@@ -310,8 +330,9 @@ void register_components(Registrar& r) {
       "(steps * dp_degree * local_micro_batch_size * sequence_length * gradient_accumulation_steps).",
       [](const NumTokensFromPackedDatasetConfig& c) {
         const i64 samples = continuous_num_samples(c);
-        const i64 steps = num_steps_from_num_tokens(checked_product({samples, c.sequence_length}), c.sequence_length,
-                                                    c.dp_degree, c.local_micro_batch_size, c.gradient_accumulation_steps);
+        const i64 steps =
+            num_steps_from_num_tokens(checked_product({samples, c.sequence_length}), c.sequence_length, c.dp_degree,
+                                      c.local_micro_batch_size, c.gradient_accumulation_steps);
         return checked_product({steps, tokens_per_step(c.local_micro_batch_size, c.sequence_length,
                                                        c.gradient_accumulation_steps, c.dp_degree)});
       });
@@ -326,4 +347,5 @@ void register_components(Registrar& r) {
 
 }  // namespace modalities::plugins::number_conversion
 
-MODALITIES_PLUGIN(number_conversion, MODALITIES_PLUGIN_VERSION, modalities::plugins::number_conversion::register_components)
+MODALITIES_PLUGIN(number_conversion, MODALITIES_PLUGIN_VERSION,
+                  modalities::plugins::number_conversion::register_components)

@@ -14,8 +14,8 @@
 namespace modalities::plugins::number_conversion {
 namespace {
 
-using ::testing::HasSubstr;
 using ::testing::AllOf;
+using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
@@ -47,15 +47,15 @@ struct EmptyConfig {
 
 std::int64_t build_one(const std::string& variant, const std::string& config_inline) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
-  h.set_config_text("[x]\ncomponent_key = \"number_conversion\"\nvariant_key = \"" + variant + "\"\nconfig = " +
-                    config_inline + "\n");
+  h.set_config_text("[x]\ncomponent_key = \"number_conversion\"\nvariant_key = \"" + variant +
+                    "\"\nconfig = " + config_inline + "\n");
   return h.value("x").as_int();
 }
 
 std::string error_of(const std::string& variant, const std::string& config_inline) {
   testing::Harness h{MODALITIES_TEST_PLUGIN};
-  h.set_config_text("[x]\ncomponent_key = \"number_conversion\"\nvariant_key = \"" + variant + "\"\nconfig = " +
-                    config_inline + "\n");
+  h.set_config_text("[x]\ncomponent_key = \"number_conversion\"\nvariant_key = \"" + variant +
+                    "\"\nconfig = " + config_inline + "\n");
   return h.build_error();
 }
 
@@ -76,9 +76,10 @@ TEST(NumberConversionTest, BuildsEveryNodeOfTheExampleConfig) {
 
 TEST(NumberConversionTest, FloorDivisionMatchesPython) {
   EXPECT_EQ(build_one("num_samples_from_num_tokens", "{ num_tokens = 1000, sequence_length = 256 }"), 3);
-  EXPECT_EQ(build_one("local_num_batches_from_num_tokens",
-                      "{ num_ranks = 3, global_num_tokens = 10000, sequence_length = 100, local_micro_batch_size = 7 }"),
-            (10000 / 100) / 3 / 7);
+  EXPECT_EQ(
+      build_one("local_num_batches_from_num_tokens",
+                "{ num_ranks = 3, global_num_tokens = 10000, sequence_length = 100, local_micro_batch_size = 7 }"),
+      (10000 / 100) / 3 / 7);
   EXPECT_EQ(build_one("num_steps_from_num_tokens",
                       "{ dp_degree = 2, local_micro_batch_size = 3, global_num_tokens = 99999, sequence_length = 7, "
                       "gradient_accumulation_steps = 5 }"),
@@ -87,9 +88,11 @@ TEST(NumberConversionTest, FloorDivisionMatchesPython) {
 
 TEST(NumberConversionTest, NumStepsFromNumSamplesAcceptsTheNumRanksAlias) {
   // Modalities' schema calls it num_ranks; the function (and configs) say dp_degree.
-  EXPECT_EQ(build_one("num_steps_from_num_samples",
-                      "{ num_ranks = 2, local_micro_batch_size = 4, global_num_samples = 100, gradient_accumulation_steps = 3 }"),
-            100 / 2 / 4 / 3);
+  EXPECT_EQ(
+      build_one(
+          "num_steps_from_num_samples",
+          "{ num_ranks = 2, local_micro_batch_size = 4, global_num_samples = 100, gradient_accumulation_steps = 3 }"),
+      100 / 2 / 4 / 3);
   EXPECT_THAT(error_of("num_steps_from_num_samples",
                        "{ num_ranks = 2, dp_degree = 2, local_micro_batch_size = 4, global_num_samples = 100, "
                        "gradient_accumulation_steps = 3 }"),
@@ -130,10 +133,11 @@ TEST(NumberConversionTest, NumTokensFromPackedDatasetMatchesTheFile) {
 }
 
 TEST(NumberConversionTest, NumTokensFromPackedDatasetRejectsMissingAndTooSmallFiles) {
-  EXPECT_THAT(error_of("num_tokens_from_packed_mem_map_dataset_continuous",
-                       "{ dataset_path = \"/no/such.pbin\", sequence_length = 8, dp_degree = 1, local_micro_batch_size = 1, "
-                       "gradient_accumulation_steps = 1 }"),
-              HasSubstr("x.config.dataset_path: file '/no/such.pbin' does not exist"));
+  EXPECT_THAT(
+      error_of("num_tokens_from_packed_mem_map_dataset_continuous",
+               "{ dataset_path = \"/no/such.pbin\", sequence_length = 8, dp_degree = 1, local_micro_batch_size = 1, "
+               "gradient_accumulation_steps = 1 }"),
+      HasSubstr("x.config.dataset_path: file '/no/such.pbin' does not exist"));
   const std::string tiny = (testing::tiny_example_dir() / "tiny.pbin").string();  // 6 tokens
   EXPECT_THAT(error_of("num_tokens_from_packed_mem_map_dataset_continuous",
                        "{ dataset_path = \"" + tiny +
@@ -158,19 +162,20 @@ TEST(NumberConversionTest, NumStepsFromRawIndexCountsDocuments) {
 TEST(NumberConversionTest, CheckpointPathsMustContainEachNumberExactlyOnce) {
   EXPECT_THAT(error_of("num_seen_steps_from_checkpoint_path", "{ checkpoint_path = \"/ckpt/no_numbers_here\" }"),
               HasSubstr("must contain 'seen_steps_<number>' exactly once, found it 0 time(s)"));
-  EXPECT_THAT(error_of("last_step_from_checkpoint_path",
-                       "{ checkpoint_path = \"/a/seen_steps_5/b-seen_steps_6\" }"),
+  EXPECT_THAT(error_of("last_step_from_checkpoint_path", "{ checkpoint_path = \"/a/seen_steps_5/b-seen_steps_6\" }"),
               HasSubstr("found it 2 time(s)"));
 }
 
 TEST(NumberConversionTest, TargetStepsRequireWholeStepsUnlikeModalities) {
   // 1000 seen tokens over 10 steps = 100 tokens per step; 1050 target tokens is not a whole number of steps.
-  EXPECT_THAT(error_of("num_target_steps_from_checkpoint_path",
-                       "{ checkpoint_path = \"eid_x-seen_steps_10-seen_tokens_1000-target_steps_10-target_tokens_1050\" }"),
-              HasSubstr("not a multiple of the tokens per step (100)"));
-  EXPECT_EQ(build_one("num_target_steps_from_checkpoint_path",
-                      "{ checkpoint_path = \"eid_x-seen_steps_10-seen_tokens_1000-target_steps_20-target_tokens_2000\" }"),
-            20);
+  EXPECT_THAT(
+      error_of("num_target_steps_from_checkpoint_path",
+               "{ checkpoint_path = \"eid_x-seen_steps_10-seen_tokens_1000-target_steps_10-target_tokens_1050\" }"),
+      HasSubstr("not a multiple of the tokens per step (100)"));
+  EXPECT_EQ(
+      build_one("num_target_steps_from_checkpoint_path",
+                "{ checkpoint_path = \"eid_x-seen_steps_10-seen_tokens_1000-target_steps_20-target_tokens_2000\" }"),
+      20);
 }
 
 TEST(NumberConversionTest, ValidatorsNameTheConfigPath) {
@@ -180,10 +185,11 @@ TEST(NumberConversionTest, ValidatorsNameTheConfigPath) {
               HasSubstr("x.config.num_tokens: must be >= 0, got -1"));
   EXPECT_THAT(error_of("num_samples_from_num_tokens", "{ num_tokens = 10.0, sequence_length = 4 }"),
               HasSubstr("x.config.num_tokens: expected an integer, got float"));
-  EXPECT_THAT(error_of("num_tokens_from_num_steps",
-                       "{ num_steps = 9223372036854775807, dp_degree = 2, local_micro_batch_size = 1, sequence_length = 1, "
-                       "gradient_accumulation_steps = 1 }"),
-              HasSubstr("overflows"));
+  EXPECT_THAT(
+      error_of("num_tokens_from_num_steps",
+               "{ num_steps = 9223372036854775807, dp_degree = 2, local_micro_batch_size = 1, sequence_length = 1, "
+               "gradient_accumulation_steps = 1 }"),
+      HasSubstr("overflows"));
 }
 
 TEST(NumberConversionTest, ParallelDegreeMultipliesPresentDimensions) {

@@ -179,10 +179,11 @@ std::vector<PartGroup> split_by_weight_decay(const Module& model, const std::str
     }
   }
   for (PartGroup* g : {&decayed, &not_decayed})
-    g->if_empty = fmt::format("optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
-                              "weight-decay group (model groups: {}; excluded: {})",
-                              g->name, origin, g == &decayed ? "non-excluded" : "excluded",
-                              declared_names.empty() ? "none" : quoted_list(declared_names), quoted_list(excluded));
+    g->if_empty = fmt::format(
+        "optimizer group '{}' of {} is empty: no trainable parameter falls into a {} "
+        "weight-decay group (model groups: {}; excluded: {})",
+        g->name, origin, g == &decayed ? "non-excluded" : "excluded",
+        declared_names.empty() ? "none" : quoted_list(declared_names), quoted_list(excluded));
   std::int64_t grouped = 0;
   for (const PartGroup* g : {&decayed, &not_decayed})
     for (const auto& [_, p] : g->params) grouped += p.numel();
@@ -211,10 +212,8 @@ std::vector<std::vector<Item*>> bucket(const std::vector<Item*>& items, Key key)
   for (Item* item : items) {
     const auto k = key(*item);
     auto it = std::find_if(buckets.begin(), buckets.end(), [&](const auto& b) { return b.first == k; });
-    if (it == buckets.end())
-      buckets.push_back({k, {item}});
-    else
-      it->second.push_back(item);
+    if (it == buckets.end()) buckets.push_back({k, {item}});
+    else it->second.push_back(item);
   }
   std::vector<std::vector<Item*>> out;
   for (auto& b : buckets) out.push_back(std::move(b.second));
@@ -230,7 +229,8 @@ class Adam final : public Optimizer {
     std::vector<std::string> if_empty;  // per group
     for (const auto& part : c.wrapped_model.parts) {
       parts_.push_back(part.shared());
-      for (auto& pg : split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
+      for (auto& pg :
+           split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
         // Several parts (a pipeline rank's stages) share their groups: the same group of every part is
         // one group, so every layout (one process, PP2, two stages per rank, ...) has the same groups,
         // and optimizer and scheduler state continue across layouts. The update is per parameter, so
@@ -298,15 +298,9 @@ class Adam final : public Optimizer {
       }
       if (active.empty()) continue;
       switch (impl_) {
-        case Impl::kSingleTensor:
-          single_tensor_step(g, active);
-          break;
-        case Impl::kForeach:
-          foreach_step(g, active);
-          break;
-        case Impl::kFused:
-          fused_step(g, active);
-          break;
+        case Impl::kSingleTensor: single_tensor_step(g, active); break;
+        case Impl::kForeach: foreach_step(g, active); break;
+        case Impl::kFused: fused_step(g, active); break;
       }
     }
   }
@@ -318,10 +312,8 @@ class Adam final : public Optimizer {
       if (set_to_none) {
         grad.reset();
       } else {
-        if (grad.grad_fn())
-          grad = grad.detach();
-        else
-          grad.requires_grad_(false);
+        if (grad.grad_fn()) grad = grad.detach();
+        else grad.requires_grad_(false);
         grad.zero_();
       }
     }
@@ -346,10 +338,8 @@ class Adam final : public Optimizer {
 
   void set_group_option(std::size_t group, std::string_view name, double value) override {
     Group& g = group_at(group);
-    if (double* known = known_option(g, name))
-      *known = value;
-    else
-      g.extra.insert_or_assign(std::string(name), value);
+    if (double* known = known_option(g, name)) *known = value;
+    else g.extra.insert_or_assign(std::string(name), value);
   }
 
   // See Note [Optimizer state dict keys] in optimizer.h. State tensors alias the live state.
@@ -500,10 +490,8 @@ class Adam final : public Optimizer {
       at::Tensor grad = param.grad();
       p->step.add_(1);
       if (g.weight_decay != 0) {
-        if (decoupled_)
-          param.mul_(1 - g.lr * g.weight_decay);
-        else
-          grad = grad.add(param, g.weight_decay);
+        if (decoupled_) param.mul_(1 - g.lr * g.weight_decay);
+        else grad = grad.add(param, g.weight_decay);
       }
       p->exp_avg.lerp_(grad, 1 - g.beta1);
       p->exp_avg_sq.mul_(g.beta2).addcmul_(grad, grad, 1 - g.beta2);
@@ -532,10 +520,8 @@ class Adam final : public Optimizer {
       }
       increment_steps(steps);
       if (g.weight_decay != 0) {
-        if (decoupled_)
-          at::_foreach_mul_(params, 1 - g.lr * g.weight_decay);
-        else
-          grads = at::_foreach_add(grads, params, g.weight_decay);
+        if (decoupled_) at::_foreach_mul_(params, 1 - g.lr * g.weight_decay);
+        else grads = at::_foreach_add(grads, params, g.weight_decay);
       }
       at::_foreach_lerp_(exp_avgs, grads, 1 - g.beta1);
       at::_foreach_mul_(exp_avg_sqs, g.beta2);

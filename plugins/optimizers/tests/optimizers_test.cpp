@@ -27,9 +27,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <regex>
 #include <filesystem>
 #include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -203,17 +203,17 @@ std::int64_t ordered_bits(float x) {
     const std::int64_t ulps = std::abs(ordered_bits(pa[i]) - ordered_bits(pe[i]));
     worst_ulps = std::max(worst_ulps, ulps);
     if (ulps > kMaxUlps && std::abs(static_cast<double>(pa[i]) - pe[i]) > floor)
-      return ::testing::AssertionFailure() << what << ": element " << i << " is " << fmt::format("{:a}", pa[i])
-                                           << ", expected " << fmt::format("{:a}", pe[i]) << " (" << ulps
-                                           << " ulps apart; allowed " << kMaxUlps << ")";
+      return ::testing::AssertionFailure()
+             << what << ": element " << i << " is " << fmt::format("{:a}", pa[i]) << ", expected "
+             << fmt::format("{:a}", pe[i]) << " (" << ulps << " ulps apart; allowed " << kMaxUlps << ")";
   }
   return ::testing::AssertionSuccess();
 }
 
 // Parameters after every step and the final optimizer state of one reference case.
 struct Trajectory {
-  std::vector<std::vector<at::Tensor>> after;  // [step][param]
-  std::vector<double> steps;                   // [param]
+  std::vector<std::vector<at::Tensor>> after;   // [step][param]
+  std::vector<double> steps;                    // [param]
   std::vector<at::Tensor> exp_avg, exp_avg_sq;  // [param]
 };
 
@@ -272,10 +272,8 @@ Trajectory libtorch_trajectory(const RefOptCase& c) {
       }
       steps[i] += 1;
       if (wd != 0) {
-        if (decoupled)
-          params[i].mul_(1 - lr * wd);
-        else
-          grad = grad.add(params[i], wd);
+        if (decoupled) params[i].mul_(1 - lr * wd);
+        else grad = grad.add(params[i], wd);
       }
       exp_avgs[i].lerp_(grad, 1 - kBeta1);
       exp_avg_sqs[i].mul_(kBeta2).addcmul_(grad, grad, 1 - kBeta2);

@@ -209,9 +209,8 @@ Value parallelize(const ParallelizedConfig& c, BuildContext& ctx) {
     in_table("activation_checkpointing",
              [&] { model_wrappers::apply_activation_checkpointing(*model, *c.activation_checkpointing, ctx); });
   if (c.initialization)
-    in_table("initialization", [&] {
-      initialization::materialize_and_initialize(*model, **c.initialization, c.model.origin(), ctx);
-    });
+    in_table("initialization",
+             [&] { initialization::materialize_and_initialize(*model, **c.initialization, c.model.origin(), ctx); });
 
   expect_table(dims, MeshDim::pp, c.pipeline.has_value(), "pipeline",
                "{ stages_generator = ..., pp_schedule_name = \"gpipe\", num_layers_per_stage = ..., batch_size = ..., "

@@ -19,8 +19,8 @@
 namespace modalities::plugins::parallelize {
 namespace {
 
-using ::testing::HasSubstr;
 using modalities::testing::Harness;
+using ::testing::HasSubstr;
 
 std::string example() {
   std::ifstream in(std::string(MODALITIES_TEST_PLUGIN_SOURCE_DIR) + "/configs/example.toml");
@@ -65,9 +65,10 @@ config = { model = { instance_key = "initialized", pass_type = "BY_REFERENCE" },
 
 Harness harness(const std::string& text) {
   Harness h(MODALITIES_TEST_PLUGIN);
-  for (const char* plugin : {MODALITIES_TEST_GPT2_PLUGIN, MODALITIES_TEST_FSDP_PLUGIN,
-                             MODALITIES_TEST_MODEL_WRAPPERS_PLUGIN, MODALITIES_TEST_INITIALIZATION_PLUGIN,
-                             MODALITIES_TEST_PIPELINE_PLUGIN, MODALITIES_TEST_MESH_PLUGIN, MODALITIES_TEST_LOSSES_PLUGIN})
+  for (const char* plugin :
+       {MODALITIES_TEST_GPT2_PLUGIN, MODALITIES_TEST_FSDP_PLUGIN, MODALITIES_TEST_MODEL_WRAPPERS_PLUGIN,
+        MODALITIES_TEST_INITIALIZATION_PLUGIN, MODALITIES_TEST_PIPELINE_PLUGIN, MODALITIES_TEST_MESH_PLUGIN,
+        MODALITIES_TEST_LOSSES_PLUGIN})
     h.load_plugin(plugin);
   h.set_config_text(text);
   return h;
@@ -105,8 +106,8 @@ void expect_equal(const std::map<std::string, at::Tensor>& got, const std::map<s
   for (const auto& [name, t] : want) {
     ASSERT_TRUE(got.contains(name)) << what << ": no " << name;
     ASSERT_TRUE(got.at(name).defined()) << what << ": " << name;
-    EXPECT_TRUE(at::equal(got.at(name), t)) << what << ": " << name << " differs by "
-                                            << (got.at(name) - t).abs().max().item<double>();
+    EXPECT_TRUE(at::equal(got.at(name), t))
+        << what << ": " << name << " differs by " << (got.at(name) - t).abs().max().item<double>();
   }
 }
 
@@ -178,9 +179,8 @@ TEST(ParallelizedTest, BadTablesAreRefusedWithTheirConfigPath) {
     EXPECT_THAT(e, HasSubstr("has no pp dim"));
   }
   {  // loss_fn names a Module: refused before anything is built, under its path
-    Harness h = harness(
-        example_with(fully_shard, with_loss("{ instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }") +
-                                      fully_shard));
+    Harness h = harness(example_with(
+        fully_shard, with_loss("{ instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }") + fully_shard));
     EXPECT_THAT(h.build_error(), HasSubstr("model.config.pipeline.loss_fn"));
   }
   {  // an engine's error lands under the table it came from

@@ -19,17 +19,17 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cctype>
-#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -48,7 +48,11 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 class Stage final : public PipelineStage {
  public:
   Stage(i64 index, i64 num_stages, std::shared_ptr<Module> part, Group group, i64 pp_rank, i64 pp_size)
-      : index_(index), num_(num_stages), part_(std::move(part)), group_(std::move(group)), pp_rank_(pp_rank),
+      : index_(index),
+        num_(num_stages),
+        part_(std::move(part)),
+        group_(std::move(group)),
+        pp_rank_(pp_rank),
         pp_size_(pp_size) {}
   bool is_first() const override { return index_ == 0; }
   bool is_last() const override { return index_ == num_ - 1; }
@@ -84,9 +88,7 @@ class PipelineImpl final : public Pipeline {
  public:
   PipelineImpl(std::vector<std::shared_ptr<Stage>> stages, std::string schedule_name)
       : stages_(std::move(stages)), schedule_name_(std::move(schedule_name)) {}
-  std::vector<std::shared_ptr<PipelineStage>> stages() const override {
-    return {stages_.begin(), stages_.end()};
-  }
+  std::vector<std::shared_ptr<PipelineStage>> stages() const override { return {stages_.begin(), stages_.end()}; }
   std::vector<std::shared_ptr<Module>> model_parts() const override {
     std::vector<std::shared_ptr<Module>> out;
     for (const auto& s : stages_) out.push_back(s->submodule());
@@ -254,9 +256,10 @@ class Executor {
     if (src == to.pp_rank()) {
       const auto it = local_.find({from, micro_batch, gradient});
       if (it == local_.end())
-        throw Error(fmt::format("pipeline: stage {} needs micro-batch {} of stage {} before it was computed (a "
-                                "schedule bug)",
-                                to.stage_index(), micro_batch, from));
+        throw Error(
+            fmt::format("pipeline: stage {} needs micro-batch {} of stage {} before it was computed (a "
+                        "schedule bug)",
+                        to.stage_index(), micro_batch, from));
       at::Tensor t = std::move(it->second);
       local_.erase(it);
       return t;
@@ -313,8 +316,8 @@ ScheduleKind parse_schedule(const std::string& name, const char* field) {
   if (n == "zbvzerobubble" || n == "dualpipev" || n == "interleavedzerobubble")
     throw ConfigError(field, fmt::format("the schedule '{}' (zero-bubble / V-shaped) is not implemented; use one of {}",
                                          name, kScheduleNames));
-  throw ConfigError(field, fmt::format("unknown schedule '{}'; expected one of {} (case-insensitive)", name,
-                                       kScheduleNames));
+  throw ConfigError(field,
+                    fmt::format("unknown schedule '{}'; expected one of {} (case-insensitive)", name, kScheduleNames));
 }
 
 struct StagedConfig {
@@ -328,10 +331,8 @@ struct StagedConfig {
     s.field("whole_model", &StagedConfig::whole_model,
             "The whole model; each local stage is a copy of it pruned to the stage's modules.")
         .required();
-    s.field("stages_generator", &StagedConfig::stages_generator, "Decides which modules each stage holds.")
-        .required();
-    s.field("device_mesh", &StagedConfig::device_mesh, "Mesh with a pp dim (pipeline_parallel_degree > 1).")
-        .required();
+    s.field("stages_generator", &StagedConfig::stages_generator, "Decides which modules each stage holds.").required();
+    s.field("device_mesh", &StagedConfig::device_mesh, "Mesh with a pp dim (pipeline_parallel_degree > 1).").required();
     s.field("local_rank", &StagedConfig::local_rank, "This process's local rank (the device on GPUs).")
         .required()
         .at_least(0);
@@ -377,7 +378,8 @@ struct ScheduledConfig {
 
 PipelineImpl& concrete(Pipeline& p, const char* field) {
   auto* impl = dynamic_cast<PipelineImpl*>(&p);
-  if (impl == nullptr) throw ConfigError(field, "is not a pipeline of this plugin (pipeline/staged or pipeline/builder)");
+  if (impl == nullptr)
+    throw ConfigError(field, "is not a pipeline of this plugin (pipeline/staged or pipeline/builder)");
   return *impl;
 }
 
@@ -430,7 +432,8 @@ struct BuilderConfig {
             "The stages' modules, possibly wrapped meanwhile (fsdp2_wrapped, model_initialized), same order.")
         .required()
         .alias("model_part");
-    s.field("pp_schedule", &BuilderConfig::pp_schedule, "A schedule to attach (usually none: pipeline/scheduled does).");
+    s.field("pp_schedule", &BuilderConfig::pp_schedule,
+            "A schedule to attach (usually none: pipeline/scheduled does).");
   }
 };
 
@@ -530,8 +533,8 @@ void attach_schedule(Pipeline& pipeline, std::shared_ptr<Loss> loss, const std::
   PipelineImpl& p = concrete(pipeline, "pipeline");
   const ScheduleKind kind = parse_schedule(schedule_name, "pp_schedule_name");
   if (!p.schedule_name().empty() && schedule_kind(p.schedule_name()) != kind)  // pipeline/builder's: no name
-    throw ConfigError("pp_schedule_name", fmt::format("is '{}', but the pipeline was staged for '{}'",
-                                                      schedule_name, p.schedule_name()));
+    throw ConfigError("pp_schedule_name",
+                      fmt::format("is '{}', but the pipeline was staged for '{}'", schedule_name, p.schedule_name()));
   const auto& stages = p.local_stages();
   if (stages.empty()) throw ConfigError("pipeline", "has no stage on this rank");
   const i64 pp = stages.front()->pp_size();
@@ -548,8 +551,7 @@ void attach_schedule(Pipeline& pipeline, std::shared_ptr<Loss> loss, const std::
 
 void register_pipeline(Registrar& r) {
   r.add<Pipeline, StagedConfig>(
-      "staged", "Cuts a whole model into this rank's pipeline stages (pruned copies); no schedule yet.",
-      build_staged);
+      "staged", "Cuts a whole model into this rank's pipeline stages (pruned copies); no schedule yet.", build_staged);
   r.add<Pipeline, ScheduledConfig>(
       "scheduled",
       "Attaches a schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) over batch_size / microbatch_size "

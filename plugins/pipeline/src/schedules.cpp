@@ -85,7 +85,6 @@ double theoretical_bubble(ScheduleKind kind, std::int64_t p, std::int64_t v, std
   return (pp - 1) / (mm + pp - 1);
 }
 
-
 std::optional<Timeline> simulate(ScheduleKind kind, std::int64_t pp, std::int64_t v, std::int64_t m) {
   // Every rank runs its actions in order; an action starts when the rank is free and its input is
   // there: the forward of stage s needs stage s - 1's forward of the micro-batch, the backward of
@@ -109,8 +108,9 @@ std::optional<Timeline> simulate(ScheduleKind kind, std::int64_t pp, std::int64_
         const std::int64_t stage = r + a.local_stage * pp;
         std::optional<std::tuple<bool, std::int64_t, std::int64_t>> need;
         if (a.forward && stage > 0) need = {true, stage - 1, a.micro_batch};
-        if (!a.forward) need = stage == stages - 1 ? std::tuple{true, stage, a.micro_batch}
-                                                    : std::tuple{false, stage + 1, a.micro_batch};
+        if (!a.forward)
+          need = stage == stages - 1 ? std::tuple{true, stage, a.micro_batch}
+                                     : std::tuple{false, stage + 1, a.micro_batch};
         double ready = free[static_cast<std::size_t>(r)];
         if (need) {
           const auto it = done.find(*need);
@@ -126,7 +126,8 @@ std::optional<Timeline> simulate(ScheduleKind kind, std::int64_t pp, std::int64_
     }
   }
   for (std::int64_t r = 0; r < pp; ++r)
-    if (next[static_cast<std::size_t>(r)] < actions[static_cast<std::size_t>(r)].size()) return std::nullopt;  // deadlock
+    if (next[static_cast<std::size_t>(r)] < actions[static_cast<std::size_t>(r)].size())
+      return std::nullopt;  // deadlock
   out.makespan = *std::max_element(free.begin(), free.end());
   double idle = 0;
   for (double b : out.busy) idle += out.makespan - b;

@@ -92,8 +92,7 @@ struct Gpt2StagesConfig {
     s.field("num_model_layers", &C::num_model_layers, "Transformer blocks of the model (n_layer).")
         .required()
         .at_least(1);
-    s.field("input_layer_equivalence", &C::input_layer_equivalence,
-            "Compute weight of the embeddings, in blocks.")
+    s.field("input_layer_equivalence", &C::input_layer_equivalence, "Compute weight of the embeddings, in blocks.")
         .at_least(1);
     s.field("output_layer_equivalence", &C::output_layer_equivalence,
             "Compute weight of the final norm and LM head, in blocks.")
@@ -107,8 +106,10 @@ class Gpt2StagesGenerator final : public StagesGenerator {
 
   std::vector<std::vector<std::string>> stages(i64 num_layers_per_stage, i64 pp_degree) const override {
     if (num_layers_per_stage < 1)
-      throw Error(fmt::format("gpt2_stages_generator: num_layers_per_stage must be >= 1, got {}", num_layers_per_stage));
-    if (pp_degree < 1) throw Error(fmt::format("gpt2_stages_generator: the pipeline degree must be >= 1, got {}", pp_degree));
+      throw Error(
+          fmt::format("gpt2_stages_generator: num_layers_per_stage must be >= 1, got {}", num_layers_per_stage));
+    if (pp_degree < 1)
+      throw Error(fmt::format("gpt2_stages_generator: the pipeline degree must be >= 1, got {}", pp_degree));
     std::vector<SplitPoint> points;
     points.push_back({{"transformer.wte", "transformer.wpe", "transformer.drop"}, c_.input_layer_equivalence});
     for (i64 i = 0; i < c_.num_model_layers; ++i) points.push_back({{fmt::format("transformer.h.{}", i)}, 1});
@@ -116,14 +117,16 @@ class Gpt2StagesGenerator final : public StagesGenerator {
     const i64 total = c_.num_model_layers + c_.input_layer_equivalence + c_.output_layer_equivalence;
     const i64 num_stages = (total + num_layers_per_stage - 1) / num_layers_per_stage;
     if (num_stages % pp_degree != 0)
-      throw Error(fmt::format("gpt2_stages_generator: {} stages (ceil(({} blocks + {} + {}) / {} per stage)) cannot be "
-                              "spread evenly over a pipeline degree of {}; change num_layers_per_stage",
-                              num_stages, c_.num_model_layers, c_.input_layer_equivalence,
-                              c_.output_layer_equivalence, num_layers_per_stage, pp_degree));
+      throw Error(
+          fmt::format("gpt2_stages_generator: {} stages (ceil(({} blocks + {} + {}) / {} per stage)) cannot be "
+                      "spread evenly over a pipeline degree of {}; change num_layers_per_stage",
+                      num_stages, c_.num_model_layers, c_.input_layer_equivalence, c_.output_layer_equivalence,
+                      num_layers_per_stage, pp_degree));
     if (num_stages > static_cast<i64>(points.size()))
-      throw Error(fmt::format("gpt2_stages_generator: {} stages need at least as many split points, the model has {} "
-                              "(embeddings, {} blocks, head); use more layers per stage",
-                              num_stages, points.size(), c_.num_model_layers));
+      throw Error(
+          fmt::format("gpt2_stages_generator: {} stages need at least as many split points, the model has {} "
+                      "(embeddings, {} blocks, head); use more layers per stage",
+                      num_stages, points.size(), c_.num_model_layers));
     std::vector<i64> weights;
     for (const SplitPoint& p : points) weights.push_back(p.weight);
     std::vector<std::vector<std::string>> out;

@@ -19,8 +19,8 @@
 namespace modalities::plugins::pipeline {
 namespace {
 
-using ::testing::HasSubstr;
 using modalities::testing::Harness;
+using ::testing::HasSubstr;
 using Stages = std::vector<std::vector<std::string>>;
 
 std::shared_ptr<StagesGenerator> generator(Harness& h, int layers, int in_eq = 1, int out_eq = 1) {
@@ -64,11 +64,10 @@ TEST(Gpt2StagesGeneratorTest, ModalitiesExampleAndEvenSplits) {
 // whose packing refuses a split point heavier than that; here the lightest contiguous packing.
 TEST(Gpt2StagesGeneratorTest, AHeavyHeadGetsAStageOfItsOwn) {
   Harness h(MODALITIES_TEST_PLUGIN);
-  EXPECT_EQ(generator(h, 3, 1, 3)->stages(2, 2),
-            (Stages{{"transformer.wte", "transformer.wpe", "transformer.drop"},
-                    {"transformer.h.0", "transformer.h.1"},
-                    {"transformer.h.2"},
-                    {"transformer.lm_head_norm", "transformer.lm_head"}}));
+  EXPECT_EQ(generator(h, 3, 1, 3)->stages(2, 2), (Stages{{"transformer.wte", "transformer.wpe", "transformer.drop"},
+                                                         {"transformer.h.0", "transformer.h.1"},
+                                                         {"transformer.h.2"},
+                                                         {"transformer.lm_head_norm", "transformer.lm_head"}}));
 }
 
 TEST(Gpt2StagesGeneratorTest, StageCountsThatCannotWorkAreErrors) {

@@ -47,7 +47,8 @@ struct Codec<plugins::profiling::Dims> {
   using D = plugins::profiling::Dims;
   static std::string type_name() { return "table[string -> int] (ordered)"; }
   static Parsed parse(const Value& v, D& out, const std::string& path, ParseContext& ctx) {
-    if (!v.is_table()) return detail::type_error(v, "a table of dimension sizes, e.g. { batch_size = 8, seq = 256 }", path, ctx);
+    if (!v.is_table())
+      return detail::type_error(v, "a table of dimension sizes, e.g. { batch_size = 8, seq = 256 }", path, ctx);
     out.entries.clear();
     Parsed worst = Parsed::kOk;
     for (const auto& [key, item] : v.as_table()) {
@@ -139,7 +140,8 @@ struct ForwardPassConfig {
 
   static void describe(Schema<ForwardPassConfig>& s) {
     s.field("model", &ForwardPassConfig::model, "Model whose forward pass is profiled.").required();
-    s.field("dataset_batch_generator", &ForwardPassConfig::dataset_batch_generator, "Source of the batches.").required();
+    s.field("dataset_batch_generator", &ForwardPassConfig::dataset_batch_generator, "Source of the batches.")
+        .required();
     s.field("loss_fn", &ForwardPassConfig::loss_fn, "If set, the loss is computed and backpropagated.");
     s.field("optimizer", &ForwardPassConfig::optimizer,
             "If set (with loss_fn), an optimizer step and zero_grad follow the backward pass.");
@@ -236,7 +238,8 @@ struct KernelTracingConfig {
     s.field("profile_memory", &KernelTracingConfig::profile_memory, "Record tensor allocations.").required();
     s.field("record_shapes", &KernelTracingConfig::record_shapes, "Record input shapes of operators.").required();
     s.field("with_flops", &KernelTracingConfig::with_flops, "Estimate FLOPs of matmuls and convolutions.").required();
-    s.field("with_stack", &KernelTracingConfig::with_stack, "Record source stacks (Python frames; none here).").required();
+    s.field("with_stack", &KernelTracingConfig::with_stack, "Record source stacks (Python frames; none here).")
+        .required();
     s.field("with_modules", &KernelTracingConfig::with_modules, "Record the module hierarchy (TorchScript only).")
         .required();
     s.field("output_folder_path", &KernelTracingConfig::output_folder_path,
@@ -269,8 +272,8 @@ std::string summary_table(const std::vector<torch::autograd::profiler::KinetoEve
     std::size_t width = 4;
     for (const auto& [name, r] : sorted) width = std::max(width, std::min<std::size_t>(name.size(), 70));
     const std::string rule(width + 50, '-');
-    std::string out = fmt::format("{}\n{}\n{:<{}}  {:>8}  {:>12}  {:>8}  {:>12}\n{}\n", title, rule, "Name", width, "Calls",
-                                  "Total", "%", "Avg", rule);
+    std::string out = fmt::format("{}\n{}\n{:<{}}  {:>8}  {:>12}  {:>8}  {:>12}\n{}\n", title, rule, "Name", width,
+                                  "Calls", "Total", "%", "Avg", rule);
     for (const auto& [name, r] : sorted) {
       const std::string shown = name.size() > width ? name.substr(0, width - 3) + "..." : name;
       out += fmt::format("{:<{}}  {:>8}  {:>9.3f} ms  {:>7.2f}%  {:>9.3f} us\n", shown, width, r.calls, r.ns / 1e6,
@@ -279,9 +282,10 @@ std::string summary_table(const std::vector<torch::autograd::profiler::KinetoEve
     }
     return out + rule + fmt::format("\nTotal: {:.3f} ms\n", total / 1e6);
   };
-  std::string out = fmt::format("{} recorded step(s), {} events. Operator times are inclusive (an operator contains the "
-                                "operators it calls), summed over the recorded steps.\n\n",
-                                steps, events.size());
+  std::string out = fmt::format(
+      "{} recorded step(s), {} events. Operator times are inclusive (an operator contains the "
+      "operators it calls), summed over the recorded steps.\n\n",
+      steps, events.size());
   out += table(cpu, cpu_total, "Operators and runtime calls (CPU)");
   if (!device.empty()) out += "\n" + table(device, device_total, "Kernels and copies (device)");
   return out;
@@ -302,7 +306,8 @@ class KernelTracing final : public SteppableProfiler {
           throw ConfigError("profiler_activities", "\"CUDA\" needs a CUDA device, and this process has none");
         activities_.insert(torch::profiler::impl::ActivityType::CUDA);
       } else {
-        throw ConfigError("profiler_activities", fmt::format("unknown activity '{}' (expected \"CPU\" or \"CUDA\")", a));
+        throw ConfigError("profiler_activities",
+                          fmt::format("unknown activity '{}' (expected \"CPU\" or \"CUDA\")", a));
       }
     }
     // Kineto probes for GPUs when it starts and logs an ERROR line on machines without one; with
@@ -345,13 +350,15 @@ class KernelTracing final : public SteppableProfiler {
       auto result = torch::autograd::profiler::disableProfiler();
       recording_ = false;
       write(*result, done - s_.wait - s_.warmup);
-      std::cerr << fmt::format("warning: steppable_profiler/kernel_tracing: left after {} of {} steps; the trace holds "
-                               "the {} active step(s) recorded: {}\n",
-                               done, s_.total(), done - s_.wait - s_.warmup, trace_.string());
+      std::cerr << fmt::format(
+          "warning: steppable_profiler/kernel_tracing: left after {} of {} steps; the trace holds "
+          "the {} active step(s) recorded: {}\n",
+          done, s_.total(), done - s_.wait - s_.warmup, trace_.string());
     } else {
-      std::cerr << fmt::format("warning: steppable_profiler/kernel_tracing: left after {} of {} steps, before the "
-                               "first active step (wait {}, warmup {}); no trace was written\n",
-                               done, s_.total(), s_.wait, s_.warmup);
+      std::cerr << fmt::format(
+          "warning: steppable_profiler/kernel_tracing: left after {} of {} steps, before the "
+          "first active step (wait {}, warmup {}); no trace was written\n",
+          done, s_.total(), s_.wait, s_.warmup);
     }
   }
 
@@ -459,8 +466,8 @@ class MemoryTracing final : public SteppableProfiler {
 #if defined(MODALITIES_WITH_CUDA)
     if (s_.active == 0) return;
     if (step_ == s_.wait + s_.warmup)
-      torch::cuda::_record_memory_history(std::optional<std::string>("all"), std::optional<std::string>("all"),
-                                          "all", 100000);
+      torch::cuda::_record_memory_history(std::optional<std::string>("all"), std::optional<std::string>("all"), "all",
+                                          100000);
     if (step_ == s_.total()) {
       const std::string pickled = torch::cuda::_memory_snapshot_pickled();
       std::error_code ec;
@@ -497,9 +504,10 @@ class Combined final : public SteppableProfiler {
     }
     size_ = longest;
     if (shortest >= 0 && shortest != longest)
-      ctx.warn(fmt::format("steppable_profiler/combined: the profilers want {} to {} steps; it runs {} and the "
-                           "shorter ones stop early (as in Modalities)",
-                           shortest, longest, longest));
+      ctx.warn(
+          fmt::format("steppable_profiler/combined: the profilers want {} to {} steps; it runs {} and the "
+                      "shorter ones stop early (as in Modalities)",
+                      shortest, longest, longest));
   }
   void enter() override {
     for (auto& p : c_.profilers) p->enter();

@@ -80,8 +80,9 @@ TEST(ProfilingTest, KernelTracingWritesAChromeTraceAndATableOfTheActiveSteps) {
   }
   for (const char* op : {"aten::embedding", "aten::layer_norm", "aten::cross_entropy_loss", "aten::mm"})
     EXPECT_TRUE(names.contains(op)) << op << " missing from the trace";
-  EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) { return n.find("Backward") != n.npos; }))
-      << "the backward pass is recorded";
+  EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) {
+    return n.find("Backward") != n.npos;
+  })) << "the backward pass is recorded";
   EXPECT_GT(with_shapes, 0u) << "record_shapes = true";
   const std::string table = testing::read_file(summary);
   EXPECT_THAT(table, HasSubstr("2 recorded step(s)"));
@@ -104,7 +105,8 @@ TEST(ProfilingTest, LeavingEarlyKeepsTheRecordedActiveSteps) {
   }
   ::testing::internal::CaptureStderr();
   profiler->exit();
-  EXPECT_THAT(::testing::internal::GetCapturedStderr(), HasSubstr("left after 3 of 4 steps; the trace holds the 1 active"));
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("left after 3 of 4 steps; the trace holds the 1 active"));
   EXPECT_TRUE(fs::exists(dir.path() / "profiler_trace_ranks_1_rank_0.json"));
   EXPECT_THAT(testing::read_file(dir.path() / "profiler_summary_ranks_1_rank_0.txt"), HasSubstr("1 recorded step(s)"));
   // Before the first active step nothing was recorded.

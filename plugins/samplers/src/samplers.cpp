@@ -11,8 +11,8 @@
 // permutation, cyclically; rank r reads rest[r], rest[r + R], ...
 #include <modalities/sdk/interfaces/dataset.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
-#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/interfaces/sampler.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 
 #include <ATen/ATen.h>
@@ -40,8 +40,7 @@ struct Order {
 class DistributedOrder final : public Sampler {
  public:
   DistributedOrder(std::int64_t n, const Order& o, const char* skip_key) : o_(o), n_(n) {
-    if (o.skip > n)
-      throw ConfigError(skip_key, fmt::format("cannot skip {} samples of a dataset with {}", o.skip, n));
+    if (o.skip > n) throw ConfigError(skip_key, fmt::format("cannot skip {} samples of a dataset with {}", o.skip, n));
     const std::int64_t global = n - o.skip;
     const std::int64_t r = o.num_replicas;
     local_ = (o.drop_last && global % r != 0) ? global / r : (global + r - 1) / r;
@@ -87,13 +86,13 @@ constexpr const char* kDropLastHelp =
 // The order fields shared by the two resumable samplers (README.md, "Order").
 template <class C>
 void describe_resumable_order(Schema<C>& s) {
-    s.field("epoch", &C::epoch, "Added to the seed (shuffle generator seed = seed + epoch).").non_negative();
-    s.field("shuffle", &C::shuffle, "Shuffle with torch.randperm (null means false).");
-    s.field("seed", &C::seed, "Shuffle seed.");
-    s.field("drop_last", &C::drop_last, kDropLastHelp);
-    s.field("skip_num_global_samples", &C::skip_num_global_samples,
-            "Samples of the global (shuffled) order already consumed, e.g. on a warm start.")
-        .non_negative();
+  s.field("epoch", &C::epoch, "Added to the seed (shuffle generator seed = seed + epoch).").non_negative();
+  s.field("shuffle", &C::shuffle, "Shuffle with torch.randperm (null means false).");
+  s.field("seed", &C::seed, "Shuffle seed.");
+  s.field("drop_last", &C::drop_last, kDropLastHelp);
+  s.field("skip_num_global_samples", &C::skip_num_global_samples,
+          "Samples of the global (shuffled) order already consumed, e.g. on a warm start.")
+      .non_negative();
   s.rule([](const C& c, ParseContext& ctx) {
     if (c.shuffle.value_or(false) && !c.seed) ctx.fail("seed", "must be an integer when shuffle is true");
   });
@@ -207,8 +206,7 @@ struct BatchSamplerConfig {
 
 class DefaultBatchSampler final : public BatchSampler {
  public:
-  explicit DefaultBatchSampler(const BatchSamplerConfig& c)
-      : sampler_(c.sampler.shared()), batch_size_(c.batch_size) {
+  explicit DefaultBatchSampler(const BatchSamplerConfig& c) : sampler_(c.sampler.shared()), batch_size_(c.batch_size) {
     const std::int64_t n = sampler_->size();
     size_ = c.drop_last ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
   }
@@ -236,11 +234,10 @@ void register_components(Registrar& r) {
       "resumable_distributed_sampler",
       "Rank slice of the (torch.randperm-shuffled) dataset order after skipping the globally consumed samples.",
       [](const ResumableDistributedSamplerConfig& c) {
-        return std::make_shared<DistributedOrder>(
-            c.dataset->size(),
-            Order{c.rank, c.num_replicas, c.epoch, c.shuffle.value_or(false), c.seed.value_or(0), c.drop_last,
-                  c.skip_num_global_samples},
-            "skip_num_global_samples");
+        return std::make_shared<DistributedOrder>(c.dataset->size(),
+                                                  Order{c.rank, c.num_replicas, c.epoch, c.shuffle.value_or(false),
+                                                        c.seed.value_or(0), c.drop_last, c.skip_num_global_samples},
+                                                  "skip_num_global_samples");
       });
   r.add<Sampler, DistributedSamplerConfig>(
       "distributed_sampler", "PyTorch's DistributedSampler: rank slice of the (shuffled) dataset order.",
@@ -260,14 +257,13 @@ void register_components(Registrar& r) {
                                                              c.data_parallel_key, join_mesh_dims(mesh.dims())));
         return std::make_shared<DistributedOrder>(
             c.dataset->size(),
-            Order{mesh.coordinate(dim), mesh.size(dim), c.epoch,
-                  c.shuffle.value_or(false), c.seed.value_or(0), c.drop_last, c.skip_num_global_samples},
+            Order{mesh.coordinate(dim), mesh.size(dim), c.epoch, c.shuffle.value_or(false), c.seed.value_or(0),
+                  c.drop_last, c.skip_num_global_samples},
             "skip_num_global_samples");
       });
-  r.add<Sampler, SequentialSamplerConfig>("sequential_sampler", "Indices 0..n-1 in order.",
-                                          [](const SequentialSamplerConfig& c) {
-                                            return std::make_shared<SequentialSampler>(c.data_source->size());
-                                          });
+  r.add<Sampler, SequentialSamplerConfig>(
+      "sequential_sampler", "Indices 0..n-1 in order.",
+      [](const SequentialSamplerConfig& c) { return std::make_shared<SequentialSampler>(c.data_source->size()); });
   r.add<BatchSampler, BatchSamplerConfig>(
       "default", "Groups a sampler's indices into micro-batches of batch_size (PyTorch's BatchSampler).",
       [](const BatchSamplerConfig& c) { return std::make_shared<DefaultBatchSampler>(c); });

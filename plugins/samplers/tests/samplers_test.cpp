@@ -9,8 +9,8 @@
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <filesystem>
 #include <numeric>
@@ -179,7 +179,7 @@ TEST_F(SamplersTest, ResumableSamplerMatchesLoremIpsumVectors) {
 TEST_F(SamplersTest, EpochShiftsTheSeedAndNoShuffleIsIdentity) {
   EXPECT_EQ(all(*resumable(1300, 0, 2, "shuffle = true, seed = 41, epoch = 1")),
             all(*resumable(1300, 0, 2, "shuffle = true, seed = 42")));
-  EXPECT_THAT(all(*resumable(10, 1, 3, "")), ElementsAre(1, 4, 7));          // drop_last: 9 of 10
+  EXPECT_THAT(all(*resumable(10, 1, 3, "")), ElementsAre(1, 4, 7));                        // drop_last: 9 of 10
   EXPECT_THAT(all(*resumable(10, 1, 3, "shuffle = \"${null:}\"")), ElementsAre(1, 4, 7));  // null = false
   EXPECT_THAT(all(*resumable(10, 0, 1, "shuffle = true, seed = 0")), ElementsAre(4, 1, 7, 5, 3, 9, 0, 8, 6, 2));
   EXPECT_THAT(all(*resumable(10, 0, 1, "shuffle = true, seed = 42")), ElementsAre(2, 6, 1, 8, 4, 5, 0, 9, 3, 7));
@@ -204,7 +204,8 @@ TEST_F(SamplersTest, SamplerValidatorsNameTheConfigPath) {
   configure(25, 0, 0, "");
   EXPECT_THAT(h.build_error(), HasSubstr("s.config.num_replicas: must be > 0"));
   configure(25, 0, 3, "skip_num_global_samples = 26");
-  EXPECT_THAT(h.build_error(), HasSubstr("s.config.skip_num_global_samples: cannot skip 26 samples of a dataset with 25"));
+  EXPECT_THAT(h.build_error(),
+              HasSubstr("s.config.skip_num_global_samples: cannot skip 26 samples of a dataset with 25"));
   configure(25, 0, 3, "skip_num_global_samples = -1");
   EXPECT_THAT(h.build_error(), HasSubstr("s.config.skip_num_global_samples: must be >= 0"));
   configure(25, 0, 3, "epoch = -2");
@@ -228,7 +229,8 @@ TEST_F(SamplersTest, EmptyAndFullySkippedDatasetsYieldNothing) {
 
 // --- multi-dim sampler ---------------------------------------------------------------
 
-std::string mesh_config(std::int64_t tp_coord, std::int64_t dp_coord, const std::string& key, const std::string& extra) {
+std::string mesh_config(std::int64_t tp_coord, std::int64_t dp_coord, const std::string& key,
+                        const std::string& extra) {
   return fmt::format(R"(
 [ds]
 component_key = "dataset"
@@ -266,8 +268,9 @@ TEST_F(SamplersTest, MultiDimSamplerSplitsAlongTheDataParallelDimOnly) {
 
 TEST_F(SamplersTest, MultiDimSamplerValidatorsNameTheConfigPath) {
   h.set_config_text(mesh_config(0, 0, "dp_replicate", ""));
-  EXPECT_THAT(h.build_error(),
-              HasSubstr("s.config.data_parallel_key: the device mesh has no dimension 'dp_replicate' (it has: dp_shard, tp)"));
+  EXPECT_THAT(
+      h.build_error(),
+      HasSubstr("s.config.data_parallel_key: the device mesh has no dimension 'dp_replicate' (it has: dp_shard, tp)"));
   h.set_config_text(mesh_config(0, 0, "dp", ""));
   EXPECT_THAT(h.build_error(), HasSubstr("s.config.data_parallel_key: must be one of 'pp', 'dp_replicate', 'dp_shard', "
                                          "'cp', 'tp', 'ep', got 'dp'"));

@@ -498,10 +498,8 @@ class SequentialLR final : public LRScheduler {
     ++last_epoch_;
     const std::size_t idx = index_for(last_epoch_);
     Scheduler& s = *schedulers_[idx];
-    if (idx > 0 && milestones_[idx - 1] == last_epoch_)
-      s.update_lr(0);
-    else
-      s.step();
+    if (idx > 0 && milestones_[idx - 1] == last_epoch_) s.update_lr(0);
+    else s.step();
     last_lr_ = s.last_lrs();
   }
 
@@ -759,10 +757,8 @@ std::shared_ptr<LRScheduler> make_onecycle(const OneCycleConfig& c) {
     }
   }
   std::string momentum_key;
-  if (opt.group_option(0, "betas.0"))
-    momentum_key = "betas.0";
-  else if (opt.group_option(0, "momentum"))
-    momentum_key = "momentum";
+  if (opt.group_option(0, "betas.0")) momentum_key = "betas.0";
+  else if (opt.group_option(0, "momentum")) momentum_key = "momentum";
   if (c.cycle_momentum) {
     if (momentum_key.empty())
       throw ConfigError("cycle_momentum", fmt::format("the optimizer ({}) has neither betas nor momentum to cycle",

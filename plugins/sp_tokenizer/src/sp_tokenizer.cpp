@@ -30,9 +30,7 @@ struct SpTokenizerConfig {
 
 class PretrainedSpTokenizer final : public Tokenizer {
  public:
-  explicit PretrainedSpTokenizer(const SpTokenizerConfig& c) : file_(c.tokenizer_model_file) {
-    load_model(sp_, file_);
-  }
+  explicit PretrainedSpTokenizer(const SpTokenizerConfig& c) : file_(c.tokenizer_model_file) { load_model(sp_, file_); }
 
   // SentencePieceProcessor's const methods are safe to call concurrently after Load.
   std::vector<std::int64_t> tokenize(std::string_view text) const override {
@@ -49,8 +47,8 @@ class PretrainedSpTokenizer final : public Tokenizer {
     const std::int64_t size = vocab_size();
     for (std::size_t k = 0; k < ids.size(); ++k) {
       if (ids[k] < 0 || ids[k] >= size)
-        throw Error(fmt::format("decode: id {} (position {}) is outside the {} pieces of {}", ids[k], k, size,
-                                file_.string()));
+        throw Error(
+            fmt::format("decode: id {} (position {}) is outside the {} pieces of {}", ids[k], k, size, file_.string()));
       narrow.push_back(static_cast<int>(ids[k]));
     }
     std::string text;

@@ -14,8 +14,8 @@
 #include <simdjson.h>
 
 #include <filesystem>
-#include <iostream>
 #include <fstream>
+#include <iostream>
 #include <thread>
 
 #include <unistd.h>
@@ -81,7 +81,8 @@ Built build(const fs::path& model) {
   b.harness = std::make_shared<testing::Harness>(MODALITIES_TEST_PLUGIN);
   b.harness->set_config_text(
       "[tok]\ncomponent_key = \"tokenizer\"\nvariant_key = \"pretrained_sp_tokenizer\"\n"
-      "config = { tokenizer_model_file = " + toml_quote(model.string()) + " }\n");
+      "config = { tokenizer_model_file = " +
+      toml_quote(model.string()) + " }\n");
   b.error = b.harness->build_error();
   if (b.error.empty()) b.tok = b.harness->get<Tokenizer>("tok");
   return b;
@@ -122,7 +123,8 @@ TEST_P(SpCorpusTest, MatchesPythonSentencePieceOnEveryLine) {
     std::string_view d;
     const std::string want_text = row["decoded"].get_string().get(d) == simdjson::SUCCESS ? std::string(d) : texts[i];
     if (b.tok->decode(want) != want_text && decode_mismatches++ < 5)
-      ADD_FAILURE() << name << " line " << i + 1 << " decode\n  want: " << want_text << "\n  got:  " << b.tok->decode(want);
+      ADD_FAILURE() << name << " line " << i + 1 << " decode\n  want: " << want_text
+                    << "\n  got:  " << b.tok->decode(want);
   }
   EXPECT_EQ(id_mismatches, 0u) << "of " << texts.size() << " lines";
   EXPECT_EQ(decode_mismatches, 0u);
@@ -225,7 +227,8 @@ TEST(SpTokenizerTest, RejectsMissingAndInvalidModelFiles) {
   const std::string missing = build("/nonexistent/tokenizer.model").error;
   EXPECT_THAT(missing, HasSubstr("tok.config.tokenizer_model_file"));
   EXPECT_THAT(missing, HasSubstr("does not exist"));
-  const fs::path not_a_model = fs::temp_directory_path() / ("sp_tokenizer_test_" + std::to_string(::getpid()) + ".model");
+  const fs::path not_a_model =
+      fs::temp_directory_path() / ("sp_tokenizer_test_" + std::to_string(::getpid()) + ".model");
   std::ofstream(not_a_model) << "this is not a protobuf";
   const std::string invalid = build(not_a_model).error;
   fs::remove(not_a_model);

@@ -18,8 +18,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -166,7 +166,8 @@ class ToDiscSubscriber final : public MessageSubscriber {
     if (r == nullptr || m.global_rank != 0) return;
     const std::string line = json_line(*r);
     std::FILE* f = std::fopen(file_.c_str(), "ab");
-    if (f == nullptr) throw Error(fmt::format("cannot open '{}' for appending: {}", file_.string(), std::strerror(errno)));
+    if (f == nullptr)
+      throw Error(fmt::format("cannot open '{}' for appending: {}", file_.string(), std::strerror(errno)));
     const bool written = std::fwrite(line.data(), 1, line.size(), f) == line.size();
     const bool closed = std::fclose(f) == 0;  // flushes: every line is on disk when the call returns
     if (!written || !closed)
@@ -233,7 +234,9 @@ struct RichProgressConfig {
   }
 };
 
-double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 const at::Tensor* find_item(const ResultItems& items, std::string_view key) {
   for (const auto& [k, item] : items)
@@ -311,7 +314,8 @@ class RichProgressSubscriber final : public MessageSubscriber {
     } else {
       const auto bucket = static_cast<std::int64_t>(
           std::floor(100.0 * static_cast<double>(step) / static_cast<double>(train_.total) / every_percent_));
-      if (bucket > last_bucket_ || seconds_between(train_.last_draw, now) >= interval_s_ || (last && !train_.finished)) {
+      if (bucket > last_bucket_ || seconds_between(train_.last_draw, now) >= interval_s_ ||
+          (last && !train_.finished)) {
         last_bucket_ = bucket;
         draw(train_, now, last);
       }
@@ -328,8 +332,13 @@ class RichProgressSubscriber final : public MessageSubscriber {
     if (eval_ && (eval_->tag != tag || n == 0)) end_eval();
     if (!eval_) {
       auto it = eval_sizes_.find(tag);
-      eval_ = Bar{.train = false, .tag = tag, .total = it != eval_sizes_.end() ? it->second : 0, .done = n,
-                  .first_done = n, .start = now, .last_draw = now};
+      eval_ = Bar{.train = false,
+                  .tag = tag,
+                  .total = it != eval_sizes_.end() ? it->second : 0,
+                  .done = n,
+                  .first_done = n,
+                  .start = now,
+                  .last_draw = now};
       line_drawn_ = false;
     }
     eval_->done = n;
@@ -430,7 +439,6 @@ class RichProgressSubscriber final : public MessageSubscriber {
   Clock::time_point last_tokens_at_;
 };
 
-
 // ---------------------------------------------------------------------------
 // results_subscriber/wandb
 //
@@ -495,7 +503,8 @@ void write_file_atomically(const fs::path& file, const std::string& text) {
     std::FILE* f = std::fopen(tmp.c_str(), "wb");
     if (f == nullptr) throw Error(fmt::format("cannot write '{}': {}", tmp.string(), std::strerror(errno)));
     const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    if (std::fclose(f) != 0 || !ok) throw Error(fmt::format("cannot write '{}': {}", tmp.string(), std::strerror(errno)));
+    if (std::fclose(f) != 0 || !ok)
+      throw Error(fmt::format("cannot write '{}': {}", tmp.string(), std::strerror(errno)));
   }
   std::error_code ec;
   fs::rename(tmp, file, ec);
@@ -540,16 +549,16 @@ class WandbRecorder final : public MessageSubscriber {
         py::json_string(config_name), py::json_string(iso_timestamp()));
     if (c.entity) run += fmt::format(", \"entity\": {}", py::json_string(*c.entity));
     write_file_atomically(dir_ / "run.json", run + "}\n");
-    const std::string replay = fmt::format("python3 scripts/wandb_replay.py {}{}", dir_.string(),
-                                           c.mode == "ONLINE" ? " --mode online" : "");
+    const std::string replay =
+        fmt::format("python3 scripts/wandb_replay.py {}{}", dir_.string(), c.mode == "ONLINE" ? " --mode online" : "");
     if (c.mode == "ONLINE")
       std::fprintf(stderr,
                    "results_subscriber/wandb: mode ONLINE, but this program has no W&B client; the run is recorded "
                    "in %s. Upload it (during or after the run) with the official client: %s\n",
                    dir_.c_str(), replay.c_str());
     else
-      std::fprintf(stderr, "results_subscriber/wandb: recording the run in %s (replay through W&B: %s)\n",
-                   dir_.c_str(), replay.c_str());
+      std::fprintf(stderr, "results_subscriber/wandb: recording the run in %s (replay through W&B: %s)\n", dir_.c_str(),
+                   replay.c_str());
   }
 
   void consume_message(const Message& m) override {
@@ -570,7 +579,8 @@ class WandbRecorder final : public MessageSubscriber {
   void consume_dict(const std::map<std::string, DictValue>& values) override {
     if (values.empty()) return;
     std::string line;
-    for (const auto& [key, value] : values) line += (line.empty() ? "" : ", ") + py::json_string(key) + ": " + json_dict_value(value);
+    for (const auto& [key, value] : values)
+      line += (line.empty() ? "" : ", ") + py::json_string(key) + ": " + json_dict_value(value);
     append_line(dir_ / "config_updates.jsonl", "{" + line + "}\n");
   }
 
@@ -579,7 +589,6 @@ class WandbRecorder final : public MessageSubscriber {
  private:
   fs::path dir_;
 };
-
 
 // ---------------------------------------------------------------------------
 // results_subscriber/tensorboard (our addition)
@@ -719,8 +728,10 @@ class TensorboardSubscriber final : public MessageSubscriber {
   void consume_dict(const std::map<std::string, DictValue>& values) override {
     std::string summary;
     for (const auto& [key, value] : values) {
-      if (const auto* i = std::get_if<std::int64_t>(&value)) put_bytes_field(summary, 1, scalar_value("run/" + key, static_cast<float>(*i)));
-      else if (const auto* d = std::get_if<double>(&value)) put_bytes_field(summary, 1, scalar_value("run/" + key, static_cast<float>(*d)));
+      if (const auto* i = std::get_if<std::int64_t>(&value))
+        put_bytes_field(summary, 1, scalar_value("run/" + key, static_cast<float>(*i)));
+      else if (const auto* d = std::get_if<double>(&value))
+        put_bytes_field(summary, 1, scalar_value("run/" + key, static_cast<float>(*d)));
     }
     if (summary.empty()) return;
     std::string e = event_header(unix_seconds(), 0);

@@ -101,10 +101,12 @@ TEST(PythonFormatTest, MatchesPythonOnEveryReferenceCase) {
       got = py::json_float(std::strtod(input.c_str(), nullptr));
     } else if (kind == "round") {
       const auto comma = input.find(',');
-      got = py::float_repr(py::round(std::strtod(input.substr(0, comma).c_str(), nullptr), std::stoi(input.substr(comma + 1))));
+      got = py::float_repr(
+          py::round(std::strtod(input.substr(0, comma).c_str(), nullptr), std::stoi(input.substr(comma + 1))));
     } else if (kind == "jsonstr") {
       std::string s;
-      for (std::size_t i = 0; i + 1 < input.size(); i += 2) s += static_cast<char>(std::stoi(input.substr(i, 2), nullptr, 16));
+      for (std::size_t i = 0; i + 1 < input.size(); i += 2)
+        s += static_cast<char>(std::stoi(input.substr(i, 2), nullptr, 16));
       got = py::json_string(s);
     } else {
       FAIL() << "unknown kind " << kind;
@@ -196,11 +198,13 @@ TEST(WandbTest, OfflineRecordsTheConfigEveryLogCallAndTheRunConfigEntries) {
   sub->consume_message(progress(3, ExperimentStatus::kTrain, "train"));  // not a result: ignored
   const auto history = lines_of(testing::read_file(run / "history.jsonl"));
   ASSERT_EQ(history.size(), 6u);  // three wandb.log calls per result, as Modalities makes them
-  EXPECT_EQ(history[0], "{\"step\": 42, \"data\": {\"train train loss avg\": 3.456789016723633, "
-                        "\"train train loss last\": 2.675}}");
+  EXPECT_EQ(history[0],
+            "{\"step\": 42, \"data\": {\"train train loss avg\": 3.456789016723633, "
+            "\"train train loss last\": 2.675}}");
   EXPECT_THAT(history[1], HasSubstr("\"train consumed tokens\": 1048576"));
   EXPECT_THAT(history[2], HasSubstr("\"train lr mean\": 0.0003000000142492354"));
-  EXPECT_THAT(history[3], ::testing::StartsWith("{\"step\": 42, \"data\": {\"val \\u00fc \\\"q\\\" CLMCrossEntropyLoss\": "));
+  EXPECT_THAT(history[3],
+              ::testing::StartsWith("{\"step\": 42, \"data\": {\"val \\u00fc \\\"q\\\" CLMCrossEntropyLoss\": "));
   EXPECT_EQ(history[4], "{\"step\": 42, \"data\": {}}");  // no metrics: an empty log call, as in Modalities
   EXPECT_EQ(testing::read_file(run / "config_updates.jsonl"), "{\"No. parameters\": 124, \"precision\": \"bf16\"}\n");
   // For check.wandb_replay: this recording, replayed through the official wandb client.
@@ -415,9 +419,11 @@ TEST(RichResultsTest, ConsumeDictPrintsTheFactsInsteadOfRaising) {
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
   auto sub = h.get<MessageSubscriber>("console_subscriber");
   ::testing::internal::CaptureStdout();
-  sub->consume_dict({{"No. parameters", std::int64_t{124439808}}, {"fsdp", true}, {"share", 0.5}, {"name", std::string("gpt2")}});
+  sub->consume_dict(
+      {{"No. parameters", std::int64_t{124439808}}, {"fsdp", true}, {"share", 0.5}, {"name", std::string("gpt2")}});
   const std::string out = ::testing::internal::GetCapturedStdout();
-  EXPECT_THAT(out, MatchesRegex(kTimestamp + "No. parameters: 124439808 \\| fsdp: True \\| name: gpt2 \\| share: 0.5 \\| \n"));
+  EXPECT_THAT(
+      out, MatchesRegex(kTimestamp + "No. parameters: 124439808 \\| fsdp: True \\| name: gpt2 \\| share: 0.5 \\| \n"));
 }
 
 TEST(RichResultsTest, ShowsTheDataloaderTagWhenAsked) {
@@ -499,9 +505,9 @@ class RichProgressTest : public ::testing::Test {
   void SetUp() override {
     ::setenv("MODALITIES_PROGRESS", "plain", 1);
     auto problem = h.registry().register_plugin({"progress_test_fakes", "0.0.0", {}, {}, {}}, [](Registrar& r) {
-      r.add<DataLoader, FixedLoaderConfig>("fixed_for_test", "a loader of a given size", [](const FixedLoaderConfig& c) {
-        return std::make_shared<FixedLoader>(c.tag, c.num_batches);
-      });
+      r.add<DataLoader, FixedLoaderConfig>(
+          "fixed_for_test", "a loader of a given size",
+          [](const FixedLoaderConfig& c) { return std::make_shared<FixedLoader>(c.tag, c.num_batches); });
     });
     ASSERT_FALSE(problem) << *problem;
     h.set_config_text(R"(
@@ -551,7 +557,8 @@ TEST_F(RichProgressTest, PrintsALineEveryTenPercentWithLossLrAndEta) {
   EXPECT_THAT(lines[5], Not(HasSubstr("loss")));  // printed before the result arrived
   EXPECT_THAT(lines[6], ::testing::StartsWith("val [########################] 100% 5/5 batches"));
   EXPECT_THAT(lines[6], HasSubstr(" elapsed"));
-  EXPECT_THAT(lines[7], ::testing::StartsWith("train [##############----------]  60% 12/20 steps | loss 3.2500 | lr 3.00e-04"));
+  EXPECT_THAT(lines[7],
+              ::testing::StartsWith("train [##############----------]  60% 12/20 steps | loss 3.2500 | lr 3.00e-04"));
   EXPECT_THAT(lines[11], ::testing::StartsWith("train [########################] 100% 20/20 steps | loss 3.2500"));
   EXPECT_THAT(lines[11], HasSubstr(" elapsed"));
   for (const auto& line : lines) EXPECT_THAT(line, Not(HasSubstr("\r")));

@@ -105,7 +105,8 @@ struct Template {
         if (std::find(out.names.begin(), out.names.end(), name) == out.names.end()) out.names.push_back(name);
         i = end;
       } else if (c == '}') {
-        throw ConfigError("prompt_template", fmt::format("single '}}' at position {}", i), "write }} for a literal brace");
+        throw ConfigError("prompt_template", fmt::format("single '}}' at position {}", i),
+                          "write }} for a literal brace");
       } else {
         literal += c;
       }
@@ -127,7 +128,8 @@ struct Template {
 std::size_t stable_length(const std::string& s) {
   static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
   std::size_t n = s.size();
-  while (n >= kReplacement.size() && std::string_view(s).substr(n - kReplacement.size(), kReplacement.size()) == kReplacement)
+  while (n >= kReplacement.size() &&
+         std::string_view(s).substr(n - kReplacement.size(), kReplacement.size()) == kReplacement)
     n -= kReplacement.size();
   return n;
 }
@@ -159,9 +161,10 @@ class TextInference final : public TextInferenceComponent {
     try {
       eod_id_ = tokenizer_->token_id(eod_token_);
     } catch (const Error& e) {
-      ctx.warn(fmt::format("eod_token '{}' is not a single token of the tokenizer ({}); generation stops only when a "
-                           "token decodes to exactly that text, or at the length limit",
-                           eod_token_, e.what()));
+      ctx.warn(
+          fmt::format("eod_token '{}' is not a single token of the tokenizer ({}); generation stops only when a "
+                      "token decodes to exactly that text, or at the length limit",
+                      eod_token_, e.what()));
     }
     vocab_size_ = tokenizer_->vocab_size();
   }
@@ -241,8 +244,7 @@ class TextInference final : public TextInferenceComponent {
 
   // Shapes: input [1, L] -> logits [1, L, V] -> last position [V'] with V' = min(V, vocab size).
   std::int64_t next_token(const std::vector<std::int64_t>& ids, std::optional<at::Generator>& generator) {
-    const at::Tensor input =
-        at::tensor(ids, at::TensorOptions().dtype(at::kLong)).to(device_).unsqueeze(0);  // [1, L]
+    const at::Tensor input = at::tensor(ids, at::TensorOptions().dtype(at::kLong)).to(device_).unsqueeze(0);  // [1, L]
     const TensorMap result = model_->forward({{sample_key_, input}});
     const auto it = result.find(prediction_key_);
     if (it == result.end()) {
@@ -252,9 +254,10 @@ class TextInference final : public TextInferenceComponent {
                               quoted_list(keys)));
     }
     const at::Tensor& logits_all = it->second;
-    MODALITIES_CHECK(logits_all.dim() == 3 && logits_all.size(0) == 1 && logits_all.size(1) == static_cast<std::int64_t>(ids.size()),
-                     "expected logits of shape [1, {}, vocab] from the model, got {}", ids.size(),
-                     fmt::format("[{}]", fmt::join(logits_all.sizes().begin(), logits_all.sizes().end(), ", ")));
+    MODALITIES_CHECK(
+        logits_all.dim() == 3 && logits_all.size(0) == 1 && logits_all.size(1) == static_cast<std::int64_t>(ids.size()),
+        "expected logits of shape [1, {}, vocab] from the model, got {}", ids.size(),
+        fmt::format("[{}]", fmt::join(logits_all.sizes().begin(), logits_all.sizes().end(), ", ")));
     // Ids past the tokenizer's vocabulary (embedding padding, e.g. 50304 vs 50257) cannot be decoded.
     const std::int64_t v = std::min(logits_all.size(2), vocab_size_);
     at::Tensor logits = logits_all[0][-1].slice(0, 0, v).to(at::kCPU, at::kFloat);  // [V']

@@ -163,11 +163,13 @@ device = "cpu"
 TEST_F(TextInferenceTest, GreedyFollowsTheModelDeterministicallyWithoutGradInEvalMode) {
   const std::vector<std::int64_t> prompt = tokenizer()->tokenize("Hello world");
   std::vector<std::int64_t> want;
-  for (auto id = prompt.back() + 1; static_cast<std::int64_t>(prompt.size() + want.size()) < 12; ++id) want.push_back(id);
+  for (auto id = prompt.back() + 1; static_cast<std::int64_t>(prompt.size() + want.size()) < 12; ++id)
+    want.push_back(id);
   const std::string out = session("Hello world\n");
-  EXPECT_EQ(out, "prompt: --------------------PROMPT--------------------\nPrompt:  Hello world\n\n"
-                 "--------------------OUTPUT--------------------\n\n" +
-                     decode(want) + "\n<reached max tokens>\nprompt: \n");
+  EXPECT_EQ(out,
+            "prompt: --------------------PROMPT--------------------\nPrompt:  Hello world\n\n"
+            "--------------------OUTPUT--------------------\n\n" +
+                decode(want) + "\n<reached max tokens>\nprompt: \n");
   EXPECT_EQ(session("Hello world\n"), out);
   EXPECT_EQ(model()->calls, 2 * static_cast<int>(want.size()));
   EXPECT_FALSE(model()->grad_was_enabled);
@@ -233,7 +235,8 @@ TEST_F(TextInferenceTest, StreamsMultiByteCharactersWhole) {
   // "€" is E2 82 AC: three byte tokens; after the first two, decode shows U+FFFD.
   auto tok = tokenizer();
   const std::int64_t colon = tok->tokenize("Price:").back();
-  const std::vector<std::int64_t> euro = {tok->token_id("\xC3\xA2"), tok->token_id("\xC4\xA4"), tok->token_id("\xC2\xAC")};
+  const std::vector<std::int64_t> euro = {tok->token_id("\xC3\xA2"), tok->token_id("\xC4\xA4"),
+                                          tok->token_id("\xC2\xAC")};
   ASSERT_EQ(decode(euro), "\xE2\x82\xAC");
   ASSERT_EQ(decode({euro[0], euro[1]}), "\xEF\xBF\xBD");  // what a naive suffix diff would print and never fix
   h.set("model.config.script", toml_ids({colon, euro[0], euro[1], euro[2], kEod}));
@@ -264,7 +267,9 @@ TEST_F(TextInferenceTest, FillsEveryPlaceholderOnceAndLoopsUntilEndOfInput) {
   h.set("text_inference_component.config.prompt_template", "Q: {question} ({question}) {{{lang}}}\nA:");
   h.set("text_inference_component.config.sequence_length", 20);
   const std::string out = session("Why?\nen\nHow?\nde\nWhen?\n");
-  EXPECT_THAT(out, HasSubstr("question: lang: --------------------PROMPT--------------------\nPrompt:  Q: Why? (Why?) {en}\nA:\n"));
+  EXPECT_THAT(
+      out,
+      HasSubstr("question: lang: --------------------PROMPT--------------------\nPrompt:  Q: Why? (Why?) {en}\nA:\n"));
   EXPECT_THAT(out, HasSubstr("Prompt:  Q: How? (How?) {de}\nA:\n"));
   EXPECT_THAT(out, ::testing::EndsWith("<reached max tokens>\nquestion: lang: \n"));  // EOF after "When?"
 }
@@ -274,7 +279,8 @@ TEST_F(TextInferenceTest, TemplateWithoutPlaceholdersGeneratesOnceWithoutReading
   std::istringstream in("ignored\n");
   std::ostringstream out;
   component()->run(in, out);
-  EXPECT_THAT(out.str(), ::testing::StartsWith("--------------------PROMPT--------------------\nPrompt:  Hello world\n"));
+  EXPECT_THAT(out.str(),
+              ::testing::StartsWith("--------------------PROMPT--------------------\nPrompt:  Hello world\n"));
   EXPECT_THAT(out.str(), ::testing::EndsWith("<reached max tokens>\n"));
   std::string rest;
   std::getline(in, rest);
@@ -297,7 +303,8 @@ TEST_F(TextInferenceTest, PromptLongerThanTheSequenceIsAnError) {
     session("one two three\n");
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("the prompt has 3 tokens, which leaves no room to generate within sequence_length 2"));
+    EXPECT_THAT(e.what(),
+                HasSubstr("the prompt has 3 tokens, which leaves no room to generate within sequence_length 2"));
   }
 }
 
@@ -326,8 +333,8 @@ TEST_F(TextInferenceTest, DeviceIntegerMeansCuda) {
   h.set("text_inference_component.config.device", 0);
   if (at::hasCUDA()) {
     EXPECT_EQ(h.build_error(), "");
-    EXPECT_EQ(generated("Hello world\n"), decode({995 + 1, 995 + 2, 995 + 3, 995 + 4, 995 + 5, 995 + 6, 995 + 7,
-                                                  995 + 8, 995 + 9, 995 + 10}));
+    EXPECT_EQ(generated("Hello world\n"),
+              decode({995 + 1, 995 + 2, 995 + 3, 995 + 4, 995 + 5, 995 + 6, 995 + 7, 995 + 8, 995 + 9, 995 + 10}));
   } else {
     EXPECT_THAT(h.build_error(), HasSubstr("cuda"));
   }

@@ -22,7 +22,7 @@ struct SourceLocation {
   std::shared_ptr<const std::string> file;  // shared by every node of a document
   std::uint32_t line = 0;                   // 1-based; 0 = unknown
   std::uint32_t column = 0;
-  std::string str() const;                  // "file:line:col" (or just "file")
+  std::string str() const;  // "file:line:col" (or just "file")
 };
 
 class ConfigNode {
@@ -90,7 +90,7 @@ class ConfigPath {
 /// A problem in a config file, with everything a user needs to fix it.
 struct Diagnostic {
   SourceLocation where;
-  std::string path;     // dotted config path ("optimizer.config.lr"); may be empty
+  std::string path;  // dotted config path ("optimizer.config.lr"); may be empty
   std::string message;
   std::string hint;     // "did you mean 'lr'?"
   std::string context;  // "(optimizer/adam_w from libmodalities_optimizer_adamw.so 0.1.0)"

@@ -86,19 +86,20 @@ class ComponentGraph {
   void error(const ConfigNode& at, const ConfigPath& p, std::string message, std::string hint = {},
              std::string context = {});
   SourceLocation locate(const ConfigPath& p) const;
-  void map_field_errors(const std::vector<FieldError>& errs, const ConfigPath& config_path,
-                        const RegisteredVariant& v, bool warning);
-  void map_errors(const std::vector<FieldError>& errs, const ConfigPath& base, const std::string& context, bool warning);
+  void map_field_errors(const std::vector<FieldError>& errs, const ConfigPath& config_path, const RegisteredVariant& v,
+                        bool warning);
+  void map_errors(const std::vector<FieldError>& errs, const ConfigPath& base, const std::string& context,
+                  bool warning);
   void run_entry_checks(const std::string& key, const Value& v, bool dry_run);
 
   const Registry& registry_;
   const ConfigNode& root_;
   const PipelineProfile* profile_;
   std::vector<Diagnostic> diagnostics_;
-  std::map<std::string, bool> reported_;      // path -> already classified with an error
-  std::map<std::string, Value> dry_cache_;    // top-level key -> dry value
-  std::vector<std::string> in_progress_;      // reference chain, for cycles
-  std::map<std::string, Value> built_cache_;  // top-level key -> built value
+  std::map<std::string, bool> reported_;          // path -> already classified with an error
+  std::map<std::string, Value> dry_cache_;        // top-level key -> dry value
+  std::vector<std::string> in_progress_;          // reference chain, for cycles
+  std::map<std::string, Value> built_cache_;      // top-level key -> built value
   std::function<void(const std::string&)> warn_;  // build()'s warning sink
 };
 

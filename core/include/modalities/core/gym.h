@@ -76,8 +76,8 @@ struct GymOptions {
 };
 
 struct GymSummary {
-  i64 steps_done = 0;         // optimizer steps in this run
-  i64 steps_total = 0;        // including the steps of previous runs
+  i64 steps_done = 0;   // optimizer steps in this run
+  i64 steps_total = 0;  // including the steps of previous runs
   i64 tokens_total = 0;
   i64 micro_batches = 0;
   double seconds = 0;

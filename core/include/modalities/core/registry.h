@@ -19,8 +19,8 @@ namespace modalities::core {
 struct PluginInfo {
   std::string name;
   std::string version;
-  std::filesystem::path file;  // empty for variants registered in-process (tests, core)
-  std::string example_config;  // embedded configs/example.toml, may be empty
+  std::filesystem::path file;         // empty for variants registered in-process (tests, core)
+  std::string example_config;         // embedded configs/example.toml, may be empty
   std::vector<std::string> variants;  // "component/variant" ids it registered
 };
 

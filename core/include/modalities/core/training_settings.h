@@ -27,8 +27,12 @@ struct CudaEnvSettings {
   i64 local_rank = 0, world_size = 1, global_rank = 0;
   static void describe(Schema<CudaEnvSettings>& s) {
     s.ignore_unknown_keys();
-    s.field("local_rank", &CudaEnvSettings::local_rank, "Rank on this node (${cuda_env:LOCAL_RANK}).").required().non_negative();
-    s.field("world_size", &CudaEnvSettings::world_size, "Number of ranks (${cuda_env:WORLD_SIZE}).").required().at_least(1);
+    s.field("local_rank", &CudaEnvSettings::local_rank, "Rank on this node (${cuda_env:LOCAL_RANK}).")
+        .required()
+        .non_negative();
+    s.field("world_size", &CudaEnvSettings::world_size, "Number of ranks (${cuda_env:WORLD_SIZE}).")
+        .required()
+        .at_least(1);
     s.field("global_rank", &CudaEnvSettings::global_rank, "Global rank (${cuda_env:RANK}).").required().non_negative();
   }
 };
@@ -38,9 +42,15 @@ struct IntervalSettings {
   static void describe(Schema<IntervalSettings>& s) {
     using C = IntervalSettings;
     s.ignore_unknown_keys();
-    s.field("training_log_interval_in_steps", &C::training_log_interval_in_steps, "Steps between log lines.").required().at_least(1);
-    s.field("checkpointing_interval_in_steps", &C::checkpointing_interval_in_steps, "Steps between checkpoints.").required().at_least(1);
-    s.field("evaluation_interval_in_steps", &C::evaluation_interval_in_steps, "Steps between evaluations.").required().at_least(1);
+    s.field("training_log_interval_in_steps", &C::training_log_interval_in_steps, "Steps between log lines.")
+        .required()
+        .at_least(1);
+    s.field("checkpointing_interval_in_steps", &C::checkpointing_interval_in_steps, "Steps between checkpoints.")
+        .required()
+        .at_least(1);
+    s.field("evaluation_interval_in_steps", &C::evaluation_interval_in_steps, "Steps between evaluations.")
+        .required()
+        .at_least(1);
   }
 };
 
@@ -54,7 +64,8 @@ struct ConsistencyEnforcement {
             "Error (else warning) if the token budget does not match the step profile.");
     s.field("enforce_last_step_logged", &C::enforce_last_step_logged, "Error if the last step is not logged.");
     s.field("enforce_last_step_evaluated", &C::enforce_last_step_evaluated, "Error if the last step is not evaluated.");
-    s.field("enforce_last_step_checkpointed", &C::enforce_last_step_checkpointed, "Error if the last step is not checkpointed.");
+    s.field("enforce_last_step_checkpointed", &C::enforce_last_step_checkpointed,
+            "Error if the last step is not checkpointed.");
     s.field("enforce_enough_tokens_in_dataset", &C::enforce_enough_tokens_in_dataset,
             "Error if the training dataset has fewer tokens than the target.");
   }
@@ -65,8 +76,12 @@ struct StepProfile {
   static void describe(Schema<StepProfile>& s) {
     using C = StepProfile;
     s.ignore_unknown_keys();
-    s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.").required().at_least(1);
-    s.field("local_train_micro_batch_size", &C::local_train_micro_batch_size, "Samples per micro batch on one rank.").required().at_least(1);
+    s.field("gradient_accumulation_steps", &C::gradient_accumulation_steps, "Micro batches per optimizer step.")
+        .required()
+        .at_least(1);
+    s.field("local_train_micro_batch_size", &C::local_train_micro_batch_size, "Samples per micro batch on one rank.")
+        .required()
+        .at_least(1);
     s.field("sequence_length", &C::sequence_length, "Tokens per sample.").required().at_least(1);
     s.field("dp_degree", &C::dp_degree, "Data-parallel degree.").required().at_least(1);
   }
@@ -81,8 +96,12 @@ struct TrainingTarget {
   i64 num_target_tokens = 1, num_target_steps = 1;
   static void describe(Schema<TrainingTarget>& s) {
     s.ignore_unknown_keys();
-    s.field("num_target_tokens", &TrainingTarget::num_target_tokens, "Tokens the whole run consumes.").required().at_least(1);
-    s.field("num_target_steps", &TrainingTarget::num_target_steps, "Optimizer steps of the whole run.").required().at_least(1);
+    s.field("num_target_tokens", &TrainingTarget::num_target_tokens, "Tokens the whole run consumes.")
+        .required()
+        .at_least(1);
+    s.field("num_target_steps", &TrainingTarget::num_target_steps, "Optimizer steps of the whole run.")
+        .required()
+        .at_least(1);
   }
 };
 
@@ -91,7 +110,9 @@ struct TrainingProgressSettings {
   static void describe(Schema<TrainingProgressSettings>& s) {
     using C = TrainingProgressSettings;
     s.ignore_unknown_keys();
-    s.field("global_num_seen_tokens", &C::global_num_seen_tokens, "Tokens consumed before this run.").required().non_negative();
+    s.field("global_num_seen_tokens", &C::global_num_seen_tokens, "Tokens consumed before this run.")
+        .required()
+        .non_negative();
     s.field("num_seen_steps", &C::num_seen_steps, "Steps done before this run.").required().non_negative();
     s.field("num_seen_samples", &C::num_seen_samples, "Samples consumed before this run.").required().non_negative();
     s.field("last_step", &C::last_step, "Last step done before this run (-1 for none).").required().at_least(-1);
@@ -120,7 +141,8 @@ struct TrainingSettings {
     s.field("config_file_path", &C::config_file_path, "This config (${modalities_env:config_file_path}).")
         .required()
         .existing_file();
-    s.field("referencing_keys", &C::referencing_keys, "sample_key, target_key, prediction_key, for interpolation.").required();
+    s.field("referencing_keys", &C::referencing_keys, "sample_key, target_key, prediction_key, for interpolation.")
+        .required();
     s.field("cuda_env", &C::cuda_env, "Launcher environment.").required();
     s.field("paths", &C::paths, "experiments_root_path and any other named paths.").required();
     s.field("intervals", &C::intervals, "Logging, checkpointing and evaluation intervals.").required();
@@ -192,7 +214,8 @@ struct TrainingSettings {
         {"training_log_interval_in_steps", c.intervals.training_log_interval_in_steps},
         {"evaluation_interval_in_steps", c.intervals.evaluation_interval_in_steps},
         {"checkpointing_interval_in_steps", c.intervals.checkpointing_interval_in_steps}};
-    const bool enforce[] = {e.enforce_last_step_logged, e.enforce_last_step_evaluated, e.enforce_last_step_checkpointed};
+    const bool enforce[] = {e.enforce_last_step_logged, e.enforce_last_step_evaluated,
+                            e.enforce_last_step_checkpointed};
     const char* what[] = {"logged", "evaluated", "checkpointed"};
     for (int i = 0; i < 3; ++i)
       if (steps_left % intervals[i].second != 0)

@@ -7,11 +7,11 @@
 
 #include <filesystem>
 
-#define MODALITIES_REQUIRE_SHARED(required_path)                                                           \
-  do {                                                                                                     \
-    if (!std::filesystem::exists(required_path))                                                           \
-      GTEST_SKIP() << "skipped: needs " << std::filesystem::path(required_path).string()                 \
-                   << " (Modalities' files from ../shared/fixtures, present in CI, absent here)";         \
+#define MODALITIES_REQUIRE_SHARED(required_path)                                                  \
+  do {                                                                                            \
+    if (!std::filesystem::exists(required_path))                                                  \
+      GTEST_SKIP() << "skipped: needs " << std::filesystem::path(required_path).string()          \
+                   << " (Modalities' files from ../shared/fixtures, present in CI, absent here)"; \
   } while (0)
 
 namespace modalities::testing {

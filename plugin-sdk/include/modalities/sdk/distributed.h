@@ -12,11 +12,11 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <functional>
-#include <atomic>
 #include <exception>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -135,7 +135,7 @@ MODALITIES_SDK_API c10::intrusive_ptr<c10d::Store> store();
 /// world calls it with the same arguments in the same order; a rank not in `ranks` gets null.
 /// `name` must be unique per group (it prefixes the group's keys in the store).
 MODALITIES_SDK_API c10::intrusive_ptr<c10d::ProcessGroup> new_group(const std::vector<int>& ranks,
-                                                                     const std::string& name);
+                                                                    const std::string& name);
 
 /// Blocks until every rank arrived (world group); no-op for one process.
 MODALITIES_SDK_API void barrier();

@@ -51,7 +51,7 @@ class MODALITIES_SDK_API ConfigError : public Error {
 /// Throws modalities::Error with a formatted message when `cond` is false.
 /// Say what is wrong and show the received value next to the expected one:
 ///   MODALITIES_CHECK(c.warmup < c.total, "warmup ({}) must be < total ({})", c.warmup, c.total);
-#define MODALITIES_CHECK(cond, ...)                                   \
-  do {                                                                \
+#define MODALITIES_CHECK(cond, ...)                                     \
+  do {                                                                  \
     if (!(cond)) throw ::modalities::Error(::fmt::format(__VA_ARGS__)); \
   } while (false)

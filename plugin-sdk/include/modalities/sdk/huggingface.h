@@ -54,8 +54,7 @@ namespace formats {
 /// files). Atomic: everything is written into a temporary sibling that is renamed to `dir`, so
 /// `dir` either is complete or does not exist. `dir` must not exist or be an empty directory.
 MODALITIES_SDK_API void write_huggingface_folder(const std::filesystem::path& dir,
-                                                 const HuggingFaceCheckpoint& checkpoint,
-                                                 std::uint64_t max_shard_bytes,
+                                                 const HuggingFaceCheckpoint& checkpoint, std::uint64_t max_shard_bytes,
                                                  const std::vector<std::filesystem::path>& extra_files = {});
 
 /// The weights of Hugging Face folder `dir`: model.safetensors, or every shard listed by

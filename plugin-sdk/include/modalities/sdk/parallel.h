@@ -32,7 +32,7 @@ enum class MeshDim : std::uint8_t { pp, dp_replicate, dp_shard, cp, tp, ep };
 
 /// Every dim, in mesh order.
 inline constexpr std::array<MeshDim, 6> kMeshDims = {MeshDim::pp, MeshDim::dp_replicate, MeshDim::dp_shard,
-                                                      MeshDim::cp,  MeshDim::tp,           MeshDim::ep};
+                                                     MeshDim::cp, MeshDim::tp,           MeshDim::ep};
 
 /// The name configs and messages use: Modalities' spelling ("dp_shard").
 MODALITIES_SDK_API std::string_view mesh_dim_name(MeshDim dim);

@@ -31,16 +31,16 @@ extern "C" {
 /// of the ELF file without loading the library. Changing it bumps
 /// MODALITIES_PLUGIN_ABI_VERSION and kModalitiesDescriptorLayout.
 struct modalities_plugin_descriptor {
-  char magic[16];               // "MODALITIES_PLUG" + NUL
-  std::uint32_t layout;         // layout version of this struct (1)
-  std::uint32_t abi_version;    // MODALITIES_PLUGIN_ABI_VERSION the plugin was built with
-  char name[64];                // plugin name; also names the register symbol
-  char version[32];             // plugin's own version
-  char sdk_version[32];         // MODALITIES_SDK_VERSION
-  char torch_version[32];       // LibTorch version of the SDK build
-  char compiler[32];            // "gcc 12": compiler family and major version
-  std::uint32_t cxx11_abi;      // _GLIBCXX_USE_CXX11_ABI
-  std::uint32_t with_cuda;      // SDK built with CUDA
+  char magic[16];             // "MODALITIES_PLUG" + NUL
+  std::uint32_t layout;       // layout version of this struct (1)
+  std::uint32_t abi_version;  // MODALITIES_PLUGIN_ABI_VERSION the plugin was built with
+  char name[64];              // plugin name; also names the register symbol
+  char version[32];           // plugin's own version
+  char sdk_version[32];       // MODALITIES_SDK_VERSION
+  char torch_version[32];     // LibTorch version of the SDK build
+  char compiler[32];          // "gcc 12": compiler family and major version
+  std::uint32_t cxx11_abi;    // _GLIBCXX_USE_CXX11_ABI
+  std::uint32_t with_cuda;    // SDK built with CUDA
 };
 
 /// Signature of `modalities_plugin_<name>_register`. Returns 0 on success;
@@ -86,8 +86,7 @@ inline int invoke_register(void (*fn)(Registrar&), void* registrar, char* error,
   };
   try {
     auto& r = *static_cast<Registrar*>(registrar);
-    if (plugin_example_config != nullptr)
-      r.set_example_config(plugin_example_config);
+    if (plugin_example_config != nullptr) r.set_example_config(plugin_example_config);
     fn(r);
     return 0;
   } catch (const std::exception& e) {
@@ -102,10 +101,16 @@ inline int invoke_register(void (*fn)(Registrar&), void* registrar, char* error,
 
 #define MODALITIES_PLUGIN(name, version, register_fn)                                                        \
   MODALITIES_PLUGIN_EXPORT __attribute__((used, section(MODALITIES_PLUGIN_SECTION)))                         \
-  const modalities_plugin_descriptor modalities_plugin_##name##_descriptor = {                               \
-      MODALITIES_PLUGIN_MAGIC,      MODALITIES_DESCRIPTOR_LAYOUT, MODALITIES_PLUGIN_ABI_VERSION, #name,       \
-      version,                      MODALITIES_SDK_VERSION,       MODALITIES_SDK_TORCH_VERSION,              \
-      MODALITIES_COMPILER_ID,       MODALITIES_CXX11_ABI,         MODALITIES_SDK_WITH_CUDA};                 \
+  const modalities_plugin_descriptor modalities_plugin_##name##_descriptor = {MODALITIES_PLUGIN_MAGIC,       \
+                                                                              MODALITIES_DESCRIPTOR_LAYOUT,  \
+                                                                              MODALITIES_PLUGIN_ABI_VERSION, \
+                                                                              #name,                         \
+                                                                              version,                       \
+                                                                              MODALITIES_SDK_VERSION,        \
+                                                                              MODALITIES_SDK_TORCH_VERSION,  \
+                                                                              MODALITIES_COMPILER_ID,        \
+                                                                              MODALITIES_CXX11_ABI,          \
+                                                                              MODALITIES_SDK_WITH_CUDA};     \
   MODALITIES_PLUGIN_EXPORT int modalities_plugin_##name##_register(void* registrar, char* error,             \
                                                                    std::size_t error_size) noexcept {        \
     return ::modalities::detail::invoke_register(register_fn, registrar, error, error_size);                 \

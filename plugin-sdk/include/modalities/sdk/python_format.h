@@ -201,8 +201,6 @@ inline std::string json_tensor(const at::Tensor& value) {
 }
 
 /// `value.float().mean().item()`: the number Modalities rounds and prints.
-inline double mean_as_float(const at::Tensor& value) {
-  return value.detach().to(at::kFloat).mean().item<double>();
-}
+inline double mean_as_float(const at::Tensor& value) { return value.detach().to(at::kFloat).mean().item<double>(); }
 
 }  // namespace modalities::py

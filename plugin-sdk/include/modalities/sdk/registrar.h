@@ -145,7 +145,8 @@ class MODALITIES_SDK_API Registrar {
   /// Same, under an explicit component key (e.g. "layer_norm" producing a Module).
   template <class I, class Config, class Factory>
   void add(std::string_view component_key, std::string_view variant_key, std::string summary, Factory factory) {
-    VariantSpec spec = detail::make_spec<Config>(component_key, variant_key, std::move(summary), std::string(I::kInterface));
+    VariantSpec spec =
+        detail::make_spec<Config>(component_key, variant_key, std::move(summary), std::string(I::kInterface));
     std::string origin = spec.id();
     spec.build = [factory = std::move(factory), origin](const Value& config, BuildContext& ctx) mutable -> Value {
       const Config c = detail::parse_or_throw<Config>(config);
@@ -160,8 +161,8 @@ class MODALITIES_SDK_API Registrar {
   /// string), e.g. the `number_conversion` family producing integers.
   template <class R, class Config, class Function>
   void add_value(std::string_view component_key, std::string_view variant_key, std::string summary, Function fn) {
-    VariantSpec spec = detail::make_spec<Config>(component_key, variant_key, std::move(summary),
-                                                 std::string(detail::value_kind<R>()));
+    VariantSpec spec =
+        detail::make_spec<Config>(component_key, variant_key, std::move(summary), std::string(detail::value_kind<R>()));
     spec.build = [fn = std::move(fn)](const Value& config, BuildContext& ctx) mutable -> Value {
       const Config c = detail::parse_or_throw<Config>(config);
       R r = detail::call_factory(fn, c, ctx);

@@ -123,7 +123,9 @@ template <class C>
 class Schema;
 
 template <class T>
-concept DescribedStruct = requires(Schema<T>& s) { T::describe(s); };
+concept DescribedStruct = requires(Schema<T>& s) {
+  T::describe(s);
+};
 
 /// Codec<T> converts a Value into a T. Specialisations define:
 ///   static std::string type_name();
@@ -139,8 +141,7 @@ inline Parsed type_error(const Value& v, std::string_view expected, const std::s
   if (v.is_null())  // "null null" says nothing; null usually comes from an unset variable
     ctx.fail(path, fmt::format("expected {}, got null", expected),
              "an unset environment variable (${cuda_env:NAME}) or ${null:} gives null");
-  else
-    ctx.fail(path, fmt::format("expected {}, got {} {}", expected, v.type_name(), v.repr()));
+  else ctx.fail(path, fmt::format("expected {}, got {} {}", expected, v.type_name(), v.repr()));
   return Parsed::kError;
 }
 
@@ -175,8 +176,7 @@ struct Codec<bool> {
 };
 
 template <class T>
-  requires(std::integral<T> && !std::same_as<T, bool>)
-struct Codec<T> {
+requires(std::integral<T> && !std::same_as<T, bool>) struct Codec<T> {
   static std::string type_name() {
     if constexpr (std::same_as<T, std::int64_t>) return "int";
     else return fmt::format("int ({} to {})", std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
@@ -198,7 +198,7 @@ struct Codec<T> {
 };
 
 template <class T>
-  requires std::floating_point<T>
+requires std::floating_point<T>
 struct Codec<T> {
   static std::string type_name() { return "float"; }
   // Floats or integers (an integer literal is a valid float), nothing else.
@@ -359,8 +359,10 @@ struct Codec<Ref<I>> {
       return Parsed::kError;
     }
     return detail::type_error(
-        v, fmt::format("a {} (a component node, or a reference {{ instance_key = \"...\", pass_type = \"BY_REFERENCE\" }})",
-                       I::kInterface),
+        v,
+        fmt::format(
+            "a {} (a component node, or a reference {{ instance_key = \"...\", pass_type = \"BY_REFERENCE\" }})",
+            I::kInterface),
         path, ctx);
   }
   static std::string repr(const Ref<I>& r) { return r ? "<" + r.origin() + ">" : "null"; }
@@ -387,8 +389,12 @@ class Schema {
       rec().info.aliases.push_back(std::move(old_name));
       return *this;
     }
-    FieldBuilder& positive() { return number_check("> 0", [](double x) { return x > 0; }); }
-    FieldBuilder& non_negative() { return number_check(">= 0", [](double x) { return x >= 0; }); }
+    FieldBuilder& positive() {
+      return number_check("> 0", [](double x) { return x > 0; });
+    }
+    FieldBuilder& non_negative() {
+      return number_check(">= 0", [](double x) { return x >= 0; });
+    }
     FieldBuilder& at_least(double lo) {
       return number_check(">= " + fmt::format("{}", lo), [lo](double x) { return x >= lo; });
     }
@@ -408,16 +414,16 @@ class Schema {
     FieldBuilder& one_of(std::vector<std::string> allowed) {
       std::string desc = "one of " + quoted_list(allowed);
       rec().info.constraints.push_back(desc);
-      rec().checks.push_back([allowed = std::move(allowed), m = member_](const C& c, const std::string& path,
-                                                                           ParseContext& ctx) {
-        visit_strings(c.*m, path, [&](const std::string& p, const std::string& s) {
-          for (const auto& a : allowed)
-            if (a == s) return;
-          std::string hint;
-          if (auto near = closest_match(s, allowed); !near.empty()) hint = fmt::format("did you mean '{}'?", near);
-          ctx.fail(p, fmt::format("must be one of {}, got '{}'", quoted_list(allowed), s), hint);
-        });
-      });
+      rec().checks.push_back(
+          [allowed = std::move(allowed), m = member_](const C& c, const std::string& path, ParseContext& ctx) {
+            visit_strings(c.*m, path, [&](const std::string& p, const std::string& s) {
+              for (const auto& a : allowed)
+                if (a == s) return;
+              std::string hint;
+              if (auto near = closest_match(s, allowed); !near.empty()) hint = fmt::format("did you mean '{}'?", near);
+              ctx.fail(p, fmt::format("must be one of {}, got '{}'", quoted_list(allowed), s), hint);
+            });
+          });
       return *this;
     }
     /// Path string that must name an existing regular file at validation time.
@@ -469,7 +475,7 @@ class Schema {
     r.info.name = std::move(name);
     r.info.type = Codec<T>::type_name();
     r.info.help = std::move(help);
-    if constexpr (requires(FieldInfo& i) { Codec<T>::annotate(i); }) Codec<T>::annotate(r.info);
+    if constexpr (requires(FieldInfo & i) { Codec<T>::annotate(i); }) Codec<T>::annotate(r.info);
     if constexpr (DescribedStruct<T>) r.info.children = Schema<T>::instance().fields();
     static const C defaults{};
     r.info.default_repr = Codec<T>::repr(defaults.*member);
@@ -532,8 +538,7 @@ class Schema {
                    fmt::format("'{}' and its alias are both given; keep only '{}'", info.name, info.name));
           continue;
         }
-        if (is_alias)
-          ctx.warn(join_path(path, key), fmt::format("'{}' is a deprecated alias of '{}'", key, info.name));
+        if (is_alias) ctx.warn(join_path(path, key), fmt::format("'{}' is a deprecated alias of '{}'", key, info.name));
         given[i] = &item;
       }
       if (!matched && !ignore_unknown_) {
@@ -594,7 +599,11 @@ class Schema {
       else f(path, static_cast<double>(x), fmt::format("{}", x));
     } else if constexpr (detail::is_optional<T>::value) {
       if (x) visit_numbers(*x, path, f);
-    } else if constexpr (requires { x.size(); x[0]; } && !std::same_as<T, std::string>) {
+    } else if constexpr (requires {
+                           x.size();
+                           x[0];
+                         } &&
+                         !std::same_as<T, std::string>) {
       for (std::size_t i = 0; i < x.size(); ++i) visit_numbers(x[i], index_path(path, i), f);
     }
   }
@@ -606,7 +615,10 @@ class Schema {
       f(path, x.string());
     } else if constexpr (detail::is_optional<T>::value) {
       if (x) visit_strings(*x, path, f);
-    } else if constexpr (requires { x.size(); x[0]; }) {
+    } else if constexpr (requires {
+                           x.size();
+                           x[0];
+                         }) {
       for (std::size_t i = 0; i < x.size(); ++i) visit_strings(x[i], index_path(path, i), f);
     }
   }

@@ -64,7 +64,9 @@ class TaggedUnion {
   }
 
   TaggedUnion(std::string tag_key, std::string tag_help, std::string config_help, std::vector<Alternative> alternatives)
-      : tag_key_(std::move(tag_key)), tag_help_(std::move(tag_help)), config_help_(std::move(config_help)),
+      : tag_key_(std::move(tag_key)),
+        tag_help_(std::move(tag_help)),
+        config_help_(std::move(config_help)),
         alternatives_(std::move(alternatives)) {
     for (const Alternative& a : alternatives_) tags_.push_back(a.tag);
   }
@@ -131,7 +133,8 @@ class TaggedUnion {
       }
     }
     if (config == nullptr)
-      ctx.fail(join_path(path, "config"), fmt::format("missing required key (table: settings of the chosen {})", tag_key_));
+      ctx.fail(join_path(path, "config"),
+               fmt::format("missing required key (table: settings of the chosen {})", tag_key_));
     if (ctx.error_count() != before || chosen == nullptr || config == nullptr) return Parsed::kError;
     return chosen->parse(*config, out, path, ctx);
   }

@@ -45,5 +45,4 @@ struct RawIndexResult {
 /// drop_faulty_entries is set.
 RawIndexResult index_jsonl(const std::filesystem::path& src, const RawIndexOptions& options = {});
 
-
 }  // namespace modalities::core::data

@@ -23,13 +23,13 @@ namespace modalities::core::data {
 /// What a tool did; the CLI turns it into its summary line and warnings.
 struct ToolResult {
   std::filesystem::path output;
-  bool skipped = false;          // output existed and the policy was skip: nothing was done
-  bool replaced = false;         // output existed and was replaced (policy override)
-  std::uint64_t documents = 0;   // documents / lines written
-  std::uint64_t bytes = 0;       // size of the output file
+  bool skipped = false;             // output existed and the policy was skip: nothing was done
+  bool replaced = false;            // output existed and was replaced (policy override)
+  std::uint64_t documents = 0;      // documents / lines written
+  std::uint64_t bytes = 0;          // size of the output file
   std::uint64_t legacy_inputs = 0;  // .pbin inputs with legacy absolute offsets (converted)
   std::uint64_t newline_added = 0;  // JSONL lines that lacked their final '\n' (Q11)
-  std::uint64_t numpy_seed = 0;  // chunk tools: the seed given to default_rng
+  std::uint64_t numpy_seed = 0;     // chunk tools: the seed given to default_rng
 };
 
 // --- merge_packed_data -----------------------------------------------------------

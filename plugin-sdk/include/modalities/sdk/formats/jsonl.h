@@ -40,7 +40,7 @@ class MODALITIES_SDK_API JqPath {
   const std::string& program() const { return program_; }
 
   struct Step {
-    std::string key;                   // object key, or
+    std::string key;                    // object key, or
     std::optional<std::int64_t> index;  // array index (negative counts from the end)
   };
   const std::vector<Step>& steps() const { return steps_; }

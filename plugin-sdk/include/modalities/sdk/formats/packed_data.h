@@ -50,8 +50,7 @@ MODALITIES_SDK_API void check_raw_index_fits(std::span<const IndexEntry> entries
 
 /// Why `entry` is not a whole line of `jsonl` (it must start at the file start or after a '\n'
 /// and end at a '\n' or the end of the file), or nullopt when it is one.
-MODALITIES_SDK_API std::optional<std::string> raw_index_entry_mismatch(std::string_view jsonl,
-                                                                        const IndexEntry& entry);
+MODALITIES_SDK_API std::optional<std::string> raw_index_entry_mismatch(std::string_view jsonl, const IndexEntry& entry);
 
 struct PackedHeader {
   std::uint64_t data_len = 0;    // bytes of token data

@@ -31,9 +31,9 @@ struct SafetensorsEntry {
 /// The parsed header of a safetensors file.
 struct SafetensorsHeader {
   std::map<std::string, SafetensorsEntry> tensors;  // by name (sorted)
-  std::map<std::string, std::string> metadata;       // "__metadata__", string -> string
-  std::uint64_t data_offset = 0;                      // file position of the data section
-  std::uint64_t data_size = 0;                        // bytes in the data section
+  std::map<std::string, std::string> metadata;      // "__metadata__", string -> string
+  std::uint64_t data_offset = 0;                    // file position of the data section
+  std::uint64_t data_size = 0;                      // bytes in the data section
 };
 
 /// Reads and validates the header of `path`: header length within the file,

@@ -52,8 +52,7 @@ class MODALITIES_SDK_API CheckpointLoading {
 
   /// Loads the optimizer state in `file` into `optimizer`, in place. `model`
   /// is the (wrapped) model the optimizer was built on, for FQN mapping.
-  virtual void load_optimizer_checkpoint(Optimizer& optimizer, Module& model,
-                                         const std::filesystem::path& file) = 0;
+  virtual void load_optimizer_checkpoint(Optimizer& optimizer, Module& model, const std::filesystem::path& file) = 0;
 };
 
 /// Loads a checkpoint folder (every rank reads its shards) into an AppState.

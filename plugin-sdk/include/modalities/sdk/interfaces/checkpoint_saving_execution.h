@@ -44,8 +44,8 @@ class MODALITIES_SDK_API CheckpointSavingExecution {
 
   /// Saves if instruction.save_current, then deletes every listed checkpoint.
   /// Default in the SDK library; override only to change that order.
-  virtual void run_checkpoint_instruction(const CheckpointingInstruction& instruction,
-                                          const TrainingProgress& progress, AppState& app_state);
+  virtual void run_checkpoint_instruction(const CheckpointingInstruction& instruction, const TrainingProgress& progress,
+                                          AppState& app_state);
 
   /// Writes the checkpoint named after `progress`.
   virtual void save(AppState& app_state, const TrainingProgress& progress) = 0;
