@@ -198,6 +198,15 @@ inline std::int64_t swiglu_hidden(std::int64_t ffn_hidden, std::int64_t multiple
   return ((a + multiple - 1) / multiple) * multiple;
 }
 
+struct GPT2Config;
+
+/// A member of GPT2Config as a member of C (GPT2Config or a config derived from it), for
+/// Schema<C>::field, which deduces the member's type from `T C::*`.
+template <class C, class T>
+constexpr T C::*field_of(T GPT2Config::*member) {
+  return member;
+}
+
 struct GPT2Config {
   std::string sample_key;
   std::string prediction_key;
@@ -231,66 +240,86 @@ struct GPT2Config {
   bool mlp_bias_on() const { return mlp_bias.value_or(bias); }
   bool gelu() const { return activation_type == "gelu" || activation_type == "gelu_tanh"; }
 
-  static void describe(Schema<GPT2Config>& s) {
-    s.field("sample_key", &GPT2Config::sample_key, "Key of the token-id tensor [B, T] in the input map.").required();
-    s.field("prediction_key", &GPT2Config::prediction_key, "Key of the logits [B, T, V] in the output map.").required();
-    s.field("use_meta_device", &GPT2Config::use_meta_device,
+  static void describe(Schema<GPT2Config>& s) { describe_fields(s); }
+
+  // The fields and checks of model/gpt2, for its config and for configs that extend it
+  // (model/gpt2_moe's Gpt2MoeConfig derives from GPT2Config).
+  template <class C>
+  static void describe_fields(Schema<C>& s) {
+    s.field("sample_key", field_of<C>(&GPT2Config::sample_key), "Key of the token-id tensor [B, T] in the input map.")
+        .required();
+    s.field("prediction_key", field_of<C>(&GPT2Config::prediction_key),
+            "Key of the logits [B, T, V] in the output map.")
+        .required();
+    s.field("use_meta_device", field_of<C>(&GPT2Config::use_meta_device),
             "Build parameters on the meta device (no storage); materialize with to(device) and initialize with "
             "model/model_initialized. Not allowed with use_weight_tying.");
-    s.field("poe_type", &GPT2Config::poe_type,
+    s.field("poe_type", field_of<C>(&GPT2Config::poe_type),
             "Position encoding: ABSOLUTE (learned table wpe[sequence_length, n_embd]) or NOPE (none; use RoPE).")
         .required()
         .one_of({"ABSOLUTE", "NOPE"});
-    s.field("sequence_length", &GPT2Config::sequence_length, "Maximum input length T.").required().at_least(1);
-    s.field("vocab_size", &GPT2Config::vocab_size, "Vocabulary size; divisible by 128.").required().at_least(1);
-    s.field("n_layer", &GPT2Config::n_layer, "Number of GPT2Block layers.").required().at_least(1);
-    s.field("n_head_q", &GPT2Config::n_head_q, "Query heads; n_embd must be divisible by it.").required().at_least(1);
-    s.field("n_head_kv", &GPT2Config::n_head_kv,
+    s.field("sequence_length", field_of<C>(&GPT2Config::sequence_length), "Maximum input length T.")
+        .required()
+        .at_least(1);
+    s.field("vocab_size", field_of<C>(&GPT2Config::vocab_size), "Vocabulary size; divisible by 128.")
+        .required()
+        .at_least(1);
+    s.field("n_layer", field_of<C>(&GPT2Config::n_layer), "Number of GPT2Block layers.").required().at_least(1);
+    s.field("n_head_q", field_of<C>(&GPT2Config::n_head_q), "Query heads; n_embd must be divisible by it.")
+        .required()
+        .at_least(1);
+    s.field("n_head_kv", field_of<C>(&GPT2Config::n_head_kv),
             "Key/value heads (grouped-query attention); must divide n_head_q (equal: multi-head attention).")
         .required()
         .at_least(1);
-    s.field("n_embd", &GPT2Config::n_embd, "Model width d; divisible by 128.").required().at_least(1);
-    s.field("ffn_hidden", &GPT2Config::ffn_hidden,
+    s.field("n_embd", field_of<C>(&GPT2Config::n_embd), "Model width d; divisible by 128.").required().at_least(1);
+    s.field("ffn_hidden", field_of<C>(&GPT2Config::ffn_hidden),
             "MLP hidden size (GELU uses it as is; SwiGLU uses ceil_to_multiple(int(2*ffn_hidden/3), "
             "enforce_swiglu_hidden_dim_multiple_of)); divisible by 128.")
         .required()
         .at_least(1);
-    s.field("dropout", &GPT2Config::dropout,
+    s.field("dropout", field_of<C>(&GPT2Config::dropout),
             "Dropout probability: embeddings, attention probabilities (in every mode, as in Modalities), residual "
             "after c_proj, GELU-MLP output.")
         .required()
         .in_closed(0.0, 1.0);
-    s.field("bias", &GPT2Config::bias, "Bias on every attention and MLP linear layer (lm_head never has one).")
+    s.field("bias", field_of<C>(&GPT2Config::bias),
+            "Bias on every attention and MLP linear layer (lm_head never has one).")
         .required();
-    s.field("qkv_bias", &GPT2Config::qkv_bias,
+    s.field("qkv_bias", field_of<C>(&GPT2Config::qkv_bias),
             "Ours: bias on q_attn/k_attn/v_attn only (Qwen2 has them, its other linears not); null: `bias`.");
-    s.field("attn_proj_bias", &GPT2Config::attn_proj_bias, "Ours: bias on attn.c_proj; null: `bias`.");
-    s.field("mlp_bias", &GPT2Config::mlp_bias, "Ours: bias on the MLP linears; null: `bias`.");
-    s.field("attention_config", &GPT2Config::attention_config, "qkv_transforms and optional qk_norm_config.")
+    s.field("attn_proj_bias", field_of<C>(&GPT2Config::attn_proj_bias), "Ours: bias on attn.c_proj; null: `bias`.");
+    s.field("mlp_bias", field_of<C>(&GPT2Config::mlp_bias), "Ours: bias on the MLP linears; null: `bias`.");
+    s.field("attention_config", field_of<C>(&GPT2Config::attention_config),
+            "qkv_transforms and optional qk_norm_config.")
         .required();
-    s.field("attention_implementation", &GPT2Config::attention_implementation,
+    s.field("attention_implementation", field_of<C>(&GPT2Config::attention_implementation),
             "manual (explicit softmax(q k^T / sqrt(hd)) v) or pytorch_flash (at::scaled_dot_product_attention); "
             "dao_flash is not available in this build.")
         .required()
         .one_of({"manual", "pytorch_flash", "dao_flash"});
-    s.field("activation_type", &GPT2Config::activation_type,
+    s.field("activation_type", field_of<C>(&GPT2Config::activation_type),
             "MLP: gelu (c_fc, exact GELU, c_proj), gelu_tanh (ours: tanh-approximated GELU, GPT-2's gelu_new) or "
             "swiglu (W, V, W_2).")
         .required()
         .one_of({"gelu", "gelu_tanh", "swiglu"});
-    s.field("attention_norm_config", &GPT2Config::attention_norm_config, "Norm before attention (size n_embd).")
+    s.field("attention_norm_config", field_of<C>(&GPT2Config::attention_norm_config),
+            "Norm before attention (size n_embd).")
         .required();
-    s.field("ffn_norm_config", &GPT2Config::ffn_norm_config, "Norm before the MLP (size n_embd).").required();
-    s.field("lm_head_norm_config", &GPT2Config::lm_head_norm_config, "Final norm before lm_head (size n_embd).")
+    s.field("ffn_norm_config", field_of<C>(&GPT2Config::ffn_norm_config), "Norm before the MLP (size n_embd).")
         .required();
-    s.field("use_weight_tying", &GPT2Config::use_weight_tying,
+    s.field("lm_head_norm_config", field_of<C>(&GPT2Config::lm_head_norm_config),
+            "Final norm before lm_head (size n_embd).")
+        .required();
+    s.field("use_weight_tying", field_of<C>(&GPT2Config::use_weight_tying),
             "Share transformer.wte.weight with transformer.lm_head.weight.")
         .required();
-    s.field("seed", &GPT2Config::seed, "If set, the global RNG is seeded with it before the modules are created.");
-    s.field("enforce_swiglu_hidden_dim_multiple_of", &GPT2Config::enforce_swiglu_hidden_dim_multiple_of,
+    s.field("seed", field_of<C>(&GPT2Config::seed),
+            "If set, the global RNG is seeded with it before the modules are created.");
+    s.field("enforce_swiglu_hidden_dim_multiple_of", field_of<C>(&GPT2Config::enforce_swiglu_hidden_dim_multiple_of),
             "SwiGLU hidden size is rounded up to a multiple of this.")
         .at_least(1);
-    s.rule(validate);
+    s.rule([](const C& c, ParseContext& ctx) { validate(c, ctx); });
   }
 
   static void check_norm(const NormWrapperConfig& n, const std::string& key, std::int64_t expected,

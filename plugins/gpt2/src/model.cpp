@@ -50,12 +50,12 @@ std::optional<std::int64_t> tp_split_dim(std::string_view fqn) {
 
 class GPT2 final : public Module, public HuggingFaceExportable {
  public:
-  GPT2(const GPT2Config& c, const c10::Device& device) : config_(c) {
+  GPT2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn = {}) : config_(c), ffn_(std::move(ffn)) {
     if (c.seed) {
       // torch.manual_seed reinterprets a negative seed as its two's complement uint64.
       at::manual_seed(static_cast<std::uint64_t>(*c.seed));
     }
-    impl_ = std::make_shared<GPT2LLMImpl>(c, at::TensorOptions().dtype(at::kFloat).device(device));
+    impl_ = std::make_shared<GPT2LLMImpl>(c, at::TensorOptions().dtype(at::kFloat).device(device), ffn_);
   }
 
   TensorMap forward(const TensorMap& inputs) override {
@@ -177,6 +177,10 @@ class GPT2 final : public Module, public HuggingFaceExportable {
           "gpt2: a tensor-parallel or pipeline-split model holds part of the weights; export the whole "
           "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
           "sharded checkpoints whole)");
+    if (ffn_)
+      throw Error(
+          "gpt2: this model has feed-forward layers of another plugin (model/gpt2_moe); the Hugging Face "
+          "export covers model/gpt2's dense MLPs only");
     for (const auto& t : impl_->parameters())
       if (t.is_meta()) throw Error("gpt2: the model is on the meta device; load a checkpoint into it before exporting");
     return hf::to_huggingface(spec_from_config(config_), state_dict(), options);
@@ -197,6 +201,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 
   void parallelize(const TpPlan& plan) {
     if (tp_) throw Error("gpt2_tp: the model is split already (tensor parallelism applied twice)");
+    impl_->check_tensor_parallel();
     const std::int64_t p = plan.size;
     const auto divisible = [&](std::string_view field, std::int64_t value) {
       if (value % p != 0)
@@ -303,7 +308,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   std::shared_ptr<Module> clone() const override {
     // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
-    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta));
+    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_);
     if (tp_) copy->parallelize(*tp_);                 // the same local shapes and plan
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
@@ -331,6 +336,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   }
 
   GPT2Config config_;
+  FeedForwardFactory ffn_;  // another plugin's feed-forward layers (make_gpt2)
   std::shared_ptr<GPT2LLMImpl> impl_;
   Dt param_dtype_;
   std::shared_ptr<const TpPlan> tp_;                               // model/gpt2_tp
@@ -341,8 +347,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 
 }  // namespace
 
-std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device) {
-  return std::make_shared<GPT2>(c, device);
+std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn) {
+  return std::make_shared<GPT2>(c, device, std::move(ffn));
 }
 
 }  // namespace modalities::plugins::gpt2

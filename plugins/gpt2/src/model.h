@@ -3,6 +3,7 @@
 #pragma once
 
 #include "config.h"
+#include "layers.h"
 
 #include <modalities/sdk/interfaces/module.h>
 
@@ -12,8 +13,9 @@
 
 namespace modalities::plugins::gpt2 {
 
-/// model/gpt2 built on `device` (the meta device: no storage; materialize with Module::to).
-std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device);
+/// model/gpt2 built on `device` (the meta device: no storage; materialize with Module::to). `ffn`
+/// (layers.h) gives blocks of its choice another feed-forward; model/gpt2_moe (plugins/moe) uses it.
+std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn = {});
 
 /// model/huggingface_pretrained_model: a transformers folder read into model/gpt2 on the run's device.
 std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c);

@@ -8,6 +8,7 @@
 #include <modalities/sdk/norms.h>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/dropout.h>
@@ -25,62 +26,6 @@
 #include <vector>
 
 namespace modalities::plugins::gpt2 {
-
-// Note [Replacing registered tensors]
-// libtorch's Module::to() moves tensors with set_data(), which cannot turn a meta
-// tensor into a real one (their TensorImpls are not shallow-copy compatible), and
-// libtorch has no to_empty(). Materializing a meta model and clone() therefore swap
-// the registered tensors themselves: parameters through the protected `parameters_`
-// dict, the single buffer of RotaryTransform through the slot that register_buffer
-// returned (stable: it is that module's only buffer, so the dict never grows after).
-// Every module with parameters or buffers is a Leaf.
-class Leaf : public torch::nn::Module {
- public:
-  explicit Leaf(std::string name) : torch::nn::Module(std::move(name)) {}
-  /// Constructor-time values again (README.md), on whatever device the tensors live.
-  virtual void reset() = 0;
-  /// Replaces every own parameter and buffer by f(old).
-  virtual void remap(const Remap& f) {
-    for (auto& item : parameters_) item.value() = f(item.value());
-    sync();
-  }
-
- protected:
-  /// Refreshes the typed member handles from the registered tensors.
-  virtual void sync() {}
-  at::Tensor registered(const std::string& name) const {
-    const at::Tensor* t = parameters_.find(name);
-    return t != nullptr ? *t : at::Tensor();
-  }
-};
-
-class LinearImpl final : public Leaf {
- public:
-  LinearImpl(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o) : Leaf("Linear"), in_(in) {
-    register_parameter("weight", at::empty({out, in}, o));
-    if (bias) register_parameter("bias", at::empty({out}, o));
-    sync();
-  }
-  void reset() override {
-    // torch.nn.Linear.reset_parameters: Kaiming-uniform (a = sqrt(5)) = U(+-1/sqrt(fan_in)) for both.
-    torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
-    if (bias.defined()) {
-      const double bound = in_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_)) : 0.0;
-      bias.uniform_(-bound, bound);
-    }
-  }
-  // x: [..., in] -> [..., out]; fused for the model's 2-d activations (at::linear otherwise).
-  at::Tensor operator()(const at::Tensor& x, Dt dt) const { return fused_linear(x, cast(weight, dt), cast(bias, dt)); }
-
-  at::Tensor weight, bias;
-
- private:
-  void sync() override {
-    weight = registered("weight");
-    bias = registered("bias");
-  }
-  std::int64_t in_;
-};
 
 class EmbeddingImpl final : public Leaf {
  public:
@@ -394,31 +339,28 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
   std::vector<std::shared_ptr<RotaryTransformImpl>> rope_;
 };
 
-class SwiGLUImpl final : public torch::nn::Module {
- public:
-  SwiGLUImpl(const GPT2Config& c, const at::TensorOptions& o) : torch::nn::Module("SwiGLU") {
-    const std::int64_t h = swiglu_hidden(c.ffn_hidden, c.enforce_swiglu_hidden_dim_multiple_of);
-    W = register_module("W", std::make_shared<LinearImpl>(c.n_embd, h, c.mlp_bias_on(), o));
-    register_module("silu", torch::nn::SiLU());
-    V = register_module("V", std::make_shared<LinearImpl>(c.n_embd, h, c.mlp_bias_on(), o));
-    W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, c.n_embd, c.mlp_bias_on(), o));
-  }
-  // x: [B*T, d] -> [B*T, h] -> [B*T, d]; no dropout (as in Modalities). Under TP h is this
-  // rank's part of the hidden units and W_2 is row-parallel.
-  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
-    const at::Tensor g =
-        fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt));
-    return tp ? row_parallel(*W_2, g, B, T, dt, *tp) : (*W_2)(g, dt);
-  }
+void FeedForward::check_tensor_parallel() const {
+  throw Error(fmt::format("the feed-forward '{}' does not support tensor parallelism", name()));
+}
 
-  std::shared_ptr<LinearImpl> W, V, W_2;
-  const TpPlan* tp = nullptr;
-};
+void FeedForward::parallelize(const TpPlan&) { check_tensor_parallel(); }
 
-class TransformerMLPImpl final : public torch::nn::Module {
+SwiGLUImpl::SwiGLUImpl(std::int64_t d, std::int64_t h, bool bias, const at::TensorOptions& o) : FeedForward("SwiGLU") {
+  W = register_module("W", std::make_shared<LinearImpl>(d, h, bias, o));
+  register_module("silu", torch::nn::SiLU());
+  V = register_module("V", std::make_shared<LinearImpl>(d, h, bias, o));
+  W_2 = register_module("W_2", std::make_shared<LinearImpl>(h, d, bias, o));
+}
+
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) {
+  const at::Tensor g = fused_swiglu(x, cast(W->weight, dt), cast(W->bias, dt), cast(V->weight, dt), cast(V->bias, dt));
+  return tp ? row_parallel(*W_2, g, B, T, dt, *tp) : (*W_2)(g, dt);
+}
+
+class TransformerMLPImpl final : public FeedForward {
  public:
   TransformerMLPImpl(const GPT2Config& c, const at::TensorOptions& o)
-      : torch::nn::Module("TransformerMLP"), dropout_(c.dropout), tanh_(c.activation_type == "gelu_tanh") {
+      : FeedForward("TransformerMLP"), dropout_(c.dropout), tanh_(c.activation_type == "gelu_tanh") {
     c_fc = register_module("c_fc", std::make_shared<LinearImpl>(c.n_embd, c.ffn_hidden, c.mlp_bias_on(), o));
     register_module("gelu", torch::nn::GELU(torch::nn::GELUOptions().approximate(tanh_ ? "tanh" : "none")));
     c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.ffn_hidden, c.n_embd, c.mlp_bias_on(), o));
@@ -426,12 +368,15 @@ class TransformerMLPImpl final : public torch::nn::Module {
   }
   // x: [B*T, d] -> [B*T, ffn_hidden] -> [B*T, d]; exact (erf) GELU, or its tanh approximation
   // (gelu_tanh, GPT-2's gelu_new). Under TP c_fc is column-parallel, c_proj row-parallel.
-  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) const {
+  at::Tensor forward(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) override {
     const at::Tensor a = at::gelu((*c_fc)(x, dt), tanh_ ? "tanh" : "none");
     at::Tensor y = tp ? row_parallel(*c_proj, a, B, T, dt, *tp) : (*c_proj)(a, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
   }
+
+  void check_tensor_parallel() const override {}
+  void parallelize(const TpPlan& plan) override { tp = &plan; }
 
   std::shared_ptr<LinearImpl> c_fc, c_proj;
   const TpPlan* tp = nullptr;
@@ -443,13 +388,17 @@ class TransformerMLPImpl final : public torch::nn::Module {
 
 class GPT2BlockImpl final : public torch::nn::Module {
  public:
-  GPT2BlockImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, const at::TensorOptions& o)
+  GPT2BlockImpl(const GPT2Config& c, std::shared_ptr<CausalMaskCache> mask, std::shared_ptr<FeedForward> ffn,
+                const at::TensorOptions& o)
       : torch::nn::Module("GPT2Block") {
     attention_norm = register_module("attention_norm", std::make_shared<NormImpl>(c.attention_norm_config, o));
     ffn_norm = register_module("ffn_norm", std::make_shared<NormImpl>(c.ffn_norm_config, o));
     attn = register_module("attn", std::make_shared<CausalSelfAttentionImpl>(c, std::move(mask), o));
-    if (c.activation_type == "swiglu") swiglu = register_module("mlp", std::make_shared<SwiGLUImpl>(c, o));
-    else gelu_mlp = register_module("mlp", std::make_shared<TransformerMLPImpl>(c, o));
+    if (!ffn && c.activation_type == "swiglu")
+      ffn = std::make_shared<SwiGLUImpl>(c.n_embd, swiglu_hidden(c.ffn_hidden, c.enforce_swiglu_hidden_dim_multiple_of),
+                                         c.mlp_bias_on(), o);
+    else if (!ffn) ffn = std::make_shared<TransformerMLPImpl>(c, o);
+    mlp = register_module("mlp", std::move(ffn));
   }
   // Pre-norm residual block. x: [B*T, d] -> [B*T, d]; under sequence parallelism this rank's
   // sequence chunk [B*(T/tp), d], gathered whole into the attention and the MLP.
@@ -457,22 +406,20 @@ class GPT2BlockImpl final : public torch::nn::Module {
     const auto enter = [&](const at::Tensor& n) { return tp ? tp->enter(n, B, T) : n; };
     x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt);
     const at::Tensor n = enter((*ffn_norm)(x, dt));
-    return x + (swiglu ? (*swiglu)(n, B, T, dt) : (*gelu_mlp)(n, B, T, dt));
+    return x + mlp->forward(n, B, T, dt);
   }
 
   void parallelize(const TpPlan& plan) {
     tp = &plan;
     attn->parallelize(plan);
-    if (swiglu) swiglu->tp = &plan;
-    else gelu_mlp->tp = &plan;
+    mlp->parallelize(plan);
     if (plan.sequence_parallel) attention_norm->partial = ffn_norm->partial = &plan;
   }
   const TpPlan* tp = nullptr;
 
   std::shared_ptr<NormImpl> attention_norm, ffn_norm;
   std::shared_ptr<CausalSelfAttentionImpl> attn;
-  std::shared_ptr<SwiGLUImpl> swiglu;
-  std::shared_ptr<TransformerMLPImpl> gelu_mlp;
+  std::shared_ptr<FeedForward> mlp;
 };
 
 namespace {
@@ -486,7 +433,7 @@ std::shared_ptr<M> init(std::shared_ptr<M> m, const at::TensorOptions& o) {
 
 }  // namespace
 
-GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o)
+GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o, const FeedForwardFactory& ffn)
     : torch::nn::Module("GPT2LLM"),
       absolute_(c.poe_type == "ABSOLUTE"),
       sequence_length_(c.sequence_length),
@@ -501,7 +448,7 @@ GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o)
   wte_ = init(std::make_shared<EmbeddingImpl>(c.vocab_size, c.n_embd, o), o);
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
   for (std::int64_t i = 0; i < c.n_layer; ++i) {
-    auto block = std::make_shared<GPT2BlockImpl>(c, mask, o);
+    auto block = std::make_shared<GPT2BlockImpl>(c, mask, ffn ? ffn(i, o) : nullptr, o);
     if (!o.device().is_meta()) reset_leaves(*block);
     blocks.emplace_back(std::to_string(i), block);
   }
@@ -606,6 +553,11 @@ void GPT2LLMImpl::parallelize(std::shared_ptr<const TpPlan> plan) {
   if (transformer_->contains("h"))
     for (const auto& item : *h_) item.value()->as<GPT2BlockImpl>()->parallelize(*tp_);
   if (tp_->sequence_parallel && lm_head_norm_) lm_head_norm_->partial = tp_.get();
+}
+
+void GPT2LLMImpl::check_tensor_parallel() const {
+  if (transformer_->contains("h"))
+    for (const auto& item : *h_) item.value()->as<GPT2BlockImpl>()->mlp->check_tensor_parallel();
 }
 
 at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt) {

@@ -1,12 +1,14 @@
 // The torch::nn::Module tree of model/gpt2 (Modalities' GPT2LLM): names, registration order and
 // forward as in Modalities, op for op (README.md, "Numerics"). Only the root is declared here; the
-// layers (Linear, Embedding, norms, RoPE, attention, MLPs, blocks) live in modules.cpp.
+// layers (Embedding, norms, RoPE, attention, MLPs, blocks) live in modules.cpp, the reusable ones
+// (Linear, SwiGLU, the feed-forward seam) in layers.h.
 //
 // Shape legend: B batch, T sequence length, d = n_embd, V = vocab_size,
 // Hq / Hkv query / key-value heads, hd = d / Hq head dim, r = Hq / Hkv.
 #pragma once
 
 #include "config.h"
+#include "layers.h"
 
 #include <modalities/sdk/module_hooks.h>
 #include <modalities/sdk/tensor_parallel.h>
@@ -24,28 +26,13 @@
 
 namespace modalities::plugins::gpt2 {
 
-// Mixed precision: parameters keep their storage dtype; every use casts to `Dt`
-// when set (FSDP2's param_dtype, README.md). See Module::set_param_dtype.
-using Dt = std::optional<c10::ScalarType>;
-
-inline at::Tensor cast(const at::Tensor& t, Dt dt) {
-  if (!dt || !t.defined() || t.scalar_type() == *dt) return t;
-  return t.to(*dt);
-}
-
-using Remap = std::function<at::Tensor(const at::Tensor&)>;
-
-// Tensor parallelism (Module::apply_tensor_parallel, `model/gpt2_tp`, README.md): the SDK's plan
-// (modalities/sdk/tensor_parallel.h) says how this rank's part of the model talks to the others.
-using TpPlan = tp::Plan;
-
 class EmbeddingImpl;
-class LinearImpl;
 class NormImpl;
 
 class GPT2LLMImpl final : public torch::nn::Module {
  public:
-  GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o);
+  // `ffn` makes the feed-forward of the blocks it chooses (layers.h); the others get model/gpt2's MLP.
+  GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o, const FeedForwardFactory& ffn = {});
   // ids: [B, T] token ids -> logits [B, T, V]. A pipeline part without wte takes
   // hidden states [B, T, d] instead; parts without lm_head return hidden states.
   //
@@ -59,6 +46,8 @@ class GPT2LLMImpl final : public torch::nn::Module {
   void retain(const std::vector<std::string>& fqns);
   // Tensor parallel: every module learns the plan; the weights were split by GPT2::parallelize.
   void parallelize(std::shared_ptr<const TpPlan> plan);
+  // Throws modalities::Error when a block's feed-forward cannot be split (FeedForward::check_tensor_parallel).
+  void check_tensor_parallel() const;
   const TpPlan* tp_plan() const { return tp_.get(); }
   // The root's forward with its hooks around it (kPreForward, kForward, kBackward of "").
   at::Tensor hooked_forward(const at::Tensor& input, Dt dt);

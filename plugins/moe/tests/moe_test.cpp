@@ -1,0 +1,272 @@
+// moe: the MoE feed-forward and model/gpt2_moe.
+//  * The block against transformers 4.57.6's own MoE blocks on the same weights and input
+//    (tests/data/*.safetensors, written by scripts/reference/make_moe_fixtures.py): Mixtral (softmax
+//    top-2, normalized), Qwen2-MoE (not normalized, gated shared expert), Qwen3-MoE (normalized
+//    top-3), and a token-by-token reference of DeepSeek-V3's sigmoid rule with a routed scaling
+//    factor and a shared expert. Output within 1e-5 of its largest value, every gradient within
+//    1e-5 of its largest entry, the tokens per expert exactly.
+//  * The two expert backends agree; the layer selection rules; the example model's FQNs, shapes,
+//    forward and backward; meta device, reset_parameters and clone; refused configs by key path.
+#include "moe.h"
+
+#include <modalities/sdk/error.h>
+#include <modalities/sdk/formats/safetensors.h>
+#include <modalities/sdk/interfaces/module.h>
+#include <modalities/testing/harness.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace modalities::plugins::moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::filesystem::path kDir = MODALITIES_TEST_PLUGIN_SOURCE_DIR;
+const std::filesystem::path kExample = kDir / "configs" / "example.toml";
+
+double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+struct Case {
+  MoeConfig config;
+  std::map<std::string, at::Tensor> tensors;
+  std::string source;
+};
+
+Case read_case(const std::string& name) {
+  const auto file = kDir / "tests" / "data" / (name + ".safetensors");
+  Case c;
+  for (auto& [key, t] : formats::read_safetensors(file)) c.tensors[key] = t;
+  const auto meta = formats::read_safetensors_metadata(file);
+  const auto num = [&](const std::string& k) { return std::stod(meta.at(k)); };
+  c.config.num_experts = static_cast<std::int64_t>(num("num_experts"));
+  c.config.top_k = static_cast<std::int64_t>(num("top_k"));
+  c.config.moe_ffn_hidden = static_cast<std::int64_t>(num("moe_ffn_hidden"));
+  c.config.score_function = meta.at("score_function") == "\"sigmoid\"" ? "sigmoid" : "softmax";
+  c.config.norm_topk_prob = meta.at("norm_topk_prob") == "true";
+  c.config.route_scale = num("route_scale");
+  if (const auto h = static_cast<std::int64_t>(num("shared_hidden")); h > 0) {
+    c.config.num_shared_experts = 1;
+    c.config.shared_expert_ffn_hidden_per_expert = h;
+  }
+  c.config.shared_expert_gate = meta.at("shared_expert_gate") == "true";
+  c.source = meta.at("source");
+  return c;
+}
+
+std::shared_ptr<MoeFeedForwardImpl> block_with_weights(const Case& c) {
+  const std::int64_t d = c.tensors.at("x").size(1);
+  auto m = std::make_shared<MoeFeedForwardImpl>(c.config, d, at::TensorOptions().dtype(at::kFloat));
+  at::NoGradGuard no_grad;
+  std::size_t n = 0;
+  for (auto& item : m->named_parameters(/*recurse=*/true)) {
+    const auto it = c.tensors.find("weight." + item.key());
+    EXPECT_NE(it, c.tensors.end()) << "no reference weight for " << item.key();
+    if (it == c.tensors.end()) continue;
+    EXPECT_EQ(item.value().sizes(), it->second.sizes()) << item.key();
+    item.value().copy_(it->second);
+    ++n;
+  }
+  std::size_t expected = 0;
+  for (const auto& [key, t] : c.tensors) expected += key.starts_with("weight.");
+  EXPECT_EQ(n, expected) << "every reference weight is a parameter of the block";
+  return m;
+}
+
+class Reference : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Reference, OutputGradientsAndLoadMatchTheReference) {
+  const Case c = read_case(GetParam());
+  SCOPED_TRACE(c.source);
+  for (const std::string backend : {"looped", "grouped_mm"}) {
+    SCOPED_TRACE(backend);
+    Case cb = c;
+    cb.config.experts_backend = backend;
+    auto m = block_with_weights(cb);
+    const at::Tensor x = c.tensors.at("x").clone().set_requires_grad(true);
+    const at::Tensor y = m->forward(x, 1, x.size(0), std::nullopt);
+    const at::Tensor& want = c.tensors.at("y");
+    EXPECT_LE(max_abs_diff(y, want), 1e-5 * max_abs(want));
+    EXPECT_TRUE(at::equal(m->last_routing().tokens_per_expert, c.tensors.at("tokens_per_expert")))
+        << m->last_routing().tokens_per_expert << " vs " << c.tensors.at("tokens_per_expert");
+    (y * c.tensors.at("dy")).sum().backward();
+    const at::Tensor& gx = c.tensors.at("grad.x");
+    EXPECT_LE(max_abs_diff(x.grad(), gx), 1e-5 * max_abs(gx)) << "grad of the input";
+    for (const auto& item : m->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& g = c.tensors.at("grad." + item.key());
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      EXPECT_LE(max_abs_diff(item.value().grad(), g), 1e-5 * max_abs(g)) << "grad of " << item.key();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, Reference,
+                         ::testing::Values("mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_norm_topk",
+                                           "sigmoid_scaled"));
+
+TEST(Moe, ABrokenExpertIsCaught) {
+  // The comparison above can fail: a wrong expert weight moves the output past the tolerance.
+  Case c = read_case("mixtral_top2");
+  c.tensors.at("weight.experts.w2").select(0, 1).mul_(1.001);
+  auto m = block_with_weights(c);
+  const at::Tensor y = m->forward(c.tensors.at("x"), 1, c.tensors.at("x").size(0), std::nullopt);
+  EXPECT_GT(max_abs_diff(y, c.tensors.at("y")), 1e-5 * max_abs(c.tensors.at("y")));
+}
+
+TEST(Moe, LayerSelection) {
+  MoeConfig c;
+  c.num_experts = 4;
+  c.top_k = 1;
+  c.moe_ffn_hidden = 8;
+  c.score_function = "softmax";
+  const auto layers = [&](std::int64_t n) {
+    std::vector<std::int64_t> out;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (c.is_moe_layer(i)) out.push_back(i);
+    return out;
+  };
+  EXPECT_EQ(layers(4), (std::vector<std::int64_t>{0, 1, 2, 3}));
+  c.first_k_dense_replace = 1;
+  EXPECT_EQ(layers(4), (std::vector<std::int64_t>{1, 2, 3}));
+  c.decoder_sparse_step = 2;  // (i + 1) % 2 == 0
+  EXPECT_EQ(layers(6), (std::vector<std::int64_t>{1, 3, 5}));
+  c.mlp_only_layers = {3};
+  EXPECT_EQ(layers(6), (std::vector<std::int64_t>{1, 5}));
+  EXPECT_EQ(c.shared_hidden(), 0);
+  c.num_shared_experts = 2;
+  EXPECT_EQ(c.shared_hidden(), 16);
+  c.shared_expert_ffn_hidden_per_expert = 40;
+  EXPECT_EQ(c.shared_hidden(), 80);
+}
+
+std::shared_ptr<Module> example_model(testing::Harness& h) {
+  auto m = h.get<Module>("model_raw");
+  EXPECT_NE(m, nullptr) << h.build_error();
+  return m;
+}
+
+TEST(Gpt2Moe, ExampleModelHasDenseAndMoeBlocks) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
+  auto m = example_model(h);
+  ASSERT_NE(m, nullptr);
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, t] : m->named_parameters()) shapes[name] = t.sizes().vec();
+  EXPECT_EQ(shapes.at("transformer.h.0.mlp.W.weight"), (std::vector<std::int64_t>{256, 128}));  // dense SwiGLU
+  EXPECT_FALSE(shapes.contains("transformer.h.0.mlp.router.gate.weight"));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.router.gate.weight"), (std::vector<std::int64_t>{8, 128}));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.experts.w1"), (std::vector<std::int64_t>{8, 128, 128}));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.experts.w2"), (std::vector<std::int64_t>{8, 128, 128}));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.experts.w3"), (std::vector<std::int64_t>{8, 128, 128}));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.shared_experts.W.weight"), (std::vector<std::int64_t>{256, 128}));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.shared_experts.W_2.weight"), (std::vector<std::int64_t>{128, 256}));
+  EXPECT_EQ(shapes.at("transformer.h.1.mlp.shared_expert_gate.weight"), (std::vector<std::int64_t>{1, 128}));
+  EXPECT_FALSE(shapes.contains("transformer.h.1.mlp.W.weight"));
+
+  const at::Tensor ids = at::randint(0, 256, {2, 16}, at::kLong);
+  const at::Tensor logits = m->forward({{"input_ids", ids}}).at("logits");
+  EXPECT_EQ(logits.sizes(), (std::vector<std::int64_t>{2, 16, 256}));
+  EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
+  logits.pow(2).mean().backward();
+  for (const auto& [name, t] : m->named_parameters()) {
+    ASSERT_TRUE(t.grad().defined()) << name;
+    if (name.find("experts.w") == std::string::npos)  // an expert no token chose has a zero gradient
+      EXPECT_GT(t.grad().abs().sum().item<double>(), 0.0) << name;
+  }
+}
+
+TEST(Gpt2Moe, MetaDeviceResetAndClone) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
+  h.set("model_raw.config.use_meta_device", true);
+  h.erase("model_raw.config.seed");
+  auto m = example_model(h);
+  ASSERT_NE(m, nullptr);
+  for (const auto& [name, t] : m->named_parameters()) EXPECT_TRUE(t.is_meta()) << name;
+  m->to(c10::Device(c10::kCPU), std::nullopt);
+  m->reset_parameters();
+  for (const auto& [name, t] : m->named_parameters()) {
+    EXPECT_FALSE(t.is_meta()) << name;
+    if (name.ends_with("norm.weight")) continue;
+    EXPECT_LE(max_abs(t), 1.0) << name;  // U(+-1/sqrt(fan_in)) or N(0, 1) for the embedding's
+  }
+  const double bound = 1.0 / std::sqrt(128.0);
+  for (const auto& [name, t] : m->named_parameters())
+    if (name.ends_with("experts.w1")) EXPECT_LE(max_abs(t), bound) << name;
+  auto copy = m->clone();
+  const at::Tensor ids = at::randint(0, 256, {1, 8}, at::kLong);
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(
+      at::equal(m->forward({{"input_ids", ids}}).at("logits"), copy->forward({{"input_ids", ids}}).at("logits")));
+}
+
+TEST(Gpt2Moe, SeededBuildsAreEqual) {
+  testing::Harness a(MODALITIES_TEST_PLUGIN, kExample), b(MODALITIES_TEST_PLUGIN, kExample);
+  auto ma = example_model(a), mb = example_model(b);
+  ASSERT_TRUE(ma && mb);
+  const auto pa = ma->named_parameters(), pb = mb->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
+}
+
+TEST(Gpt2Moe, TensorParallelIsRefusedByName) {
+  MoeConfig c;
+  c.num_experts = 2;
+  c.top_k = 1;
+  c.moe_ffn_hidden = 4;
+  c.score_function = "softmax";
+  MoeFeedForwardImpl m(c, 8, at::TensorOptions());
+  try {
+    m.check_tensor_parallel();
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("tensor parallelism of MoE blocks is not implemented"));
+  }
+}
+
+TEST(Gpt2Moe, BadConfigsNameTheKey) {
+  struct Bad {
+    std::string path;
+    Value value;
+    std::string message;
+  };
+  const std::vector<Bad> cases = {
+      {"model_raw.config.moe_config.top_k", Value(std::int64_t{9}),
+       "model_raw.config.moe_config.top_k: is 9, more than num_experts = 8"},
+      {"model_raw.config.moe_config.score_function", Value(std::string("relu")),
+       "model_raw.config.moe_config.score_function: must be one of"},
+      {"model_raw.config.moe_config.num_experts", Value(std::int64_t{0}), "model_raw.config.moe_config.num_experts"},
+      {"model_raw.config.moe_config.route_scale", Value(0.0), "model_raw.config.moe_config.route_scale"},
+      {"model_raw.config.moe_config.experts_backend", Value(std::string("cutlass")),
+       "model_raw.config.moe_config.experts_backend: must be one of"},
+      {"model_raw.config.moe_config.first_k_dense_replace", Value(std::int64_t{2}),
+       "model_raw.config.moe_config: selects no MoE block of the 2 blocks"},
+      {"model_raw.config.moe_config.mlp_only_layers", Value(Value::List{Value(5)}),
+       "model_raw.config.moe_config.mlp_only_layers[0]: is 5, not a block of the model"},
+      {"model_raw.config.moe_config.num_shared_experts", Value(std::int64_t{0}),
+       "model_raw.config.moe_config.shared_expert_gate: is true, but there is no shared expert"},
+      {"model_raw.config.n_head_kv", Value(std::int64_t{3}), "model_raw.config.n_head_kv"},  // gpt2's own checks
+  };
+  for (const Bad& c : cases) {
+    SCOPED_TRACE(c.path);
+    testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
+    h.set(c.path, c.value);
+    EXPECT_THAT(h.build_error(), HasSubstr(c.message));
+  }
+  testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
+  h.erase("model_raw.config.moe_config");
+  EXPECT_THAT(h.build_error(), HasSubstr("model_raw.config.moe_config: missing required key"));
+}
+
+}  // namespace
+}  // namespace modalities::plugins::moe
