@@ -6,7 +6,6 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/nn/init.h>
 
 #include <algorithm>
 #include <atomic>
@@ -171,8 +170,8 @@ MoeFeedForwardImpl::MoeFeedForwardImpl(const MoeConfig& c, std::int64_t d, const
 
 void MoeFeedForwardImpl::check_tensor_parallel() const {
   throw Error(
-      "model/gpt2_moe: tensor parallelism of MoE blocks is not implemented yet; split the dense layers with "
-      "expert parallelism instead when it lands, or train without a tp dim");
+      "model/gpt2_moe: tensor parallelism of MoE blocks is not implemented (plugins/moe/README.md, \"Status\"); "
+      "train the MoE model without a tp dim (tensor_parallel_degree = 1)");
 }
 
 Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
@@ -203,8 +202,9 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
   const at::Tensor order = at::argsort(flat, /*stable=*/true);  // [N*k]
   const at::Tensor token = at::floor_divide(order, k);          // [N*k]
   const at::Tensor routed = h.index_select(0, token);           // [N*k, d]
-  at::Tensor y = experts->forward(routed, r.tokens_per_expert, dt, use_grouped_mm(c_.experts_backend, h));
-  log_backend_once(use_grouped_mm(c_.experts_backend, h), h);
+  const bool grouped = use_grouped_mm(c_.experts_backend, h);
+  log_backend_once(grouped, h);
+  at::Tensor y = experts->forward(routed, r.tokens_per_expert, dt, grouped);
   // Combine: each pair's output times its weight (in the compute dtype, as transformers casts the
   // routing weights), summed per token in increasing expert order.
   y = y * r.weights.reshape(-1).index_select(0, order).to(y.scalar_type()).unsqueeze(1);

@@ -125,12 +125,18 @@ TEST(Moe, ABrokenExpertIsCaught) {
   EXPECT_GT(max_abs_diff(y, c.tensors.at("y")), 1e-5 * max_abs(c.tensors.at("y")));
 }
 
-TEST(Moe, LayerSelection) {
+// A config as the schema would give it: top-1 softmax routing, no shared experts, every block MoE.
+MoeConfig top1_softmax(std::int64_t experts, std::int64_t hidden) {
   MoeConfig c;
-  c.num_experts = 4;
+  c.num_experts = experts;
   c.top_k = 1;
-  c.moe_ffn_hidden = 8;
+  c.moe_ffn_hidden = hidden;
   c.score_function = "softmax";
+  return c;
+}
+
+TEST(Moe, LayerSelection) {
+  MoeConfig c = top1_softmax(4, 8);
   const auto layers = [&](std::int64_t n) {
     std::vector<std::int64_t> out;
     for (std::int64_t i = 0; i < n; ++i)
@@ -182,8 +188,9 @@ TEST(Gpt2Moe, ExampleModelHasDenseAndMoeBlocks) {
   logits.pow(2).mean().backward();
   for (const auto& [name, t] : m->named_parameters()) {
     ASSERT_TRUE(t.grad().defined()) << name;
-    if (name.find("experts.w") == std::string::npos)  // an expert no token chose has a zero gradient
+    if (name.find("experts.w") == std::string::npos) {  // an expert no token chose has a zero gradient
       EXPECT_GT(t.grad().abs().sum().item<double>(), 0.0) << name;
+    }
   }
 }
 
@@ -203,7 +210,9 @@ TEST(Gpt2Moe, MetaDeviceResetAndClone) {
   }
   const double bound = 1.0 / std::sqrt(128.0);
   for (const auto& [name, t] : m->named_parameters())
-    if (name.ends_with("experts.w1")) EXPECT_LE(max_abs(t), bound) << name;
+    if (name.ends_with("experts.w1")) {
+      EXPECT_LE(max_abs(t), bound) << name;
+    }
   auto copy = m->clone();
   const at::Tensor ids = at::randint(0, 256, {1, 8}, at::kLong);
   at::NoGradGuard no_grad;
@@ -221,11 +230,7 @@ TEST(Gpt2Moe, SeededBuildsAreEqual) {
 }
 
 TEST(Gpt2Moe, TensorParallelIsRefusedByName) {
-  MoeConfig c;
-  c.num_experts = 2;
-  c.top_k = 1;
-  c.moe_ffn_hidden = 4;
-  c.score_function = "softmax";
+  const MoeConfig c = top1_softmax(2, 4);
   MoeFeedForwardImpl m(c, 8, at::TensorOptions());
   try {
     m.check_tensor_parallel();
