@@ -52,7 +52,8 @@ build="${root}/build-fuzz"
 export CCACHE_DIR="${CCACHE_DIR:-${root}/.deps/ccache}"
 CC=clang CXX=clang++ cmake -S "${root}" -B "${build}" -G Ninja \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
-  -DMODALITIES_WITH_CUDA=OFF -DMODALITIES_ALLOCATOR=system -DMODALITIES_FUZZ=ON >/dev/null
+  -DMODALITIES_WITH_CUDA=OFF -DMODALITIES_ALLOCATOR=system -DMODALITIES_FUZZ=ON \
+  -DMODALITIES_UNITY_BUILD=OFF >/dev/null  # file by file: the fuzzers' build is rebuilt incrementally
 cmake --build "${build}" --target modalities_fuzzers -j "${MODALITIES_FUZZ_JOBS:-$(nproc)}"
 
 # LibTorch's one-time allocations at start-up are not leaks of ours (scripts/sanitizers/lsan.supp).

@@ -61,7 +61,9 @@ __attribute__((visibility(\"hidden\"))) const char* plugin_example_config = rein
     target_sources(${target} PRIVATE "${generated}")
     # A byte array needs no headers: without this, the plugin's (LibTorch) precompiled header is
     # loaded for it too, about 5 s per plugin.
-    set_source_files_properties("${generated}" PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+    # Its own translation unit also in a unity build: it holds the strong definition of the weak
+    # plugin_example_config that plugin.h declares in every other file.
+    set_source_files_properties("${generated}" PROPERTIES SKIP_PRECOMPILE_HEADERS ON SKIP_UNITY_BUILD_INCLUSION ON)
     set_target_properties(${target} PROPERTIES MODALITIES_EXAMPLE_CONFIG "${example}")
   endif()
   if(ARG_VERSION)
