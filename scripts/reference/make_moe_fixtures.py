@@ -3,7 +3,11 @@
 
 For each case a tiny MoE block with seeded random weights runs forward and backward on a random
 input; the file holds the weights in our names, the input, the output, the upstream gradient,
-the gradients of the input and of every weight, and the tokens each expert received:
+the gradients of the input and of every weight, and the tokens each expert received. The
+transformers cases also hold the auxiliary losses of transformers' own functions on the block's
+router logits: load_balancing_loss_func (Mixtral's; for one layer k times our load-balancing term,
+plugins/moe/src/moe.cpp, Note [MoE auxiliary losses]), router_z_loss_func (Switch Transformers'),
+and the gradient of the router weight of load_balancing / k + z:
 
   mixtral_top2           transformers' MixtralSparseMoeBlock (softmax, top-2, normalized)
   qwen2_moe_shared_gate  transformers' Qwen2MoeSparseMoeBlock (not normalized, gated shared expert)
@@ -46,8 +50,14 @@ def run_hf(block, names, shared=None):
     x = torch.randn(2, N_TOKENS // 2, D, requires_grad=True)
     dy = torch.randn(2, N_TOKENS // 2, D)
     y, router_logits = block(x)
-    (y * dy).sum().backward()
     k = block.top_k
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+    lb = load_balancing_loss_func((router_logits,), len(block.experts), k)
+    z = router_z_loss_func(router_logits.float().unsqueeze(0))
+    aux = {"aux.load_balancing": lb.detach().reshape(1), "aux.z_loss": z.detach().reshape(1),
+           "aux.grad.router.gate.weight": torch.autograd.grad(lb / k + z, block.gate.weight, retain_graph=True)[0]}
+    (y * dy).sum().backward()
     chosen = torch.topk(F.softmax(router_logits.float(), dim=-1), k, dim=-1).indices
     weights = {
         "router.gate.weight": block.gate.weight.detach(),
@@ -70,7 +80,7 @@ def run_hf(block, names, shared=None):
             weights["shared_expert_gate.weight"] = gate.weight.detach()
             grads["shared_expert_gate.weight"] = gate.weight.grad
     tpe = torch.bincount(chosen.reshape(-1), minlength=len(w1s))
-    return x, dy, y, weights, grads, tpe
+    return x, dy, y, weights, grads, tpe, aux
 
 
 def mixtral():
@@ -146,7 +156,7 @@ def sigmoid_scaled():
     tpe = torch.bincount(torch.stack(chosen_all).reshape(-1), minlength=E)
     meta = dict(num_experts=E, top_k=k, moe_ffn_hidden=Fh, score_function="sigmoid", norm_topk_prob=True,
                 route_scale=scale, shared_hidden=Fs, shared_expert_gate=False)
-    return meta, (x, dy, y, weights, grads, tpe)
+    return meta, (x, dy, y, weights, grads, tpe, {})
 
 
 def main():
@@ -154,13 +164,14 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     for name, make in (("mixtral_top2", mixtral), ("qwen2_moe_shared_gate", qwen2_moe),
                        ("qwen3_moe_norm_topk", qwen3_moe), ("sigmoid_scaled", sigmoid_scaled)):
-        meta, (x, dy, y, weights, grads, tpe) = make()
+        meta, (x, dy, y, weights, grads, tpe, aux) = make()
         tensors = {"x": x.detach().reshape(-1, D), "dy": dy.reshape(-1, D), "y": y.detach().reshape(-1, D),
                    "grad.x": x.grad.reshape(-1, D), "tokens_per_expert": tpe.to(torch.int64)}
         for n, t in weights.items():
             tensors[f"weight.{n}"] = t
         for n, t in grads.items():
             tensors[f"grad.{n}"] = t
+        tensors.update(aux)
         tensors = {n: t.contiguous().clone() for n, t in tensors.items()}
         metadata = {k: json.dumps(v) for k, v in meta.items()}
         metadata["source"] = f"transformers {transformers.__version__}, torch {torch.__version__}"

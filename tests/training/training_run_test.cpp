@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -47,13 +48,17 @@ void replace_line(std::string& text, const std::string& from, const std::string&
   text.replace(pos, from.size(), to);
 }
 
-/// configs/quickstart/<name> shrunk to a seconds-long run.
-std::string tiny_config(const std::string& name, const std::map<std::string, std::string>& extra = {}) {
-  std::string t = read_file(kRoot / "configs/quickstart" / name);
+/// configs/<folder>/<name> (the quickstart's or one derived from it) shrunk to a seconds-long run.
+std::string tiny_config(const std::string& name, const std::map<std::string, std::string>& extra = {},
+                        const std::string& folder = "quickstart") {
+  std::string t = read_file(kRoot / "configs" / folder / name);
+  // Any run length (the quickstart's 80 steps, the MoE config's 40) becomes 8 steps.
+  const std::string steps = std::regex_replace(t, std::regex("num_target_steps = [0-9]+"), "num_target_steps = 8");
+  EXPECT_NE(steps, t) << "configs/" << folder << "/" << name << " no longer sets num_target_steps";
+  t = steps;
   const std::vector<std::pair<std::string, std::string>> edits = {
       {"n_layer = 2", "n_layer = 1"},
       {"sequence_length = 128", "sequence_length = 32"},
-      {"num_target_steps = 80", "num_target_steps = 8"},
       {"training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1"},
       {"checkpointing_interval_in_steps = 20", "checkpointing_interval_in_steps = 4"},
       {"evaluation_interval_in_steps = 20", "evaluation_interval_in_steps = 4"},
@@ -213,6 +218,30 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
     ++compared;
   }
   EXPECT_GT(compared, 10u);
+}
+
+// configs/moe/train_cpu.toml: model/gpt2_moe trained on loss/weighted_sum of the cross-entropy and
+// loss/moe_aux_loss. The first step's loss (same seeded weights, same batch) exceeds that of the
+// same run with the auxiliary term weighted 0 by the block's load-balancing and z-loss terms:
+// about 0.01 (perfect balance) plus 0.001 * logsumexp^2 (about 2 for 4 experts near uniform).
+TEST_F(TrainingRunTest, MoeConfigTrainsOnTheCrossEntropyPlusTheAuxiliaryLosses) {
+  const fs::path experiments = dir_.path() / "experiments";
+  const auto run = [&](const std::string& id, const std::map<std::string, std::string>& extra) {
+    const fs::path cfg = dir_.write(id + ".toml", tiny_config("train_cpu.toml", extra, "moe"));
+    const CommandResult r = modalities({"run", "--config_file_path", cfg.string(), "--experiments_root_path",
+                                        experiments.string(), "--experiment_id", id});
+    EXPECT_EQ(r.exit_code, 0) << r;
+    return train_results(experiments / id / "evaluation_results.jsonl");
+  };
+  const auto with = run("moe", {});
+  const auto without = run("moe_plain", {{"weights = [1.0, 1.0]", "weights = [1.0, 0.0]"}});
+  ASSERT_EQ(with.size(), 8u);
+  ASSERT_EQ(without.size(), 8u);
+  for (const auto& r : with) EXPECT_TRUE(std::isfinite(std::stod(r.at("train loss last"))));
+  const double aux = std::stod(with[0].at("train loss last")) - std::stod(without[0].at("train loss last"));
+  EXPECT_GT(aux, 0.005) << "the auxiliary losses are part of the trained loss";
+  EXPECT_LT(aux, 0.05);
+  EXPECT_LT(std::stod(with[7].at("train loss avg")), std::stod(with[0].at("train loss avg")));
 }
 
 TEST_F(TrainingRunTest, WarmStartIsExactWithDropoutAndEvaluation) {

@@ -114,6 +114,10 @@ class FeedForward : public torch::nn::Module {
   virtual void check_tensor_parallel() const;
   /// Tensor parallel: this rank's part of the hidden units (the weights were split by the model).
   virtual void parallelize(const TpPlan& plan);
+  /// Whether forward() leaves an auxiliary loss for take_aux_loss() (MoE load balancing).
+  virtual bool has_aux_loss() const { return false; }
+  /// The auxiliary loss of the last forward (0-dim, with its graph), then forgotten; undefined if none.
+  virtual at::Tensor take_aux_loss() { return {}; }
 };
 
 /// Makes the feed-forward of block `layer` (0-based), or returns null for model/gpt2's own dense

@@ -50,7 +50,8 @@ std::optional<std::int64_t> tp_split_dim(std::string_view fqn) {
 
 class GPT2 final : public Module, public HuggingFaceExportable {
  public:
-  GPT2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn = {}) : config_(c), ffn_(std::move(ffn)) {
+  GPT2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn = {}, std::string aux_loss_key = {})
+      : config_(c), ffn_(std::move(ffn)), aux_loss_key_(std::move(aux_loss_key)) {
     if (c.seed) {
       // torch.manual_seed reinterprets a negative seed as its two's complement uint64.
       at::manual_seed(static_cast<std::uint64_t>(*c.seed));
@@ -66,7 +67,11 @@ class GPT2 final : public Module, public HuggingFaceExportable {
       throw Error(
           fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key, quoted_list(keys)));
     }
-    return {{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_)}};
+    TensorMap out{{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_)}};
+    // The feed-forwards' auxiliary losses (MoE load balancing), summed over the blocks.
+    if (!aux_loss_key_.empty())
+      if (at::Tensor aux = impl_->take_aux_losses(); aux.defined()) out.emplace(aux_loss_key_, std::move(aux));
+    return out;
   }
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
@@ -166,6 +171,12 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   }
 
   void retain_modules(const std::vector<std::string>& module_fqns) override {
+    if (impl_->has_aux_losses())
+      throw Error(fmt::format(
+          "model/gpt2_moe: the MoE blocks' auxiliary losses (model output '{}', moe_config.aux_loss_coef and "
+          "z_loss_coef) are not carried through pipeline stages yet; train without pipeline parallelism or set "
+          "both coefficients to 0 (plugins/moe/README.md, \"Status\")",
+          aux_loss_key_));
     impl_->retain(module_fqns);
     retained_ = module_fqns;
   }
@@ -308,7 +319,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   std::shared_ptr<Module> clone() const override {
     // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
-    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_);
+    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_, aux_loss_key_);
     if (tp_) copy->parallelize(*tp_);                 // the same local shapes and plan
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
@@ -336,7 +347,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   }
 
   GPT2Config config_;
-  FeedForwardFactory ffn_;  // another plugin's feed-forward layers (make_gpt2)
+  FeedForwardFactory ffn_;    // another plugin's feed-forward layers (make_gpt2)
+  std::string aux_loss_key_;  // the model output of their auxiliary losses (make_gpt2)
   std::shared_ptr<GPT2LLMImpl> impl_;
   Dt param_dtype_;
   std::shared_ptr<const TpPlan> tp_;                               // model/gpt2_tp
@@ -347,8 +359,9 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 
 }  // namespace
 
-std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn) {
-  return std::make_shared<GPT2>(c, device, std::move(ffn));
+std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn,
+                                  std::string aux_loss_key) {
+  return std::make_shared<GPT2>(c, device, std::move(ffn), std::move(aux_loss_key));
 }
 
 }  // namespace modalities::plugins::gpt2

@@ -555,9 +555,28 @@ void GPT2LLMImpl::parallelize(std::shared_ptr<const TpPlan> plan) {
   if (tp_->sequence_parallel && lm_head_norm_) lm_head_norm_->partial = tp_.get();
 }
 
-void GPT2LLMImpl::check_tensor_parallel() const {
+template <class F>
+void GPT2LLMImpl::for_each_feed_forward(F&& f) const {
   if (transformer_->contains("h"))
-    for (const auto& item : *h_) item.value()->as<GPT2BlockImpl>()->mlp->check_tensor_parallel();
+    for (const auto& item : *h_) f(*item.value()->as<GPT2BlockImpl>()->mlp);
+}
+
+void GPT2LLMImpl::check_tensor_parallel() const {
+  for_each_feed_forward([](const FeedForward& ffn) { ffn.check_tensor_parallel(); });
+}
+
+bool GPT2LLMImpl::has_aux_losses() const {
+  bool any = false;
+  for_each_feed_forward([&](const FeedForward& ffn) { any = any || ffn.has_aux_loss(); });
+  return any;
+}
+
+at::Tensor GPT2LLMImpl::take_aux_losses() {
+  at::Tensor total;
+  for_each_feed_forward([&](FeedForward& ffn) {
+    if (at::Tensor a = ffn.take_aux_loss(); a.defined()) total = total.defined() ? total + a : a;
+  });
+  return total;
 }
 
 at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt) {

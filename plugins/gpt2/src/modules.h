@@ -49,6 +49,11 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // Throws modalities::Error when a block's feed-forward cannot be split (FeedForward::check_tensor_parallel).
   void check_tensor_parallel() const;
   const TpPlan* tp_plan() const { return tp_.get(); }
+  // Whether a block's feed-forward leaves an auxiliary loss (FeedForward::has_aux_loss).
+  bool has_aux_losses() const;
+  // The sum of the blocks' auxiliary losses of the last forward (FeedForward::take_aux_loss),
+  // undefined when no block left one.
+  at::Tensor take_aux_losses();
   // The root's forward with its hooks around it (kPreForward, kForward, kBackward of "").
   at::Tensor hooked_forward(const at::Tensor& input, Dt dt);
   ModuleHooks& hooks() { return hooks_; }
@@ -64,6 +69,9 @@ class GPT2LLMImpl final : public torch::nn::Module {
   void remap_leaves(const Remap& f);
 
  private:
+  // f(FeedForward&) for the feed-forward of every block this part holds (modules.cpp).
+  template <class F>
+  void for_each_feed_forward(F&& f) const;
   // The embedding of token ids with this rank's rows [rank * V/tp, ...) of the table: ids outside
   // the slice look up row 0 and are zeroed, and the sum over the ranks (TpPlan::leave) is the
   // whole embedding, exactly (x + 0 = x).

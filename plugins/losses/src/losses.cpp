@@ -1,7 +1,7 @@
-// loss/clm_cross_entropy_loss (README.md): mean
-// token cross-entropy of a causal LM's logits [B, T, V] against the collator's
-// already-shifted targets [B, T], ignore index -100, computed in the logits'
-// dtype (so a bf16 forward gives a bf16 loss, exactly as Modalities logs it).
+// The losses (README.md): loss/clm_cross_entropy_loss, the mean token cross-entropy of a causal
+// LM's logits [B, T, V] against the collator's already-shifted targets [B, T], ignore index -100,
+// computed in the logits' dtype (so a bf16 forward gives a bf16 loss, exactly as Modalities logs
+// it); loss/moe_aux_loss, a model's auxiliary-loss output as a loss; loss/weighted_sum of losses.
 #include <modalities/sdk/interfaces/batch.h>
 #include <modalities/sdk/interfaces/loss.h>
 #include <modalities/sdk/plugin.h>
@@ -10,8 +10,13 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
+#include <cmath>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace modalities::plugins::losses {
 namespace {
@@ -99,12 +104,139 @@ class ClmCrossEntropyLoss final : public Loss {
   ClmCrossEntropyLossConfig c_;
 };
 
+// --- moe_aux_loss ---------------------------------------------------------------------
+
+struct MoeAuxLossConfig {
+  std::string prediction_key = "moe_aux_loss";
+  std::string tag = "MoEAuxLoss";
+
+  static void describe(Schema<MoeAuxLossConfig>& s) {
+    s.field("prediction_key", &MoeAuxLossConfig::prediction_key,
+            "Model output holding the auxiliary loss, a 0-dim tensor (model/gpt2_moe: moe_config.aux_loss_key).")
+        .non_empty();
+    s.field("tag", &MoeAuxLossConfig::tag, "Name of this loss in evaluation results.").non_empty();
+  }
+};
+
+// The model computed the loss (the MoE blocks' load-balancing and z-losses, with their
+// coefficients); this hands it to the gym, usually as a term of loss/weighted_sum.
+class MoeAuxLoss final : public Loss {
+ public:
+  explicit MoeAuxLoss(MoeAuxLossConfig c) : c_(std::move(c)) {}
+
+  at::Tensor compute(const InferenceResultBatch& batch) const override {
+    const auto it = batch.predictions.find(c_.prediction_key);
+    if (it == batch.predictions.end()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : batch.predictions) keys.push_back(k);
+      std::sort(keys.begin(), keys.end());
+      throw Error(
+          fmt::format("{}: the model gave no output '{}' (prediction_key); it gave {}. model/gpt2_moe gives it when "
+                      "moe_config.aux_loss_coef or z_loss_coef is positive, under the name moe_config.aux_loss_key",
+                      c_.tag, c_.prediction_key, fmt::join(keys, ", ")));
+    }
+    MODALITIES_CHECK(it->second.dim() == 0 && c10::isFloatingType(it->second.scalar_type()),
+                     "{}: the output '{}' must be a floating-point scalar (0-dim), got {} {}", c_.tag,
+                     c_.prediction_key, c10::toString(it->second.scalar_type()), shape_of(it->second));
+    return it->second;
+  }
+  at::Tensor compute(const at::Tensor&, const at::Tensor&) const override {
+    throw Error(
+        fmt::format("{}: the auxiliary loss is a model output of its own, which a pipeline schedule does not pass on "
+                    "(it gives the last stage's logits only); train MoE models with auxiliary losses without pipeline "
+                    "parallelism",
+                    c_.tag));
+  }
+  bool accepts_vocab_shards() const override { return true; }  // reads no logits
+  std::string tag() const override { return c_.tag; }
+  std::string target_key() const override { return {}; }
+  std::string prediction_key() const override { return c_.prediction_key; }
+
+ private:
+  MoeAuxLossConfig c_;
+};
+
+// --- weighted_sum ----------------------------------------------------------------------
+
+struct WeightedSumLossConfig {
+  std::vector<Ref<Loss>> losses;
+  std::vector<double> weights;
+  std::string tag = "WeightedSumLoss";
+
+  static void describe(Schema<WeightedSumLossConfig>& s) {
+    s.field("losses", &WeightedSumLossConfig::losses,
+            "The losses to add up, in order; the first names the logits and targets (prediction_key, "
+            "target_key) for the pipeline and tensor-parallel paths.")
+        .required()
+        .non_empty();
+    s.field("weights", &WeightedSumLossConfig::weights,
+            "The weight of each loss (one per loss); empty (the default): all 1.");
+    s.field("tag", &WeightedSumLossConfig::tag, "Name of this loss in evaluation results.").non_empty();
+    s.rule([](const WeightedSumLossConfig& c, ParseContext& ctx) {
+      if (!c.weights.empty() && c.weights.size() != c.losses.size())
+        ctx.fail("weights",
+                 fmt::format("expected one weight per loss ({}), got {}", c.losses.size(), c.weights.size()));
+      for (std::size_t i = 0; i < c.weights.size(); ++i)
+        if (!std::isfinite(c.weights[i]))
+          ctx.fail(fmt::format("weights[{}]", i), fmt::format("is {}; expected a finite number", c.weights[i]));
+    });
+  }
+};
+
+// sum_i weights[i] * losses[i], in the dtype of the first loss's result (the logits' dtype for
+// loss/clm_cross_entropy_loss); a weight of exactly 1 multiplies nothing.
+class WeightedSumLoss final : public Loss {
+ public:
+  explicit WeightedSumLoss(const WeightedSumLossConfig& c) : tag_(c.tag), weights_(c.weights) {
+    for (const auto& l : c.losses) losses_.push_back(l.shared());
+    if (weights_.empty()) weights_.assign(losses_.size(), 1.0);
+  }
+
+  at::Tensor compute(const InferenceResultBatch& batch) const override {
+    return sum([&](const Loss& l) { return l.compute(batch); });
+  }
+  at::Tensor compute(const at::Tensor& predictions, const at::Tensor& targets) const override {
+    return sum([&](const Loss& l) { return l.compute(predictions, targets); });
+  }
+  bool accepts_vocab_shards() const override {
+    return std::all_of(losses_.begin(), losses_.end(), [](const auto& l) { return l->accepts_vocab_shards(); });
+  }
+  std::string tag() const override { return tag_; }
+  std::string target_key() const override { return losses_.front()->target_key(); }
+  std::string prediction_key() const override { return losses_.front()->prediction_key(); }
+
+ private:
+  template <class F>
+  at::Tensor sum(F&& term) const {
+    at::Tensor total;
+    for (std::size_t i = 0; i < losses_.size(); ++i) {
+      at::Tensor t = term(*losses_[i]);
+      if (total.defined()) t = t.to(total.scalar_type());
+      if (weights_[i] != 1.0) t = t * weights_[i];
+      total = total.defined() ? total + t : t;
+    }
+    return total;
+  }
+
+  std::string tag_;
+  std::vector<std::shared_ptr<Loss>> losses_;
+  std::vector<double> weights_;
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
   r.add<Loss, ClmCrossEntropyLossConfig>(
       "clm_cross_entropy_loss", "Mean token cross-entropy of LM logits vs. shifted targets (ignore index -100).",
       [](const ClmCrossEntropyLossConfig& c) { return std::make_shared<ClmCrossEntropyLoss>(c); });
+  r.add<Loss, MoeAuxLossConfig>(
+      "moe_aux_loss",
+      "A model's auxiliary-loss output (0-dim) as a loss: model/gpt2_moe's load-balancing and router z-losses, "
+      "usually a term of loss/weighted_sum.",
+      [](const MoeAuxLossConfig& c) { return std::make_shared<MoeAuxLoss>(c); });
+  r.add<Loss, WeightedSumLossConfig>(
+      "weighted_sum", "The weighted sum of other losses (e.g. cross-entropy + a MoE model's auxiliary loss).",
+      [](const WeightedSumLossConfig& c) { return std::make_shared<WeightedSumLoss>(c); });
 }
 
 }  // namespace modalities::plugins::losses

@@ -1,6 +1,7 @@
 // losses: loss/clm_cross_entropy_loss built from the example config and
 // compared with PyTorch (Modalities' CLMCrossEntropyLoss) on stored cases from
-// scripts/reference/loss_reference.py (tests/data/loss_reference.txt).
+// scripts/reference/loss_reference.py (tests/data/loss_reference.txt); loss/moe_aux_loss and
+// loss/weighted_sum against the formula.
 // Tolerance: 1e-6 relative for fp32 (same kernels, different build), exact for
 // bf16 (the loss is a bf16 scalar; one bf16 step near 8 is 1/16).
 #include <modalities/sdk/interfaces/batch.h>
@@ -159,6 +160,82 @@ TEST_F(ClmLossTest, ValidatorsNameTheConfigPath) {
   EXPECT_THAT(h.build_error(), HasSubstr("loss_fn.config.target_key: missing required key"));
   h.set("loss_fn.config.target_key", Value(""));
   EXPECT_THAT(h.build_error(), HasSubstr("loss_fn.config.target_key: must not be empty"));
+}
+
+// Cross-entropy plus a MoE model's auxiliary-loss output, as a MoE training config combines them.
+constexpr const char* kWeightedSum = R"(
+[ce]
+component_key = "loss"
+variant_key = "clm_cross_entropy_loss"
+config = { target_key = "target_ids", prediction_key = "logits" }
+
+[aux]
+component_key = "loss"
+variant_key = "moe_aux_loss"
+config = { prediction_key = "balance" }
+
+[loss_fn]
+component_key = "loss"
+variant_key = "weighted_sum"
+config = { losses = [{ instance_key = "ce", pass_type = "BY_REFERENCE" }, { instance_key = "aux", pass_type = "BY_REFERENCE" }], weights = [1.0, 0.5] }
+)";
+
+TEST(WeightedSumLossTest, AddsTheWeightedTermsAndTheirGradients) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN);
+  h.set_config_text(kWeightedSum);
+  auto l = h.get<Loss>("loss_fn");
+  ASSERT_NE(l, nullptr) << h.build_error();
+  EXPECT_EQ(l->tag(), "WeightedSumLoss");
+  EXPECT_EQ(l->prediction_key(), "logits");
+  EXPECT_EQ(l->target_key(), "target_ids");
+  EXPECT_TRUE(l->accepts_vocab_shards());
+  at::manual_seed(3);
+  const at::Tensor logits = at::randn({2, 5, 7}).set_requires_grad(true);
+  const at::Tensor aux = at::full({}, 0.25).set_requires_grad(true);
+  InferenceResultBatch b;
+  b.targets = {{"target_ids", at::randint(0, 7, {2, 5}, at::kLong)}};
+  b.predictions = {{"logits", logits}, {"balance", aux}};
+  const at::Tensor total = l->compute(b);
+  const at::Tensor ce =
+      at::cross_entropy_loss(logits.detach().reshape({-1, 7}), b.targets.at("target_ids").reshape({-1}));
+  EXPECT_NEAR(total.item<double>(), ce.item<double>() + 0.5 * 0.25, 1e-6);
+  total.backward();
+  EXPECT_NEAR(aux.grad().item<double>(), 0.5, 1e-7);
+  EXPECT_TRUE(logits.grad().defined());
+  auto alone = h.get<Loss>("aux");
+  ASSERT_NE(alone, nullptr);
+  EXPECT_EQ(alone->tag(), "MoEAuxLoss");
+  EXPECT_TRUE(at::equal(alone->compute(b), aux));
+}
+
+TEST(WeightedSumLossTest, ErrorsNameTheKeyAndThePath) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN);
+  h.set_config_text(kWeightedSum);
+  auto l = h.get<Loss>("loss_fn");
+  ASSERT_NE(l, nullptr) << h.build_error();
+  InferenceResultBatch b;  // a model without auxiliary losses
+  b.targets = {{"target_ids", at::zeros({1, 2}, at::kLong)}};
+  b.predictions = {{"logits", at::zeros({1, 2, 3})}};
+  try {
+    l->compute(b);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("MoEAuxLoss: the model gave no output 'balance' (prediction_key); it gave logits"));
+  }
+  b.predictions["balance"] = at::zeros({2});
+  EXPECT_THROW(l->compute(b), Error);  // not a scalar
+  try {
+    l->compute(at::zeros({1, 2, 3}), at::zeros({1, 2}, at::kLong));  // the pipeline path
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("without pipeline parallelism"));
+  }
+  h.set("loss_fn.config.weights", Value(Value::List{Value(1.0)}));
+  EXPECT_THAT(h.build_error(), HasSubstr("loss_fn.config.weights: expected one weight per loss (2), got 1"));
+  h.set("loss_fn.config.weights", Value(Value::List{}));  // all 1
+  ASSERT_NE(h.get<Loss>("loss_fn"), nullptr) << h.build_error();
+  h.set("loss_fn.config.losses", Value(Value::List{}));
+  EXPECT_THAT(h.build_error(), HasSubstr("loss_fn.config.losses"));
 }
 
 }  // namespace

@@ -61,6 +61,24 @@ void MoeConfig::describe(Schema<MoeConfig>& s) {
           "per projection; Modalities' default), looped (one mm per expert that has tokens) or auto (ours: "
           "grouped_mm on CUDA in bfloat16, looped elsewhere). The choice is logged once.")
       .one_of({"auto", "grouped_mm", "looped"});
+  s.field("aux_loss_coef", &MoeConfig::aux_loss_coef,
+          "Coefficient of the load-balancing loss of every MoE block, E * sum_e f_e * P_e (Switch/GShard: f_e the "
+          "share of the routing slots expert e got, P_e its mean router probability); 0: none. Modalities' "
+          "moe_aux_loss_coef. The blocks' sum is the model output aux_loss_key (plugins/moe/README.md).")
+      .non_negative();
+  s.field("aux_loss_scope", &MoeConfig::aux_loss_scope,
+          "What f_e and P_e average over: the micro-batch's tokens (micro_batch: Switch, GShard, Modalities' "
+          "qwen MoE) or each sequence, the terms then averaged over the sequences (sequence: DeepSeek-V3's "
+          "sequence-wise balance loss).")
+      .one_of({"micro_batch", "sequence"});
+  s.field("z_loss_coef", &MoeConfig::z_loss_coef,
+          "Coefficient of the router z-loss of every MoE block, the mean over tokens of logsumexp(router "
+          "logits)^2 (ST-MoE); 0: none. Modalities' moe_z_loss_coef.")
+      .non_negative();
+  s.field("aux_loss_key", &MoeConfig::aux_loss_key,
+          "Model output that holds the sum over the MoE blocks of their auxiliary losses (a 0-dim tensor, "
+          "present when a coefficient is positive); loss/moe_aux_loss reads it.")
+      .non_empty();
   s.rule([](const MoeConfig& c, ParseContext& ctx) {
     if (c.top_k > c.num_experts)
       ctx.fail("top_k", fmt::format("is {}, more than num_experts = {}; each token picks top_k of the experts", c.top_k,
@@ -178,9 +196,8 @@ Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
   Routing r;
   // Scores in float32 whatever the compute dtype (transformers' softmax(..., dtype=torch.float)).
   r.router_logits = (*gate)(x, dt).to(at::kFloat);  // [N, E]
-  const at::Tensor scores =
-      c_.score_function == "sigmoid" ? at::sigmoid(r.router_logits) : at::softmax(r.router_logits, /*dim=*/-1);
-  auto [weights, chosen] = at::topk(scores, c_.top_k, /*dim=*/-1);  // [N, k], largest first
+  r.scores = c_.score_function == "sigmoid" ? at::sigmoid(r.router_logits) : at::softmax(r.router_logits, /*dim=*/-1);
+  auto [weights, chosen] = at::topk(r.scores, c_.top_k, /*dim=*/-1);  // [N, k], largest first
   if (c_.norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
   if (c_.route_scale != 1.0) weights = weights * c_.route_scale;
   r.experts = chosen;
@@ -214,11 +231,55 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
     if (shared_expert_gate) s = at::sigmoid((*shared_expert_gate)(h, dt)) * s;
     out = out + s;
   }
+  if (c_.has_aux_loss()) {
+    // Under activation checkpointing the block's first forward runs without autograd and its
+    // recomputation comes after the loss: the auxiliary loss would train nothing.
+    if (is_training() && !at::GradMode::is_enabled())
+      throw Error(
+          "model/gpt2_moe: a MoE block with an auxiliary loss (moe_config.aux_loss_coef or z_loss_coef > 0) ran a "
+          "training forward without autograd, as activation checkpointing runs it; its loss would have no gradient. "
+          "Checkpoint other blocks, or set both coefficients to 0 (plugins/moe/README.md, \"Status\")");
+    aux_loss_ = aux_loss(r, B, T);
+  }
   // Kept for metrics and tests, without the graph (which the next step must not keep alive).
   r.router_logits = r.router_logits.detach();
+  r.scores = r.scores.detach();
   r.weights = r.weights.detach();
   last_ = std::move(r);
   return out;
+}
+
+// Note [MoE auxiliary losses]: of one block, over its N = B*T tokens, E experts, k per token:
+//   load balance  aux_loss_coef * E * sum_e f_e * P_e, f_e = (slots of expert e) / (N k), with no
+//                 gradient, and P_e = the mean over the tokens of p_e, the router probabilities
+//                 (softmax scores; sigmoid scores divided by their sum over the experts, as
+//                 DeepSeek-V3 normalizes them). Perfect balance gives aux_loss_coef. With
+//                 aux_loss_scope = sequence, f and P are taken per sequence (T tokens) and the B
+//                 terms averaged.
+//   router z      z_loss_coef * mean_n logsumexp_e(logits_ne)^2.
+// transformers' load_balancing_loss_func differs in two ways: it concatenates the router logits of
+// every layer and computes one term over them (ours: one per block, summed), and its f sums the k
+// choices without dividing by k, so for one MoE block it is k times ours (moe_test.cpp checks this).
+at::Tensor MoeFeedForwardImpl::aux_loss(const Routing& r, std::int64_t B, std::int64_t T) const {
+  const std::int64_t E = c_.num_experts, k = c_.top_k;
+  at::Tensor total = at::zeros({}, r.router_logits.options());
+  if (c_.aux_loss_coef > 0) {
+    const at::Tensor p = c_.score_function == "sigmoid" ? r.scores / r.scores.sum(-1, /*keepdim=*/true) : r.scores;
+    const std::int64_t S = c_.aux_loss_scope == "sequence" ? B : 1;  // groups of N / S tokens
+    const std::int64_t n = B * T / S;
+    at::Tensor f;
+    {
+      at::NoGradGuard no_grad;
+      // Slots per (group, expert): ones scattered at the chosen experts of each group's tokens.
+      const at::Tensor chosen = r.experts.reshape({S, n * k});
+      f = at::zeros({S, E}, p.options()).scatter_add_(1, chosen, at::ones(chosen.sizes(), p.options())) /
+          static_cast<double>(n * k);
+    }
+    const at::Tensor P = p.reshape({S, n, E}).mean(1);  // [S, E]
+    total = total + (f * P).sum(-1).mean() * (static_cast<double>(E) * c_.aux_loss_coef);
+  }
+  if (c_.z_loss_coef > 0) total = total + at::logsumexp(r.router_logits, -1).square().mean() * c_.z_loss_coef;
+  return total;
 }
 
 gpt2::FeedForwardFactory moe_feed_forward(const MoeConfig& c, std::int64_t d) {

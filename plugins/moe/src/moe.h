@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace modalities::plugins::moe {
@@ -35,6 +36,13 @@ struct MoeConfig {
   std::int64_t decoder_sparse_step = 1;
   std::vector<std::int64_t> mlp_only_layers;
   std::string experts_backend = "auto";
+  double aux_loss_coef = 0.0;
+  std::string aux_loss_scope = "micro_batch";
+  double z_loss_coef = 0.0;
+  std::string aux_loss_key = "moe_aux_loss";
+
+  /// Whether the blocks compute an auxiliary loss (a coefficient is positive).
+  bool has_aux_loss() const { return aux_loss_coef > 0 || z_loss_coef > 0; }
 
   /// Whether block `layer` (0-based) of the decoder is a MoE block.
   bool is_moe_layer(std::int64_t layer) const;
@@ -63,6 +71,7 @@ class GroupedExpertsImpl final : public gpt2::Leaf {
 /// What the routing of one forward decided (for metrics, losses and tests).
 struct Routing {
   at::Tensor router_logits;      // [N, E], float32
+  at::Tensor scores;             // [N, E], float32: softmax or sigmoid of the logits
   at::Tensor experts;            // [N, k] int64, the chosen experts of every token
   at::Tensor weights;            // [N, k] float32, their combine weights
   at::Tensor tokens_per_expert;  // [E] int64
@@ -76,6 +85,11 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   /// Chooses the experts of every token of x [N, d].
   Routing route(const at::Tensor& x, Dt dt) const;
   const Routing& last_routing() const { return last_; }
+  /// The auxiliary loss of `r` over B sequences of T tokens: aux_loss_coef times the load-balancing
+  /// term plus z_loss_coef times the router z-loss (moe.cpp, Note [MoE auxiliary losses]).
+  at::Tensor aux_loss(const Routing& r, std::int64_t B, std::int64_t T) const;
+  bool has_aux_loss() const override { return c_.has_aux_loss(); }
+  at::Tensor take_aux_loss() override { return std::exchange(aux_loss_, at::Tensor()); }
 
   std::shared_ptr<gpt2::LinearImpl> gate;  // router.gate: [E, d], no bias
   std::shared_ptr<GroupedExpertsImpl> experts;
@@ -85,6 +99,7 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
  private:
   MoeConfig c_;
   Routing last_;
+  at::Tensor aux_loss_;
 };
 
 /// The feed-forward factory of model/gpt2_moe: MoE blocks where c.is_moe_layer, model/gpt2's MLP elsewhere.

@@ -55,7 +55,7 @@ void register_components(Registrar& r) {
       "dense / every n-th / listed dense layers (Mixtral, Qwen2/3-MoE, DeepSeek-V3 style).",
       [](const Gpt2MoeConfig& c) {
         return gpt2::make_gpt2(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device(),
-                               moe_feed_forward(c.moe_config, c.n_embd));
+                               moe_feed_forward(c.moe_config, c.n_embd), c.moe_config.aux_loss_key);
       });
 }
 

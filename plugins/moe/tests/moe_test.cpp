@@ -19,6 +19,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -116,6 +117,69 @@ INSTANTIATE_TEST_SUITE_P(Moe, Reference,
                          ::testing::Values("mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_norm_topk",
                                            "sigmoid_scaled"));
 
+// Note [MoE auxiliary losses] (moe.cpp): for one block, transformers' load_balancing_loss_func is k
+// times our load-balancing term; its router_z_loss_func is our z-loss. Both coefficients 1.
+class AuxReference : public ::testing::TestWithParam<std::string> {};
+
+at::Tensor aux_of(Case c, double aux, double z, const std::string& scope, const at::Tensor& x, std::int64_t B) {
+  c.config.aux_loss_coef = aux;
+  c.config.z_loss_coef = z;
+  c.config.aux_loss_scope = scope;
+  auto m = block_with_weights(c);
+  m->forward(x, B, x.size(0) / B, std::nullopt);
+  at::Tensor a = m->take_aux_loss();
+  EXPECT_TRUE(a.defined());
+  EXPECT_FALSE(m->take_aux_loss().defined()) << "taken once";
+  return a;
+}
+
+TEST_P(AuxReference, LoadBalancingAndZLossMatchTransformers) {
+  const Case c = read_case(GetParam());
+  SCOPED_TRACE(c.source);
+  const at::Tensor& x = c.tensors.at("x");
+  const double k = static_cast<double>(c.config.top_k);
+  const double hf_lb = c.tensors.at("aux.load_balancing").item<double>();
+  const double hf_z = c.tensors.at("aux.z_loss").item<double>();
+  const at::Tensor lb = aux_of(c, 1.0, 0.0, "micro_batch", x, 1);
+  EXPECT_NEAR(lb.item<double>(), hf_lb / k, 1e-6 * hf_lb) << "load balancing";
+  EXPECT_NEAR(aux_of(c, 0.0, 1.0, "micro_batch", x, 1).item<double>(), hf_z, 1e-6 * hf_z) << "z-loss";
+  EXPECT_NEAR(aux_of(c, 0.01, 0.0, "micro_batch", x, 1).item<double>(), 0.01 * hf_lb / k, 1e-8) << "coefficient";
+  // The gradient of both terms reaches the router weight (and nothing else: f has none).
+  Case both = c;
+  both.config.aux_loss_coef = both.config.z_loss_coef = 1.0;
+  auto m = block_with_weights(both);
+  m->forward(x, 1, x.size(0), std::nullopt);
+  m->take_aux_loss().backward();
+  const at::Tensor& want = c.tensors.at("aux.grad.router.gate.weight");
+  EXPECT_LE(max_abs_diff(m->gate->weight.grad(), want), 1e-5 * max_abs(want));
+  EXPECT_FALSE(m->experts->w1.grad().defined());
+  // Sequence scope: the mean of the terms of each sequence alone (the fixture's 24 tokens are 2 x 12).
+  const at::Tensor per_sequence = aux_of(c, 1.0, 0.0, "sequence", x, 2);
+  const double first = aux_of(c, 1.0, 0.0, "micro_batch", x.narrow(0, 0, 12), 1).item<double>();
+  const double second = aux_of(c, 1.0, 0.0, "micro_batch", x.narrow(0, 12, 12), 1).item<double>();
+  EXPECT_NEAR(per_sequence.item<double>(), (first + second) / 2, 1e-6);
+  EXPECT_GT(std::abs(per_sequence.item<double>() - lb.item<double>()), 1e-6) << "the scopes differ here";
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, AuxReference,
+                         ::testing::Values("mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_norm_topk"));
+
+TEST(Moe, UniformRouterProbabilitiesGiveTheCoefficient) {
+  // p_e = 1/E for every token (zero router weights): E * sum_e f_e / E = 1 whatever the choices,
+  // for softmax and for sigmoid scores normalized over the experts.
+  for (const std::string score : {"softmax", "sigmoid"}) {
+    SCOPED_TRACE(score);
+    Case c = read_case("mixtral_top2");
+    c.config.score_function = score;
+    c.tensors.at("weight.router.gate.weight").zero_();
+    EXPECT_NEAR(aux_of(c, 0.3, 0.0, "micro_batch", c.tensors.at("x"), 1).item<double>(), 0.3, 1e-7);
+    EXPECT_NEAR(aux_of(c, 0.3, 0.0, "sequence", c.tensors.at("x"), 2).item<double>(), 0.3, 1e-7);
+    // z-loss of zero logits: logsumexp = log E.
+    EXPECT_NEAR(aux_of(c, 0.0, 1.0, "micro_batch", c.tensors.at("x"), 1).item<double>(), std::pow(std::log(4.0), 2),
+                1e-6);
+  }
+}
+
 TEST(Moe, ABrokenExpertIsCaught) {
   // The comparison above can fail: a wrong expert weight moves the output past the tolerance.
   Case c = read_case("mixtral_top2");
@@ -194,6 +258,77 @@ TEST(Gpt2Moe, ExampleModelHasDenseAndMoeBlocks) {
   }
 }
 
+TEST(Gpt2Moe, AuxiliaryLossesAreAModelOutputSummedOverTheMoeBlocks) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
+  h.set("model_raw.config.n_layer", std::int64_t{3});  // blocks 1 and 2 are MoE
+  h.set("model_raw.config.moe_config.aux_loss_coef", 0.01);
+  h.set("model_raw.config.moe_config.z_loss_coef", 0.001);
+  h.set("model_raw.config.moe_config.aux_loss_key", std::string("balance"));
+  auto m = example_model(h);
+  ASSERT_NE(m, nullptr);
+  const at::Tensor ids = at::randint(0, 256, {2, 16}, at::kLong);
+  const TensorMap out = m->forward({{"input_ids", ids}});
+  ASSERT_TRUE(out.contains("balance"));
+  const at::Tensor aux = out.at("balance");
+  EXPECT_EQ(aux.dim(), 0);
+  // The sum of the two blocks' losses, recomputed from what each block's routing kept.
+  double sum = 0;
+  std::size_t blocks = 0;
+  for (const auto& child : m->module().modules(/*include_self=*/false))
+    if (const auto* moe = dynamic_cast<const MoeFeedForwardImpl*>(child.get())) {
+      sum += moe->aux_loss(moe->last_routing(), 2, 16).item<double>();
+      ++blocks;
+    }
+  EXPECT_EQ(blocks, 2u);
+  EXPECT_NEAR(aux.item<double>(), sum, 1e-6 * sum);
+  EXPECT_GT(aux.item<double>(), 0.0);
+  // The loss reaches the routers and what feeds them (block 1's experts feed block 2's router),
+  // not the last block's experts or the head.
+  aux.backward();
+  for (const auto& [name, t] : m->named_parameters()) {
+    const bool has = t.grad().defined() && t.grad().abs().sum().item<double>() > 0;
+    if (name.find(".router.gate.") != std::string::npos || name.starts_with("transformer.h.1.mlp.experts")) {
+      EXPECT_TRUE(has) << name;
+    } else if (name.starts_with("transformer.h.2.mlp.experts") || name.starts_with("transformer.h.2.mlp.shared") ||
+               name.find("lm_head") != std::string::npos) {
+      EXPECT_FALSE(has) << name;
+    }
+  }
+  // Without coefficients there is no such output.
+  testing::Harness plain(MODALITIES_TEST_PLUGIN, kExample);
+  EXPECT_FALSE(example_model(plain)->forward({{"input_ids", ids}}).contains("moe_aux_loss"));
+}
+
+TEST(Gpt2Moe, WhatTheAuxiliaryLossesCannotRunUnderIsRefused) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
+  h.set("model_raw.config.moe_config.aux_loss_coef", 0.01);
+  auto m = example_model(h);
+  ASSERT_NE(m, nullptr);
+  const at::Tensor ids = at::randint(0, 256, {1, 8}, at::kLong);
+  {
+    // A training forward without autograd (how activation checkpointing runs a block first).
+    at::NoGradGuard no_grad;
+    EXPECT_THROW(
+        {
+          try {
+            m->forward({{"input_ids", ids}});
+          } catch (const Error& e) {
+            EXPECT_THAT(e.what(), HasSubstr("ran a training forward without autograd, as activation checkpointing"));
+            throw;
+          }
+        },
+        Error);
+    m->module().eval();  // evaluation: computed, no gradient needed
+    EXPECT_TRUE(m->forward({{"input_ids", ids}}).contains("moe_aux_loss"));
+  }
+  try {
+    m->retain_modules({"transformer.wte", "transformer.h.0"});
+    FAIL() << "a pipeline stage of a model with auxiliary losses was made";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not carried through pipeline stages yet"));
+  }
+}
+
 TEST(Gpt2Moe, MetaDeviceResetAndClone) {
   testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
   h.set("model_raw.config.use_meta_device", true);
@@ -261,6 +396,11 @@ TEST(Gpt2Moe, BadConfigsNameTheKey) {
        "model_raw.config.moe_config.mlp_only_layers[0]: is 5, not a block of the model"},
       {"model_raw.config.moe_config.num_shared_experts", Value(std::int64_t{0}),
        "model_raw.config.moe_config.shared_expert_gate: is true, but there is no shared expert"},
+      {"model_raw.config.moe_config.aux_loss_coef", Value(-0.1), "model_raw.config.moe_config.aux_loss_coef"},
+      {"model_raw.config.moe_config.z_loss_coef", Value(-1.0), "model_raw.config.moe_config.z_loss_coef"},
+      {"model_raw.config.moe_config.aux_loss_scope", Value(std::string("batch")),
+       "model_raw.config.moe_config.aux_loss_scope: must be one of"},
+      {"model_raw.config.moe_config.aux_loss_key", Value(std::string("")), "model_raw.config.moe_config.aux_loss_key"},
       {"model_raw.config.n_head_kv", Value(std::int64_t{3}), "model_raw.config.n_head_kv"},  // gpt2's own checks
   };
   for (const Bad& c : cases) {
