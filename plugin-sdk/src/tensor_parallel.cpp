@@ -1,12 +1,12 @@
 // tensor_parallel.h. Each op computes its forward without autograd and gives the result a
 // hand-made node whose backward is the conjugate collective (one next edge: the input's).
+#include "autograd_node.h"
+
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/parallel.h>
 #include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -65,31 +65,7 @@ at::Tensor Plan::shared(const at::Tensor& w) const { return w.defined() ? copy_t
 
 namespace {
 
-using Backward = std::function<at::Tensor(const at::Tensor& grad)>;
-
-class Conjugate final : public torch::autograd::Node {
- public:
-  Conjugate(std::string name, Backward backward) : name_(std::move(name)), backward_(std::move(backward)) {}
-  std::string name() const override { return name_; }
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    if (!grads[0].defined()) return {at::Tensor()};
-    return {backward_(grads[0])};
-  }
-  void release_variables() override { backward_ = nullptr; }
-
- private:
-  std::string name_;
-  Backward backward_;
-};
-
-// `output` (computed without autograd) as the result of an op on `input` with this backward.
-at::Tensor attach(const at::Tensor& input, at::Tensor output, const char* name, Backward backward) {
-  if (!at::GradMode::is_enabled() || !input.requires_grad()) return output;
-  auto node = std::shared_ptr<Conjugate>(new Conjugate(name, std::move(backward)), torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input));
-  torch::autograd::create_gradient_edge(output, node);
-  return output;
-}
+using detail::attach;
 
 bool active(const Group& g) { return g && g->getSize() > 1; }
 

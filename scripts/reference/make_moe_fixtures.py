@@ -15,6 +15,12 @@ and the gradient of the router weight of load_balancing / k + z:
   sigmoid_scaled         the DeepSeek-V3 rule written out here (sigmoid scores, normalized over the
                          chosen experts, routed scaling factor, one ungated shared expert), computed
                          token by token over all experts: an independent algorithm from ours
+  deepseek_v3_grouped    the same with group-limited routing (8 experts in 4 groups, 2 groups per
+                         token) and a selection bias, token by token, and one step of the
+                         auxiliary-loss-free bias update on its tokens per expert
+  capacity_drop          softmax top-2 with a capacity of ceil(0.5 * N * k / E) slots per expert:
+                         each expert keeps its first tokens in token order, the outputs with the
+                         overflow dropped and with fully dropped tokens passed through (residual)
 
 Run with the reference environment (scripts/setup_bench_env.sh: torch 2.11.0, transformers 4.57.6):
   .deps/bench/bin/python scripts/reference/make_moe_fixtures.py plugins/moe/tests/data
@@ -159,11 +165,125 @@ def sigmoid_scaled():
     return meta, (x, dy, y, weights, grads, tpe, {})
 
 
+def silu_expert(p, e, u):
+    h = F.silu(p["experts.w1"][e] @ u) * (p["experts.w3"][e] @ u)
+    return p["experts.w2"][e] @ h
+
+
+def random_block(seed, E, Fh, Fs=0):
+    torch.manual_seed(seed)
+    p = {
+        "router.gate.weight": torch.randn(E, D) * 0.3,
+        "experts.w1": torch.randn(E, Fh, D) * 0.2,
+        "experts.w2": torch.randn(E, D, Fh) * 0.2,
+        "experts.w3": torch.randn(E, Fh, D) * 0.2,
+    }
+    if Fs:
+        p["shared_experts.W.weight"] = torch.randn(Fs, D) * 0.2
+        p["shared_experts.V.weight"] = torch.randn(Fs, D) * 0.2
+        p["shared_experts.W_2.weight"] = torch.randn(D, Fs) * 0.2
+    for t in p.values():
+        t.requires_grad_(True)
+    torch.manual_seed(7)
+    x = torch.randn(2, N_TOKENS // 2, D, requires_grad=True)
+    dy = torch.randn(2, N_TOKENS // 2, D)
+    return p, x, dy
+
+
+def deepseek_v3_grouped():
+    """DeepSeek-V3 (arXiv:2412.19437, section 2.1.2 and eqs. 12-16) with node-limited routing as
+    DeepSeek's inference code does it: s = sigmoid(u W_gate^T); the biased scores s + b choose:
+    each group of E / n_group experts is scored by the sum of its two largest biased scores, the
+    topk_group best groups are kept, and the top-k experts among theirs by biased score are
+    chosen; the combine weights are the unbiased s of the chosen, normalized, times the routed
+    scaling factor. Then one bias update: b += gamma * sign(mean load - load)."""
+    E, k, Fh, scale, Fs, n_group, topk_group, gamma = 8, 2, 16, 2.5, 32, 4, 2, 1e-3
+    p, x, dy = random_block(5, E, Fh, Fs)
+    torch.manual_seed(6)
+    bias = torch.randn(E) * 0.1  # large enough to change choices (asserted below)
+    rows, chosen_all, unbiased_changes = [], [], 0
+    per_group = E // n_group
+    for u in x.reshape(-1, D):
+        s = torch.sigmoid(p["router.gate.weight"] @ u)
+        b = (s + bias).detach()
+        groups = [sorted(b[g * per_group:(g + 1) * per_group].tolist(), reverse=True) for g in range(n_group)]
+        group_score = torch.tensor([sum(v[:2]) for v in groups])
+        kept = torch.topk(group_score, topk_group).indices.tolist()
+        allowed = [e for e in range(E) if e // per_group in kept]
+        chosen = sorted(allowed, key=lambda e: -b[e].item())[:k]
+        unbiased_changes += set(chosen) != set(torch.topk(s, k).indices.tolist())
+        g = s[chosen] / s[chosen].sum() * scale
+        out = torch.zeros(D)
+        for j, e in enumerate(chosen):
+            out = out + g[j] * silu_expert(p, e, u)
+        shared = p["shared_experts.W_2.weight"] @ (F.silu(p["shared_experts.W.weight"] @ u) *
+                                                   (p["shared_experts.V.weight"] @ u))
+        rows.append(out + shared)
+        chosen_all.append(torch.tensor(chosen))
+    assert unbiased_changes > 0, "the bias and the groups must change some choices"
+    y = torch.stack(rows).reshape(x.shape)
+    (y * dy).sum().backward()
+    weights = {n: t.detach() for n, t in p.items()}
+    weights["router.expert_bias"] = bias
+    grads = {n: t.grad for n, t in p.items()}
+    tpe = torch.bincount(torch.stack(chosen_all).reshape(-1), minlength=E)
+    load = tpe.to(torch.float32)
+    extra = {"bias.updated": bias + gamma * torch.sign(load.mean() - load)}
+    meta = dict(num_experts=E, top_k=k, moe_ffn_hidden=Fh, score_function="sigmoid", norm_topk_prob=True,
+                route_scale=scale, shared_hidden=Fs, shared_expert_gate=False, n_group=n_group,
+                topk_group=topk_group, expert_bias_update_rate=gamma, changed_choices=unbiased_changes)
+    return meta, (x, dy, y, weights, grads, tpe, extra)
+
+
+def capacity_drop():
+    """Softmax top-2 of 4 experts (normalized), capacity C = ceil(0.5 * N * k / E): going through
+    the tokens in order, a token's slot at expert e is kept while e has had at most C slots. A
+    dropped slot adds nothing (its weight is not given to the others); with the residual policy a
+    token whose every slot was dropped passes through as its own output."""
+    import math
+    E, k, Fh, cf = 4, 2, 24, 0.5
+    p, x, dy = random_block(8, E, Fh)
+    u_all = x.reshape(-1, D)
+    N = u_all.shape[0]
+    C = math.ceil(cf * N * k / E)
+    seen = [0] * E
+    rows, rows_residual, kept_all, fully, partly = [], [], [], 0, 0
+    for u in u_all:
+        s = F.softmax(p["router.gate.weight"] @ u, dim=-1)
+        top = torch.topk(s, k)
+        g = top.values / top.values.sum()
+        out = torch.zeros(D)
+        kept = 0
+        for j, e in enumerate(top.indices.tolist()):
+            seen[e] += 1
+            if seen[e] <= C:
+                out = out + g[j] * silu_expert(p, e, u)
+                kept_all.append(e)
+                kept += 1
+        fully += kept == 0
+        partly += 0 < kept < k
+        rows.append(out)
+        rows_residual.append(u if kept == 0 else out)
+    assert fully > 0 and partly > 0, (fully, partly)
+    y = torch.stack(rows).reshape(x.shape)
+    y_residual = torch.stack(rows_residual).reshape(x.shape)
+    (y * dy).sum().backward()
+    weights = {n: t.detach() for n, t in p.items()}
+    grads = {n: t.grad for n, t in p.items()}
+    tpe = torch.bincount(torch.tensor(kept_all), minlength=E)  # kept slots per expert
+    extra = {"y.residual": y_residual.detach().reshape(-1, D)}
+    meta = dict(num_experts=E, top_k=k, moe_ffn_hidden=Fh, score_function="softmax", norm_topk_prob=True,
+                route_scale=1.0, shared_hidden=0, shared_expert_gate=False, capacity_factor=cf,
+                dropped_slots=N * k - len(kept_all), fully_dropped_tokens=fully)
+    return meta, (x, dy, y, weights, grads, tpe, extra)
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "plugins/moe/tests/data")
     out.mkdir(parents=True, exist_ok=True)
     for name, make in (("mixtral_top2", mixtral), ("qwen2_moe_shared_gate", qwen2_moe),
-                       ("qwen3_moe_norm_topk", qwen3_moe), ("sigmoid_scaled", sigmoid_scaled)):
+                       ("qwen3_moe_norm_topk", qwen3_moe), ("sigmoid_scaled", sigmoid_scaled),
+                       ("deepseek_v3_grouped", deepseek_v3_grouped), ("capacity_drop", capacity_drop)):
         meta, (x, dy, y, weights, grads, tpe, aux) = make()
         tensors = {"x": x.detach().reshape(-1, D), "dy": dy.reshape(-1, D), "y": y.detach().reshape(-1, D),
                    "grad.x": x.grad.reshape(-1, D), "tokens_per_expert": tpe.to(torch.int64)}

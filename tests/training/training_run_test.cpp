@@ -224,7 +224,7 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
 // loss/moe_aux_loss. The first step's loss (same seeded weights, same batch) exceeds that of the
 // same run with the auxiliary term weighted 0 by the block's load-balancing and z-loss terms:
 // about 0.01 (perfect balance) plus 0.001 * logsumexp^2 (about 2 for 4 experts near uniform).
-TEST_F(TrainingRunTest, MoeConfigTrainsOnTheCrossEntropyPlusTheAuxiliaryLosses) {
+TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias) {
   const fs::path experiments = dir_.path() / "experiments";
   const auto run = [&](const std::string& id, const std::map<std::string, std::string>& extra) {
     const fs::path cfg = dir_.write(id + ".toml", tiny_config("train_cpu.toml", extra, "moe"));
@@ -242,6 +242,12 @@ TEST_F(TrainingRunTest, MoeConfigTrainsOnTheCrossEntropyPlusTheAuxiliaryLosses) 
   EXPECT_GT(aux, 0.005) << "the auxiliary losses are part of the trained loss";
   EXPECT_LT(aux, 0.05);
   EXPECT_LT(std::stod(with[7].at("train loss avg")), std::stod(with[0].at("train loss avg")));
+  // The auxiliary-loss-free bias (optimizer/moe_load_balanced) starts at zero and moves after each
+  // step: a large rate changes no first step and the choices of the later ones.
+  const auto moved = run("moe_bias", {{"expert_bias_update_rate = 1e-3", "expert_bias_update_rate = 1.0"}});
+  ASSERT_EQ(moved.size(), 8u);
+  EXPECT_EQ(moved[0].at("train loss last"), with[0].at("train loss last"));
+  EXPECT_NE(moved[3].at("train loss last"), with[3].at("train loss last"));
 }
 
 TEST_F(TrainingRunTest, WarmStartIsExactWithDropoutAndEvaluation) {

@@ -1,18 +1,23 @@
 // The MoE feed-forward (moe.h): routing, sorted dispatch, the stacked experts and the combine.
 #include "moe.h"
 
+#include <modalities/sdk/collectives.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/log.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace modalities::plugins::moe {
@@ -79,7 +84,40 @@ void MoeConfig::describe(Schema<MoeConfig>& s) {
           "Model output that holds the sum over the MoE blocks of their auxiliary losses (a 0-dim tensor, "
           "present when a coefficient is positive); loss/moe_aux_loss reads it.")
       .non_empty();
+  s.field("n_group", &MoeConfig::n_group,
+          "Group-limited routing (DeepSeek-V3's n_group): the experts in n_group groups of num_experts / n_group; "
+          "each token first keeps the topk_group groups whose two best (biased) scores add up highest, then picks "
+          "its top_k experts among theirs. 1: no groups.")
+      .at_least(1);
+  s.field("topk_group", &MoeConfig::topk_group,
+          "Groups kept per token in group-limited routing (DeepSeek-V3's topk_group); null: n_group (all).")
+      .at_least(1);
+  s.field("use_expert_bias", &MoeConfig::use_expert_bias,
+          "Auxiliary-loss-free load balancing (DeepSeek-V3; Modalities' use_expert_bias): a per-expert bias "
+          "router.expert_bias added to the scores for the choice of experts only, which optimizer/"
+          "moe_load_balanced moves after every step towards the mean load (up for experts below it, down above).");
+  s.field("capacity_factor", &MoeConfig::capacity_factor,
+          "Expert capacity: each expert takes at most max(ceil(capacity_factor * N * top_k / num_experts), "
+          "min_capacity) of the N * top_k routing slots of a forward, the first in token order; the rest are "
+          "dropped (overflow_policy). null: dropless (the default).")
+      .greater_than(0.0);
+  s.field("min_capacity", &MoeConfig::min_capacity,
+          "Lower bound of the expert capacity in slots (Modalities' moe_min_capacity).")
+      .at_least(0);
+  s.field("overflow_policy", &MoeConfig::overflow_policy,
+          "What a dropped slot gives: drop (nothing: the block's residual connection carries the token; Switch "
+          "Transformer) or residual (a token whose every slot was dropped gets its input as the block's output, "
+          "Modalities' moe_overflow_policy = residual).")
+      .one_of({"drop", "residual"});
   s.rule([](const MoeConfig& c, ParseContext& ctx) {
+    if (c.num_experts % c.n_group != 0)
+      ctx.fail("n_group", fmt::format("is {}, which does not divide num_experts = {} into equal groups", c.n_group,
+                                      c.num_experts));
+    else if (c.groups_per_token() > c.n_group)
+      ctx.fail("topk_group", fmt::format("is {}, more than the n_group = {} groups", *c.topk_group, c.n_group));
+    else if (c.top_k > c.groups_per_token() * (c.num_experts / c.n_group))
+      ctx.fail("top_k", fmt::format("is {}, more than the {} experts of the topk_group = {} groups a token may use",
+                                    c.top_k, c.groups_per_token() * (c.num_experts / c.n_group), c.groups_per_token()));
     if (c.top_k > c.num_experts)
       ctx.fail("top_k", fmt::format("is {}, more than num_experts = {}; each token picks top_k of the experts", c.top_k,
                                     c.num_experts));
@@ -97,6 +135,12 @@ void MoeConfig::describe(Schema<MoeConfig>& s) {
 bool MoeConfig::is_moe_layer(std::int64_t layer) const {
   if (layer < first_k_dense_replace || (layer + 1) % decoder_sparse_step != 0) return false;
   return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
+}
+
+std::optional<std::int64_t> MoeConfig::capacity(std::int64_t tokens) const {
+  if (!capacity_factor) return std::nullopt;
+  const double slots = *capacity_factor * static_cast<double>(tokens * top_k) / static_cast<double>(num_experts);
+  return std::max(static_cast<std::int64_t>(std::ceil(slots)), min_capacity);
 }
 
 std::int64_t MoeConfig::shared_hidden() const {
@@ -127,6 +171,13 @@ void GroupedExpertsImpl::reset() {
     const double bound = 1.0 / std::sqrt(static_cast<double>(w->size(2)));
     w->uniform_(-bound, bound);
   }
+}
+
+void GroupedExpertsImpl::keep(std::int64_t first, std::int64_t count) {
+  at::NoGradGuard no_grad;
+  for (auto& item : parameters_)
+    item.value() = item.value().narrow(0, first, count).clone().set_requires_grad(item.value().requires_grad());
+  sync();
 }
 
 namespace {
@@ -168,16 +219,34 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& co
     parts.push_back(at::mm(h, c[e].t()));
     offset += n[e];
   }
-  if (parts.empty()) return at::zeros_like(x);
+  // No rows (under expert parallelism a rank may get none): an empty result that stays in the
+  // graph, so that the collectives around it run their backward on this rank too.
+  if (parts.empty()) return x.clone();
   return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
+}
+
+// --- the router --------------------------------------------------------------------------------
+
+RouterImpl::RouterImpl(std::int64_t d, std::int64_t experts, bool bias, const at::TensorOptions& o)
+    : gpt2::Leaf("Router") {
+  gate = register_module("gate", std::make_shared<gpt2::LinearImpl>(d, experts, /*bias=*/false, o));
+  if (bias) bias_slot_ = &register_buffer("expert_bias", at::zeros({experts}, o.dtype(at::kFloat)));
+}
+
+void RouterImpl::reset() {
+  if (bias_slot_ != nullptr) bias_slot_->zero_();
+}
+
+void RouterImpl::remap(const gpt2::Remap& f) {
+  if (bias_slot_ != nullptr) *bias_slot_ = f(*bias_slot_);
 }
 
 // --- the MoE block -----------------------------------------------------------------------------
 
 MoeFeedForwardImpl::MoeFeedForwardImpl(const MoeConfig& c, std::int64_t d, const at::TensorOptions& o)
     : gpt2::FeedForward("MoeFeedForward"), c_(c) {
-  auto router = register_module("router", std::make_shared<torch::nn::Module>("Router"));
-  gate = router->register_module("gate", std::make_shared<gpt2::LinearImpl>(d, c.num_experts, /*bias=*/false, o));
+  router = register_module("router", std::make_shared<RouterImpl>(d, c.num_experts, c.use_expert_bias, o));
+  gate = router->gate;
   experts = register_module("experts", std::make_shared<GroupedExpertsImpl>(c.num_experts, d, c.moe_ffn_hidden, o));
   if (const std::int64_t h = c.shared_hidden(); h > 0) {
     shared_experts = register_module("shared_experts", std::make_shared<gpt2::SwiGLUImpl>(d, h, /*bias=*/false, o));
@@ -197,7 +266,33 @@ Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
   // Scores in float32 whatever the compute dtype (transformers' softmax(..., dtype=torch.float)).
   r.router_logits = (*gate)(x, dt).to(at::kFloat);  // [N, E]
   r.scores = c_.score_function == "sigmoid" ? at::sigmoid(r.router_logits) : at::softmax(r.router_logits, /*dim=*/-1);
-  auto [weights, chosen] = at::topk(r.scores, c_.top_k, /*dim=*/-1);  // [N, k], largest first
+  at::Tensor weights, chosen;
+  if (!balances_load() && c_.n_group == 1) {
+    std::tie(weights, chosen) = at::topk(r.scores, c_.top_k, /*dim=*/-1);  // [N, k], largest first
+  } else {
+    // Note [Load balancing bias]: the bias and the groups decide which experts, the unbiased
+    // scores how much of each (DeepSeek-V3, eq. 16).
+    at::Tensor choice;
+    {
+      at::NoGradGuard no_grad;
+      choice = r.scores.detach();
+      if (balances_load()) choice = choice + router->expert_bias().to(at::kFloat);
+      if (c_.n_group > 1) {
+        // Each group scored by the sum of its two best scores; the topk_group best groups stay
+        // open, the others' experts cannot be chosen (-inf: transformers' DeepseekV3 fills 0,
+        // which a negative biased score would lose to).
+        const std::int64_t N = choice.size(0), G = c_.n_group, per = c_.num_experts / G;
+        const at::Tensor grouped = choice.view({N, G, per});
+        const at::Tensor group_scores = std::get<0>(grouped.topk(std::min<std::int64_t>(2, per), -1)).sum(-1);
+        const at::Tensor open_groups = std::get<1>(group_scores.topk(c_.groups_per_token(), -1));  // [N, topk_group]
+        const at::Tensor open = at::zeros({N, G}, choice.options().dtype(at::kBool)).scatter_(1, open_groups, true);
+        choice = grouped.masked_fill(open.logical_not().unsqueeze(-1), -std::numeric_limits<float>::infinity())
+                     .view({N, c_.num_experts});
+      }
+      chosen = std::get<1>(at::topk(choice, c_.top_k, /*dim=*/-1));
+    }
+    weights = r.scores.gather(1, chosen);
+  }
   if (c_.norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
   if (c_.route_scale != 1.0) weights = weights * c_.route_scale;
   r.experts = chosen;
@@ -205,6 +300,7 @@ Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
   {
     at::NoGradGuard no_grad;
     r.tokens_per_expert = at::bincount(chosen.reshape(-1), /*weights=*/{}, c_.num_experts);
+    r.dropped_per_expert = at::zeros_like(r.tokens_per_expert);
   }
   return r;
 }
@@ -215,17 +311,40 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
   const std::int64_t k = c_.top_k;
   // Dispatch: the N*k (token, expert) pairs sorted by expert, stably, so every expert sees its
   // tokens in sequence order; then each expert's rows are one contiguous block.
-  const at::Tensor flat = r.experts.reshape(-1);                // [N*k]
-  const at::Tensor order = at::argsort(flat, /*stable=*/true);  // [N*k]
-  const at::Tensor token = at::floor_divide(order, k);          // [N*k]
-  const at::Tensor routed = h.index_select(0, token);           // [N*k, d]
+  const at::Tensor flat = r.experts.reshape(-1);          // [N*k]
+  at::Tensor order = at::argsort(flat, /*stable=*/true);  // [N*k]
+  at::Tensor counts = r.tokens_per_expert;
+  if (const auto capacity = c_.capacity(h.size(0))) {
+    // Each expert keeps its first `capacity` slots in token order (the sort is stable).
+    const at::Tensor expert = flat.index_select(0, order);
+    const at::Tensor first = counts.cumsum(0) - counts;  // of each expert's block
+    const at::Tensor keep = (at::arange(order.numel(), order.options()) - first.index_select(0, expert)) < *capacity;
+    order = order.masked_select(keep);
+    const at::Tensor kept = counts.clamp_max(*capacity);
+    r.dropped_per_expert = counts - kept;
+    counts = kept;
+  }
+  const at::Tensor token = at::floor_divide(order, k);  // [slots]
+  const at::Tensor routed = h.index_select(0, token);   // [slots, d]
   const bool grouped = use_grouped_mm(c_.experts_backend, h);
   log_backend_once(grouped, h);
-  at::Tensor y = experts->forward(routed, r.tokens_per_expert, dt, grouped);
+  at::Tensor y =
+      ep_ ? experts_across_ranks(routed, counts, dt, grouped) : experts->forward(routed, counts, dt, grouped);
   // Combine: each pair's output times its weight (in the compute dtype, as transformers casts the
   // routing weights), summed per token in increasing expert order.
   y = y * r.weights.reshape(-1).index_select(0, order).to(y.scalar_type()).unsqueeze(1);
   at::Tensor out = at::zeros({h.size(0), h.size(1)}, y.options()).index_add(0, token, y);
+  if (c_.capacity_factor && c_.overflow_policy == "residual") {
+    // A token none of whose slots was kept passes through.
+    const at::Tensor none = at::bincount(token, /*weights=*/{}, h.size(0)).eq(0).unsqueeze(1);
+    out = at::where(none, h.to(out.scalar_type()), out);
+  }
+  if (balances_load() && is_training() && at::GradMode::is_enabled()) {
+    // Counted once per micro-batch: an activation-checkpointed block's first forward runs
+    // without autograd, its recomputation with.
+    at::NoGradGuard no_grad;
+    expert_load_ = expert_load_.defined() ? expert_load_ + r.tokens_per_expert : r.tokens_per_expert.clone();
+  }
   if (shared_experts) {
     at::Tensor s = shared_experts->forward(h, B, T, dt);
     if (shared_expert_gate) s = at::sigmoid((*shared_expert_gate)(h, dt)) * s;
@@ -247,6 +366,104 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
   r.weights = r.weights.detach();
   last_ = std::move(r);
   return out;
+}
+
+// Note [Load balancing bias]: DeepSeek-V3's auxiliary-loss-free balancing (arXiv:2412.19437,
+// section 2.1.2): a bias b_e is added to expert e's score for the choice of the top-k (and of the
+// groups) only; after each training step b_e moves by gamma (expert_bias_update_rate), up when e got
+// fewer tokens than the mean over the experts, down when more, unchanged when equal:
+//   b_e += gamma * sign(mean(load) - load_e).
+// The load is that of the whole step (every micro-batch, every data-parallel rank:
+// optimizer/moe_load_balanced sums it). TorchTitan also subtracts the mean of the update, which
+// moves every bias alike and so changes no choice.
+at::Tensor MoeFeedForwardImpl::take_expert_load() {
+  at::Tensor load = std::exchange(expert_load_, at::Tensor());
+  if (load.defined()) return load;
+  return at::zeros({c_.num_experts}, gate->weight.options().dtype(at::kLong));
+}
+
+void MoeFeedForwardImpl::update_expert_bias(const at::Tensor& load, double rate) {
+  if (!balances_load())
+    throw Error("model/gpt2_moe: update_expert_bias on a block without an expert bias (use_expert_bias = false)");
+  at::NoGradGuard no_grad;
+  at::Tensor bias = router->expert_bias();
+  const at::Tensor l = load.to(bias.device(), at::kFloat);
+  bias.add_((l.mean() - l).sign().to(bias.scalar_type()), rate);
+}
+
+// --- expert parallelism ----------------------------------------------------------------------
+
+ExpertParallel::ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> g, std::int64_t r, std::int64_t n)
+    : group(std::move(g)), rank(r), size(n) {}
+ExpertParallel::ExpertParallel(const ExpertParallel&) = default;
+ExpertParallel& ExpertParallel::operator=(const ExpertParallel&) = default;
+ExpertParallel::~ExpertParallel() = default;
+
+void MoeFeedForwardImpl::apply_expert_parallel(const ExpertParallel& ep) {
+  if (ep_) throw Error("model/gpt2_moe: expert parallelism applied twice to a MoE block");
+  if (ep.size < 1 || ep.rank < 0 || ep.rank >= ep.size)
+    throw Error(fmt::format("model/gpt2_moe: expert parallelism over {} ranks needs a rank in [0, {}), got {}", ep.size,
+                            ep.size, ep.rank));
+  if (c_.num_experts % ep.size != 0)
+    throw Error(
+        fmt::format("model/gpt2_moe: moe_config.num_experts = {} is not divisible by the expert-parallel "
+                    "degree {}; every rank holds the same number of experts",
+                    c_.num_experts, ep.size));
+  if (ep.size > 1 && (!ep.group || ep.group->getSize() != ep.size))
+    throw Error(fmt::format("model/gpt2_moe: expert parallelism of degree {} needs a process group of {} ranks, got {}",
+                            ep.size, ep.size, ep.group ? std::to_string(ep.group->getSize()) : "none"));
+  const std::int64_t local = c_.num_experts / ep.size;
+  experts->keep(ep.rank * local, local);
+  ep_ = ep;
+}
+
+// Note [Expert parallelism]: the routed rows of this rank, sorted by (global) expert, go in one
+// all-to-all to the ranks holding their experts, rank j getting the rows of experts
+// [j L, (j + 1) L), L = E / G. A rank receives, from each rank i in turn, i's rows of its L
+// experts, expert by expert; reordered expert-major (expert l's rows from rank 0, then from rank
+// 1, ...) they are one contiguous block per local expert for the grouped matmul, and the
+// results go back the same way, so every row comes home to where it left: the combine is the
+// one-process combine, in the same order. The row counts travel first (an all-to-all of the E
+// counts), and are brought to the host for the split sizes (a device sync, as in TorchTitan).
+// The gradients retrace the path: each rank's expert weights get the gradient of every rank's
+// tokens routed to them, the router and the rest that of this rank's tokens.
+at::Tensor MoeFeedForwardImpl::experts_across_ranks(const at::Tensor& routed, const at::Tensor& counts, Dt dt,
+                                                    bool grouped) const {
+  const std::int64_t G = ep_->size, L = c_.num_experts / G;
+  if (G == 1) return experts->forward(routed, counts, dt, grouped);
+  const at::Tensor incoming = dist::exchange_counts(counts, ep_->group);  // [G * L]: block i from rank i
+  const at::Tensor out_host = counts.to(at::kCPU), in_host = incoming.to(at::kCPU);
+  const std::int64_t* out_n = out_host.data_ptr<std::int64_t>();
+  const std::int64_t* in_n = in_host.data_ptr<std::int64_t>();
+  std::vector<std::int64_t> send(static_cast<std::size_t>(G), 0), recv(static_cast<std::size_t>(G), 0);
+  for (std::int64_t j = 0; j < G; ++j)
+    for (std::int64_t l = 0; l < L; ++l) {
+      send[static_cast<std::size_t>(j)] += out_n[j * L + l];
+      recv[static_cast<std::size_t>(j)] += in_n[j * L + l];
+    }
+  const at::Tensor arrived = dist::all_to_all_rows(routed, send, recv, ep_->group);  // source-major
+  // Expert-major order of the arrived rows, and each local expert's count.
+  std::vector<std::int64_t> start(static_cast<std::size_t>(G * L));  // of block (i, l), source-major
+  std::int64_t offset = 0;
+  for (std::int64_t b = 0; b < G * L; ++b) {
+    start[static_cast<std::size_t>(b)] = offset;
+    offset += in_n[b];
+  }
+  std::vector<std::int64_t> order, local_counts(static_cast<std::size_t>(L), 0);
+  order.reserve(static_cast<std::size_t>(offset));
+  for (std::int64_t l = 0; l < L; ++l)
+    for (std::int64_t i = 0; i < G; ++i) {
+      const std::int64_t b = i * L + l;
+      for (std::int64_t n = 0; n < in_n[b]; ++n) order.push_back(start[static_cast<std::size_t>(b)] + n);
+      local_counts[static_cast<std::size_t>(l)] += in_n[b];
+    }
+  const at::TensorOptions index = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor perm = at::tensor(order, index).to(routed.device());
+  const at::Tensor rows = arrived.index_select(0, perm);
+  const at::Tensor y = experts->forward(rows, at::tensor(local_counts, index).to(counts.device()), dt, grouped);
+  // Back to the arrived order (the inverse permutation), then home.
+  const at::Tensor back = at::empty_like(perm).scatter_(0, perm, at::arange(perm.numel(), perm.options()));
+  return dist::all_to_all_rows(y.index_select(0, back), recv, send, ep_->group);
 }
 
 // Note [MoE auxiliary losses]: of one block, over its N = B*T tokens, E experts, k per token:

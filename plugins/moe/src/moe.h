@@ -10,6 +10,7 @@
 #include <modalities/sdk/schema.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <memory>
@@ -17,6 +18,10 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
 
 namespace modalities::plugins::moe {
 
@@ -40,6 +45,12 @@ struct MoeConfig {
   std::string aux_loss_scope = "micro_batch";
   double z_loss_coef = 0.0;
   std::string aux_loss_key = "moe_aux_loss";
+  std::int64_t n_group = 1;
+  std::optional<std::int64_t> topk_group;
+  bool use_expert_bias = false;
+  std::optional<double> capacity_factor;
+  std::int64_t min_capacity = 4;
+  std::string overflow_policy = "drop";
 
   /// Whether the blocks compute an auxiliary loss (a coefficient is positive).
   bool has_aux_loss() const { return aux_loss_coef > 0 || z_loss_coef > 0; }
@@ -48,6 +59,11 @@ struct MoeConfig {
   bool is_moe_layer(std::int64_t layer) const;
   /// Hidden size of the shared-expert MLP (0: none).
   std::int64_t shared_hidden() const;
+  /// Groups kept per token in group-limited routing (topk_group, default n_group: all).
+  std::int64_t groups_per_token() const { return topk_group.value_or(n_group); }
+  /// Slots each expert takes from N tokens: max(ceil(capacity_factor N k / E), min_capacity);
+  /// nullopt when dropless (no capacity_factor).
+  std::optional<std::int64_t> capacity(std::int64_t tokens) const;
 
   static void describe(Schema<MoeConfig>& s);
 };
@@ -61,6 +77,10 @@ class GroupedExpertsImpl final : public gpt2::Leaf {
   void reset() override;
   /// x: [M, d], rows sorted by expert, `counts[e]` rows for expert e -> [M, d].
   at::Tensor forward(const at::Tensor& x, const at::Tensor& counts, Dt dt, bool grouped_mm) const;
+  /// Keeps experts [first, first + count) of the stack (expert parallelism); on any device.
+  void keep(std::int64_t first, std::int64_t count);
+  /// Experts in the stack (all E, or this rank's under expert parallelism).
+  std::int64_t size() const { return w1.size(0); }
 
   at::Tensor w1, w2, w3;
 
@@ -70,11 +90,43 @@ class GroupedExpertsImpl final : public gpt2::Leaf {
 
 /// What the routing of one forward decided (for metrics, losses and tests).
 struct Routing {
-  at::Tensor router_logits;      // [N, E], float32
-  at::Tensor scores;             // [N, E], float32: softmax or sigmoid of the logits
-  at::Tensor experts;            // [N, k] int64, the chosen experts of every token
-  at::Tensor weights;            // [N, k] float32, their combine weights
-  at::Tensor tokens_per_expert;  // [E] int64
+  at::Tensor router_logits;       // [N, E], float32
+  at::Tensor scores;              // [N, E], float32: softmax or sigmoid of the logits
+  at::Tensor experts;             // [N, k] int64, the chosen experts of every token
+  at::Tensor weights;             // [N, k] float32, their combine weights
+  at::Tensor tokens_per_expert;   // [E] int64, chosen slots (before the capacity drops any)
+  at::Tensor dropped_per_expert;  // [E] int64, slots dropped by the capacity (zeros when dropless)
+};
+
+/// The router of a MoE block: the gate, and under auxiliary-loss-free load balancing
+/// (use_expert_bias) the per-expert selection bias `expert_bias` [E] (float32, zero at
+/// construction and reset; a persistent buffer, so checkpoints hold it).
+class RouterImpl final : public gpt2::Leaf {
+ public:
+  RouterImpl(std::int64_t d, std::int64_t experts, bool bias, const at::TensorOptions& o);
+  void reset() override;
+  void remap(const gpt2::Remap& f) override;
+  /// The selection bias; undefined without load balancing.
+  at::Tensor expert_bias() const { return bias_slot_ != nullptr ? *bias_slot_ : at::Tensor(); }
+
+  std::shared_ptr<gpt2::LinearImpl> gate;  // [E, d], no bias
+
+ private:
+  at::Tensor* bias_slot_ = nullptr;
+};
+
+/// Expert parallelism of a block: the E routed experts partitioned over the `size` ranks of
+/// `group`, rank r holding experts [r E / size, (r + 1) E / size). Special members out of line
+/// (moe.cpp): the header needs no complete c10d::ProcessGroup.
+struct ExpertParallel {
+  ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> group, std::int64_t rank, std::int64_t size);
+  ExpertParallel(const ExpertParallel&);
+  ExpertParallel& operator=(const ExpertParallel&);
+  ~ExpertParallel();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::int64_t rank = 0;
+  std::int64_t size = 1;
 };
 
 class MoeFeedForwardImpl final : public gpt2::FeedForward {
@@ -89,16 +141,36 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   /// term plus z_loss_coef times the router z-loss (moe.cpp, Note [MoE auxiliary losses]).
   at::Tensor aux_loss(const Routing& r, std::int64_t B, std::int64_t T) const;
   bool has_aux_loss() const override { return c_.has_aux_loss(); }
+  /// Expert parallelism (moe.cpp, Note [Expert parallelism]): keeps this rank's experts, and
+  /// forward() sends every token to the ranks of its experts and back. Every rank of the group
+  /// runs forward and backward of this block alike. Throws modalities::Error when
+  /// num_experts is not divisible by ep.size or it is applied twice. On any device (meta too).
+  void apply_expert_parallel(const ExpertParallel& ep);
+  const std::optional<ExpertParallel>& expert_parallel() const { return ep_; }
   at::Tensor take_aux_loss() override { return std::exchange(aux_loss_, at::Tensor()); }
 
+  /// Auxiliary-loss-free load balancing (DeepSeek-V3): the tokens each expert was chosen by in the
+  /// training forwards since the last call ([E] int64, zeros when none), reset to zero.
+  at::Tensor take_expert_load();
+  /// expert_bias += rate * sign(mean(load) - load), load [E] the tokens per expert of a step over
+  /// all data-parallel ranks (moe.cpp, Note [Load balancing bias]).
+  void update_expert_bias(const at::Tensor& load, double rate);
+  bool balances_load() const { return c_.use_expert_bias; }
+
+  std::shared_ptr<RouterImpl> router;
   std::shared_ptr<gpt2::LinearImpl> gate;  // router.gate: [E, d], no bias
   std::shared_ptr<GroupedExpertsImpl> experts;
   std::shared_ptr<gpt2::SwiGLUImpl> shared_experts;      // optional
   std::shared_ptr<gpt2::LinearImpl> shared_expert_gate;  // optional: [1, d]
 
  private:
+  /// The experts over the sorted routed rows, across the expert-parallel ranks.
+  at::Tensor experts_across_ranks(const at::Tensor& routed, const at::Tensor& counts, Dt dt, bool grouped) const;
+
   MoeConfig c_;
+  std::optional<ExpertParallel> ep_;
   Routing last_;
+  at::Tensor expert_load_;  // chosen slots per expert since take_expert_load
   at::Tensor aux_loss_;
 };
 

@@ -1,20 +1,30 @@
 // The moe plugin (README.md): model/gpt2_moe, model/gpt2's decoder with Mixture-of-Experts
-// feed-forward blocks (moe.h) in the layers its moe_config selects. Built against the SDK and
-// gpt2's engine (make_gpt2 with a FeedForwardFactory, plugins/gpt2/src/layers.h); nothing in core
-// knows it.
+// feed-forward blocks (moe.h) in the layers its moe_config selects, and optimizer/moe_load_balanced,
+// which moves the blocks' selection biases after every step. Built against the SDK and gpt2's
+// engine (make_gpt2 with a FeedForwardFactory, plugins/gpt2/src/layers.h); nothing in core knows it.
 #include "config.h"  // plugins/gpt2
 #include "model.h"   // plugins/gpt2: make_gpt2
 #include "moe.h"
 
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
+#include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/optimizer.h>
+#include <modalities/sdk/model_parts.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/plugin.h>
 #include <modalities/sdk/run_context.h>
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
 
 namespace modalities::plugins::moe {
 namespace {
@@ -45,6 +55,81 @@ struct Gpt2MoeConfig : gpt2::GPT2Config {
   }
 };
 
+// optimizer/moe_load_balanced: another optimizer, and after each of its steps the auxiliary-loss-free
+// bias update of every MoE block that balances load (moe.cpp, Note [Load balancing bias]).
+struct LoadBalancedConfig {
+  Ref<Optimizer> optimizer;
+  double expert_bias_update_rate = 1e-3;
+  ModelParts model;
+  std::optional<Ref<DeviceMesh>> device_mesh;
+  static void describe(Schema<LoadBalancedConfig>& s) {
+    s.field("optimizer", &LoadBalancedConfig::optimizer,
+            "The optimizer that updates the parameters (e.g. optimizer/adam_w over the same model).")
+        .required();
+    s.field("expert_bias_update_rate", &LoadBalancedConfig::expert_bias_update_rate,
+            "How far every expert bias moves after a step (DeepSeek-V3's gamma; Modalities' key).")
+        .greater_than(0.0);
+    s.field("model", &LoadBalancedConfig::model,
+            "The model (or this rank's pipeline stages) whose MoE blocks with moe_config.use_expert_bias get their "
+            "router.expert_bias moved after every step (Modalities' key).")
+        .required();
+    s.field("device_mesh", &LoadBalancedConfig::device_mesh,
+            "The run's layout: the tokens per expert are summed over its data-parallel dims (dp_shard, "
+            "dp_replicate). null: over all ranks, every one data parallel.");
+  }
+};
+
+class LoadBalancedOptimizer final : public Optimizer {
+ public:
+  LoadBalancedOptimizer(std::shared_ptr<Optimizer> inner, std::vector<std::shared_ptr<Module>> parts, double rate,
+                        ParallelDims dims)
+      : inner_(std::move(inner)), parts_(std::move(parts)), rate_(rate), dims_(std::move(dims)) {
+    for (const auto& part : parts_)
+      for (const auto& m : part->module().modules(/*include_self=*/true))
+        if (auto* block = dynamic_cast<MoeFeedForwardImpl*>(m.get()); block != nullptr && block->balances_load())
+          blocks_.push_back(block);
+    if (blocks_.empty())
+      throw ConfigError("model",
+                        "has no MoE block with moe_config.use_expert_bias = true (model/gpt2_moe); there is no bias "
+                        "to move: use the optimizer alone");
+  }
+
+  void step() override {
+    inner_->step();
+    // One tensor for every block's load: one all-reduce per data-parallel dim.
+    std::vector<at::Tensor> loads;
+    for (MoeFeedForwardImpl* b : blocks_) loads.push_back(b->take_expert_load());
+    std::vector<at::Tensor> all = {at::cat(loads)};
+    for (const MeshDim dim : {MeshDim::dp_shard, MeshDim::dp_replicate})
+      if (const auto g = dims_.group(dim)) g->allreduce(all)->wait();
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      const std::int64_t n = loads[i].numel();
+      blocks_[i]->update_expert_bias(all[0].narrow(0, offset, n), rate_);
+      offset += n;
+    }
+  }
+  void zero_grad(bool set_to_none = true) override { inner_->zero_grad(set_to_none); }
+  std::size_t num_param_groups() const override { return inner_->num_param_groups(); }
+  std::vector<double> learning_rates() const override { return inner_->learning_rates(); }
+  void set_learning_rate(std::size_t group, double lr) override { inner_->set_learning_rate(group, lr); }
+  std::optional<double> group_option(std::size_t group, std::string_view name) const override {
+    return inner_->group_option(group, name);
+  }
+  void set_group_option(std::size_t group, std::string_view name, double value) override {
+    inner_->set_group_option(group, name, value);
+  }
+  StateDict state_dict() const override { return inner_->state_dict(); }
+  void load_state_dict(const StateDict& state) override { inner_->load_state_dict(state); }
+
+ private:
+  std::shared_ptr<Optimizer> inner_;
+  std::vector<std::shared_ptr<Module>> parts_;  // keeps the blocks alive
+  double rate_;
+  ParallelDims dims_;
+  std::vector<MoeFeedForwardImpl*> blocks_;
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -56,6 +141,17 @@ void register_components(Registrar& r) {
       [](const Gpt2MoeConfig& c) {
         return gpt2::make_gpt2(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device(),
                                moe_feed_forward(c.moe_config, c.n_embd), c.moe_config.aux_loss_key);
+      });
+  r.add<Optimizer, LoadBalancedConfig>(
+      "moe_load_balanced",
+      "Another optimizer, plus DeepSeek-V3's auxiliary-loss-free load balancing after each step: every MoE block's "
+      "selection bias moves by expert_bias_update_rate towards the mean load (tokens per expert summed over the "
+      "step's micro-batches and data-parallel ranks).",
+      [](const LoadBalancedConfig& c) {
+        std::shared_ptr<const DeviceMesh> mesh = c.device_mesh ? c.device_mesh->shared() : nullptr;
+        return std::make_shared<LoadBalancedOptimizer>(c.optimizer.shared(), c.model.shared(),
+                                                       c.expert_bias_update_rate,
+                                                       ParallelDims::of(std::move(mesh), dist::world_size()));
       });
 }
 

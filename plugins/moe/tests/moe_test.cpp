@@ -5,20 +5,27 @@
 //    top-3), and a token-by-token reference of DeepSeek-V3's sigmoid rule with a routed scaling
 //    factor and a shared expert. Output within 1e-5 of its largest value, every gradient within
 //    1e-5 of its largest entry, the tokens per expert exactly.
+//  * Expert parallelism on 2 and 4 Gloo ranks against the same references: each rank's output and
+//    input gradient rows, its experts' gradients (every rank's tokens), the others' summed.
 //  * The two expert backends agree; the layer selection rules; the example model's FQNs, shapes,
 //    forward and backward; meta device, reset_parameters and clone; refused configs by key path.
 #include "moe.h"
+#include "worker_case.h"
 
+#include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/interfaces/optimizer.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -63,6 +70,15 @@ Case read_case(const std::string& name) {
     c.config.shared_expert_ffn_hidden_per_expert = h;
   }
   c.config.shared_expert_gate = meta.at("shared_expert_gate") == "true";
+  if (meta.contains("n_group")) {
+    c.config.n_group = static_cast<std::int64_t>(num("n_group"));
+    c.config.topk_group = static_cast<std::int64_t>(num("topk_group"));
+    c.config.use_expert_bias = true;
+  }
+  if (meta.contains("capacity_factor")) {
+    c.config.capacity_factor = num("capacity_factor");
+    c.config.min_capacity = 0;
+  }
   c.source = meta.at("source");
   return c;
 }
@@ -72,17 +88,20 @@ std::shared_ptr<MoeFeedForwardImpl> block_with_weights(const Case& c) {
   auto m = std::make_shared<MoeFeedForwardImpl>(c.config, d, at::TensorOptions().dtype(at::kFloat));
   at::NoGradGuard no_grad;
   std::size_t n = 0;
-  for (auto& item : m->named_parameters(/*recurse=*/true)) {
-    const auto it = c.tensors.find("weight." + item.key());
-    EXPECT_NE(it, c.tensors.end()) << "no reference weight for " << item.key();
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (auto& item : m->named_parameters(/*recurse=*/true)) tensors.emplace_back(item.key(), item.value());
+  for (auto& item : m->named_buffers(/*recurse=*/true)) tensors.emplace_back(item.key(), item.value());
+  for (auto& item : tensors) {
+    const auto it = c.tensors.find("weight." + item.first);
+    EXPECT_NE(it, c.tensors.end()) << "no reference weight for " << item.first;
     if (it == c.tensors.end()) continue;
-    EXPECT_EQ(item.value().sizes(), it->second.sizes()) << item.key();
-    item.value().copy_(it->second);
+    EXPECT_EQ(item.second.sizes(), it->second.sizes()) << item.first;
+    item.second.copy_(it->second);
     ++n;
   }
   std::size_t expected = 0;
   for (const auto& [key, t] : c.tensors) expected += key.starts_with("weight.");
-  EXPECT_EQ(n, expected) << "every reference weight is a parameter of the block";
+  EXPECT_EQ(n, expected) << "every reference weight is a parameter or buffer of the block";
   return m;
 }
 
@@ -100,8 +119,9 @@ TEST_P(Reference, OutputGradientsAndLoadMatchTheReference) {
     const at::Tensor y = m->forward(x, 1, x.size(0), std::nullopt);
     const at::Tensor& want = c.tensors.at("y");
     EXPECT_LE(max_abs_diff(y, want), 1e-5 * max_abs(want));
-    EXPECT_TRUE(at::equal(m->last_routing().tokens_per_expert, c.tensors.at("tokens_per_expert")))
-        << m->last_routing().tokens_per_expert << " vs " << c.tensors.at("tokens_per_expert");
+    const Routing& r = m->last_routing();
+    EXPECT_TRUE(at::equal(r.tokens_per_expert - r.dropped_per_expert, c.tensors.at("tokens_per_expert")))
+        << r.tokens_per_expert << " - " << r.dropped_per_expert << " vs " << c.tensors.at("tokens_per_expert");
     (y * c.tensors.at("dy")).sum().backward();
     const at::Tensor& gx = c.tensors.at("grad.x");
     EXPECT_LE(max_abs_diff(x.grad(), gx), 1e-5 * max_abs(gx)) << "grad of the input";
@@ -115,7 +135,89 @@ TEST_P(Reference, OutputGradientsAndLoadMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Moe, Reference,
                          ::testing::Values("mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_norm_topk",
-                                           "sigmoid_scaled"));
+                                           "sigmoid_scaled", "deepseek_v3_grouped", "capacity_drop"));
+
+// DeepSeek-V3's group-limited routing with a selection bias (the fixture's reference chooses
+// differently than plain top-k for some tokens): the bias moves the choices, not the weights.
+TEST(Moe, TheBiasAndTheGroupsChooseTheExpertsNotTheirWeights) {
+  const Case c = read_case("deepseek_v3_grouped");
+  ASSERT_GT(std::stod(formats::read_safetensors_metadata(kDir / "tests" / "data" / "deepseek_v3_grouped.safetensors")
+                          .at("changed_choices")),
+            0);
+  Case plain = c;
+  plain.config.n_group = 1;
+  plain.config.topk_group.reset();
+  plain.config.use_expert_bias = false;
+  plain.tensors.erase("weight.router.expert_bias");
+  const at::Tensor& x = c.tensors.at("x");
+  const at::Tensor y_plain = block_with_weights(plain)->forward(x, 1, x.size(0), std::nullopt);
+  EXPECT_GT(max_abs_diff(y_plain, c.tensors.at("y")), 1e-3 * max_abs(c.tensors.at("y")))
+      << "without the bias and groups the reference is missed";
+  // Zero bias, one group: the plain block.
+  Case unbiased = c;
+  unbiased.config.n_group = 1;
+  unbiased.config.topk_group.reset();
+  unbiased.tensors.at("weight.router.expert_bias").zero_();
+  EXPECT_LE(max_abs_diff(block_with_weights(unbiased)->forward(x, 1, x.size(0), std::nullopt), y_plain), 1e-6);
+}
+
+// One step of the auxiliary-loss-free update on the fixture's load, against the script's
+// b + gamma * sign(mean load - load); the load counts training forwards with autograd only.
+TEST(Moe, TheBiasUpdateMovesTowardsTheMeanLoad) {
+  const Case c = read_case("deepseek_v3_grouped");
+  auto m = block_with_weights(c);
+  const at::Tensor& x = c.tensors.at("x");
+  m->eval();
+  m->forward(x, 1, x.size(0), std::nullopt);
+  EXPECT_EQ(m->take_expert_load().sum().item<std::int64_t>(), 0) << "evaluation counts nothing";
+  m->train();
+  {
+    at::NoGradGuard no_grad;  // an activation-checkpointed block's first forward
+    m->forward(x, 1, x.size(0), std::nullopt);
+  }
+  m->forward(x, 1, x.size(0), std::nullopt);
+  const at::Tensor load = m->take_expert_load();
+  EXPECT_TRUE(at::equal(load, c.tensors.at("tokens_per_expert")));
+  EXPECT_EQ(m->take_expert_load().sum().item<std::int64_t>(), 0) << "taken once";
+  const double rate =
+      std::stod(formats::read_safetensors_metadata(kDir / "tests" / "data" / "deepseek_v3_grouped.safetensors")
+                    .at("expert_bias_update_rate"));
+  m->update_expert_bias(load, rate);
+  EXPECT_LE(max_abs_diff(m->router->expert_bias(), c.tensors.at("bias.updated")), 1e-9);
+  // Twice the load of every expert gives the same signs.
+  m->update_expert_bias(load * 2, rate);
+  const at::Tensor twice = c.tensors.at("bias.updated") * 2 - c.tensors.at("weight.router.expert_bias");
+  EXPECT_LE(max_abs_diff(m->router->expert_bias(), twice), 1e-7);
+  // Reset: the bias is zero again.
+  m->router->reset();
+  EXPECT_EQ(m->router->expert_bias().abs().sum().item<double>(), 0.0);
+}
+
+// The capacity drops the overflow: with the residual policy, tokens all of whose slots were
+// dropped pass through (the script's y.residual), the others are unchanged.
+TEST(Moe, CapacityDropsTheOverflowInTokenOrder) {
+  Case c = read_case("capacity_drop");
+  const at::Tensor& x = c.tensors.at("x");
+  const std::int64_t N = x.size(0);
+  EXPECT_EQ(c.config.capacity(N), 6);  // ceil(0.5 * 24 * 2 / 4)
+  c.config.min_capacity = 7;
+  EXPECT_EQ(c.config.capacity(N), 7);
+  c.config.min_capacity = 0;
+  for (const std::string backend : {"looped", "grouped_mm"}) {
+    SCOPED_TRACE(backend);
+    c.config.experts_backend = backend;
+    c.config.overflow_policy = "residual";
+    auto m = block_with_weights(c);
+    const at::Tensor y = m->forward(x, 1, N, std::nullopt);
+    EXPECT_LE(max_abs_diff(y, c.tensors.at("y.residual")), 1e-5 * max_abs(c.tensors.at("y.residual")));
+    const auto meta = formats::read_safetensors_metadata(kDir / "tests" / "data" / "capacity_drop.safetensors");
+    EXPECT_EQ(m->last_routing().dropped_per_expert.sum().item<std::int64_t>(), std::stoll(meta.at("dropped_slots")));
+  }
+  // Dropless (no capacity_factor): the plain block, which differs.
+  c.config.capacity_factor.reset();
+  const at::Tensor dropless = block_with_weights(c)->forward(x, 1, N, std::nullopt);
+  EXPECT_GT(max_abs_diff(dropless, c.tensors.at("y")), 1e-3 * max_abs(c.tensors.at("y")));
+}
 
 // Note [MoE auxiliary losses] (moe.cpp): for one block, transformers' load_balancing_loss_func is k
 // times our load-balancing term; its router_z_loss_func is our z-loss. Both coefficients 1.
@@ -412,6 +514,156 @@ TEST(Gpt2Moe, BadConfigsNameTheKey) {
   testing::Harness h(MODALITIES_TEST_PLUGIN, kExample);
   h.erase("model_raw.config.moe_config");
   EXPECT_THAT(h.build_error(), HasSubstr("model_raw.config.moe_config: missing required key"));
+}
+
+// optimizer/moe_load_balanced over AdamW: a step updates the parameters and moves every balancing
+// block's bias by expert_bias_update_rate towards its mean load.
+TEST(MoeLoadBalanced, AStepMovesEveryBiasTowardsTheMeanLoad) {
+  testing::Harness h(MODALITIES_TEST_PLUGIN);
+  h.load_plugin(MODALITIES_TEST_OPTIMIZERS_PLUGIN);
+  h.set_config_text(testing::read_file(kExample) + R"(
+[adam]
+component_key = "optimizer"
+variant_key = "adam_w"
+config = { lr = 1e-3, betas = [0.9, 0.95], eps = 1e-8, weight_decay = 0.0, weight_decay_groups_excluded = [], wrapped_model = { instance_key = "model_raw", pass_type = "BY_REFERENCE" } }
+
+[optimizer]
+component_key = "optimizer"
+variant_key = "moe_load_balanced"
+config = { expert_bias_update_rate = 0.01, optimizer = { instance_key = "adam", pass_type = "BY_REFERENCE" }, model = { instance_key = "model_raw", pass_type = "BY_REFERENCE" } }
+)");
+  h.set("model_raw.config.n_layer", std::int64_t{3});  // blocks 1 and 2 are MoE
+  h.set("model_raw.config.moe_config.use_expert_bias", true);
+  auto m = h.get<Module>("model_raw");
+  auto opt = h.get<Optimizer>("optimizer");
+  ASSERT_NE(opt, nullptr) << h.build_error();
+  EXPECT_EQ(opt->num_param_groups(), h.get<Optimizer>("adam")->num_param_groups());
+  std::vector<MoeFeedForwardImpl*> blocks;
+  for (const auto& child : m->module().modules(/*include_self=*/false))
+    if (auto* b = dynamic_cast<MoeFeedForwardImpl*>(child.get())) blocks.push_back(b);
+  ASSERT_EQ(blocks.size(), 2u);
+  for (auto* b : blocks) EXPECT_EQ(b->router->expert_bias().abs().sum().item<double>(), 0.0);
+  const at::Tensor before = m->named_parameters().front().second.detach().clone();
+  const at::Tensor ids = at::randint(0, 256, {2, 16}, at::kLong);
+  std::vector<at::Tensor> loads;
+  for (int micro = 0; micro < 2; ++micro) {  // two micro-batches: their loads add up
+    m->forward({{"input_ids", ids.roll(micro, 1)}}).at("logits").pow(2).mean().backward();
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const at::Tensor l = blocks[i]->last_routing().tokens_per_expert;
+      if (micro == 0) loads.push_back(l.clone());
+      else loads[i] += l;
+    }
+  }
+  opt->step();
+  EXPECT_FALSE(at::equal(before, m->named_parameters().front().second)) << "AdamW stepped";
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const at::Tensor l = loads[i].to(at::kFloat);
+    const at::Tensor want = (l.mean() - l).sign() * 0.01;
+    EXPECT_LE(max_abs_diff(blocks[i]->router->expert_bias(), want), 1e-9) << "block " << i;
+    EXPECT_GT(blocks[i]->router->expert_bias().abs().sum().item<double>(), 0.0);
+  }
+  // The bias is part of the model's state (checkpoints hold it).
+  EXPECT_TRUE(m->state_dict().contains("transformer.h.1.mlp.router.expert_bias"));
+  // A model without balancing blocks is refused by name.
+  h.set("model_raw.config.moe_config.use_expert_bias", false);
+  EXPECT_THAT(h.build_error(),
+              HasSubstr("optimizer.config.model: has no MoE block with moe_config.use_expert_bias = true"));
+}
+
+// --- expert parallelism (moe.cpp, Note [Expert parallelism]) ------------------------------------
+
+struct EpRuntime {
+  EpRuntime() {
+    dist::RuntimeOptions o;
+    o.backend = "gloo";
+    o.timeout = std::chrono::seconds(60);
+    dist::init(dist::launch_env(), o);
+  }
+  ~EpRuntime() { dist::shutdown(); }
+};
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+at::Tensor summed_over_ranks(const at::Tensor& t) {
+  std::vector<at::Tensor> v = {t.clone()};
+  dist::world()->allreduce(v)->wait();
+  return v[0];
+}
+
+// Rank r of G takes rows [r N/G, (r + 1) N/G) of the reference's input. Its output and input
+// gradient are those rows of the reference's; the gradients of its experts are the reference's
+// of experts [r E/G, (r + 1) E/G) (every rank's tokens reach them), the router's and the shared
+// experts' add up over the ranks to the reference's; its routing is that of its rows alone.
+void expect_expert_parallel_matches(const std::string& name, const std::string& backend) {
+  const std::int64_t r = dist::rank(), G = dist::world_size();
+  Case c = read_case(name);
+  c.config.experts_backend = backend;
+  SCOPED_TRACE(fmt::format("{}, {}, rank {} of {}", c.source, backend, r, G));
+  const at::Tensor& x = c.tensors.at("x");
+  const std::int64_t n = x.size(0) / G, L = c.config.num_experts / G;
+  auto m = block_with_weights(c);
+  m->apply_expert_parallel(ExpertParallel(dist::world(), r, G));
+  EXPECT_EQ(m->experts->size(), L);
+  const at::Tensor mine = x.narrow(0, r * n, n).clone().set_requires_grad(true);
+  const at::Tensor y = m->forward(mine, 1, n, std::nullopt);
+  const at::Tensor want = c.tensors.at("y").narrow(0, r * n, n);
+  EXPECT_LE(max_abs_diff(y, want), 1e-5 * max_abs(c.tensors.at("y"))) << "output";
+  const at::Tensor alone = block_with_weights(c)->route(mine, std::nullopt).tokens_per_expert;
+  EXPECT_TRUE(at::equal(m->last_routing().tokens_per_expert, alone)) << "routing of this rank's rows";
+  (y * c.tensors.at("dy").narrow(0, r * n, n)).sum().backward();
+  const at::Tensor& gx = c.tensors.at("grad.x");
+  EXPECT_LE(max_abs_diff(mine.grad(), gx.narrow(0, r * n, n)), 1e-5 * max_abs(gx)) << "grad of the input";
+  for (const auto& item : m->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& ref = c.tensors.at("grad." + item.key());
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    const bool expert = item.key().starts_with("experts.");
+    const at::Tensor got = expert ? item.value().grad() : summed_over_ranks(item.value().grad());
+    const at::Tensor wanted = expert ? ref.narrow(0, r * L, L) : ref;
+    EXPECT_LE(max_abs_diff(got, wanted), 1e-5 * max_abs(ref)) << "grad of " << item.key();
+  }
+}
+
+MODALITIES_WORKER_CASE(MoeEpWorker, MatchesTheReferences) {
+  const EpRuntime runtime;
+  std::int64_t cases = 0;
+  for (const std::string name : {"mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_norm_topk"}) {
+    if (read_case(name).config.num_experts % dist::world_size() != 0) continue;
+    ++cases;
+    for (const std::string backend : {"looped", "grouped_mm"}) expect_expert_parallel_matches(name, backend);
+  }
+  EXPECT_GT(cases, 0);
+}
+
+void run_ep(int ranks) {
+  testing::expect_workers_pass(
+      testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "MoeEpWorker.MatchesTheReferences", {}, 120), ranks);
+}
+
+TEST(MoeExpertParallel, TwoRanksMatchTransformersBlocks) { run_ep(2); }
+TEST(MoeExpertParallel, FourRanksMatchTransformersBlocks) { run_ep(4); }
+
+TEST(MoeExpertParallel, OneRankIsTheBlockAndBadDegreesAreRefused) {
+  const Case c = read_case("mixtral_top2");
+  auto m = block_with_weights(c);
+  m->apply_expert_parallel(ExpertParallel({}, 0, 1));
+  const at::Tensor& x = c.tensors.at("x");
+  EXPECT_LE(max_abs_diff(m->forward(x, 1, x.size(0), std::nullopt), c.tensors.at("y")),
+            1e-5 * max_abs(c.tensors.at("y")));
+  EXPECT_THAT(error_of([&] { m->apply_expert_parallel(ExpertParallel({}, 0, 1)); }), HasSubstr("applied twice"));
+  EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 0, 3)); }),
+              HasSubstr("num_experts = 4 is not divisible by the expert-parallel degree 3"));
+  EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 0, 2)); }),
+              HasSubstr("needs a process group of 2 ranks, got none"));
+  EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 2, 2)); }),
+              HasSubstr("needs a rank in [0, 2), got 2"));
 }
 
 }  // namespace
