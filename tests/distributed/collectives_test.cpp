@@ -125,15 +125,15 @@ void run(const std::string& name) {
                                3);
 }
 
-TEST(CollectivesTest, AllToAllRowsMovesRowsAndTheirGradientsBackOnThreeRanks) {
+TEST(AllToAllRowsTest, MovesRowsAndTheirGradientsBackOnThreeRanks) {
   run("AllToAllRowsMovesRowsAndTheirGradientsBack");
 }
-TEST(CollectivesTest, ARankWhoseLossIgnoresTheRowsStillTakesPartInTheBackward) {
+TEST(AllToAllRowsTest, ARankWhoseLossIgnoresTheRowsStillTakesPartInTheBackward) {
   run("ARankWhoseLossIgnoresTheRowsStillTakesPart");
 }
 
 // One process: the identity (same tensor, graph kept); send and recv must agree.
-TEST(CollectivesTest, WithoutAGroupEveryRowStays) {
+TEST(AllToAllRowsTest, WithoutAGroupEveryRowStays) {
   const at::Tensor x = at::randn({5, 3}).requires_grad_(true);
   const c10::intrusive_ptr<c10d::ProcessGroup> none;
   EXPECT_TRUE(dist::all_to_all_rows(x, {5}, {5}, none).is_same(x));

@@ -28,6 +28,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -664,6 +666,101 @@ TEST(MoeExpertParallel, OneRankIsTheBlockAndBadDegreesAreRefused) {
               HasSubstr("needs a process group of 2 ranks, got none"));
   EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 2, 2)); }),
               HasSubstr("needs a rank in [0, 2), got 2"));
+}
+
+// --- step-time benchmark (scripts/bench_moe.sh; opt-in: MODALITIES_MOE_BENCH=1) ---------------------
+// Forward + backward of one feed-forward on B = 8 sequences of T = 256 tokens of width 256: the MoE
+// block (8 experts of hidden 512, top-2 softmax, each backend) next to the dense SwiGLU of the same
+// active size (hidden 2 x 512), fp32 on the CPU; with two ranks, expert parallelism over them
+// (each rank its own 8 sequences). Prints mean milliseconds over 10 timed passes after 3 warm-up
+// passes, and under EP the all-to-all bytes per step against those of perfectly balanced routing.
+constexpr std::int64_t kBenchD = 256, kBenchE = 8, kBenchK = 2, kBenchF = 512, kBenchB = 8, kBenchT = 256;
+
+MoeConfig bench_config(const std::string& backend) {
+  MoeConfig c;
+  c.num_experts = kBenchE;
+  c.top_k = kBenchK;
+  c.moe_ffn_hidden = kBenchF;
+  c.score_function = "softmax";
+  c.experts_backend = backend;
+  return c;
+}
+
+template <class F>
+double mean_ms(F&& pass) {
+  for (int i = 0; i < 3; ++i) pass();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 10; ++i) pass();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 10;
+}
+
+std::shared_ptr<MoeFeedForwardImpl> bench_block(const std::string& backend) {
+  at::manual_seed(0);
+  auto m = std::make_shared<MoeFeedForwardImpl>(bench_config(backend), kBenchD, at::TensorOptions().dtype(at::kFloat));
+  at::NoGradGuard no_grad;
+  m->gate->reset();
+  m->experts->reset();
+  return m;
+}
+
+double block_ms(gpt2::FeedForward& ffn, const at::Tensor& x) {
+  return mean_ms([&] {
+    const at::Tensor in = x.detach().requires_grad_(true);
+    ffn.forward(in, kBenchB, kBenchT, std::nullopt).sum().backward();
+  });
+}
+
+TEST(MoeBench, StepTimeNextToTheDenseFeedForward) {
+  if (std::getenv("MODALITIES_MOE_BENCH") == nullptr)
+    GTEST_SKIP() << "set MODALITIES_MOE_BENCH=1 (scripts/bench_moe.sh)";
+  at::manual_seed(1);
+  const at::Tensor x = at::randn({kBenchB * kBenchT, kBenchD});
+  gpt2::SwiGLUImpl dense(kBenchD, kBenchK * kBenchF, /*bias=*/false, at::TensorOptions().dtype(at::kFloat));
+  for (auto* l : {dense.W.get(), dense.V.get(), dense.W_2.get()}) l->reset();
+  const double dense_ms = block_ms(dense, x);
+  std::printf("bench_moe: threads %d, tokens %lld, d %lld, experts %lld, top-%lld, expert hidden %lld\n",
+              at::get_num_threads(), static_cast<long long>(kBenchB * kBenchT), static_cast<long long>(kBenchD),
+              static_cast<long long>(kBenchE), static_cast<long long>(kBenchK), static_cast<long long>(kBenchF));
+  std::printf("bench_moe: cpp dense_swiglu_hidden_%lld %.2f ms\n", static_cast<long long>(kBenchK * kBenchF), dense_ms);
+  for (const std::string backend : {"looped", "grouped_mm"}) {
+    auto m = bench_block(backend);
+    const double ms = block_ms(*m, x);
+    std::printf("bench_moe: cpp moe_%s %.2f ms (%.2fx dense)\n", backend.c_str(), ms, ms / dense_ms);
+  }
+}
+
+MODALITIES_WORKER_CASE(MoeEpWorker, Bench) {
+  const EpRuntime runtime;
+  const std::int64_t r = dist::rank(), G = dist::world_size();
+  auto m = bench_block("looped");
+  m->apply_expert_parallel(ExpertParallel(dist::world(), r, G));
+  at::manual_seed(100 + r);
+  const at::Tensor x = at::randn({kBenchB * kBenchT, kBenchD});
+  const double ms = block_ms(*m, x);
+  // Rows this rank sends to the other ranks in one forward (the dispatch; the combine brings as
+  // many back, and the backward moves both again): from its last routing.
+  const at::Tensor counts = m->last_routing().tokens_per_expert.view({G, kBenchE / G}).sum(1);
+  const std::int64_t off_rank = counts.sum().item<std::int64_t>() - counts[r].item<std::int64_t>();
+  const double bytes = 4.0 * static_cast<double>(off_rank * kBenchD * 4);  // dispatch+combine, fwd+bwd, fp32
+  const double balanced = 4.0 * static_cast<double>(kBenchB * kBenchT * kBenchK * (G - 1) / G * kBenchD * 4);
+  const at::Tensor t = at::tensor({ms, bytes, balanced}, at::kDouble);
+  std::vector<at::Tensor> v = {t.clone()};
+  dist::world()->allreduce(v)->wait();
+  if (r == 0)
+    std::printf(
+        "bench_moe: cpp moe_ep%lld_looped %.2f ms per rank (1 thread each; mean over ranks), all-to-all %.2f MB per "
+        "rank and "
+        "step (balanced routing: %.2f MB)\n",
+        static_cast<long long>(G), v[0][0].item<double>() / G, v[0][1].item<double>() / G / 1e6,
+        v[0][2].item<double>() / G / 1e6);
+}
+
+TEST(MoeBench, ExpertParallelStepTimeOnTwoRanks) {
+  if (std::getenv("MODALITIES_MOE_BENCH") == nullptr)
+    GTEST_SKIP() << "set MODALITIES_MOE_BENCH=1 (scripts/bench_moe.sh)";
+  const testing::CommandResult r = testing::run_workers(MODALITIES_TEST_HOST_BINARY, 2, "MoeEpWorker.Bench", {}, 300);
+  testing::expect_workers_pass(r, 2);
+  std::printf("%s", r.out.c_str());
 }
 
 }  // namespace
