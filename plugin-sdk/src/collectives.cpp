@@ -58,8 +58,8 @@ at::Tensor all_to_all_rows(const at::Tensor& x, const std::vector<std::int64_t>&
                             x.dim() < 1 ? 0 : x.size(0), x.sizes().vec(), total(send)));
   if (!active(group)) {
     if (send != recv)
-      throw Error(fmt::format("all_to_all_rows: without a group every row stays here, but send {} != recv {}", send,
-                              recv));
+      throw Error(
+          fmt::format("all_to_all_rows: without a group every row stays here, but send {} != recv {}", send, recv));
     return x;
   }
   at::Tensor y;
@@ -77,9 +77,10 @@ at::Tensor exchange_counts(const at::Tensor& counts, const Group& group) {
   if (!active(group)) return counts;
   const std::int64_t ranks = group->getSize();
   if (counts.dim() != 1 || counts.numel() % ranks != 0)
-    throw Error(fmt::format("exchange_counts: expected a 1-d tensor whose size is a multiple of the {} ranks, got "
-                            "shape {}",
-                            ranks, counts.sizes().vec()));
+    throw Error(
+        fmt::format("exchange_counts: expected a 1-d tensor whose size is a multiple of the {} ranks, got "
+                    "shape {}",
+                    ranks, counts.sizes().vec()));
   at::NoGradGuard no_grad;
   at::Tensor in = counts.contiguous();
   at::Tensor out = at::empty_like(in);

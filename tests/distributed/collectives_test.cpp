@@ -121,8 +121,8 @@ MODALITIES_WORKER_CASE(CollectivesWorker, ARankWhoseLossIgnoresTheRowsStillTakes
 }
 
 void run(const std::string& name) {
-  testing::expect_workers_pass(testing::run_workers(MODALITIES_TEST_HOST_BINARY, 3, "CollectivesWorker." + name, {}, 120),
-                               3);
+  testing::expect_workers_pass(
+      testing::run_workers(MODALITIES_TEST_HOST_BINARY, 3, "CollectivesWorker." + name, {}, 120), 3);
 }
 
 TEST(AllToAllRowsTest, MovesRowsAndTheirGradientsBackOnThreeRanks) {

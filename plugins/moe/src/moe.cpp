@@ -199,6 +199,9 @@ void log_backend_once(bool grouped, const at::Tensor& x) {
 }  // namespace
 
 at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& counts, Dt dt, bool grouped_mm) const {
+  // No rows (under expert parallelism a rank may get none): an empty result that stays in the
+  // graph, so that the collectives around it run their backward on this rank too.
+  if (x.size(0) == 0) return x.clone();
   const at::Tensor a = gpt2::cast(w1, dt), b = gpt2::cast(w3, dt), c = gpt2::cast(w2, dt);
   if (grouped_mm) {
     // Row blocks of x by expert: offs[e] = the end of expert e's rows (int32, as _grouped_mm wants).
@@ -219,8 +222,6 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& co
     parts.push_back(at::mm(h, c[e].t()));
     offset += n[e];
   }
-  // No rows (under expert parallelism a rank may get none): an empty result that stays in the
-  // graph, so that the collectives around it run their backward on this rank too.
   if (parts.empty()) return x.clone();
   return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
 }
