@@ -222,7 +222,6 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& co
     parts.push_back(at::mm(h, c[e].t()));
     offset += n[e];
   }
-  if (parts.empty()) return x.clone();
   return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
 }
 
@@ -329,8 +328,8 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
   const at::Tensor routed = h.index_select(0, token);   // [slots, d]
   const bool grouped = use_grouped_mm(c_.experts_backend, h);
   log_backend_once(grouped, h);
-  at::Tensor y =
-      ep_ ? experts_across_ranks(routed, counts, dt, grouped) : experts->forward(routed, counts, dt, grouped);
+  at::Tensor y = ep_ && ep_->size > 1 ? experts_across_ranks(routed, counts, dt, grouped)
+                                      : experts->forward(routed, counts, dt, grouped);
   // Combine: each pair's output times its weight (in the compute dtype, as transformers casts the
   // routing weights), summed per token in increasing expert order.
   y = y * r.weights.reshape(-1).index_select(0, order).to(y.scalar_type()).unsqueeze(1);
@@ -431,7 +430,6 @@ void MoeFeedForwardImpl::apply_expert_parallel(const ExpertParallel& ep) {
 at::Tensor MoeFeedForwardImpl::experts_across_ranks(const at::Tensor& routed, const at::Tensor& counts, Dt dt,
                                                     bool grouped) const {
   const std::int64_t G = ep_->size, L = c_.num_experts / G;
-  if (G == 1) return experts->forward(routed, counts, dt, grouped);
   const at::Tensor incoming = dist::exchange_counts(counts, ep_->group);  // [G * L]: block i from rank i
   const at::Tensor out_host = counts.to(at::kCPU), in_host = incoming.to(at::kCPU);
   const std::int64_t* out_n = out_host.data_ptr<std::int64_t>();

@@ -164,7 +164,7 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   std::shared_ptr<gpt2::LinearImpl> shared_expert_gate;  // optional: [1, d]
 
  private:
-  /// The experts over the sorted routed rows, across the expert-parallel ranks.
+  /// The experts over the sorted routed rows, across the expert-parallel ranks (ep_ of size > 1).
   at::Tensor experts_across_ranks(const at::Tensor& routed, const at::Tensor& counts, Dt dt, bool grouped) const;
 
   MoeConfig c_;
