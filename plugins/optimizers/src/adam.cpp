@@ -30,6 +30,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -229,6 +230,8 @@ class Adam final : public Optimizer {
     std::vector<std::string> if_empty;  // per group
     for (const auto& part : c.wrapped_model.parts) {
       parts_.push_back(part.shared());
+      for (const auto& [name, tensor] : part->named_parameters())
+        if (tensor.numel() == 0) empty_.insert(name);
       for (auto& pg :
            split_by_weight_decay(*part, part.origin(), c.weight_decay, c.weight_decay_groups_excluded, ctx)) {
         // Several parts (a pipeline rank's stages) share their groups: the same group of every part is
@@ -373,6 +376,9 @@ class Adam final : public Optimizer {
       const bool is_group = key.starts_with("param_groups.");
       auto split = (is_state || is_group) ? split_key(std::string_view(key).substr(is_state ? 6 : 13)) : std::nullopt;
       if (!split) {
+        // A checkpoint of another layout holds the state of parameters whose shard is empty on this
+        // rank (a tensor of fewer rows than FSDP ranks): they are not optimized here.
+        if ((is_state || is_group) && of_empty_shard(std::string_view(key).substr(is_state ? 6 : 13))) continue;
         unknown.push_back(key);
         continue;
       }
@@ -467,6 +473,13 @@ class Adam final : public Optimizer {
   }
 
   // "<fqn>.<name>" -> (parameter index, name), taking the longest FQN prefix (names may contain dots).
+  // Whether `rest` ("<fqn>.<name>") belongs to a parameter this rank skipped for its empty shard.
+  bool of_empty_shard(std::string_view rest) const {
+    for (std::size_t dot = rest.rfind('.'); dot != std::string_view::npos && dot > 0; dot = rest.rfind('.', dot - 1))
+      if (empty_.contains(std::string(rest.substr(0, dot)))) return true;
+    return false;
+  }
+
   std::optional<std::pair<std::size_t, std::string_view>> split_key(std::string_view rest) const {
     for (std::size_t dot = rest.rfind('.'); dot != std::string_view::npos && dot > 0; dot = rest.rfind('.', dot - 1)) {
       if (auto it = index_.find(std::string(rest.substr(0, dot))); it != index_.end())
@@ -590,6 +603,7 @@ class Adam final : public Optimizer {
   std::vector<Param> params_;
   std::vector<Group> groups_;
   std::unordered_map<std::string, std::size_t> index_;  // fqn -> params_ index
+  std::unordered_set<std::string> empty_;               // parameters whose shard is empty on this rank (not optimized)
 };
 
 }  // namespace

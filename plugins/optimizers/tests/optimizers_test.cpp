@@ -65,16 +65,19 @@ at::Tensor to_tensor(const std::vector<float>& values, const std::vector<std::in
 }
 
 // model/tiny_gpt: the reference model's parameters, with GPT-2's weight-decay groups unless
-// `groups` overrides them; `frozen` parameters do not require gradients.
+// `groups` overrides them; `frozen` parameters do not require gradients; `empty` ones have no rows
+// (what an FSDP rank holds of a tensor of fewer rows than ranks).
 struct TinyGptConfig {
   std::map<std::string, std::vector<std::string>> groups = {
       {"linear", {".attn", ".mlp", ".lm_head.weight"}},
       {"embedding", {".wte", ".wpe"}},
       {"layernorm", {".attention_norm", ".ffn_norm", ".lm_head_norm"}}};
   std::vector<std::string> frozen;
+  std::vector<std::string> empty;
   static void describe(Schema<TinyGptConfig>& s) {
     s.field("groups", &TinyGptConfig::groups, "weight-decay groups");
     s.field("frozen", &TinyGptConfig::frozen, "parameters without requires_grad");
+    s.field("empty", &TinyGptConfig::empty, "parameters of zero rows");
   }
 };
 
@@ -84,9 +87,11 @@ class TinyGpt final : public Module {
     root_ = std::make_shared<torch::nn::Module>("TinyGpt");
     for (const RefParam& p : kParams) {
       const bool frozen = std::find(c.frozen.begin(), c.frozen.end(), p.name) != c.frozen.end();
+      const bool empty = std::find(c.empty.begin(), c.empty.end(), p.name) != c.empty.end();
       const auto dot = p.name.rfind('.');
+      at::Tensor t = to_tensor(p.values, p.shape);
       submodule(p.name.substr(0, dot))
-          ->register_parameter(p.name.substr(dot + 1), to_tensor(p.values, p.shape), !frozen);
+          ->register_parameter(p.name.substr(dot + 1), empty ? t.narrow(0, 0, 0).clone() : t, !frozen);
     }
   }
   TensorMap forward(const TensorMap&) override { throw Error("tiny_gpt has no forward"); }
@@ -542,6 +547,36 @@ TEST_F(OptimizerTest, LoadStateDictRejectsForeignKeysAndMissingParameters) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("state.transformer.wte.weight.exp_avg has shape [3]"));
   }
+}
+
+// A checkpoint written at another layout holds the state of a parameter whose shard is empty on
+// this rank (FSDP on more ranks than the tensor has rows): that rank does not optimize it, and
+// loading skips its entries; a key of no parameter at all is still refused.
+TEST_F(OptimizerTest, LoadStateDictSkipsTheStateOfEmptyShards) {
+  h.set_config_text(config_text("adam_w", 0.1, {"embedding", "layernorm"}));
+  auto model = h.get<Module>("model");
+  auto opt = h.get<Optimizer>("optimizer");
+  ASSERT_NE(opt, nullptr) << h.build_error();
+  set_grads(*model, 0);
+  opt->step();
+  const StateDict full = opt->state_dict();
+  ASSERT_TRUE(full.contains("state.transformer.wte.weight.exp_avg"));
+
+  testing::Harness h2{MODALITIES_TEST_PLUGIN};
+  register_tiny_gpt(h2);
+  h2.set_config_text(
+      config_text("adam_w", 0.1, {"embedding", "layernorm"}, "", R"(empty = ["transformer.wte.weight"])"));
+  auto opt2 = h2.get<Optimizer>("optimizer");
+  ASSERT_NE(opt2, nullptr) << h2.build_error();
+  EXPECT_FALSE(opt2->state_dict().contains("param_groups.transformer.wte.weight.lr"));
+  opt2->load_state_dict(full);
+  EXPECT_TRUE(at::equal(opt2->state_dict().at("state.transformer.h.0.mlp.W.weight.exp_avg"),
+                        full.at("state.transformer.h.0.mlp.W.weight.exp_avg")));
+  EXPECT_FALSE(opt2->state_dict().contains("state.transformer.wte.weight.exp_avg"));
+  StateDict extra = full;
+  extra.emplace("param_groups.transformer.h.1.mlp.W.weight.lr", at::scalar_tensor(1.0, at::kDouble));
+  EXPECT_THAT([&] { opt2->load_state_dict(extra); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("transformer.h.1.mlp.W.weight")));
 }
 
 TEST_F(OptimizerTest, ZeroGradSetsToNoneOrZeroes) {
