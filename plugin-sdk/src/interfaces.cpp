@@ -34,6 +34,7 @@
 #include <modalities/sdk/interfaces/steppable_profiler.h>
 #include <modalities/sdk/interfaces/text_inference_component.h>
 #include <modalities/sdk/interfaces/tokenizer.h>
+#include <modalities/sdk/parallel.h>
 #include <modalities/sdk/parameter_count.h>
 #include <modalities/sdk/python_format.h>
 
@@ -66,6 +67,7 @@ Dataset::~Dataset() = default;
 DatasetBatchGenerator::~DatasetBatchGenerator() = default;
 Debugging::~Debugging() = default;
 DeviceMesh::~DeviceMesh() = default;
+c10::intrusive_ptr<c10d::ProcessGroup> DeviceMesh::expert_shard_process_group() const { return {}; }
 DistributedCheckpointLoading::~DistributedCheckpointLoading() = default;
 GradientClipper::~GradientClipper() = default;
 Loss::~Loss() = default;
@@ -356,6 +358,16 @@ void Module::apply_tensor_parallel(const ParallelDims&, const tp::Options&) {
                   "before activation checkpointing, initialization, pipeline stages and FSDP)",
                   module().name()));
 }
+
+void Module::apply_expert_parallel(const ParallelDims& dims) {
+  throw Error(
+      fmt::format("this model ({}) has no experts to split over the mesh's ep dim of {} ranks: its class does "
+                  "not implement Module::apply_expert_parallel (a Mixture-of-Experts model, e.g. "
+                  "model/gpt2_moe, does)",
+                  module().name(), dims.degree(MeshDim::ep)));
+}
+
+std::vector<std::string> Module::expert_parallel_parameters() const { return {}; }
 
 std::shared_ptr<Pipeline> Module::pipeline() const { return nullptr; }
 

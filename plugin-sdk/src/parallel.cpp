@@ -106,6 +106,15 @@ ParallelDims::Group ParallelDims::group(MeshDim dim) const {
   return mesh_ ? mesh_->process_group(dim) : dist::world();
 }
 
+std::int64_t ParallelDims::expert_shard_degree() const {
+  return degree(MeshDim::dp_shard) * degree(MeshDim::cp) / degree(MeshDim::ep);
+}
+
+ParallelDims::Group ParallelDims::expert_shard_group() const {
+  if (!enabled(MeshDim::ep)) return group(MeshDim::dp_shard);
+  return expert_shard_degree() > 1 ? mesh_->expert_shard_process_group() : Group();
+}
+
 std::int64_t ParallelDims::world_size() const { return world_size_; }
 
 std::int64_t ParallelDims::dp_size() const {
@@ -123,8 +132,8 @@ std::int64_t ParallelDims::dp_rank() const {
 }
 
 bool ParallelDims::counts_data() const {
-  for (MeshDim d : kMeshDims)
-    if (!shards_data(d) && coordinate(d) != 0) return false;
+  for (MeshDim d : kMeshDims)  // ep overlays dp_shard: its ranks count their own data
+    if (!shards_data(d) && d != MeshDim::ep && coordinate(d) != 0) return false;
   return true;
 }
 
@@ -138,6 +147,7 @@ bool ParallelDims::loss_parallel() const { return mesh_ && mesh_->loss_parallel(
 std::string ParallelDims::describe() const {
   std::string out;
   for (MeshDim d : dims()) out += fmt::format("{}{} {}", out.empty() ? "" : " x ", mesh_dim_name(d), degree(d));
+  if (enabled(MeshDim::ep)) out += fmt::format(" (ep {})", degree(MeshDim::ep));
   return out;
 }
 

@@ -572,8 +572,9 @@ struct Layout {
 // "no_shard" is compared with one process using gradient_clipper/fsdp1 (FSDP1's float32 norm, bit
 // for bit PyTorch's, which differs from the float64 norm of the sharded clippers by up to ~1e-4
 // relative). Every curve is printed.
-void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>& layouts,
-                                           const std::function<std::string(std::string)>& reference_edit = {}) {
+// `reference(accumulation)`: the one-process config with that many accumulation steps.
+void expect_layouts_train_like_a_reference(int steps, const std::vector<Layout>& layouts,
+                                           const std::function<std::string(int)>& reference) {
   const modalities::testing::ScratchDir dir;
   const auto root = dir.path() / "experiments";
   const auto run_on = [&](int ranks, const std::string& id, const std::string& config) {
@@ -584,11 +585,8 @@ void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>&
                                       "sharding_strategy = \"NO_SHARD\"");
   const bool any_no_shard =
       std::any_of(layouts.begin(), layouts.end(), [](const Layout& l) { return l.id.starts_with("no_shard"); });
-  const auto reference = [&](std::string config) {
-    return reference_edit ? reference_edit(std::move(config)) : config;
-  };
-  run_on(1, "one_8x1", reference(fsdp2_config(steps)));
-  run_on(1, "one_2x4", reference(fsdp2_config(steps, 4)));
+  run_on(1, "one_8x1", reference(1));
+  run_on(1, "one_2x4", reference(4));
   if (any_no_shard) run_on(1, "one_fsdp1", no_shard);
   for (const Layout& l : layouts) run_on(l.ranks, l.id, l.config);
 
@@ -620,6 +618,14 @@ void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>&
     EXPECT_LE(loss, std::max(1e-5, 10 * loss_floor)) << l.id;
     EXPECT_LE(norm, std::max(1e-5, 10 * norm_floor)) << l.id;
   }
+}
+
+void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>& layouts,
+                                           const std::function<std::string(std::string)>& reference_edit = {}) {
+  expect_layouts_train_like_a_reference(steps, layouts, [&](int accumulation) {
+    std::string config = fsdp2_config(steps, accumulation);
+    return reference_edit ? reference_edit(std::move(config)) : config;
+  });
 }
 
 // The acceptance (label `full`): one process vs FSDP2 on 2 and 4 ranks vs HSDP 2x2 vs FSDP1
@@ -687,6 +693,57 @@ TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
           "model/gpt2's n_head_kv = 1 is not divisible by the tensor-parallel degree 2");
   refused("heads", edited(edited(tp_config(6), "n_head_kv = 4", "n_head_kv = 1"), "n_head_q = 8", "n_head_q = 1"),
           "model/gpt2's n_head_q = 1 is not divisible by the tensor-parallel degree 2");
+}
+
+// --- expert parallel (plugins/moe) ------------------------------------------------------------
+
+// configs/moe/ep_cpu.toml for a short run, logged every step, with absolute data paths, at the
+// expert-parallel degree `ep` (1: one process) with `accumulation` steps; the global batch is 8.
+std::string moe_ep_config(int steps, int ep = 2, int accumulation = 1) {
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/moe/ep_cpu.toml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    text = edited(std::move(text), from, to);
+  };
+  replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
+  replace("num_target_steps = 40", fmt::format("num_target_steps = {}", steps));
+  replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
+  replace("checkpointing_interval_in_steps = 20", fmt::format("checkpointing_interval_in_steps = {}", steps));
+  replace("evaluation_interval_in_steps = 20", fmt::format("evaluation_interval_in_steps = {}", steps));
+  replace("warmup_steps = 10", "warmup_steps = 4");
+  replace("gradient_accumulation_steps = 1", fmt::format("gradient_accumulation_steps = {}", accumulation));
+  replace("expert_parallel_degree = 2", fmt::format("expert_parallel_degree = {}", ep));
+  return text;
+}
+
+// EP2 on two ranks (each rank 2 of the 4 experts of every block, its own 4 sequences) trains like
+// one process on the 8 sequences: 5 steps in the default suite, the acceptance under `full`.
+TEST(DistributedMoeTest, ExpertParallelOnTwoRanksTrainsLikeOneProcess) {
+  constexpr int kSteps = 5;  // the warm-up's 4 steps and one
+  expect_layouts_train_like_a_reference(kSteps, {{"ep2", 2, moe_ep_config(kSteps)}},
+                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+}
+
+// The acceptance (label `full`): EP2 on 2 ranks and EP2 x FSDP2 on 4 (dp_shard 4 with ep 2:
+// each expert pair sharded over 2 ranks) against one process, 20 steps.
+TEST(DistributedMoeFullTest, ExpertParallelAndItsFsdp2TrainLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_a_reference(kSteps,
+                                        {{"ep2", 2, moe_ep_config(kSteps)}, {"ep2_fsdp2", 4, moe_ep_config(kSteps)}},
+                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+}
+
+// What expert parallelism cannot split is a config error on every rank: a dense model, and experts
+// that do not divide over the ep ranks.
+TEST(DistributedMoeTest, WhatTheExpertParallelRanksCannotSplitIsAConfigError) {
+  const modalities::testing::ScratchDir dir;
+  expect_refused_on_two_ranks(
+      dir, "dense",
+      edited(distributed_config("fsdp2_parallelized_cpu.toml", 2), "data_parallel_shard_degree = -1,",
+             "data_parallel_shard_degree = -1, expert_parallel_degree = 2,"),
+      "has an ep dim of 2 ranks (expert_parallel_degree), but the model has no experts");
+  expect_refused_on_two_ranks(dir, "experts", edited(moe_ep_config(2), "num_experts = 4", "num_experts = 3"),
+                              "is 3, which is not divisible by the expert-parallel degree 2");
 }
 
 // --- pipeline parallel -----------------------------------------------------------------------
@@ -1495,6 +1552,76 @@ TEST(DistributedCheckpointFullTest, SavedOnFourRanksContinuesOnFourTwoAndOneAndB
   runs.compare("base", "on1", 11, 1e-5);
   runs.compare("base", "on2_then4", 16, 1e-5);
   runs.compare("base", "on1_then4", 16, 1e-5);
+}
+
+// Checkpoints across expert-parallel degrees and a kill -9 during an EP run (label `full`): EP2 on 2
+// ranks trains 9 steps with a checkpoint every 3. Its step-3 checkpoint continues on one process
+// (expert_parallel_degree 1) within 1e-5, and that run's step-6 checkpoint on 4 ranks (EP2 x FSDP2)
+// within 1e-5: the checkpoints hold the global expert stack, whatever the degree that wrote them.
+// Then `launch --max-restarts 1` kills rank 1 in step 7 (kill -9 in a step of all-to-alls): every
+// rank stops, starts again from the step-6 checkpoint, and every step equals the uninterrupted
+// run's bit for bit.
+TEST(DistributedMoeFullTest, CheckpointsContinueAtOtherExpertDegreesAndAfterAKill) {
+  constexpr int kSteps = 9;
+  const modalities::testing::ScratchDir dir;
+  const std::filesystem::path root = dir.path() / "experiments";
+  const auto config_of = [&](int ep) {
+    std::string text = moe_ep_config(kSteps, ep);
+    text = edited(text, fmt::format("checkpointing_interval_in_steps = {}", kSteps),
+                  "checkpointing_interval_in_steps = 3");
+    return edited(text, "config = { k = 2 }", "config = { k = -1 }");
+  };
+  const auto ep2 = dir.write("ep2.toml", config_of(2));
+  const auto ep1 = dir.write("ep1.toml", config_of(1));
+  // `run` of `config` as `id`, continuing from `info` (its own last checkpoint when empty: a fresh
+  // start the first time, the checkpoint before a restart).
+  const auto run = [&](int ranks, const std::filesystem::path& config, const std::string& id,
+                       std::filesystem::path info, const std::string& fault = "", int max_restarts = 0) {
+    if (info.empty()) info = root / id / "checkpoints/last_checkpoint_info.json";
+    std::vector<std::string> argv = {"timeout", "-k", "5", "240", kHost};
+    if (ranks > 1)
+      argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--max-restarts",
+                               std::to_string(max_restarts), "--"});
+    argv.insert(argv.end(), {"run", "--config_file_path", config.string(), "--experiments_root_path", root.string(),
+                             "--experiment_id", id, "--process_group_timeout_s", "10", "--resume_from_checkpoint_info",
+                             info.string()});
+    return run_command(argv, {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}, {"MODALITIES_FAULT", fault}});
+  };
+  const auto info_of = [&](const std::string& from, int step) {
+    return dir.write(from + fmt::format("_{}_info.json", step),
+                     fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n", checkpoint_of(root, from, step).string()));
+  };
+  const CommandResult base = run(2, ep2, "ep2", "");
+  ASSERT_EQ(base.exit_code, 0) << base;
+  const CommandResult on1 = run(1, ep1, "ep2_on_1", info_of("ep2", 3));
+  ASSERT_EQ(on1.exit_code, 0) << on1;
+  const CommandResult on4 = run(4, ep2, "ep1_on_4", info_of("ep2_on_1", 6));
+  ASSERT_EQ(on4.exit_code, 0) << on4;
+  const CommandResult killed = run(2, ep2, "restarted", "", "train_step@1:7", 1);
+  ASSERT_EQ(killed.exit_code, 0) << killed;
+  EXPECT_THAT(killed.err, HasSubstr("was killed by signal 9 (SIGKILL)"));
+  EXPECT_THAT(killed.err, HasSubstr("(restart 1 of 1)"));
+  EXPECT_THAT(killed.err, HasSubstr("seen_steps_6-"));
+
+  const auto expected = logged_steps(root / "ep2/evaluation_results.jsonl");
+  ASSERT_EQ(expected.size(), static_cast<std::size_t>(kSteps));
+  const auto rel = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
+  const auto compare = [&](const std::string& id, int first, double tolerance) {
+    const auto got = logged_steps(root / id / "evaluation_results.jsonl");
+    double worst = 0;
+    for (int k = first; k <= kSteps; ++k) {
+      ASSERT_TRUE(got.contains(k)) << id << " step " << k;
+      worst =
+          std::max({worst, rel(got.at(k).first, expected.at(k).first), rel(got.at(k).second, expected.at(k).second)});
+      std::printf("%-10s step %d  loss %.9g (EP2 uninterrupted %.9g)  grad norm %.9g (%.9g)\n", id.c_str(), k,
+                  got.at(k).first, expected.at(k).first, got.at(k).second, expected.at(k).second);
+    }
+    std::printf("%-10s worst relative difference %.2e (allowed %.0e)\n", id.c_str(), worst, tolerance);
+    EXPECT_LE(worst, tolerance) << id;
+  };
+  compare("ep2_on_1", 4, 1e-5);
+  compare("ep1_on_4", 7, 1e-5);
+  compare("restarted", 4, 0.0);  // bit for bit from the checkpoint on
 }
 
 // --- failures -----------------------------------------------------------------------------

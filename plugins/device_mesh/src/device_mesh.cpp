@@ -7,6 +7,12 @@
 // dp_replicate x dp_shard for hybrid sharding, or the whole mesh). A sub-mesh over dims that are
 // not adjacent has no flattened group (its per-dim groups exist); asking for one is an error
 // that says so. In a single process the mesh has every dim of size 1 and no process groups.
+//
+// Expert parallelism (expert_parallel_degree > 1) adds no dim to the grid: the ep dim overlays
+// dp_shard x cp, as torchtitan carves it. With f = coordinate(dp_shard) x cp + coordinate(cp),
+// this rank's ep coordinate is f mod ep and its ep group the ranks with the same f / ep (and the
+// same pp, dp_replicate, tp); the ranks with the same f mod ep hold the same experts (the expert
+// shard group, dp_shard x cp / ep ranks).
 #include <modalities/sdk/distributed.h>
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/device_mesh.h>
@@ -42,6 +48,7 @@ struct DeviceMeshConfig {
   i64 tensor_parallel_degree = 1;
   i64 pipeline_parallel_degree = 1;
   i64 context_parallel_degree = 1;
+  i64 expert_parallel_degree = 1;
   std::optional<bool> enable_loss_parallel = false;
   std::optional<i64> world_size;
 
@@ -59,6 +66,11 @@ struct DeviceMeshConfig {
     s.field("tensor_parallel_degree", &C::tensor_parallel_degree, "Tensor-parallel ranks.").positive();
     s.field("pipeline_parallel_degree", &C::pipeline_parallel_degree, "Pipeline stages.").positive();
     s.field("context_parallel_degree", &C::context_parallel_degree, "Context-parallel ranks.").positive();
+    s.field("expert_parallel_degree", &C::expert_parallel_degree,
+            "Expert-parallel ranks (torchtitan's key): carved out of the data-parallel dp_shard x cp ranks, so it "
+            "adds no factor to world_size and must divide dp_shard x cp; the routed experts of a MoE model are "
+            "split over them.")
+        .positive();
     s.field("enable_loss_parallel", &C::enable_loss_parallel,
             "Loss parallelism over the tensor-parallel dim; needs tensor_parallel_degree > 1.");
     s.field("world_size", &C::world_size, "Number of ranks, usually ${cuda_env:WORLD_SIZE}.").required().positive();
@@ -104,6 +116,11 @@ std::array<i64, 5> resolve_degrees(const DeviceMeshConfig& c) {
                       fmt::format("the degrees multiply to {} (pp {} x dp_replicate {} x dp_shard {} x cp {} "
                                   "x tp {}), but world_size is {}",
                                   product, d[0], d[1], d[2], d[3], d[4], world));
+  if (c.expert_parallel_degree > 1 && (d[2] * d[3]) % c.expert_parallel_degree != 0)
+    throw ConfigError("expert_parallel_degree",
+                      fmt::format("is {}, which does not divide the data_parallel_shard_degree {} x "
+                                  "context_parallel_degree {} = {} it is carved out of",
+                                  c.expert_parallel_degree, d[2], d[3], d[2] * d[3]));
   return d;
 }
 
@@ -116,6 +133,9 @@ struct MeshState {
   std::map<std::vector<std::size_t>, c10::intrusive_ptr<c10d::ProcessGroup>> groups;  // by adjacent dim run
   bool distributed = false;
   bool loss_parallel = false;
+  // Expert parallelism (overlaying dp_shard x cp): degree, this rank's coordinate and groups.
+  i64 ep = 1, ep_coord = 0;
+  c10::intrusive_ptr<c10d::ProcessGroup> ep_group, ep_shard_group;
 };
 
 class Mesh final : public DeviceMesh {
@@ -123,19 +143,34 @@ class Mesh final : public DeviceMesh {
   Mesh(std::shared_ptr<const MeshState> state, std::vector<std::size_t> dims)
       : s_(std::move(state)), dims_(std::move(dims)) {}
 
+  // The ep dim overlays dp_shard x cp and is answered by the whole mesh only.
+  bool has_ep() const { return s_->ep > 1 && dims_.size() == s_->names.size(); }
+
   std::vector<MeshDim> dims() const override {
     std::vector<MeshDim> out;
     for (std::size_t d : dims_) out.push_back(s_->names[d]);
     return out;
   }
-  bool has_dim(MeshDim dim) const override { return find(dim).has_value(); }
+  bool has_dim(MeshDim dim) const override { return dim == MeshDim::ep ? has_ep() : find(dim).has_value(); }
   std::int64_t size() const override {
     i64 n = 1;
     for (std::size_t d : dims_) n *= s_->sizes[d];
     return n;
   }
-  std::int64_t size(MeshDim dim) const override { return s_->sizes[at(dim)]; }
-  std::int64_t coordinate(MeshDim dim) const override { return s_->coord[at(dim)]; }
+  std::int64_t size(MeshDim dim) const override {
+    if (dim == MeshDim::ep) {
+      ep_or_throw();
+      return s_->ep;
+    }
+    return s_->sizes[at(dim)];
+  }
+  std::int64_t coordinate(MeshDim dim) const override {
+    if (dim == MeshDim::ep) {
+      ep_or_throw();
+      return s_->ep_coord;
+    }
+    return s_->coord[at(dim)];
+  }
   std::int64_t rank() const override {
     i64 r = 0;
     for (std::size_t d : dims_) r = r * s_->sizes[d] + s_->coord[d];
@@ -156,11 +191,32 @@ class Mesh final : public DeviceMesh {
     return std::make_shared<Mesh>(s_, std::move(picked));
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim dim) const override { return group({at(dim)}); }
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(MeshDim dim) const override {
+    if (dim == MeshDim::ep) {
+      ep_or_throw();
+      if (!s_->distributed) throw Error("device_mesh: a single-process mesh has no process groups");
+      return s_->ep_group;
+    }
+    return group({at(dim)});
+  }
+  c10::intrusive_ptr<c10d::ProcessGroup> expert_shard_process_group() const override {
+    return has_ep() ? s_->ep_shard_group : nullptr;
+  }
   c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const override { return group(dims_); }
   bool loss_parallel() const override { return s_->loss_parallel; }
 
  private:
+  void ep_or_throw() const {
+    if (has_ep()) return;
+    throw Error(s_->ep > 1
+                    ? fmt::format("device_mesh: the ep dim overlays dp_shard x cp and is known to the whole mesh "
+                                  "only, not to a sub-mesh over {}",
+                                  join_mesh_dims(dims()))
+                    : fmt::format("device_mesh: no dim 'ep' in this mesh (dims: {}; set "
+                                  "expert_parallel_degree > 1 for one)",
+                                  join_mesh_dims(dims())));
+  }
+
   std::optional<std::size_t> find(MeshDim dim) const {
     for (std::size_t d : dims_)
       if (s_->names[d] == dim) return d;
@@ -189,6 +245,40 @@ class Mesh final : public DeviceMesh {
   std::shared_ptr<const MeshState> s_;
   std::vector<std::size_t> dims_;
 };
+
+// The ep groups and the expert shard groups (the file's comment): every rank creates every group,
+// in the same order (ascending keys), and keeps the two it is in.
+void build_expert_groups(MeshState& state, const std::array<i64, 5>& d, int mesh_id) {
+  const i64 ep = state.ep, world = d[0] * d[1] * d[2] * d[3] * d[4];
+  // Coordinates of a global rank in kDimOrder (row-major).
+  const auto coords = [&](i64 r) {
+    std::array<i64, 5> c{};
+    for (std::size_t k = 5; k-- > 0;) {
+      c[k] = r % d[k];
+      r /= d[k];
+    }
+    return c;
+  };
+  // (pp, dp_replicate, tp, f / ep) for the ep groups and (pp, dp_replicate, tp, f % ep) for the shard groups.
+  std::map<std::array<i64, 4>, std::vector<int>> ep_groups, shard_groups;
+  for (i64 r = 0; r < world; ++r) {
+    const auto c = coords(r);
+    const i64 f = c[2] * d[3] + c[3];
+    ep_groups[{c[0], c[1], c[4], f / ep}].push_back(static_cast<int>(r));
+    shard_groups[{c[0], c[1], c[4], f % ep}].push_back(static_cast<int>(r));
+  }
+  const auto mine = coords(dist::rank());
+  state.ep_coord = (mine[2] * d[3] + mine[3]) % ep;
+  if (!state.distributed) return;
+  int k = 0;
+  for (const auto& [key, ranks] : ep_groups)
+    if (auto g = dist::new_group(ranks, fmt::format("mesh{}/ep/{}", mesh_id, k++))) state.ep_group = std::move(g);
+  k = 0;
+  if (d[2] * d[3] / ep > 1)
+    for (const auto& [key, ranks] : shard_groups)
+      if (auto g = dist::new_group(ranks, fmt::format("mesh{}/ep_shard/{}", mesh_id, k++)))
+        state.ep_shard_group = std::move(g);
+}
 
 std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
   const std::array<i64, 5> degrees = resolve_degrees(c);
@@ -258,6 +348,8 @@ std::shared_ptr<DeviceMesh> build_mesh(const DeviceMeshConfig& c) {
         }
       }
   }
+  state->ep = c.expert_parallel_degree;
+  if (state->ep > 1) build_expert_groups(*state, degrees, mesh_id);
   std::vector<std::size_t> all(n);
   for (std::size_t k = 0; k < n; ++k) all[k] = k;
   return std::make_shared<Mesh>(std::move(state), std::move(all));
@@ -267,7 +359,7 @@ void register_components(Registrar& r) {
   r.add<DeviceMesh, DeviceMeshConfig>(
       "default",
       "The ranks as a named grid (pp, dp_replicate, dp_shard, cp, tp) with a process group per dim and per run of "
-      "adjacent dims; Modalities' DeviceMeshConfig.",
+      "adjacent dims, and ep carved out of dp_shard x cp; Modalities' DeviceMeshConfig.",
       [](const DeviceMeshConfig& c) { return build_mesh(c); });
 }
 

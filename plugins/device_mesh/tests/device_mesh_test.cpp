@@ -132,6 +132,28 @@ TEST(DeviceMeshTest, DegreesFollowModalitiesValidation) {
   EXPECT_THAT(h.build_error(), HasSubstr("device_mesh.config.device_type"));
 }
 
+// expert_parallel_degree is carved out of dp_shard x cp: it must divide them, and adds no factor.
+TEST(DeviceMeshTest, AnExpertParallelDegreeMustDivideTheShardRanks) {
+  const std::string error = build_error("data_parallel_shard_degree = -1, expert_parallel_degree = 2, world_size = 1");
+  EXPECT_THAT(error, HasSubstr("device_mesh.config.expert_parallel_degree"));
+  EXPECT_THAT(error, HasSubstr("is 2, which does not divide the data_parallel_shard_degree 1 x context_parallel_degree "
+                               "1 = 1"));
+  EXPECT_THAT(build_error("data_parallel_shard_degree = -1, expert_parallel_degree = 0, world_size = 1"),
+              HasSubstr("device_mesh.config.expert_parallel_degree"));
+  // Degree 1 is no ep dim.
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.set_config_text(mesh_config("data_parallel_shard_degree = -1, expert_parallel_degree = 1, world_size = 1"));
+  const auto mesh = h.get<DeviceMesh>("device_mesh");
+  ASSERT_NE(mesh, nullptr) << h.build_error();
+  EXPECT_FALSE(mesh->has_dim(MeshDim::ep));
+  EXPECT_EQ(mesh->expert_shard_process_group(), nullptr);
+  EXPECT_THAT([&] { (void)mesh->size(MeshDim::ep); }, ::testing::ThrowsMessage<Error>(HasSubstr("no dim 'ep'")));
+  const ParallelDims dims(mesh);
+  EXPECT_EQ(dims.degree(MeshDim::ep), 1);
+  EXPECT_EQ(dims.expert_shard_degree(), 1);
+  EXPECT_EQ(dims.expert_shard_group(), nullptr);
+}
+
 TEST(DeviceMeshTest, AWorldSizeThatIsNotTheRunsIsRefusedWithAHint) {
   const std::string error = build_error("data_parallel_shard_degree = -1, world_size = 4");
   EXPECT_THAT(error, HasSubstr("device_mesh.config.world_size"));
@@ -242,6 +264,36 @@ MODALITIES_WORKER_CASE(MeshWorker, PipelineAndTensorDimsWithAnInferredShardDegre
   EXPECT_EQ(plan.size, 2);
   EXPECT_FALSE(plan.sequence_parallel);
   EXPECT_EQ(dims.describe(), "pp 2 x dp_shard 1 x tp 2");
+}
+
+// 4 ranks as dp_shard 4 with an ep dim of 2 carved out of it: ep groups {0, 1}, {2, 3} (consecutive
+// shard coordinates) and the ranks holding the same experts {0, 2}, {1, 3}; the world is still 4
+// data-parallel ranks, each counting its own batch.
+MODALITIES_WORKER_CASE(MeshWorker, ExpertParallelOverTheShardRanks) {
+  const WorkerRuntime runtime;
+  Harness h(MODALITIES_TEST_PLUGIN);
+  h.set_config_text(mesh_config("data_parallel_shard_degree = -1, expert_parallel_degree = 2, world_size = 4"));
+  const auto mesh = h.get<DeviceMesh>("device_mesh");
+  ASSERT_NE(mesh, nullptr) << h.build_error();
+  const int r = dist::rank();
+  EXPECT_THAT(mesh->dims(), ElementsAre(MeshDim::dp_shard));
+  EXPECT_EQ(mesh->size(), 4);
+  EXPECT_TRUE(mesh->has_dim(MeshDim::ep));
+  EXPECT_EQ(mesh->size(MeshDim::ep), 2);
+  EXPECT_EQ(mesh->coordinate(MeshDim::ep), r % 2);
+  EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::ep), r), 2 * (r / 2) * 2 + 1);  // {2a, 2a+1}
+  EXPECT_EQ(allreduce_sum(mesh->expert_shard_process_group(), r), 2 * (r % 2) + 2);    // {e, e+2}
+  EXPECT_EQ(allreduce_sum(mesh->process_group(MeshDim::dp_shard), r), 0 + 1 + 2 + 3);
+  const ParallelDims dims(mesh);
+  EXPECT_EQ(dims.world_size(), 4);
+  EXPECT_EQ(dims.dp_size(), 4);
+  EXPECT_EQ(dims.dp_rank(), r);
+  EXPECT_TRUE(dims.counts_data());
+  EXPECT_EQ(dims.degree(MeshDim::ep), 2);
+  EXPECT_EQ(dims.coordinate(MeshDim::ep), r % 2);
+  EXPECT_EQ(dims.expert_shard_degree(), 2);
+  EXPECT_EQ(allreduce_sum(dims.expert_shard_group(), 1), 2);
+  EXPECT_EQ(dims.describe(), "dp_shard 4 (ep 2)");
 }
 
 // A second architecture in tensor parallelism, without a variant of its own: a two-layer MLP of
@@ -368,6 +420,9 @@ TEST(DeviceMeshTest, Gpt2TpRefusesAMeshWithoutATpDim) {
 }
 
 TEST(DeviceMeshTest, FourGlooRanksAsTwoReplicasOfTwoShards) { launch_workers(4, "TwoReplicasOfTwoShards"); }
+TEST(DeviceMeshTest, FourGlooRanksWithAnExpertParallelDimOfTwo) {
+  launch_workers(4, "ExpertParallelOverTheShardRanks");
+}
 TEST(DeviceMeshTest, FourGlooRanksAsTwoPipelineStagesOfTwoTensorRanks) {
   launch_workers(4, "PipelineAndTensorDimsWithAnInferredShardDegree");
 }

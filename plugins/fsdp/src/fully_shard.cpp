@@ -46,6 +46,8 @@ using i64 = std::int64_t;
 
 struct Param {
   std::string fqn;
+  std::size_t bucket = 0;   // in its unit (Note [Expert parallelism])
+  int world = 1, rank = 0;  // of the bucket's group
   at::Tensor module_param;  // the inner model's tensor; data: a view of `full`
   at::Tensor full;          // [rows_per_rank * world, rest...] in the gather dtype; its storage bytes come and go
   at::Tensor empty;         // [0, rest...], same dtype: the module parameter's data while the unit is not gathered
@@ -58,20 +60,42 @@ struct Param {
   i64 padded_numel() const { return rows_per_rank * row_numel; }
 };
 
-struct Unit {
-  std::string name;                 // "root" or the first block's FQN (+ "..last")
-  std::vector<std::string> blocks;  // hook points in forward order (empty for the root)
+// Note [Expert parallelism]
+// Under expert parallelism the ranks of an ep group hold different experts, so the expert weights
+// (ShardingOptions::expert_fqns) cannot be sharded over dp_shard with the rest: they are sharded
+// over the ranks that hold the same experts (expert_shard_group, dp_shard x cp / ep of them).
+// Each unit therefore keeps one bucket per communicator, the dense one and the expert one, each
+// with its own flat shard, all-gather and reduce-scatter. A rank's gradient of its experts
+// already sums what every rank of its ep group sent them (the all-to-all's backward), so the
+// expert bucket divides its reduced sum by the whole data-parallel count over which the loss is
+// averaged, expert shard ranks x ep (expert_grad_divide), where the dense one divides by its
+// shard ranks; HSDP then averages both over the replicas alike.
+struct Bucket {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;  // null: one rank
+  int world = 1, rank = 0;
+  double grad_divide = 1;           // the reduce-scattered sum is divided by it
   std::vector<std::size_t> params;  // indexes into Engine::params_
   at::Tensor flat_shard;            // [shard_numel], fp32 master values
   i64 shard_numel = 0;
-  bool root = false;
-  bool gathered = false;
-  int pending_grads = 0;  // module parameters of this unit still to accumulate this backward
-  bool awaiting_grads = false;
   // A prefetched all-gather in flight (Note [Prefetching]): its work and output buffer.
   c10::intrusive_ptr<c10d::Work> pending;
   at::Tensor pending_buffer;
   at::Tensor pending_send;  // the shard cast to the gather dtype, alive until the gather ends
+};
+
+enum : std::size_t { kDense = 0, kExperts = 1 };
+
+struct Unit {
+  std::string name;                 // "root" or the first block's FQN (+ "..last")
+  std::vector<std::string> blocks;  // hook points in forward order (empty for the root)
+  std::vector<std::size_t> params;  // indexes into Engine::params_, every bucket's
+  std::vector<Bucket> buckets;      // kDense, kExperts
+  c10::ScalarType master = at::kFloat;
+  bool root = false;
+  bool gathered = false;
+  bool in_flight = false;  // its all-gathers were started and not yet waited for
+  int pending_grads = 0;   // module parameters of this unit still to accumulate this backward
+  bool awaiting_grads = false;
 };
 
 // Frees / re-allocates the bytes of a tensor's storage without touching the tensor.
@@ -109,6 +133,8 @@ class Engine {
       world_ = o_.shard_group->getSize();
       rank_ = o_.shard_group->getRank();
     }
+    if (o_.expert_grad_divide < 1)
+      throw Error(fmt::format("fsdp: the expert gradient divisor must be >= 1, got {}", o_.expert_grad_divide));
     // Mixed precision (Note [Mixed precision]): the inner model computes in param_dtype.
     if (o_.param_dtype) inner_->set_param_dtype(o_.param_dtype);
     materialize_meta();
@@ -127,6 +153,10 @@ class Engine {
   const std::vector<Param>& params() const { return params_; }
   int world() const { return world_; }
   int rank() const { return rank_; }
+  // Whether every parameter is whole on this rank (one shard rank for each bucket).
+  bool unsharded() const {
+    return std::all_of(params_.begin(), params_.end(), [](const Param& p) { return p.world == 1; });
+  }
   int replicas() const { return o_.replicate_group ? o_.replicate_group->getSize() : 1; }
 
   // Gathers every unit at full (master) precision, e.g. to read or re-initialize full
@@ -147,7 +177,7 @@ class Engine {
     for (Param& p : params_) {
       p.shard_padded.zero_();
       if (p.local_rows > 0)
-        p.shard.copy_(p.module_param.narrow(0, static_cast<i64>(rank_) * p.rows_per_rank, p.local_rows));
+        p.shard.copy_(p.module_param.narrow(0, static_cast<i64>(p.rank) * p.rows_per_rank, p.local_rows));
     }
   }
 
@@ -239,6 +269,21 @@ class Engine {
                           o_.block_fqns.begin() + static_cast<std::ptrdiff_t>(end));
     }
     units_.resize(groups.size() + 1);
+    const std::unordered_set<std::string> experts(o_.expert_fqns.begin(), o_.expert_fqns.end());
+    for (Unit& unit : units_) {
+      unit.buckets.resize(2);
+      unit.buckets[kDense].group = o_.shard_group;
+      unit.buckets[kDense].world = world_;
+      unit.buckets[kDense].rank = rank_;
+      unit.buckets[kDense].grad_divide = world_;
+      Bucket& e = unit.buckets[kExperts];
+      e.group = o_.expert_shard_group;
+      if (e.group) {
+        e.world = e.group->getSize();
+        e.rank = e.group->getRank();
+      }
+      e.grad_divide = static_cast<double>(e.world) * static_cast<double>(o_.expert_grad_divide);
+    }
     Unit& root = units_.back();
     root.name = "root";
     root.root = true;
@@ -259,14 +304,19 @@ class Engine {
         if (fqn.size() > block.size() && fqn.compare(0, block.size(), block) == 0 && fqn[block.size()] == '.') u = g;
       Param p;
       p.fqn = fqn;
+      p.bucket = experts.contains(fqn) ? kExperts : kDense;
+      Bucket& bucket = units_[u].buckets[p.bucket];
+      p.world = bucket.world;
+      p.rank = bucket.rank;
       p.module_param = t;
       p.full_shape = t.sizes().vec();
       p.rows = t.size(0);
       p.row_numel = t.numel() / std::max<i64>(p.rows, 1);
-      p.rows_per_rank = (p.rows + world_ - 1) / world_;
-      p.local_rows = std::clamp<i64>(p.rows - static_cast<i64>(rank_) * p.rows_per_rank, 0, p.rows_per_rank);
-      p.offset = units_[u].shard_numel;
-      units_[u].shard_numel += p.padded_numel();
+      p.rows_per_rank = (p.rows + p.world - 1) / p.world;
+      p.local_rows = std::clamp<i64>(p.rows - static_cast<i64>(p.rank) * p.rows_per_rank, 0, p.rows_per_rank);
+      p.offset = bucket.shard_numel;
+      bucket.shard_numel += p.padded_numel();
+      bucket.params.push_back(params_.size());
       units_[u].params.push_back(params_.size());
       params_.push_back(std::move(p));
     }
@@ -274,24 +324,30 @@ class Engine {
       Unit& unit = units_[u];
       if (unit.params.empty()) continue;
       const at::Tensor& first = params_[unit.params.front()].module_param;
-      unit.flat_shard = at::zeros({unit.shard_numel}, first.options().requires_grad(false));
+      unit.master = first.scalar_type();
+      for (Bucket& b : unit.buckets)
+        if (!b.params.empty()) b.flat_shard = at::zeros({b.shard_numel}, first.options().requires_grad(false));
       for (std::size_t i : unit.params) {
         Param& p = params_[i];
+        const Bucket& b = unit.buckets[p.bucket];
+        if (p.module_param.scalar_type() != unit.master)
+          throw Error(fmt::format("fsdp: parameter {} is {}, but the other parameters of unit {} are {}", p.fqn,
+                                  c10::toString(p.module_param.scalar_type()), unit.name, c10::toString(unit.master)));
         std::vector<i64> padded_shape = p.full_shape;
         padded_shape[0] = p.rows_per_rank;
-        p.shard_padded = unit.flat_shard.narrow(0, p.offset, p.padded_numel()).view(padded_shape);
+        p.shard_padded = b.flat_shard.narrow(0, p.offset, p.padded_numel()).view(padded_shape);
         at::Tensor local = p.shard_padded.narrow(0, 0, p.local_rows);
         {
           at::NoGradGuard no_grad;
           if (p.local_rows > 0)
-            local.copy_(p.module_param.detach().narrow(0, static_cast<i64>(rank_) * p.rows_per_rank, p.local_rows));
+            local.copy_(p.module_param.detach().narrow(0, static_cast<i64>(p.rank) * p.rows_per_rank, p.local_rows));
         }
         p.shard = local.detach().requires_grad_(p.module_param.requires_grad());
         // The module parameter becomes a view of its full (padded) buffer, in the gather dtype.
         // Not gathered: the module parameter is an empty tensor, so anything that reads it
         // outside a forward (the inner model's own state_dict(), conformance checks) reads no bytes.
         p.padded_full_shape = p.full_shape;
-        p.padded_full_shape[0] = p.rows_per_rank * world_;
+        p.padded_full_shape[0] = p.rows_per_rank * p.world;
         buffers_in(p, gather_dtype(unit));
         at::NoGradGuard no_grad;
         p.module_param.set_data(p.empty);
@@ -348,8 +404,7 @@ class Engine {
   // master dtype, so nothing written back to the shards is rounded. A parameter's dtype changes
   // only between passes, never while autograd holds views of its buffer.
   c10::ScalarType gather_dtype(const Unit& unit) const {
-    const c10::ScalarType master = unit.flat_shard.scalar_type();
-    return exact_ || !o_.param_dtype ? master : *o_.param_dtype;
+    return exact_ || !o_.param_dtype ? unit.master : *o_.param_dtype;
   }
 
   // (Re)creates a parameter's full and empty buffers in `dtype`; the full one without storage.
@@ -372,7 +427,7 @@ class Engine {
     const bool in_flight = at::GradMode::is_enabled() && unit.awaiting_grads;
     // Otherwise always from the current shards: the optimizer may have changed them since the last
     // gather (a prefetch in flight was started in this forward, after the last step).
-    if (!in_flight && !unit.pending_buffer.defined()) release(u);
+    if (!in_flight && !unit.in_flight) release(u);
     gather(u);
     // Forward order: the root first, then the block units in order.
     if (unit.root) prefetch(0);
@@ -395,14 +450,18 @@ class Engine {
   // step nothing is in flight), so it never carries stale shards.
   void start_gather(std::size_t u) {
     Unit& unit = units_[u];
-    if (unit.gathered || unit.pending_buffer.defined() || unit.params.empty()) return;
+    if (unit.gathered || unit.in_flight || unit.params.empty()) return;
     at::NoGradGuard no_grad;
     const c10::ScalarType dtype = gather_dtype(unit);
-    unit.pending_send = unit.flat_shard.scalar_type() == dtype ? unit.flat_shard : unit.flat_shard.to(dtype);
-    unit.pending_buffer = at::empty({unit.shard_numel * world_}, unit.flat_shard.options().dtype(dtype));
-    if (world_ > 1) unit.pending = o_.shard_group->_allgather_base(unit.pending_buffer, unit.pending_send);
-    else unit.pending_buffer.copy_(unit.pending_send);
-    bytes_gathered_ += static_cast<double>(unit.pending_buffer.nbytes());
+    for (Bucket& b : unit.buckets) {
+      if (b.params.empty()) continue;
+      b.pending_send = b.flat_shard.scalar_type() == dtype ? b.flat_shard : b.flat_shard.to(dtype);
+      b.pending_buffer = at::empty({b.shard_numel * b.world}, b.flat_shard.options().dtype(dtype));
+      if (b.world > 1) b.pending = b.group->_allgather_base(b.pending_buffer, b.pending_send);
+      else b.pending_buffer.copy_(b.pending_send);
+      bytes_gathered_ += static_cast<double>(b.pending_buffer.nbytes());
+    }
+    unit.in_flight = true;
   }
 
   void prefetch(std::size_t u) {
@@ -417,24 +476,28 @@ class Engine {
     }
     start_gather(u);
     at::NoGradGuard no_grad;
-    if (unit.pending) unit.pending->wait();
-    const at::Tensor gathered = unit.pending_buffer;
-    unit.pending.reset();
-    unit.pending_buffer = at::Tensor();
-    unit.pending_send = at::Tensor();
-    // A prefetch is consumed in the pass that started it (Note [Prefetching]), so it has this dtype.
-    TORCH_CHECK(gathered.scalar_type() == gather_dtype(unit), "fsdp: unit ", unit.name, " was prefetched in ",
-                gathered.scalar_type(), " but is needed in ", gather_dtype(unit));
-    const at::Tensor by_rank = gathered.view({world_, unit.shard_numel});
-    for (std::size_t i : unit.params) {
-      Param& p = params_[i];
-      buffers_in(p, gathered.scalar_type());
-      allocate_storage(p.full);
-      p.full.view({world_, p.padded_numel()}).copy_(by_rank.narrow(1, p.offset, p.padded_numel()));
-      // set_data keeps the parameter's identity and version counter; views of it that autograd
-      // saved in forward share `full`'s storage and see these bytes.
-      p.module_param.set_data(p.full.narrow(0, 0, p.rows));
+    for (Bucket& b : unit.buckets) {
+      if (b.params.empty()) continue;
+      if (b.pending) b.pending->wait();
+      const at::Tensor gathered = b.pending_buffer;
+      b.pending.reset();
+      b.pending_buffer = at::Tensor();
+      b.pending_send = at::Tensor();
+      // A prefetch is consumed in the pass that started it (Note [Prefetching]), so it has this dtype.
+      TORCH_CHECK(gathered.scalar_type() == gather_dtype(unit), "fsdp: unit ", unit.name, " was prefetched in ",
+                  gathered.scalar_type(), " but is needed in ", gather_dtype(unit));
+      const at::Tensor by_rank = gathered.view({b.world, b.shard_numel});
+      for (std::size_t i : b.params) {
+        Param& p = params_[i];
+        buffers_in(p, gathered.scalar_type());
+        allocate_storage(p.full);
+        p.full.view({p.world, p.padded_numel()}).copy_(by_rank.narrow(1, p.offset, p.padded_numel()));
+        // set_data keeps the parameter's identity and version counter; views of it that autograd
+        // saved in forward share `full`'s storage and see these bytes.
+        p.module_param.set_data(p.full.narrow(0, 0, p.rows));
+      }
     }
+    unit.in_flight = false;
     unit.gathered = true;
   }
 
@@ -450,35 +513,38 @@ class Engine {
   }
 
   void reduce_scatter(std::size_t u) {
-    Unit& unit = units_[u];
-    if (unit.params.empty()) return;
+    for (Bucket& b : units_[u].buckets)
+      if (!b.params.empty()) reduce_scatter(b);
+  }
+
+  void reduce_scatter(Bucket& b) {
     at::NoGradGuard no_grad;
-    const c10::ScalarType reduce = o_.reduce_dtype.value_or(unit.flat_shard.scalar_type());
-    at::Tensor send = at::zeros({world_, unit.shard_numel}, unit.flat_shard.options().dtype(reduce));
-    for (std::size_t i : unit.params) {
+    const c10::ScalarType reduce = o_.reduce_dtype.value_or(b.flat_shard.scalar_type());
+    at::Tensor send = at::zeros({b.world, b.shard_numel}, b.flat_shard.options().dtype(reduce));
+    for (std::size_t i : b.params) {
       Param& p = params_[i];
       const at::Tensor& g = p.module_param.grad();
       if (!g.defined()) continue;
       // Rows [r * rows_per_rank, ...) of the (zero-padded) full gradient go to rank r.
-      at::Tensor padded = at::zeros({p.rows_per_rank * world_, p.row_numel}, send.options());
+      at::Tensor padded = at::zeros({p.rows_per_rank * p.world, p.row_numel}, send.options());
       padded.narrow(0, 0, p.rows).copy_(g.reshape({p.rows, p.row_numel}));
-      send.narrow(1, p.offset, p.padded_numel()).copy_(padded.view({world_, p.padded_numel()}));
+      send.narrow(1, p.offset, p.padded_numel()).copy_(padded.view({p.world, p.padded_numel()}));
       p.module_param.mutable_grad().reset();
     }
-    at::Tensor mine = at::empty({unit.shard_numel}, send.options());
+    at::Tensor mine = at::empty({b.shard_numel}, send.options());
     at::Tensor flat = send.view({-1});
     bytes_reduced_ += static_cast<double>(flat.nbytes());
-    if (world_ > 1) o_.shard_group->_reduce_scatter_base(mine, flat)->wait();
+    if (b.world > 1) b.group->_reduce_scatter_base(mine, flat)->wait();
     else mine.copy_(flat);
-    mine.div_(static_cast<double>(world_));
+    mine.div_(b.grad_divide);
     if (o_.replicate_group && o_.replicate_group->getSize() > 1) {
       std::vector<at::Tensor> t = {mine};
       o_.replicate_group->allreduce(t)->wait();
       mine.div_(static_cast<double>(o_.replicate_group->getSize()));
     }
     const at::Tensor master =
-        mine.scalar_type() == unit.flat_shard.scalar_type() ? mine : mine.to(unit.flat_shard.scalar_type());
-    for (std::size_t i : unit.params) {
+        mine.scalar_type() == b.flat_shard.scalar_type() ? mine : mine.to(b.flat_shard.scalar_type());
+    for (std::size_t i : b.params) {
       Param& p = params_[i];
       if (!p.shard.requires_grad()) continue;
       std::vector<i64> padded_shape = p.full_shape;
@@ -513,13 +579,14 @@ class Engine {
   };
   Traffic traffic() const {
     Traffic t{bytes_gathered_, bytes_reduced_, 0, 0};
-    for (const Unit& unit : units_) {
-      if (!unit.flat_shard.defined()) continue;
-      const double b =
-          static_cast<double>(unit.shard_numel * world_) * static_cast<double>(c10::elementSize(gather_dtype(unit)));
-      t.model += b;
-      if (unit.root) t.root = b;
-    }
+    for (const Unit& unit : units_)
+      for (const Bucket& bucket : unit.buckets) {
+        if (!bucket.flat_shard.defined()) continue;
+        const double b = static_cast<double>(bucket.shard_numel * bucket.world) *
+                         static_cast<double>(c10::elementSize(gather_dtype(unit)));
+        t.model += b;
+        if (unit.root) t.root += b;
+      }
     return t;
   }
 };
@@ -589,7 +656,7 @@ class FullyShardedModule final : public Module {
         p.shard.copy_(v);
       } else if (v.sizes().vec() == p.full_shape) {
         if (p.local_rows > 0)
-          p.shard.copy_(v.narrow(0, static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.local_rows));
+          p.shard.copy_(v.narrow(0, static_cast<std::int64_t>(p.rank) * p.rows_per_rank, p.local_rows));
       } else {
         throw Error(
             fmt::format("fsdp: load_state_dict: {} has shape {}, expected the full shape {} or this rank's "
@@ -617,7 +684,7 @@ class FullyShardedModule final : public Module {
   std::map<std::string, ShardPlacement> shard_placements() const override {
     std::map<std::string, ShardPlacement> inner = engine_->inner().shard_placements();
     // One shard: every rank holds whole (inner) tensors (NO_SHARD, one process).
-    if (engine_->world() == 1) return inner;
+    if (engine_->unsharded()) return inner;
     std::unordered_map<const void*, const Param*> by_impl;
     for (const Param& p : engine_->params()) by_impl[p.module_param.unsafeGetTensorImpl()] = &p;
     std::map<std::string, ShardPlacement> out;
@@ -632,7 +699,7 @@ class FullyShardedModule final : public Module {
         s.global_shape = p.full_shape;
         s.offsets.assign(p.full_shape.size(), 0);
       }
-      s.offsets[0] += std::min<std::int64_t>(static_cast<std::int64_t>(engine_->rank()) * p.rows_per_rank, p.rows);
+      s.offsets[0] += std::min<std::int64_t>(static_cast<std::int64_t>(p.rank) * p.rows_per_rank, p.rows);
       s.replicas *= engine_->replicas();
       out[item.key()] = std::move(s);
     }
@@ -684,6 +751,9 @@ class FullyShardedModule final : public Module {
   bool synchronizes_gradients() const override { return true; }
   void set_requires_gradient_sync(bool sync) override { engine_->set_requires_gradient_sync(sync); }
   std::optional<tp::VocabShard> vocab_shard() const override { return engine_->inner().vocab_shard(); }
+  std::vector<std::string> expert_parallel_parameters() const override {
+    return engine_->inner().expert_parallel_parameters();
+  }
 
  private:
   std::unique_ptr<Engine> engine_;
@@ -708,6 +778,18 @@ std::shared_ptr<Module> shard_over_mesh(std::shared_ptr<Module> inner, const Dev
   if (mesh.size() > 1) {
     o.shard_group = mesh.process_group(MeshDim::dp_shard);
     if (mesh.has_dim(MeshDim::dp_replicate)) o.replicate_group = mesh.process_group(MeshDim::dp_replicate);
+  }
+  // Expert parallelism (Note [Expert parallelism]): the experts this rank holds are sharded over the
+  // ranks holding the same ones.
+  o.expert_fqns = inner->expert_parallel_parameters();
+  if (!o.expert_fqns.empty()) {
+    if (!mesh.has_dim(MeshDim::ep))
+      throw ConfigError("device_mesh",
+                        fmt::format("has no ep dim, but the model's experts were split over ranks ({} and more)",
+                                    o.expert_fqns.front()));
+    const i64 shard_ranks = mesh.size(MeshDim::dp_shard) / mesh.size(MeshDim::ep);
+    if (shard_ranks > 1) o.expert_shard_group = mesh.expert_shard_process_group();
+    o.expert_grad_divide = mesh.size(MeshDim::ep);
   }
   o.reshard_after_forward = options.reshard_after_forward;
   o.blocks_per_unit = options.layers_per_fsdp_unit;

@@ -56,6 +56,13 @@ struct ShardingOptions {
   /// are param_dtype tensors while gathered; fp32 master shards) and the dtype of the gradient
   /// reduction (default: the master dtype). Note [Mixed precision] in fully_shard.cpp.
   std::optional<c10::ScalarType> param_dtype, reduce_dtype;
+  /// Expert parallelism (Note [Expert parallelism] in fully_shard.cpp): the parameters named here
+  /// (the model's expert_parallel_parameters()) are sharded over `expert_shard_group` (the ranks
+  /// holding the same experts; null: one) instead of shard_group, and their reduced gradient sum
+  /// is divided by its size times `expert_grad_divide` (the ep degree).
+  std::vector<std::string> expert_fqns;
+  c10::intrusive_ptr<c10d::ProcessGroup> expert_shard_group;
+  std::int64_t expert_grad_divide = 1;
   /// Start the next unit's all-gather while this one computes (Note [Prefetching]); false waits
   /// for every gather where it is needed (for measurement).
   bool prefetch = true;
@@ -99,7 +106,8 @@ struct Fsdp2Options {
 };
 
 /// One model (or one pipeline stage's module) sharded over `mesh`'s dp_shard group, replicated
-/// over dp_replicate (HSDP). Throws ConfigError("device_mesh", ...) for a mesh without dp_shard.
+/// over dp_replicate (HSDP); its expert weights, under expert parallelism, over the mesh's expert
+/// shard group. Throws ConfigError("device_mesh", ...) for a mesh without dp_shard.
 std::shared_ptr<Module> shard_over_mesh(std::shared_ptr<Module> inner, const DeviceMesh& mesh,
                                         const Fsdp2Options& options);
 

@@ -96,6 +96,10 @@ std::shared_ptr<Module> wrap_fsdp1(const Fsdp1Config& c) {
   if (c.model.parts.size() != 1)
     throw ConfigError("model", fmt::format("fsdp1_wrapped wraps one model; got {} model parts", c.model.parts.size()));
   std::shared_ptr<Module> inner = c.model.parts.front().shared();
+  if (const auto experts = inner->expert_parallel_parameters(); !experts.empty())
+    throw ConfigError("model", fmt::format("has experts split over ranks ({} and more); FSDP1 knows no device mesh "
+                                           "and cannot shard them: use model/fsdp2_wrapped or model/parallelized",
+                                           experts.front()));
   ShardingOptions o;
   for (const std::string& name : c.block_names) {
     const auto fqns = inner->submodules_of_class(name);

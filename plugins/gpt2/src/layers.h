@@ -14,6 +14,7 @@
 #include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/nn/init.h>
 #include <torch/nn/module.h>
 
@@ -24,6 +25,11 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
 
 namespace modalities::plugins::gpt2 {
 
@@ -114,6 +120,12 @@ class FeedForward : public torch::nn::Module {
   virtual void check_tensor_parallel() const;
   /// Tensor parallel: this rank's part of the hidden units (the weights were split by the model).
   virtual void parallelize(const TpPlan& plan);
+  /// Expert parallelism (Module::apply_expert_parallel): keeps rank `rank` of `size`'s share of
+  /// this feed-forward's experts, whose forward then talks to the other ranks of `group`, and
+  /// returns the names (relative to this module) of the parameters split on dim 0. A dense MLP
+  /// has no experts: the default returns none and changes nothing.
+  virtual std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                       std::int64_t rank, std::int64_t size);
   /// Whether forward() leaves an auxiliary loss for take_aux_loss() (MoE load balancing).
   virtual bool has_aux_loss() const { return false; }
   /// The auxiliary loss of the last forward (0-dim, with its graph), then forgotten; undefined if none.

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -47,6 +48,22 @@ std::optional<std::int64_t> tp_split_dim(std::string_view fqn) {
     if (fqn.ends_with(s)) return 1;
   return std::nullopt;
 }
+
+// How a parameter is split over ranks: along `dim`, this rank's chunk being number `rank` of
+// `size` equal ones (tensor parallel: the tp group; expert parallel: the ep group, dim 0).
+struct Split {
+  std::int64_t dim = 0;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::int64_t rank = 0, size = 1;
+  bool experts = false;  // split over the ep ranks
+};
+
+// Expert parallelism (Module::apply_expert_parallel): the ep group and the parameters it split.
+struct EpPlan {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::int64_t rank = 0, size = 1;
+  std::vector<std::string> fqns;
+};
 
 class GPT2 final : public Module, public HuggingFaceExportable {
  public:
@@ -88,15 +105,15 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   // Tied models: either key alone is enough; with both, lm_head's value wins (PyTorch
   // loads in module order, lm_head last).
   void load_state_dict(const StateDict& state, bool strict) override {
-    if (tp_ && !whole_) {  // split: whole tensors give this rank's chunk
+    if (split() && !whole_) {  // split: whole tensors give this rank's chunk
       StateDict s = state;
       for (auto& [key, t] : s) {
-        const auto d = tp_split_dim(key);
+        const auto d = split_of(key);
         const auto mine = local_shapes_.find(key);
         if (!d || mine == local_shapes_.end() || t.sizes().vec() == mine->second) continue;
-        const std::int64_t n = mine->second[static_cast<std::size_t>(*d)];
-        if (t.dim() == static_cast<std::int64_t>(mine->second.size()) && t.size(*d) == n * tp_->size)
-          t = t.narrow(*d, tp_->rank * n, n);
+        const std::int64_t n = mine->second[static_cast<std::size_t>(d->dim)];
+        if (t.dim() == static_cast<std::int64_t>(mine->second.size()) && t.size(d->dim) == n * d->size)
+          t = t.narrow(d->dim, d->rank * n, n);
       }
       return load_unsplit(s, strict);
     }
@@ -166,7 +183,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
             "gpt2: reset_parameters() needs materialized tensors; the model is on the meta device "
             "(move it with to(device) first)");
     // Split: the whole model is initialized as in one process (same random numbers), each rank keeps its part.
-    if (tp_ && !whole_) return apply_to_full_parameters([](Module& full) { full.reset_parameters(); });
+    if (split() && !whole_) return apply_to_full_parameters([](Module& full) { full.reset_parameters(); });
     GPT2LLMImpl::reset_leaves(*impl_);
   }
 
@@ -183,9 +200,9 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 
   // `modalities convert_pytorch_to_hf_checkpoint` (README.md, "Hugging Face interop").
   HuggingFaceCheckpoint to_huggingface(const HuggingFaceExportOptions& options) const override {
-    if (tp_ || retained_)
+    if (split() || retained_)
       throw Error(
-          "gpt2: a tensor-parallel or pipeline-split model holds part of the weights; export the whole "
+          "gpt2: a tensor-, expert-parallel or pipeline-split model holds part of the weights; export the whole "
           "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
           "sharded checkpoints whole)");
     if (ffn_)
@@ -240,50 +257,74 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     });
     tp_ = std::make_shared<const TpPlan>(plan);
     impl_->parallelize(tp_);
-    // Recorded now: a wrapper (fsdp2_wrapped) may free the module's tensors between uses.
-    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
-      local_shapes_[item.key()] = item.value().sizes().vec();
+    record_local_shapes();
+  }
+
+  // --- expert parallel (model/parallelized over a mesh with an ep dim) ------------------------
+
+  void apply_expert_parallel(const ParallelDims& dims) override {
+    if (!dims.enabled(MeshDim::ep)) throw Error("gpt2: apply_expert_parallel needs a mesh with an ep dim of > 1 ranks");
+    parallelize_experts(EpPlan{dims.group(MeshDim::ep), dims.coordinate(MeshDim::ep), dims.degree(MeshDim::ep), {}});
+  }
+
+  void parallelize_experts(EpPlan plan) {
+    if (ep_) throw Error("gpt2: the experts are split already (expert parallelism applied twice)");
+    plan.fqns = impl_->parallelize_experts(plan.group, plan.rank, plan.size);
+    if (plan.fqns.empty())
+      throw ConfigError("device_mesh",
+                        fmt::format("has an ep dim of {} ranks (expert_parallel_degree), but the model has no experts "
+                                    "to split: expert parallelism needs a Mixture-of-Experts model (model/gpt2_moe)",
+                                    plan.size));
+    ep_ = std::make_shared<const EpPlan>(std::move(plan));
+    record_local_shapes();
+  }
+
+  std::vector<std::string> expert_parallel_parameters() const override {
+    return ep_ ? ep_->fqns : std::vector<std::string>{};
   }
 
   // Every parameter, split or replicated (then held alike by the tp ranks), as a block of the full tensor.
+  // Under expert parallelism alone the rest is whole on every rank (not listed).
   std::map<std::string, ShardPlacement> shard_placements() const override {
-    if (!tp_ || whole_) return {};
+    if (!split() || whole_) return {};
     std::map<std::string, ShardPlacement> out;
     for (const auto& [fqn, shape] : local_shapes_) {
+      const auto d = split_of(fqn);
+      if (!d && !tp_) continue;
       ShardPlacement s;
       s.global_shape = shape;
       s.offsets.assign(s.global_shape.size(), 0);
-      if (const auto d = tp_split_dim(fqn)) {
-        s.offsets[*d] = tp_->rank * s.global_shape[*d];
-        s.global_shape[*d] *= tp_->size;
-      } else {
-        s.replicas = tp_->size;
+      if (d) {
+        s.offsets[static_cast<std::size_t>(d->dim)] = d->rank * s.global_shape[static_cast<std::size_t>(d->dim)];
+        s.global_shape[static_cast<std::size_t>(d->dim)] *= d->size;
       }
+      // The tp ranks hold the same replicated tensors and the same experts.
+      if (tp_ && (!d || d->experts)) s.replicas = tp_->size;
       out[fqn] = std::move(s);
     }
     return out;
   }
 
-  // Split: whole tensors gathered over the tp ranks, `fn` on the whole model, each rank keeps its
-  // chunk of whatever fn wrote. A collective.
+  // Split: whole tensors gathered over the tp (or ep) ranks, `fn` on the whole model, each rank
+  // keeps its chunk of whatever fn wrote. A collective.
   void apply_to_full_parameters(const std::function<void(Module&)>& fn) override {
-    if (!tp_ || whole_) return fn(*this);
+    if (!split() || whole_) return fn(*this);
     at::NoGradGuard no_grad;
-    struct Split {
+    struct Gathered {
       at::Tensor local, full;
-      std::int64_t dim;
+      Split how;
     };
-    std::unordered_map<const void*, Split> split;  // by the local tensor
+    std::unordered_map<const void*, Gathered> split;  // by the local tensor
     for (const auto& item : impl_->named_parameters(/*recurse=*/true)) {
-      const auto d = tp_split_dim(item.key());
+      const auto d = split_of(item.key());
       const at::Tensor& t = item.value();
       if (!d || split.contains(t.unsafeGetTensorImpl())) continue;
       if (t.is_meta())
         throw Error(
-            "gpt2_tp: the model's parameters are on the meta device; move it to a device before "
+            "gpt2: the model's parameters are split over ranks and on the meta device; move it to a device before "
             "initializing it (model/model_initialized does)");
-      at::Tensor full = tp::gather_from_tensor_parallel(t, *d, tp_->group).set_requires_grad(t.requires_grad());
-      split.emplace(t.unsafeGetTensorImpl(), Split{t, std::move(full), *d});
+      at::Tensor full = tp::gather_from_tensor_parallel(t, d->dim, d->group).set_requires_grad(t.requires_grad());
+      split.emplace(t.unsafeGetTensorImpl(), Gathered{t, std::move(full), *d});
     }
     const auto swap_to = [&](bool whole) {
       std::unordered_map<const void*, at::Tensor> to;
@@ -305,8 +346,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     }
     whole_ = false;
     for (auto& [impl, s] : split) {
-      const std::int64_t n = s.local.size(s.dim);
-      s.local.copy_(s.full.narrow(s.dim, tp_->rank * n, n));
+      const std::int64_t n = s.local.size(s.how.dim);
+      s.local.copy_(s.full.narrow(s.how.dim, s.how.rank * n, n));
     }
     swap_to(false);
   }
@@ -320,7 +361,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
     auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_, aux_loss_key_);
-    if (tp_) copy->parallelize(*tp_);                 // the same local shapes and plan
+    if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
+    if (ep_) copy->parallelize_experts(EpPlan{ep_->group, ep_->rank, ep_->size, {}});
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
     for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
@@ -340,6 +382,24 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   }
 
  private:
+  bool split() const { return tp_ || ep_; }
+
+  // How `fqn` is split (expert parallel first: the experts are not split by tensor parallelism).
+  std::optional<Split> split_of(const std::string& fqn) const {
+    if (ep_ && std::find(ep_->fqns.begin(), ep_->fqns.end(), fqn) != ep_->fqns.end())
+      return Split{0, ep_->group, ep_->rank, ep_->size, true};
+    if (tp_)
+      if (const auto d = tp_split_dim(fqn)) return Split{*d, tp_->group, tp_->rank, tp_->size, false};
+    return std::nullopt;
+  }
+
+  // Recorded when a parallelism splits the model: a wrapper (fsdp2_wrapped) may free the module's
+  // tensors between uses.
+  void record_local_shapes() {
+    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
+      local_shapes_[item.key()] = item.value().sizes().vec();
+  }
+
   GPT2Config config_without_seed() const {
     GPT2Config c = config_;
     c.seed.reset();
@@ -352,6 +412,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   std::shared_ptr<GPT2LLMImpl> impl_;
   Dt param_dtype_;
   std::shared_ptr<const TpPlan> tp_;                               // model/gpt2_tp
+  std::shared_ptr<const EpPlan> ep_;                               // expert parallelism
   std::map<std::string, std::vector<std::int64_t>> local_shapes_;  // of every parameter, once split
   bool whole_ = false;                                // inside apply_to_full_parameters: the tensors are whole
   std::optional<std::vector<std::string>> retained_;  // a pipeline stage's modules

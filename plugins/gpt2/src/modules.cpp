@@ -345,6 +345,11 @@ void FeedForward::check_tensor_parallel() const {
 
 void FeedForward::parallelize(const TpPlan&) { check_tensor_parallel(); }
 
+std::vector<std::string> FeedForward::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>&, std::int64_t,
+                                                          std::int64_t) {
+  return {};
+}
+
 SwiGLUImpl::SwiGLUImpl(std::int64_t d, std::int64_t h, bool bias, const at::TensorOptions& o) : FeedForward("SwiGLU") {
   W = register_module("W", std::make_shared<LinearImpl>(d, h, bias, o));
   register_module("silu", torch::nn::SiLU());
@@ -559,6 +564,16 @@ template <class F>
 void GPT2LLMImpl::for_each_feed_forward(F&& f) const {
   if (transformer_->contains("h"))
     for (const auto& item : *h_) f(*item.value()->as<GPT2BlockImpl>()->mlp);
+}
+
+std::vector<std::string> GPT2LLMImpl::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                          std::int64_t rank, std::int64_t size) {
+  std::vector<std::string> out;
+  if (transformer_->contains("h"))
+    for (const auto& item : *h_)
+      for (const std::string& name : item.value()->as<GPT2BlockImpl>()->mlp->parallelize_experts(group, rank, size))
+        out.push_back("transformer.h." + item.key() + ".mlp." + name);
+  return out;
 }
 
 void GPT2LLMImpl::check_tensor_parallel() const {

@@ -49,6 +49,10 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // Throws modalities::Error when a block's feed-forward cannot be split (FeedForward::check_tensor_parallel).
   void check_tensor_parallel() const;
   const TpPlan* tp_plan() const { return tp_.get(); }
+  // Expert parallelism: every block's feed-forward keeps its share of the experts
+  // (FeedForward::parallelize_experts); the FQNs of the parameters split.
+  std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::int64_t rank,
+                                               std::int64_t size);
   // Whether a block's feed-forward leaves an auxiliary loss (FeedForward::has_aux_loss).
   bool has_aux_losses() const;
   // The sum of the blocks' auxiliary losses of the last forward (FeedForward::take_aux_loss),

@@ -405,16 +405,23 @@ void MoeFeedForwardImpl::apply_expert_parallel(const ExpertParallel& ep) {
     throw Error(fmt::format("model/gpt2_moe: expert parallelism over {} ranks needs a rank in [0, {}), got {}", ep.size,
                             ep.size, ep.rank));
   if (c_.num_experts % ep.size != 0)
-    throw Error(
-        fmt::format("model/gpt2_moe: moe_config.num_experts = {} is not divisible by the expert-parallel "
-                    "degree {}; every rank holds the same number of experts",
-                    c_.num_experts, ep.size));
+    throw ConfigError("moe_config.num_experts",
+                      fmt::format("is {}, which is not divisible by the expert-parallel degree {} "
+                                  "(device_mesh.config.expert_parallel_degree); every rank holds the same number of "
+                                  "experts",
+                                  c_.num_experts, ep.size));
   if (ep.size > 1 && (!ep.group || ep.group->getSize() != ep.size))
     throw Error(fmt::format("model/gpt2_moe: expert parallelism of degree {} needs a process group of {} ranks, got {}",
                             ep.size, ep.size, ep.group ? std::to_string(ep.group->getSize()) : "none"));
   const std::int64_t local = c_.num_experts / ep.size;
   experts->keep(ep.rank * local, local);
   ep_ = ep;
+}
+
+std::vector<std::string> MoeFeedForwardImpl::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                                 std::int64_t rank, std::int64_t size) {
+  apply_expert_parallel(ExpertParallel(group, rank, size));
+  return {"experts.w1", "experts.w2", "experts.w3"};
 }
 
 // Note [Expert parallelism]: the routed rows of this rank, sorted by (global) expert, go in one

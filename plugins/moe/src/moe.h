@@ -147,6 +147,10 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   /// num_experts is not divisible by ep.size or it is applied twice. On any device (meta too).
   void apply_expert_parallel(const ExpertParallel& ep);
   const std::optional<ExpertParallel>& expert_parallel() const { return ep_; }
+  /// The model's seam (Module::apply_expert_parallel): apply_expert_parallel({group, rank, size});
+  /// the stacked expert weights are split.
+  std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::int64_t rank,
+                                               std::int64_t size) override;
   at::Tensor take_aux_loss() override { return std::exchange(aux_loss_, at::Tensor()); }
 
   /// Auxiliary-loss-free load balancing (DeepSeek-V3): the tokens each expert was chosen by in the

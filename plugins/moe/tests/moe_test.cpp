@@ -682,7 +682,7 @@ TEST(MoeExpertParallel, OneRankIsTheBlockAndBadDegreesAreRefused) {
             1e-5 * max_abs(c.tensors.at("y")));
   EXPECT_THAT(error_of([&] { m->apply_expert_parallel(ExpertParallel({}, 0, 1)); }), HasSubstr("applied twice"));
   EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 0, 3)); }),
-              HasSubstr("num_experts = 4 is not divisible by the expert-parallel degree 3"));
+              HasSubstr("is 4, which is not divisible by the expert-parallel degree 3"));
   EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 0, 2)); }),
               HasSubstr("needs a process group of 2 ranks, got none"));
   EXPECT_THAT(error_of([&] { block_with_weights(c)->apply_expert_parallel(ExpertParallel({}, 2, 2)); }),

@@ -3,13 +3,16 @@
 //
 //   1. tensor_parallel           Module::apply_tensor_parallel over the mesh's tp dim (the model's
 //                                own capability; model/gpt2_tp calls the same method)
+//   1b. expert parallelism       Module::apply_expert_parallel over the mesh's ep dim, whenever
+//                                the mesh has one (expert_parallel_degree > 1; no table)
 //   2. activation_checkpointing  the blocks model/activation_checkpointed chooses
 //                                (model_wrappers' engine)
 //   3. initialization            materialize a meta model, reset, initialize on whole tensors
 //                                (model/model_initialized's engine)
 //   4. pipeline                  this rank's stages over the pp dim (pipeline/staged's engine)
 //   5. fully_shard               FSDP2 over dp_shard (HSDP with dp_replicate) of every stage
-//                                module (model/fsdp2_wrapped's engine)
+//                                module (model/fsdp2_wrapped's engine); expert weights over the
+//                                ranks holding the same experts
 //   6. the pipeline's schedule   over the sharded stage modules (pipeline/builder and
 //                                pipeline/scheduled), which the gym runs
 //
@@ -162,6 +165,8 @@ class PipelinePart final : public Module {
   void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options) override {
     inner_->apply_tensor_parallel(dims, options);
   }
+  void apply_expert_parallel(const ParallelDims& dims) override { inner_->apply_expert_parallel(dims); }
+  std::vector<std::string> expert_parallel_parameters() const override { return inner_->expert_parallel_parameters(); }
   std::shared_ptr<Pipeline> pipeline() const override { return pipeline_; }
 
  private:
@@ -205,6 +210,8 @@ Value parallelize(const ParallelizedConfig& c, BuildContext& ctx) {
   if (c.tensor_parallel)
     in_table("tensor_parallel",
              [&] { model->apply_tensor_parallel(dims, tp::Options{c.tensor_parallel->sequence_parallel}); });
+  // Expert parallelism needs no table: the mesh's ep dim says everything (the model splits its experts).
+  if (dims.enabled(MeshDim::ep)) in_table("model", [&] { model->apply_expert_parallel(dims); });
   if (c.activation_checkpointing)
     in_table("activation_checkpointing",
              [&] { model_wrappers::apply_activation_checkpointing(*model, *c.activation_checkpointing, ctx); });

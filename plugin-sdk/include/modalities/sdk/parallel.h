@@ -26,11 +26,12 @@ class DeviceMesh;
 
 /// The dims of a device mesh. A mesh lists the dims it has in this order, outermost first:
 /// ranks that differ only along the last dim are neighbours (consecutive ranks), as in
-/// Modalities and torchtitan. `ep` (expert parallel) is named for the issues that add it; no
-/// mesh variant builds it yet.
+/// Modalities and torchtitan. `ep` (expert parallel) is carved out of dp_shard x cp, as torchtitan
+/// does: ranks that differ there read different data and, grouped by `ep`, hold different experts.
 enum class MeshDim : std::uint8_t { pp, dp_replicate, dp_shard, cp, tp, ep };
 
-/// Every dim, in mesh order.
+/// Every dim, in mesh order. `ep` is last but overlays dp_shard x cp: it adds no factor to the
+/// world size (DeviceMesh::expert_shard_process_group).
 inline constexpr std::array<MeshDim, 6> kMeshDims = {MeshDim::pp, MeshDim::dp_replicate, MeshDim::dp_shard,
                                                      MeshDim::cp, MeshDim::tp,           MeshDim::ep};
 
@@ -47,7 +48,8 @@ MODALITIES_SDK_API std::vector<std::string> mesh_dim_names();
 MODALITIES_SDK_API std::string join_mesh_dims(const std::vector<MeshDim>& dims);
 
 /// Whether ranks along `dim` read different data: the data-parallel dims. Ranks that differ only
-/// in the others (pp, cp, tp, ep) read the same samples.
+/// in pp, cp or tp read the same samples; ep is carved out of dp_shard (and cp), so its ranks
+/// read what their dp_shard coordinates say.
 constexpr bool shards_data(MeshDim dim) { return dim == MeshDim::dp_replicate || dim == MeshDim::dp_shard; }
 
 /// Tokens one optimizer step trains on over all ranks: local micro batch x sequence length x
@@ -67,7 +69,7 @@ MODALITIES_SDK_API std::int64_t tokens_per_step(std::int64_t local_micro_batch_s
 ///   sampler.shard(dims.dp_rank(), dims.dp_size());
 /// \endcode
 ///
-/// Since: SDK 0.1 (ABI 6).
+/// Since: SDK 0.1 (ABI 6; the expert shard group: ABI 7).
 class MODALITIES_SDK_API ParallelDims {
  public:
   using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
@@ -102,6 +104,12 @@ class MODALITIES_SDK_API ParallelDims {
   /// degree(dim) is 1 (nothing to talk to).
   Group group(MeshDim dim) const;
 
+  /// Expert parallelism: the ranks holding the same experts as this one (degree(dp_shard) x
+  /// degree(cp) / degree(ep) of them; all data parallel), over which FSDP shards the expert
+  /// weights, and their communicator (null for one rank). Without an ep dim: the dp_shard dim's.
+  std::int64_t expert_shard_degree() const;
+  Group expert_shard_group() const;
+
   /// Ranks of the run.
   std::int64_t world_size() const;
   /// Data-parallel degree: the product of the degrees of the dims that shard data.
@@ -116,7 +124,8 @@ class MODALITIES_SDK_API ParallelDims {
                                std::int64_t gradient_accumulation_steps) const;
   /// The mesh's enable_loss_parallel (false without a mesh).
   bool loss_parallel() const;
-  /// "dp_shard 2 x tp 2" (every listed dim with its degree), for messages.
+  /// "dp_shard 2 x tp 2" (every listed dim with its degree; "dp_shard 4 (ep 2)" under expert
+  /// parallelism), for messages.
   std::string describe() const;
 
  private:

@@ -1,6 +1,6 @@
 // The device-mesh interface: the ranks of a run arranged in typed dimensions
-// (MeshDim: pp, dp_replicate, dp_shard, cp, tp), with this rank's coordinates and a
-// process group per dimension. Most code asks through ParallelDims (parallel.h). LibTorch has no DeviceMesh, so this is the
+// (MeshDim: pp, dp_replicate, dp_shard, cp, tp; ep overlaid on dp_shard x cp), with this rank's
+// coordinates and a process group per dimension. Most code asks through ParallelDims (parallel.h). LibTorch has no DeviceMesh, so this is the
 // SDK's own, built on c10d process groups (`device_mesh/default`). Maps
 // torch.distributed.DeviceMesh as Modalities uses it.
 #pragma once
@@ -87,6 +87,16 @@ class MODALITIES_SDK_API DeviceMesh {
   /// Communicator over all ranks of this (sub-)mesh, its dims flattened
   /// (e.g. dp_replicate x dp_shard for data-parallel reductions).
   virtual c10::intrusive_ptr<c10d::ProcessGroup> flattened_process_group() const = 0;
+
+  /// Expert parallelism (`expert_parallel_degree` of device_mesh/default): the ep dim is not one
+  /// of dims() but overlays dp_shard x cp. Ranks that differ only there are split into ep groups
+  /// of consecutive (dp_shard, cp) coordinates: has_dim(ep), size(ep), coordinate(ep) and
+  /// process_group(ep) answer for it on the mesh itself (not on sub-meshes). This is the
+  /// communicator of the ranks that hold the same experts as this one: same coordinates outside
+  /// dp_shard x cp and the same ep coordinate (dp_shard x cp / ep of them; torchtitan's
+  /// dp_shard_mod_ep), over which FSDP shards the expert weights. Null when there is no ep dim or
+  /// that group has one rank. Default: null. Since: SDK 0.1 (ABI 7).
+  virtual c10::intrusive_ptr<c10d::ProcessGroup> expert_shard_process_group() const;
 
   /// Whether the run asked for loss parallelism (`enable_loss_parallel`): a tensor-parallel model
   /// then returns logits split on the vocabulary and the loss reduces over the `tp` dim.

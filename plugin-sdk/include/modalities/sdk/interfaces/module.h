@@ -273,6 +273,22 @@ class MODALITIES_SDK_API Module {
   /// Since: SDK 0.1 (ABI 6).
   virtual void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options);
 
+  /// Expert parallelism: splits the model's routed experts over the ep dim of `dims` (rank r of
+  /// the ep group keeps experts [r E / ep, (r + 1) E / ep) of every MoE block), in place, after
+  /// tensor parallelism and before activation checkpointing, initialization, the pipeline split
+  /// and FSDP (model/parallelized applies it when the mesh has an ep dim). Afterwards forward()
+  /// sends every routed token to the rank of its expert and back (a collective over the ep
+  /// group), shard_placements() places the expert weights in the global stack, and
+  /// expert_parallel_parameters() names them. Default: throws modalities::Error (the model has
+  /// no experts). Since: SDK 0.1 (ABI 7).
+  virtual void apply_expert_parallel(const ParallelDims& dims);
+
+  /// The FQNs of the parameters apply_expert_parallel split over the ep ranks (each rank holds
+  /// other experts). FSDP shards them over the ranks that hold the same experts
+  /// (ParallelDims::expert_shard_group) and averages their gradients over all data-parallel
+  /// ranks. Wrappers forward it. Default: none. Since: SDK 0.1 (ABI 7).
+  virtual std::vector<std::string> expert_parallel_parameters() const;
+
   /// Pipeline parallelism: the scheduled pipeline whose stage this module is, when the variant
   /// that built it also scheduled the pipeline (`model/parallelized` with a `pipeline` table);
   /// the gym runs it when the config has no `scheduled_pipeline`. Default: null (a wrapper around
