@@ -44,6 +44,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -105,6 +106,51 @@ void mean_over_ranks(at::Tensor& values) {
 
 /// A float32 0-dim tensor, as `torch.tensor(python_float)` makes it.
 at::Tensor fscalar(double v) { return at::scalar_tensor(v, at::kFloat); }
+
+// Note [Model metrics]
+// What the model parts measured (Module::take_metrics), combined over the ranks by each metric's
+// reduce, in the order of their first appearance (rank 0's first). Ranks may report different
+// metrics (pipeline stages hold different blocks), so the ranks exchange them as text through the
+// store, once per training-log step on every rank, rather than in an all-reduce that needs the
+// same tensors everywhere. `round` numbers the exchanges (the same on every rank).
+std::vector<ModelMetric> combine_over_ranks(const std::vector<ModelMetric>& mine, std::int64_t round) {
+  if (!dist::initialized() || dist::world_size() == 1) return mine;
+  std::string text;
+  for (const ModelMetric& m : mine)
+    text += fmt::format("{}\t{}\t{:.17g}\n", static_cast<int>(m.reduce), m.name, m.value);
+  struct Acc {
+    ModelMetric metric;
+    int count = 0;
+  };
+  std::vector<Acc> acc;
+  for (const std::string& theirs : dist::all_gather_strings(fmt::format("gym/metrics/{}", round), text))
+    for (std::size_t at = 0, end; (end = theirs.find('\n', at)) != std::string::npos; at = end + 1) {
+      const std::string line = theirs.substr(at, end - at);
+      const auto tab1 = line.find('\t'), tab2 = line.rfind('\t');
+      if (tab1 == std::string::npos || tab2 <= tab1) continue;
+      ModelMetric m{line.substr(tab1 + 1, tab2 - tab1 - 1), std::stod(line.substr(tab2 + 1)),
+                    static_cast<ModelMetric::Reduce>(std::stoi(line.substr(0, tab1)))};
+      auto it = std::find_if(acc.begin(), acc.end(), [&](const Acc& a) { return a.metric.name == m.name; });
+      if (it == acc.end()) {
+        acc.push_back({std::move(m), 1});
+        continue;
+      }
+      double& v = it->metric.value;
+      switch (it->metric.reduce) {
+        case ModelMetric::Reduce::kMean:
+        case ModelMetric::Reduce::kSum: v += m.value; break;
+        case ModelMetric::Reduce::kMin: v = std::min(v, m.value); break;
+        case ModelMetric::Reduce::kMax: v = std::max(v, m.value); break;
+      }
+      ++it->count;
+    }
+  std::vector<ModelMetric> out;
+  for (Acc& a : acc) {
+    if (a.metric.reduce == ModelMetric::Reduce::kMean) a.metric.value /= a.count;
+    out.push_back(std::move(a.metric));
+  }
+  return out;
+}
 
 /// Saves the default CPU generator (and the run device's) and restores them on scope exit.
 class RngStates {
@@ -600,6 +646,12 @@ class Gym {
         grad_norms_.empty() ? at::zeros({1}, at::kFloat) : at::stack(grad_norms_).to(at::kFloat).cpu();
     r.metrics.push_back({"grad norm avg", {norms.mean(), 2}});
     r.metrics.push_back({"grad norm last", {norms[-1].clone(), 2}});
+    // Note [Model metrics]: e.g. the MoE blocks' load imbalance and auxiliary losses.
+    std::vector<ModelMetric> model_metrics;
+    for (auto& part : parts_)
+      for (ModelMetric& m : part->take_metrics()) model_metrics.push_back(std::move(m));
+    for (const ModelMetric& m : combine_over_ranks(model_metrics, metric_rounds_++))
+      r.metrics.push_back({m.name, {fscalar(m.value), 4}});
     r.throughput_metrics.push_back({"train samples/s", {fscalar(samples_per_s), 1}});
     const double mfu = c_.mfu_calculator ? c_.mfu_calculator->compute(samples_per_s) : -1.0;
     r.throughput_metrics.push_back({"train mfu (16-bit)", {fscalar(mfu), 2}});
@@ -683,6 +735,7 @@ class Gym {
   DataLedger ledger_{o_.data_ledger_path};
   // The step profile, and the progress of the runs before this one (a warm start or resume).
   i64 accumulation_steps_ = 1;  // micro-batches per optimizer step
+  i64 metric_rounds_ = 0;       // model-metric exchanges so far (Note [Model metrics])
   i64 steps_seen_before_ = 0;   // optimizer steps of the earlier runs
   i64 tokens_seen_before_ = 0;  // tokens of the earlier runs
   i64 dp_ = 1;                  // data-parallel degree

@@ -203,31 +203,49 @@ std::string result_line(const EvaluationResultBatch& r) {
   return s;
 }
 
-std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts) {
+namespace {
+
+// The trainable parameters at their global sizes, each tensor once, each weighted by the share
+// `activity` gives it (1 when it lists none).
+double weighted_trainable_parameters(const std::vector<const Module*>& parts, bool active) {
   std::unordered_set<const void*> seen;
-  std::int64_t n = 0;
+  double n = 0;
   for (const Module* part : parts) {
     const auto placements = part->shard_placements();
+    const auto activity = active ? part->parameter_activity() : std::map<std::string, double>{};
     for (const auto& [name, t] : part->named_parameters()) {
       if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      std::int64_t numel = t.numel();
       if (auto it = placements.find(name); it != placements.end()) {
-        std::int64_t global = 1;
-        for (std::int64_t d : it->second.global_shape) global *= d;
-        n += global;
-      } else {
-        n += t.numel();
+        numel = 1;
+        for (std::int64_t d : it->second.global_shape) numel *= d;
       }
+      const auto share = activity.find(name);
+      n += static_cast<double>(numel) * (share == activity.end() ? 1.0 : share->second);
     }
   }
   return n;
 }
 
-std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts, const DeviceMesh* mesh) {
-  std::int64_t n = count_trainable_parameters(parts);
+std::int64_t summed_over_stages(std::int64_t n, const DeviceMesh* mesh) {
   if (mesh == nullptr || !mesh->has_dim(MeshDim::pp) || mesh->size(MeshDim::pp) <= 1) return n;
   std::vector<at::Tensor> t = {at::full({1}, n, at::kLong)};
   mesh->process_group(MeshDim::pp)->allreduce(t)->wait();
   return t.front().item<std::int64_t>();
+}
+
+}  // namespace
+
+std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts) {
+  return static_cast<std::int64_t>(weighted_trainable_parameters(parts, false));
+}
+
+std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts, const DeviceMesh* mesh) {
+  return summed_over_stages(count_trainable_parameters(parts), mesh);
+}
+
+std::int64_t count_active_parameters(const std::vector<const Module*>& parts, const DeviceMesh* mesh) {
+  return summed_over_stages(std::llround(weighted_trainable_parameters(parts, true)), mesh);
 }
 
 // --- Module defaults: an unwrapped model whose module() tree has canonical names --
@@ -368,6 +386,10 @@ void Module::apply_expert_parallel(const ParallelDims& dims) {
 }
 
 std::vector<std::string> Module::expert_parallel_parameters() const { return {}; }
+
+std::vector<ModelMetric> Module::take_metrics() { return {}; }
+
+std::map<std::string, double> Module::parameter_activity() const { return {}; }
 
 std::shared_ptr<Pipeline> Module::pipeline() const { return nullptr; }
 

@@ -242,6 +242,23 @@ TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias
   EXPECT_GT(aux, 0.005) << "the auxiliary losses are part of the trained loss";
   EXPECT_LT(aux, 0.05);
   EXPECT_LT(std::stod(with[7].at("train loss avg")), std::stod(with[0].at("train loss avg")));
+  // Every step logs the (one) block's routing and auxiliary loss (Module::take_metrics); at step 1
+  // it is what the auxiliary term added to the trained loss.
+  double aux_logged = 0;
+  for (const auto& r : with)
+    for (const std::string block : {"block 0"}) {
+      const double hi = std::stod(r.at("moe tokens per expert max/mean (" + block + ")"));
+      const double lo = std::stod(r.at("moe tokens per expert min/mean (" + block + ")"));
+      EXPECT_GE(hi, 1.0);
+      EXPECT_LE(hi, 4.0);  // 4 experts: one that takes every slot
+      EXPECT_GE(lo, 0.0);
+      EXPECT_LE(lo, 1.0);
+      const double block_aux = std::stod(r.at("moe aux loss (" + block + ")"));
+      EXPECT_GT(block_aux, 0.0);
+      if (&r == &with[0]) aux_logged += block_aux;
+    }
+  EXPECT_NEAR(aux_logged, aux, 1e-4);
+  EXPECT_FALSE(with[0].contains("moe dropped slots (block 0)"));  // dropless: nothing to report
   // The auxiliary-loss-free bias (optimizer/moe_load_balanced) starts at zero and moves after each
   // step: a large rate changes no first step and the choices of the later ones.
   const auto moved = run("moe_bias", {{"expert_bias_update_rate = 1e-3", "expert_bias_update_rate = 1.0"}});

@@ -754,6 +754,8 @@ class FullyShardedModule final : public Module {
   std::vector<std::string> expert_parallel_parameters() const override {
     return engine_->inner().expert_parallel_parameters();
   }
+  std::vector<ModelMetric> take_metrics() override { return engine_->inner().take_metrics(); }
+  std::map<std::string, double> parameter_activity() const override { return engine_->inner().parameter_activity(); }
 
  private:
   std::unique_ptr<Engine> engine_;

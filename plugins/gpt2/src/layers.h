@@ -11,6 +11,7 @@
 
 #include "fused_ops.h"
 
+#include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/tensor_parallel.h>
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -126,6 +128,12 @@ class FeedForward : public torch::nn::Module {
   /// has no experts: the default returns none and changes nothing.
   virtual std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                        std::int64_t rank, std::int64_t size);
+  /// Module::take_metrics: appends what this feed-forward measured in its training forwards since
+  /// the last call, naming it after `block` ("block 1"), then forgets it. Default: nothing.
+  virtual void take_metrics(const std::string& block, std::vector<ModelMetric>& out);
+  /// Module::parameter_activity: the share of each of its parameters (names relative to this
+  /// module) one token computes with, for those it does not use whole. Default: none.
+  virtual std::map<std::string, double> parameter_activity() const { return {}; }
   /// Whether forward() leaves an auxiliary loss for take_aux_loss() (MoE load balancing).
   virtual bool has_aux_loss() const { return false; }
   /// The auxiliary loss of the last forward (0-dim, with its graph), then forgotten; undefined if none.

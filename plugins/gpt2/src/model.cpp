@@ -283,6 +283,9 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     return ep_ ? ep_->fqns : std::vector<std::string>{};
   }
 
+  std::vector<ModelMetric> take_metrics() override { return impl_->take_metrics(); }
+  std::map<std::string, double> parameter_activity() const override { return impl_->parameter_activity(); }
+
   // Every parameter, split or replicated (then held alike by the tp ranks), as a block of the full tensor.
   // Under expert parallelism alone the rest is whole on every rank (not listed).
   std::map<std::string, ShardPlacement> shard_placements() const override {

@@ -566,6 +566,24 @@ void GPT2LLMImpl::for_each_feed_forward(F&& f) const {
     for (const auto& item : *h_) f(*item.value()->as<GPT2BlockImpl>()->mlp);
 }
 
+void FeedForward::take_metrics(const std::string&, std::vector<ModelMetric>&) {}
+
+std::map<std::string, double> GPT2LLMImpl::parameter_activity() const {
+  std::map<std::string, double> out;
+  if (transformer_->contains("h"))
+    for (const auto& item : *h_)
+      for (const auto& [name, share] : item.value()->as<GPT2BlockImpl>()->mlp->parameter_activity())
+        out.emplace("transformer.h." + item.key() + ".mlp." + name, share);
+  return out;
+}
+
+std::vector<ModelMetric> GPT2LLMImpl::take_metrics() {
+  std::vector<ModelMetric> out;
+  if (transformer_->contains("h"))
+    for (const auto& item : *h_) item.value()->as<GPT2BlockImpl>()->mlp->take_metrics("block " + item.key(), out);
+  return out;
+}
+
 std::vector<std::string> GPT2LLMImpl::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                           std::int64_t rank, std::int64_t size) {
   std::vector<std::string> out;

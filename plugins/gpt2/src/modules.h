@@ -53,6 +53,10 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // (FeedForward::parallelize_experts); the FQNs of the parameters split.
   std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::int64_t rank,
                                                std::int64_t size);
+  // Module::parameter_activity: every block's feed-forward's, by FQN.
+  std::map<std::string, double> parameter_activity() const;
+  // Module::take_metrics: every block's feed-forward's (FeedForward::take_metrics).
+  std::vector<ModelMetric> take_metrics();
   // Whether a block's feed-forward leaves an auxiliary loss (FeedForward::has_aux_loss).
   bool has_aux_losses() const;
   // The sum of the blocks' auxiliary losses of the last forward (FeedForward::take_aux_loss),

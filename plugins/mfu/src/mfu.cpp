@@ -2,8 +2,9 @@
 // utilization of a GPT-2-style decoder from the global samples per second,
 //   flops_per_token = 6·N + 12·n_layer·sequence_length·n_embd
 //   mfu = samples/s · sequence_length · flops_per_token / (peak_per_gpu · world_size)
-// with N the trainable parameters (tied counted once, global sizes under
-// sharding) and the peak looked up from the CUDA device name; -1 when unknown.
+// with N the trainable parameters one token computes with (tied counted once, global sizes
+// under sharding; a MoE block's routed experts by top_k / num_experts: count_active_parameters)
+// and the peak looked up from the CUDA device name; -1 when unknown.
 #include "peak_flops.h"
 
 #include <modalities/sdk/interfaces/device_mesh.h>
@@ -77,7 +78,7 @@ class Gpt2MfuCalculator final : public MFUCalculator {
     for (const auto& part : c.model_parts.parts) parts.push_back(part.get());
     // A pipeline rank holds its stages only: summed over the pp group (a collective: every rank
     // builds this component at the same point of the graph).
-    const std::int64_t n = count_trainable_parameters(parts, c.device_mesh ? c.device_mesh->get() : nullptr);
+    const std::int64_t n = count_active_parameters(parts, c.device_mesh ? c.device_mesh->get() : nullptr);
     flops_per_token_ = 6.0 * static_cast<double>(n) + 12.0 * static_cast<double>(c.n_layer) *
                                                           static_cast<double>(c.sequence_length) *
                                                           static_cast<double>(c.n_embd);

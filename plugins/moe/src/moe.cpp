@@ -360,6 +360,14 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
           "Checkpoint other blocks, or set both coefficients to 0 (plugins/moe/README.md, \"Status\")");
     aux_loss_ = aux_loss(r, B, T);
   }
+  if (is_training() && at::GradMode::is_enabled()) {
+    at::NoGradGuard no_grad;
+    const auto add = [](at::Tensor& sum, const at::Tensor& t) { sum = sum.defined() ? sum + t : t.clone(); };
+    add(metric_load_, r.tokens_per_expert);
+    add(metric_dropped_, r.dropped_per_expert);
+    if (aux_loss_.defined()) add(metric_aux_, aux_loss_.detach().to(at::kDouble));
+    ++metric_forwards_;
+  }
   // Kept for metrics and tests, without the graph (which the next step must not keep alive).
   r.router_logits = r.router_logits.detach();
   r.scores = r.scores.detach();
@@ -376,6 +384,30 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
 // The load is that of the whole step (every micro-batch, every data-parallel rank:
 // optimizer/moe_load_balanced sums it). TorchTitan also subtracts the mean of the update, which
 // moves every bias alike and so changes no choice.
+// Note [MoE metrics]
+// Every training forward with autograd (once per micro-batch, also under activation checkpointing)
+// adds its chosen and dropped slots per expert and its auxiliary loss; take_metrics (the gym, at
+// each training-log step) turns them into numbers and starts over. The load is this rank's
+// routing, of its own tokens: max/mean is 1 when every expert got the same number of slots, E
+// when one got all; the gym averages the ranks' values. (The selection bias's load, Note [Load
+// balancing bias], is summed over the data-parallel ranks instead.)
+void MoeFeedForwardImpl::take_metrics(const std::string& block, std::vector<ModelMetric>& out) {
+  if (metric_forwards_ == 0) return;
+  const at::Tensor load = std::exchange(metric_load_, at::Tensor()).to(at::kDouble).cpu();
+  const at::Tensor dropped = std::exchange(metric_dropped_, at::Tensor()).to(at::kDouble).cpu();
+  const at::Tensor aux = std::exchange(metric_aux_, at::Tensor());
+  const auto forwards = static_cast<double>(std::exchange(metric_forwards_, 0));
+  const double total = load.sum().item<double>();
+  if (total > 0) {
+    const double mean = total / static_cast<double>(load.numel());
+    out.push_back({fmt::format("moe tokens per expert max/mean ({})", block), load.max().item<double>() / mean});
+    out.push_back({fmt::format("moe tokens per expert min/mean ({})", block), load.min().item<double>() / mean});
+    if (c_.capacity_factor)
+      out.push_back({fmt::format("moe dropped slots ({})", block), dropped.sum().item<double>() / total});
+  }
+  if (aux.defined()) out.push_back({fmt::format("moe aux loss ({})", block), aux.item<double>() / forwards});
+}
+
 at::Tensor MoeFeedForwardImpl::take_expert_load() {
   at::Tensor load = std::exchange(expert_load_, at::Tensor());
   if (load.defined()) return load;

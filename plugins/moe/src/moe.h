@@ -152,6 +152,15 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::int64_t rank,
                                                std::int64_t size) override;
   at::Tensor take_aux_loss() override { return std::exchange(aux_loss_, at::Tensor()); }
+  /// The training forwards' routing since the last call (moe.cpp, Note [MoE metrics]): this rank's
+  /// tokens per expert max/mean and min/mean, the fraction of slots the capacity dropped, the
+  /// auxiliary loss; each averaged over the ranks when logged.
+  void take_metrics(const std::string& block, std::vector<ModelMetric>& out) override;
+  /// A token computes with top_k of the num_experts routed experts (MFU's active parameters).
+  std::map<std::string, double> parameter_activity() const override {
+    const double share = static_cast<double>(c_.top_k) / static_cast<double>(c_.num_experts);
+    return {{"experts.w1", share}, {"experts.w2", share}, {"experts.w3", share}};
+  }
 
   /// Auxiliary-loss-free load balancing (DeepSeek-V3): the tokens each expert was chosen by in the
   /// training forwards since the last call ([E] int64, zeros when none), reset to zero.
@@ -176,6 +185,10 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   Routing last_;
   at::Tensor expert_load_;  // chosen slots per expert since take_expert_load
   at::Tensor aux_loss_;
+  // Since take_metrics: the training forwards' chosen and dropped slots per expert and the sum of
+  // their auxiliary losses (device tensors: no sync per forward).
+  at::Tensor metric_load_, metric_dropped_, metric_aux_;
+  std::int64_t metric_forwards_ = 0;
 };
 
 /// The feed-forward factory of model/gpt2_moe: MoE blocks where c.is_moe_layer, model/gpt2's MLP elsewhere.

@@ -167,6 +167,8 @@ class PipelinePart final : public Module {
   }
   void apply_expert_parallel(const ParallelDims& dims) override { inner_->apply_expert_parallel(dims); }
   std::vector<std::string> expert_parallel_parameters() const override { return inner_->expert_parallel_parameters(); }
+  std::vector<ModelMetric> take_metrics() override { return inner_->take_metrics(); }
+  std::map<std::string, double> parameter_activity() const override { return inner_->parameter_activity(); }
   std::shared_ptr<Pipeline> pipeline() const override { return pipeline_; }
 
  private:

@@ -25,4 +25,11 @@ MODALITIES_SDK_API std::int64_t count_trainable_parameters(const std::vector<con
 MODALITIES_SDK_API std::int64_t count_trainable_parameters(const std::vector<const Module*>& parts,
                                                            const DeviceMesh* mesh);
 
+/// The parameters one token computes with: count_trainable_parameters with each tensor weighted
+/// by its share in Module::parameter_activity (a MoE block's routed experts: top_k / num_experts;
+/// shared experts, the router and the dense layers whole), rounded; summed over the pp group
+/// like count_trainable_parameters (a collective there). What MFU counts. Since: SDK 0.1 (ABI 7).
+MODALITIES_SDK_API std::int64_t count_active_parameters(const std::vector<const Module*>& parts,
+                                                        const DeviceMesh* mesh);
+
 }  // namespace modalities

@@ -79,6 +79,16 @@ struct ShardPlacement {
   std::int64_t replicas = 1;
 };
 
+/// A number a model measured in its training forwards, for the training log (Module::take_metrics),
+/// e.g. a Mixture-of-Experts block's load imbalance. `reduce` says how the ranks' values combine
+/// (ranks without the metric, such as other pipeline stages, take no part).
+struct ModelMetric {
+  enum class Reduce : std::uint8_t { kMean, kMin, kMax, kSum };
+  std::string name;  // as logged: "moe tokens per expert max/mean (block 1)"
+  double value = 0;
+  Reduce reduce = Reduce::kMean;
+};
+
 /// A trainable network seen through named tensors, e.g. the GPT-2 decoder.
 ///
 /// Built once per run by a `model` variant (or `layer_norm`, `pipeline/selector`)
@@ -282,6 +292,19 @@ class MODALITIES_SDK_API Module {
   /// expert_parallel_parameters() names them. Default: throws modalities::Error (the model has
   /// no experts). Since: SDK 0.1 (ABI 7).
   virtual void apply_expert_parallel(const ParallelDims& dims);
+
+  /// What the model measured in its training forwards (with autograd) since the last call, then
+  /// forgotten. The gym takes them from every model part on every rank at each training-log step
+  /// and logs them, combined over the ranks, next to the losses (Note [Model metrics] in
+  /// core/src/gym.cpp). Must not communicate. Wrappers forward it. Default: none. Since: SDK 0.1
+  /// (ABI 7).
+  virtual std::vector<ModelMetric> take_metrics();
+
+  /// Sparse models: the share of each parameter that one token computes with, by FQN (a MoE
+  /// block's routed experts: top_k / num_experts of the stack); parameters not listed count whole.
+  /// MFU counts these active parameters (count_active_parameters). Wrappers forward it. Default:
+  /// none. Since: SDK 0.1 (ABI 7).
+  virtual std::map<std::string, double> parameter_activity() const;
 
   /// The FQNs of the parameters apply_expert_parallel split over the ep ranks (each rank holds
   /// other experts). FSDP shards them over the ranks that hold the same experts
