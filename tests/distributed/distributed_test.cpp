@@ -733,6 +733,31 @@ TEST(DistributedMoeFullTest, ExpertParallelAndItsFsdp2TrainLikeOneProcess) {
                                         [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
 }
 
+// configs/moe/ep_cpu.toml without the auxiliary losses (the cross-entropy alone: an activation-
+// checkpointed MoE block may not leave one), with every block activation-checkpointed if `ac`.
+std::string moe_ep_config_without_aux(int steps, int ep, int accumulation, bool ac) {
+  std::string text = moe_ep_config(steps, ep, accumulation);
+  text = edited(text, "aux_loss_coef = 0.01", "aux_loss_coef = 0.0");
+  text = edited(text, "z_loss_coef = 0.001", "z_loss_coef = 0.0");
+  text = edited(text, ", { instance_key = \"moe_aux_loss\", pass_type = \"BY_REFERENCE\" }]", "]");
+  text = edited(text, "weights = [1.0, 1.0]", "weights = [1.0]");
+  if (ac)
+    text = edited(text, "fully_shard = {",
+                  "activation_checkpointing = { ac_variant = \"full_activation_checkpointing\", layers_fqn = "
+                  "\"transformer.h\", ac_fun_params = {} }\nfully_shard = {");
+  return text;
+}
+
+// Activation checkpointing of the MoE blocks under EP2 (label `full`): every block recomputed in
+// backward, its all-to-alls again, on both ranks in the same order; the run trains like one
+// process without checkpointing, 20 steps.
+TEST(DistributedMoeFullTest, ActivationCheckpointedMoeBlocksUnderExpertParallelismTrainLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_a_reference(
+      kSteps, {{"ep2_ac", 2, moe_ep_config_without_aux(kSteps, 2, 1, true)}},
+      [](int accumulation) { return moe_ep_config_without_aux(kSteps, 1, accumulation, false); });
+}
+
 // What expert parallelism cannot split is a config error on every rank: a dense model, and experts
 // that do not divide over the ep ranks.
 TEST(DistributedMoeTest, WhatTheExpertParallelRanksCannotSplitIsAConfigError) {

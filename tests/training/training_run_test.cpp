@@ -247,8 +247,8 @@ TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias
   double aux_logged = 0;
   for (const auto& r : with)
     for (const std::string block : {"block 0"}) {
-      const double hi = std::stod(r.at("moe tokens per expert max/mean (" + block + ")"));
-      const double lo = std::stod(r.at("moe tokens per expert min/mean (" + block + ")"));
+      const double hi = std::stod(r.at("moe load max over mean (" + block + ")"));
+      const double lo = std::stod(r.at("moe load min over mean (" + block + ")"));
       EXPECT_GE(hi, 1.0);
       EXPECT_LE(hi, 4.0);  // 4 experts: one that takes every slot
       EXPECT_GE(lo, 0.0);
@@ -445,7 +445,10 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
       {"configs/distributed/fsdp2_parallelized_gpu_8.toml", "8"},
       {"configs/distributed/hsdp_parallelized_gpu_8.toml", "8"},
       {"configs/distributed/tp_parallelized_gpu_8.toml", "8"},
-      {"configs/distributed/pp_parallelized_gpu_8.toml", "8"}};
+      {"configs/distributed/pp_parallelized_gpu_8.toml", "8"},
+      // expert parallelism (plugins/moe)
+      {"configs/moe/ep_cpu.toml", "4"},
+      {"configs/moe/ep_gpu_8.toml", "8"}};
   for (const auto& [name, world] : configs) {
     const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline", "training",
                                          "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},

@@ -400,8 +400,8 @@ void MoeFeedForwardImpl::take_metrics(const std::string& block, std::vector<Mode
   const double total = load.sum().item<double>();
   if (total > 0) {
     const double mean = total / static_cast<double>(load.numel());
-    out.push_back({fmt::format("moe tokens per expert max/mean ({})", block), load.max().item<double>() / mean});
-    out.push_back({fmt::format("moe tokens per expert min/mean ({})", block), load.min().item<double>() / mean});
+    out.push_back({fmt::format("moe load max over mean ({})", block), load.max().item<double>() / mean});
+    out.push_back({fmt::format("moe load min over mean ({})", block), load.min().item<double>() / mean});
     if (c_.capacity_factor)
       out.push_back({fmt::format("moe dropped slots ({})", block), dropped.sum().item<double>() / total});
   }

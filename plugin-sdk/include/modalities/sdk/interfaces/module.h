@@ -84,7 +84,7 @@ struct ShardPlacement {
 /// (ranks without the metric, such as other pipeline stages, take no part).
 struct ModelMetric {
   enum class Reduce : std::uint8_t { kMean, kMin, kMax, kSum };
-  std::string name;  // as logged: "moe tokens per expert max/mean (block 1)"
+  std::string name;  // as logged: "moe load max over mean (block 1)"
   double value = 0;
   Reduce reduce = Reduce::kMean;
 };
