@@ -112,7 +112,7 @@ std::int64_t ParallelDims::expert_shard_degree() const {
 
 ParallelDims::Group ParallelDims::expert_shard_group() const {
   if (!enabled(MeshDim::ep)) return group(MeshDim::dp_shard);
-  return expert_shard_degree() > 1 ? mesh_->expert_shard_process_group() : Group();
+  return mesh_->expert_shard_process_group();  // null for one rank
 }
 
 std::int64_t ParallelDims::world_size() const { return world_size_; }

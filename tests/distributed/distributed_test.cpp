@@ -518,17 +518,18 @@ CommandResult train(int ranks, const std::filesystem::path& config_file, const s
   return run_command(argv, env);
 }
 
-// configs/distributed/<file> for a short run, logged every step, with absolute data paths. The
-// config fixes the global batch (8 samples); the micro-batch size follows the world size and
-// `accumulation`. `checkpoint_every` > 0 keeps a checkpoint every that many steps.
-std::string distributed_config(const std::string& file, int steps, int accumulation = 1, int checkpoint_every = 0) {
-  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/distributed/" + file);
+// configs/<path> (a run of `target_steps` steps) for a short run, logged every step, with absolute
+// data paths. The configs fix the global batch (8 samples); the micro-batch size follows the
+// world size and `accumulation`. `checkpoint_every` > 0 keeps a checkpoint every that many steps.
+std::string short_run_config(const std::string& path, int target_steps, int steps, int accumulation,
+                             int checkpoint_every) {
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/" + path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto replace = [&](const std::string& from, const std::string& to) {
     text = edited(std::move(text), from, to);
   };
   replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
-  replace("num_target_steps = 80", fmt::format("num_target_steps = {}", steps));
+  replace(fmt::format("num_target_steps = {}", target_steps), fmt::format("num_target_steps = {}", steps));
   replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
   replace("checkpointing_interval_in_steps = 20",
           fmt::format("checkpointing_interval_in_steps = {}", checkpoint_every > 0 ? checkpoint_every : steps));
@@ -537,6 +538,11 @@ std::string distributed_config(const std::string& file, int steps, int accumulat
   replace("gradient_accumulation_steps = 1", fmt::format("gradient_accumulation_steps = {}", accumulation));
   if (checkpoint_every > 0) replace("config = { k = 2 }", "config = { k = -1 }");
   return text;
+}
+
+// configs/distributed/<file> (80 steps) for a short run (short_run_config).
+std::string distributed_config(const std::string& file, int steps, int accumulation = 1, int checkpoint_every = 0) {
+  return short_run_config("distributed/" + file, 80, steps, accumulation, checkpoint_every);
 }
 
 std::string fsdp2_config(int steps, int accumulation = 1) {
@@ -697,23 +703,11 @@ TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
 
 // --- expert parallel (plugins/moe) ------------------------------------------------------------
 
-// configs/moe/ep_cpu.toml for a short run, logged every step, with absolute data paths, at the
-// expert-parallel degree `ep` (1: one process) with `accumulation` steps; the global batch is 8.
-std::string moe_ep_config(int steps, int ep = 2, int accumulation = 1) {
-  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/configs/moe/ep_cpu.toml");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto replace = [&](const std::string& from, const std::string& to) {
-    text = edited(std::move(text), from, to);
-  };
-  replace("${modalities_env:config_folder_path}/../../data", std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data");
-  replace("num_target_steps = 40", fmt::format("num_target_steps = {}", steps));
-  replace("training_log_interval_in_steps = 5", "training_log_interval_in_steps = 1");
-  replace("checkpointing_interval_in_steps = 20", fmt::format("checkpointing_interval_in_steps = {}", steps));
-  replace("evaluation_interval_in_steps = 20", fmt::format("evaluation_interval_in_steps = {}", steps));
-  replace("warmup_steps = 10", "warmup_steps = 4");
-  replace("gradient_accumulation_steps = 1", fmt::format("gradient_accumulation_steps = {}", accumulation));
-  replace("expert_parallel_degree = 2", fmt::format("expert_parallel_degree = {}", ep));
-  return text;
+// configs/moe/ep_cpu.toml (40 steps) for a short run (short_run_config) at the expert-parallel
+// degree `ep` (1: one process).
+std::string moe_ep_config(int steps, int ep = 2, int accumulation = 1, int checkpoint_every = 0) {
+  return edited(short_run_config("moe/ep_cpu.toml", 40, steps, accumulation, checkpoint_every),
+                "expert_parallel_degree = 2", fmt::format("expert_parallel_degree = {}", ep));
 }
 
 // EP2 on two ranks (each rank 2 of the 4 experts of every block, its own 4 sequences) trains like
@@ -1590,14 +1584,8 @@ TEST(DistributedMoeFullTest, CheckpointsContinueAtOtherExpertDegreesAndAfterAKil
   constexpr int kSteps = 9;
   const modalities::testing::ScratchDir dir;
   const std::filesystem::path root = dir.path() / "experiments";
-  const auto config_of = [&](int ep) {
-    std::string text = moe_ep_config(kSteps, ep);
-    text = edited(text, fmt::format("checkpointing_interval_in_steps = {}", kSteps),
-                  "checkpointing_interval_in_steps = 3");
-    return edited(text, "config = { k = 2 }", "config = { k = -1 }");
-  };
-  const auto ep2 = dir.write("ep2.toml", config_of(2));
-  const auto ep1 = dir.write("ep1.toml", config_of(1));
+  const auto ep2 = dir.write("ep2.toml", moe_ep_config(kSteps, 2, 1, 3));
+  const auto ep1 = dir.write("ep1.toml", moe_ep_config(kSteps, 1, 1, 3));
   // `run` of `config` as `id`, continuing from `info` (its own last checkpoint when empty: a fresh
   // start the first time, the checkpoint before a restart).
   const auto run = [&](int ranks, const std::filesystem::path& config, const std::string& id,

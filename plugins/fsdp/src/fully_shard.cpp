@@ -789,8 +789,7 @@ std::shared_ptr<Module> shard_over_mesh(std::shared_ptr<Module> inner, const Dev
       throw ConfigError("device_mesh",
                         fmt::format("has no ep dim, but the model's experts were split over ranks ({} and more)",
                                     o.expert_fqns.front()));
-    const i64 shard_ranks = mesh.size(MeshDim::dp_shard) / mesh.size(MeshDim::ep);
-    if (shard_ranks > 1) o.expert_shard_group = mesh.expert_shard_process_group();
+    o.expert_shard_group = mesh.expert_shard_process_group();  // null when it is one rank
     o.expert_grad_divide = mesh.size(MeshDim::ep);
   }
   o.reshard_after_forward = options.reshard_after_forward;

@@ -111,6 +111,20 @@ class LinearImpl final : public Leaf {
 at::Tensor row_parallel(const LinearImpl& l, const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt,
                         const TpPlan& tp);
 
+/// Expert parallelism (Module::apply_expert_parallel): the E routed experts of a feed-forward
+/// partitioned over the `size` ranks of `group`, rank r holding experts [r E / size, (r + 1) E /
+/// size). Special members out of line (modules.cpp): the header needs no complete c10d::ProcessGroup.
+struct ExpertParallel {
+  ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> group, std::int64_t rank, std::int64_t size);
+  ExpertParallel(const ExpertParallel&);
+  ExpertParallel& operator=(const ExpertParallel&);
+  ~ExpertParallel();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::int64_t rank = 0;
+  std::int64_t size = 1;
+};
+
 /// What a GPT2Block calls between ffn_norm and the residual add. x: [B*T, d] -> [B*T, d] (under
 /// sequence parallelism the block has gathered x whole before the call).
 class FeedForward : public torch::nn::Module {
@@ -122,12 +136,11 @@ class FeedForward : public torch::nn::Module {
   virtual void check_tensor_parallel() const;
   /// Tensor parallel: this rank's part of the hidden units (the weights were split by the model).
   virtual void parallelize(const TpPlan& plan);
-  /// Expert parallelism (Module::apply_expert_parallel): keeps rank `rank` of `size`'s share of
-  /// this feed-forward's experts, whose forward then talks to the other ranks of `group`, and
-  /// returns the names (relative to this module) of the parameters split on dim 0. A dense MLP
-  /// has no experts: the default returns none and changes nothing.
-  virtual std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                                       std::int64_t rank, std::int64_t size);
+  /// Expert parallelism: keeps this rank's share of the feed-forward's experts, whose forward
+  /// then talks to the other ranks of ep.group, and returns the names (relative to this module)
+  /// of the parameters split on dim 0. A dense MLP has no experts: the default returns none and
+  /// changes nothing.
+  virtual std::vector<std::string> parallelize_experts(const ExpertParallel& ep);
   /// Module::take_metrics: appends what this feed-forward measured in its training forwards since
   /// the last call, naming it after `block` ("block 1"), then forgets it. Default: nothing.
   virtual void take_metrics(const std::string& block, std::vector<ModelMetric>& out);

@@ -60,8 +60,7 @@ struct Split {
 
 // Expert parallelism (Module::apply_expert_parallel): the ep group and the parameters it split.
 struct EpPlan {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  std::int64_t rank = 0, size = 1;
+  ExpertParallel ep;
   std::vector<std::string> fqns;
 };
 
@@ -264,17 +263,18 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 
   void apply_expert_parallel(const ParallelDims& dims) override {
     if (!dims.enabled(MeshDim::ep)) throw Error("gpt2: apply_expert_parallel needs a mesh with an ep dim of > 1 ranks");
-    parallelize_experts(EpPlan{dims.group(MeshDim::ep), dims.coordinate(MeshDim::ep), dims.degree(MeshDim::ep), {}});
+    parallelize_experts(
+        ExpertParallel(dims.group(MeshDim::ep), dims.coordinate(MeshDim::ep), dims.degree(MeshDim::ep)));
   }
 
-  void parallelize_experts(EpPlan plan) {
+  void parallelize_experts(const ExpertParallel& ep) {
     if (ep_) throw Error("gpt2: the experts are split already (expert parallelism applied twice)");
-    plan.fqns = impl_->parallelize_experts(plan.group, plan.rank, plan.size);
+    EpPlan plan{ep, impl_->parallelize_experts(ep)};
     if (plan.fqns.empty())
       throw ConfigError("device_mesh",
                         fmt::format("has an ep dim of {} ranks (expert_parallel_degree), but the model has no experts "
                                     "to split: expert parallelism needs a Mixture-of-Experts model (model/gpt2_moe)",
-                                    plan.size));
+                                    ep.size));
     ep_ = std::make_shared<const EpPlan>(std::move(plan));
     record_local_shapes();
   }
@@ -365,7 +365,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
     auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_, aux_loss_key_);
     if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
-    if (ep_) copy->parallelize_experts(EpPlan{ep_->group, ep_->rank, ep_->size, {}});
+    if (ep_) copy->parallelize_experts(ep_->ep);
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
     for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
@@ -390,7 +390,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   // How `fqn` is split (expert parallel first: the experts are not split by tensor parallelism).
   std::optional<Split> split_of(const std::string& fqn) const {
     if (ep_ && std::find(ep_->fqns.begin(), ep_->fqns.end(), fqn) != ep_->fqns.end())
-      return Split{0, ep_->group, ep_->rank, ep_->size, true};
+      return Split{0, ep_->ep.group, ep_->ep.rank, ep_->ep.size, true};
     if (tp_)
       if (const auto d = tp_split_dim(fqn)) return Split{*d, tp_->group, tp_->rank, tp_->size, false};
     return std::nullopt;

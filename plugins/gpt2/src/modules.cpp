@@ -345,10 +345,13 @@ void FeedForward::check_tensor_parallel() const {
 
 void FeedForward::parallelize(const TpPlan&) { check_tensor_parallel(); }
 
-std::vector<std::string> FeedForward::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>&, std::int64_t,
-                                                          std::int64_t) {
-  return {};
-}
+ExpertParallel::ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> g, std::int64_t r, std::int64_t n)
+    : group(std::move(g)), rank(r), size(n) {}
+ExpertParallel::ExpertParallel(const ExpertParallel&) = default;
+ExpertParallel& ExpertParallel::operator=(const ExpertParallel&) = default;
+ExpertParallel::~ExpertParallel() = default;
+
+std::vector<std::string> FeedForward::parallelize_experts(const ExpertParallel&) { return {}; }
 
 SwiGLUImpl::SwiGLUImpl(std::int64_t d, std::int64_t h, bool bias, const at::TensorOptions& o) : FeedForward("SwiGLU") {
   W = register_module("W", std::make_shared<LinearImpl>(d, h, bias, o));
@@ -584,12 +587,11 @@ std::vector<ModelMetric> GPT2LLMImpl::take_metrics() {
   return out;
 }
 
-std::vector<std::string> GPT2LLMImpl::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                                          std::int64_t rank, std::int64_t size) {
+std::vector<std::string> GPT2LLMImpl::parallelize_experts(const ExpertParallel& ep) {
   std::vector<std::string> out;
   if (transformer_->contains("h"))
     for (const auto& item : *h_)
-      for (const std::string& name : item.value()->as<GPT2BlockImpl>()->mlp->parallelize_experts(group, rank, size))
+      for (const std::string& name : item.value()->as<GPT2BlockImpl>()->mlp->parallelize_experts(ep))
         out.push_back("transformer.h." + item.key() + ".mlp." + name);
   return out;
 }

@@ -51,8 +51,7 @@ class GPT2LLMImpl final : public torch::nn::Module {
   const TpPlan* tp_plan() const { return tp_.get(); }
   // Expert parallelism: every block's feed-forward keeps its share of the experts
   // (FeedForward::parallelize_experts); the FQNs of the parameters split.
-  std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::int64_t rank,
-                                               std::int64_t size);
+  std::vector<std::string> parallelize_experts(const ExpertParallel& ep);
   // Module::parameter_activity: every block's feed-forward's, by FQN.
   std::map<std::string, double> parameter_activity() const;
   // Module::take_metrics: every block's feed-forward's (FeedForward::take_metrics).

@@ -339,12 +339,6 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
     const at::Tensor none = at::bincount(token, /*weights=*/{}, h.size(0)).eq(0).unsqueeze(1);
     out = at::where(none, h.to(out.scalar_type()), out);
   }
-  if (balances_load() && is_training() && at::GradMode::is_enabled()) {
-    // Counted once per micro-batch: an activation-checkpointed block's first forward runs
-    // without autograd, its recomputation with.
-    at::NoGradGuard no_grad;
-    expert_load_ = expert_load_.defined() ? expert_load_ + r.tokens_per_expert : r.tokens_per_expert.clone();
-  }
   if (shared_experts) {
     at::Tensor s = shared_experts->forward(h, B, T, dt);
     if (shared_expert_gate) s = at::sigmoid((*shared_expert_gate)(h, dt)) * s;
@@ -361,8 +355,12 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
     aux_loss_ = aux_loss(r, B, T);
   }
   if (is_training() && at::GradMode::is_enabled()) {
+    // Counted once per micro-batch: an activation-checkpointed block's first forward runs
+    // without autograd, its recomputation with. The selection bias's load (Note [Load balancing
+    // bias]) and the metrics (Note [MoE metrics]) are taken at different steps.
     at::NoGradGuard no_grad;
     const auto add = [](at::Tensor& sum, const at::Tensor& t) { sum = sum.defined() ? sum + t : t.clone(); };
+    if (balances_load()) add(expert_load_, r.tokens_per_expert);
     add(metric_load_, r.tokens_per_expert);
     add(metric_dropped_, r.dropped_per_expert);
     if (aux_loss_.defined()) add(metric_aux_, aux_loss_.detach().to(at::kDouble));
@@ -425,12 +423,6 @@ void MoeFeedForwardImpl::update_expert_bias(const at::Tensor& load, double rate)
 
 // --- expert parallelism ----------------------------------------------------------------------
 
-ExpertParallel::ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> g, std::int64_t r, std::int64_t n)
-    : group(std::move(g)), rank(r), size(n) {}
-ExpertParallel::ExpertParallel(const ExpertParallel&) = default;
-ExpertParallel& ExpertParallel::operator=(const ExpertParallel&) = default;
-ExpertParallel::~ExpertParallel() = default;
-
 void MoeFeedForwardImpl::apply_expert_parallel(const ExpertParallel& ep) {
   if (ep_) throw Error("model/gpt2_moe: expert parallelism applied twice to a MoE block");
   if (ep.size < 1 || ep.rank < 0 || ep.rank >= ep.size)
@@ -450,10 +442,9 @@ void MoeFeedForwardImpl::apply_expert_parallel(const ExpertParallel& ep) {
   ep_ = ep;
 }
 
-std::vector<std::string> MoeFeedForwardImpl::parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                                                 std::int64_t rank, std::int64_t size) {
-  apply_expert_parallel(ExpertParallel(group, rank, size));
-  return {"experts.w1", "experts.w2", "experts.w3"};
+std::vector<std::string> MoeFeedForwardImpl::parallelize_experts(const ExpertParallel& ep) {
+  apply_expert_parallel(ep);
+  return kExpertWeights;
 }
 
 // Note [Expert parallelism]: the routed rows of this rank, sorted by (global) expert, go in one

@@ -115,19 +115,11 @@ class RouterImpl final : public gpt2::Leaf {
   at::Tensor* bias_slot_ = nullptr;
 };
 
-/// Expert parallelism of a block: the E routed experts partitioned over the `size` ranks of
-/// `group`, rank r holding experts [r E / size, (r + 1) E / size). Special members out of line
-/// (moe.cpp): the header needs no complete c10d::ProcessGroup.
-struct ExpertParallel {
-  ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> group, std::int64_t rank, std::int64_t size);
-  ExpertParallel(const ExpertParallel&);
-  ExpertParallel& operator=(const ExpertParallel&);
-  ~ExpertParallel();
+/// Expert parallelism of a block (plugins/gpt2/src/layers.h): the ep group, this rank, its size.
+using gpt2::ExpertParallel;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  std::int64_t rank = 0;
-  std::int64_t size = 1;
-};
+/// The stacked expert weights, the parameters expert parallelism splits (names in the block).
+inline const std::vector<std::string> kExpertWeights = {"experts.w1", "experts.w2", "experts.w3"};
 
 class MoeFeedForwardImpl final : public gpt2::FeedForward {
  public:
@@ -147,10 +139,9 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   /// num_experts is not divisible by ep.size or it is applied twice. On any device (meta too).
   void apply_expert_parallel(const ExpertParallel& ep);
   const std::optional<ExpertParallel>& expert_parallel() const { return ep_; }
-  /// The model's seam (Module::apply_expert_parallel): apply_expert_parallel({group, rank, size});
-  /// the stacked expert weights are split.
-  std::vector<std::string> parallelize_experts(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::int64_t rank,
-                                               std::int64_t size) override;
+  /// The model's seam (Module::apply_expert_parallel): apply_expert_parallel(ep); kExpertWeights
+  /// are split.
+  std::vector<std::string> parallelize_experts(const ExpertParallel& ep) override;
   at::Tensor take_aux_loss() override { return std::exchange(aux_loss_, at::Tensor()); }
   /// The training forwards' routing since the last call (moe.cpp, Note [MoE metrics]): this rank's
   /// tokens per expert max/mean and min/mean, the fraction of slots the capacity dropped, the
@@ -158,8 +149,10 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   void take_metrics(const std::string& block, std::vector<ModelMetric>& out) override;
   /// A token computes with top_k of the num_experts routed experts (MFU's active parameters).
   std::map<std::string, double> parameter_activity() const override {
-    const double share = static_cast<double>(c_.top_k) / static_cast<double>(c_.num_experts);
-    return {{"experts.w1", share}, {"experts.w2", share}, {"experts.w3", share}};
+    std::map<std::string, double> out;
+    for (const std::string& name : kExpertWeights)
+      out.emplace(name, static_cast<double>(c_.top_k) / static_cast<double>(c_.num_experts));
+    return out;
   }
 
   /// Auxiliary-loss-free load balancing (DeepSeek-V3): the tokens each expert was chosen by in the
