@@ -19,16 +19,27 @@ namespace {
 
 class NodeBuildContext final : public BuildContext {
  public:
-  NodeBuildContext(std::string path, const std::function<void(const std::string&)>& log)
-      : path_(std::move(path)), log_(log) {}
+  NodeBuildContext(std::string path, const std::function<void(const std::string&)>& log, const Registry& registry)
+      : path_(std::move(path)), log_(log), registry_(registry) {}
   std::string_view path() const override { return path_; }
   void warn(std::string message) override {
     if (log_) log_(fmt::format("warning: {}: {}", path_, message));
+  }
+  // A factory's nested build (registrar.h): the variant's own factory, with a context whose path
+  // says on whose behalf it builds. Its errors reach the outer factory's caller, which reports
+  // them at this node.
+  Value build(std::string_view component_key, std::string_view variant_key, Value config) override {
+    const RegisteredVariant* variant = registry_.find(component_key, variant_key);
+    if (variant == nullptr)
+      throw Error(fmt::format("{}/{} is not registered: no loaded plugin provides it", component_key, variant_key));
+    NodeBuildContext inner(fmt::format("{} (as {})", path_, variant->spec.id()), log_, registry_);
+    return variant->spec.build(std::move(config), inner);
   }
 
  private:
   std::string path_;
   const std::function<void(const std::string&)>& log_;
+  const Registry& registry_;
 };
 
 std::string_view pass_type_hint() {
@@ -317,7 +328,7 @@ Value ComponentGraph::build_node(const ConfigNode& n, const ConfigPath& p,
   const ConfigPath cfg_path = p.child("config");
   Value::Table config;
   for (const auto& [k, v] : n.find("config")->as_table()) config.emplace_back(k, build_node(v, cfg_path.child(k), log));
-  NodeBuildContext ctx(p.str(), warn_);
+  NodeBuildContext ctx(p.str(), warn_, registry_);
   Value result;
   try {
     result = variant.spec.build(Value(std::move(config)), ctx);

@@ -83,6 +83,11 @@ std::string toml_quote(std::string_view s, bool escape_interpolation) {
 }
 
 BuildContext::~BuildContext() = default;
+
+Value BuildContext::build(std::string_view component_key, std::string_view variant_key, Value) {
+  throw Error(
+      fmt::format("{}: this host cannot build {}/{} from inside a factory", path(), component_key, variant_key));
+}
 Registrar::~Registrar() = default;
 
 }  // namespace modalities

@@ -15,7 +15,11 @@ export_<case>/    case.toml: a model/gpt2 config (with our extensions where the 
                   The test fills model/gpt2, checks its logits, exports it, compares config.json,
                   loads the export back and checks logits and tensors.
 
-    .deps/bench/bin/python scripts/reference/make_hf_fixtures.py plugins/gpt2/tests/data/hf
+    .deps/bench/bin/python scripts/reference/make_hf_fixtures.py plugins/gpt2/tests/data/hf plugins/moe/tests/data/hf
+
+plugins/moe/tests/data/hf/import_<family>/ (Mixtral, Qwen2-MoE, Qwen3-MoE): as import_<family>,
+and reference.safetensors also holds the next-token cross-entropy of the logits ("loss") and its
+gradient of every parameter ("grad/<transformers name>").
 
 Versions are recorded in every reference.safetensors' metadata.
 """
@@ -84,6 +88,16 @@ IMPORTS = {
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
         rope_scaling={"rope_type": "linear", "factor": 4.0}, use_sliding_window=False, tie_word_embeddings=True),
         None),
+    # qk-norm before RoPE, heads wider than hidden_size / num_attention_heads, biases on q/k/v/o
+    "qwen3": (transformers.Qwen3Config, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        attention_bias=True, tie_word_embeddings=True), None),
+    # Mistral-Nemo's shape: head_dim given and not hidden_size / num_attention_heads
+    "mistral_head_dim": (transformers.MistralConfig, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        sliding_window=7, tie_word_embeddings=False), None),
     "gpt2": (transformers.GPT2Config, dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                            activation_function="gelu_new", layer_norm_epsilon=1e-5), None),
     "gpt2_gelu_untied": (transformers.GPT2Config, dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
@@ -94,7 +108,52 @@ IMPORTS = {
 CAUSAL_LM = {
     "LlamaConfig": transformers.LlamaForCausalLM, "MistralConfig": transformers.MistralForCausalLM,
     "Qwen2Config": transformers.Qwen2ForCausalLM, "GPT2Config": transformers.GPT2LMHeadModel,
+    "Qwen3Config": transformers.Qwen3ForCausalLM, "MixtralConfig": transformers.MixtralForCausalLM,
+    "Qwen2MoeConfig": transformers.Qwen2MoeForCausalLM, "Qwen3MoeConfig": transformers.Qwen3MoeForCausalLM,
 }
+
+# The Mixture-of-Experts families (plugins/moe/tests/data/hf): logits and the gradients of the
+# next-token cross-entropy of every parameter ("grad/<transformers name>").
+MOE_IMPORTS = {
+    # softmax top-2 of 4, normalized; every block MoE
+    "mixtral": (transformers.MixtralConfig, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # top-2 of 4, not normalized, a gated shared expert, block 1 dense (mlp_only_layers), q/k/v biases
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=True)),
+    # top-3 of 6, normalized, qk-norm, wide heads, every second block MoE (decoder_sparse_step 2)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        moe_intermediate_size=16, num_experts=6, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2,
+        tie_word_embeddings=False)),
+}
+
+
+def make_moe_import(out, name, config_cls, kwargs):
+    folder = out / f"import_{name}"
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(0)
+    config = config_cls(**kwargs)
+    model = CAUSAL_LM[config_cls.__name__](config).eval()
+    randomize(model, seed=len(name))
+    model.tie_weights()
+    model.save_pretrained(folder, safe_serialization=True)
+    ids = input_ids(config.vocab_size)
+    logits = model(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
+    loss.backward()
+    tensors = {"input_ids": ids.contiguous(), "logits": logits.detach().float().contiguous(), "loss": loss.detach()}
+    for n, p in model.named_parameters():
+        tensors["grad/" + n] = p.grad.detach().contiguous()
+    save_file(tensors, str(folder / "reference.safetensors"), metadata=META)
+    print(f"import_{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} parameters, "
+          f"loss {loss.item():.5f}")
 
 
 def make_import(out, name, config_cls, kwargs, shard):
@@ -167,6 +226,18 @@ EXPORTS = {
         vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=4, head_dim=16, max_position_embeddings=S, rms_norm_eps=1e-5, rope_theta=10000.0,
         sliding_window=6, tie_word_embeddings=True)),
+    # qk-norm before RoPE, heads of 32 (not D / 8 = 16), biases on q/k/v/o
+    "qwen3": (gpt2_config(qkv_bias=True, attn_proj_bias=True, head_dim=32,
+                          attention_config={"qkv_transforms": [
+                              {"type_hint": "RotaryTransform",
+                               "config": {"n_embd": 256, "n_head": 8, "seq_length_dim": -2, "base_freq": 1000000}}],
+                              "qk_norm_config": {"norm_type": "pytorch_rms_norm",
+                                                 "config": {"normalized_shape": 32, "eps": 1e-5}},
+                              "qk_norm_position": "before_transforms"}),
+              "qwen3", transformers.Qwen3Config(
+        vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=S, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        attention_bias=True, tie_word_embeddings=True)),
     "gpt2": (gpt2_config(poe_type="ABSOLUTE", n_head_kv=8, bias=True, activation_type="gelu_tanh", ffn_hidden=256,
                          attention_config={"qkv_transforms": []}, attention_norm_config=layer_norm(),
                          ffn_norm_config=layer_norm(), lm_head_norm_config=layer_norm(), use_weight_tying=False),
@@ -206,6 +277,9 @@ def hf_name_map(family, cfg, hf_sd):
                 for p in ("weight", "bias"):
                     if h + f"self_attn.{theirs}.{p}" in hf_sd:
                         m[o + f"attn.{ours}.{p}"] = (h + f"self_attn.{theirs}.{p}", "same")
+            for x in ("q", "k"):
+                if h + f"self_attn.{x}_norm.weight" in hf_sd:
+                    m[o + f"attn.{x}_norm.weight"] = (h + f"self_attn.{x}_norm.weight", "same")
             for ours, theirs in (("W", "gate_proj"), ("V", "up_proj"), ("W_2", "down_proj")):
                 m[o + f"mlp.{ours}.weight"] = (h + f"mlp.{theirs}.weight", "same")
         m["transformer.lm_head_norm.weight"] = ("model.norm.weight", "same")
@@ -244,6 +318,10 @@ EXPECTED_KEYS = {
     "mistral": ["model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                 "rope_theta", "sliding_window", "tie_word_embeddings", "hidden_act"],
+    "qwen3": ["model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+              "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias", "use_sliding_window",
+              "hidden_act"],
     "gpt2": ["model_type", "architectures", "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
              "activation_function", "layer_norm_epsilon", "tie_word_embeddings", "scale_attn_weights",
              "scale_attn_by_inverse_layer_idx"],
@@ -297,16 +375,21 @@ def make_export(out, name, cfg, family, hf_config):
     print(f"export_{name}: {type(model).__name__}, max |logit| {logits.abs().max().item():.3g}")
 
 
-def main(out: Path):
+def main(out: Path, moe_out: Path):
+    versions = (f"Generated by scripts/reference/make_hf_fixtures.py with torch {torch.__version__}, "
+                f"transformers {transformers.__version__} (CPU, float32).\n")
     out.mkdir(parents=True, exist_ok=True)
     for name, (cls, kwargs, shard) in IMPORTS.items():
         make_import(out, name, cls, kwargs, shard)
     for name, (cfg, family, hf_config) in EXPORTS.items():
         make_export(out, name, cfg, family, hf_config)
-    (out / "VERSIONS").write_text(
-        f"Generated by scripts/reference/make_hf_fixtures.py with torch {torch.__version__}, "
-        f"transformers {transformers.__version__} (CPU, float32).\n")
+    (out / "VERSIONS").write_text(versions)
+    moe_out.mkdir(parents=True, exist_ok=True)
+    for name, (cls, kwargs) in MOE_IMPORTS.items():
+        make_moe_import(moe_out, name, cls, kwargs)
+    (moe_out / "VERSIONS").write_text(versions)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("plugins/gpt2/tests/data/hf"))
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("plugins/gpt2/tests/data/hf"),
+         Path(sys.argv[2]) if len(sys.argv) > 2 else Path("plugins/moe/tests/data/hf"))

@@ -317,6 +317,20 @@ TEST_F(GraphTest, FactoryFailureNamesTheNodeAndThePlugin) {
   EXPECT_THAT(e, HasSubstr("boom: building widget/exploding failed: kaboom: the factory failed"));
 }
 
+TEST_F(GraphTest, AFactoryBuildsAnotherRegisteredVariant) {
+  const BuiltGraph g =
+      build("[w]\ncomponent_key = \"widget\"\nvariant_key = \"delegating\"\nconfig = { name = \"a\", size = 3 }\n");
+  EXPECT_EQ(widget(g, "w")->name, "a (delegated)");
+  EXPECT_EQ(widget(g, "w")->size, 3);
+  EXPECT_THAT(build_log(), ElementsAre("a (delegated)"));
+  // The nested variant's errors are reported at this node; an unregistered one is named.
+  EXPECT_THAT(error_of("[w]\ncomponent_key = \"widget\"\nvariant_key = \"delegating\"\nconfig = { name = \"zero\" }\n"),
+              HasSubstr("w.config.size"));
+  const std::string e =
+      error_of("[w]\ncomponent_key = \"widget\"\nvariant_key = \"delegating\"\nconfig = { name = \"gadget\" }\n");
+  EXPECT_THAT(e, HasSubstr("building widget/delegating failed: widget/missing is not registered"));
+}
+
 TEST_F(GraphTest, DotGraphShowsNestingAndReferences) {
   root_ = load_toml_string(kSharing, "graph.toml");
   ComponentGraph g(registry_, root_, nullptr);

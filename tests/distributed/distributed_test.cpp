@@ -701,6 +701,11 @@ TEST(DistributedTpTest, WhatTheTensorParallelRanksCannotSplitIsAConfigError) {
           "model/gpt2's n_head_q = 1 is not divisible by the tensor-parallel degree 2");
 }
 
+// The one-process reference of a pipeline: the same model without weight tying.
+std::string untied(std::string config) {
+  return edited(std::move(config), "use_weight_tying = true", "use_weight_tying = false");
+}
+
 // --- expert parallel (plugins/moe) ------------------------------------------------------------
 
 // configs/moe/ep_cpu.toml (40 steps) for a short run (short_run_config) at the expert-parallel
@@ -752,6 +757,51 @@ TEST(DistributedMoeFullTest, ActivationCheckpointedMoeBlocksUnderExpertParalleli
       [](int accumulation) { return moe_ep_config_without_aux(kSteps, 1, accumulation, false); });
 }
 
+// ep_cpu.toml's sampler over the mesh's dp_shard ranks: under tp or pp several ranks read the same
+// samples.
+std::string sampled_over_dp_shard(std::string text) {
+  text = edited(std::move(text), "variant_key = \"resumable_distributed_sampler\"",
+                "variant_key = \"resumable_distributed_multi_dim_sampler\"");
+  return edited(std::move(text),
+                "rank = \"${settings.cuda_env.global_rank}\"\nnum_replicas = \"${settings.cuda_env.world_size}\"",
+                "device_mesh = { instance_key = \"device_mesh\", pass_type = \"BY_REFERENCE\" }\n"
+                "data_parallel_key = \"dp_shard\"");
+}
+
+// EP2 x TP2 on 4 ranks (dp_shard 2 x tp 2, ep over dp_shard): tensor parallelism of the attention
+// and the dense parts; every MoE block computes whole on both tp ranks, its experts split over ep.
+std::string moe_ep_tp_config(int steps) {
+  std::string text = sampled_over_dp_shard(moe_ep_config(steps));
+  text = edited(text, "expert_parallel_degree = 2,", "expert_parallel_degree = 2, tensor_parallel_degree = 2,");
+  return edited(text, "fully_shard = {", "tensor_parallel = { sequence_parallel = false }\nfully_shard = {");
+}
+
+// EP2 x PP2 on 4 ranks (pp 2 x dp_shard 2, ep over dp_shard): one MoE block per stage, 1F1B over two
+// pipeline micro-batches of 2 sequences, untied, without the auxiliary losses (which pipeline
+// stages do not carry yet).
+std::string moe_ep_pp_config(int steps) {
+  std::string text = sampled_over_dp_shard(untied(moe_ep_config_without_aux(steps, 2, 1, false)));
+  text = edited(text, "expert_parallel_degree = 2,", "expert_parallel_degree = 2, pipeline_parallel_degree = 2,");
+  return edited(text, "fully_shard = {",
+                "pipeline = { pp_schedule_name = \"1F1B\", num_layers_per_stage = 2, batch_size = "
+                "\"${settings.step_profile.local_train_micro_batch_size}\", microbatch_size = 2, loss_fn = { "
+                "instance_key = \"loss_fn\", pass_type = \"BY_REFERENCE\" }, stages_generator = { component_key = "
+                "\"stages_generator\", variant_key = \"gpt2_stages_generator\", config = { num_model_layers = "
+                "\"${model_raw.config.n_layer}\", input_layer_equivalence = 1, output_layer_equivalence = 1 } } }\n"
+                "fully_shard = {");
+}
+
+// The acceptance (label `full`): EP2 x TP2 and EP2 x PP2 (4 ranks each) against one process
+// on the same 8 sequences, 20 steps.
+TEST(DistributedMoeFullTest, ExpertParallelWithTensorAndPipelineParallelismTrainsLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_a_reference(kSteps, {{"ep2_tp2", 4, moe_ep_tp_config(kSteps)}},
+                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+  expect_layouts_train_like_a_reference(kSteps, {{"ep2_pp2", 4, moe_ep_pp_config(kSteps)}}, [](int accumulation) {
+    return untied(moe_ep_config_without_aux(kSteps, 1, accumulation, false));
+  });
+}
+
 // What expert parallelism cannot split is a config error on every rank: a dense model, and experts
 // that do not divide over the ep ranks.
 TEST(DistributedMoeTest, WhatTheExpertParallelRanksCannotSplitIsAConfigError) {
@@ -763,6 +813,11 @@ TEST(DistributedMoeTest, WhatTheExpertParallelRanksCannotSplitIsAConfigError) {
       "has an ep dim of 2 ranks (expert_parallel_degree), but the model has no experts");
   expect_refused_on_two_ranks(dir, "experts", edited(moe_ep_config(2), "num_experts = 4", "num_experts = 3"),
                               "is 3, which is not divisible by the expert-parallel degree 2");
+  // TP2 with sequence parallelism on the MoE model (no ep dim): the blocks cannot take split tokens.
+  std::string sp = edited(moe_ep_tp_config(2), "expert_parallel_degree = 2,", "expert_parallel_degree = 1,");
+  sp = edited(sp, "sequence_parallel = false", "sequence_parallel = true");
+  expect_refused_on_two_ranks(dir, "sequence_parallel", sp,
+                              "model.config.tensor_parallel.sequence_parallel: is true, but model/gpt2_moe's MoE blocks");
 }
 
 // --- pipeline parallel -----------------------------------------------------------------------
@@ -783,11 +838,6 @@ std::string pp4_config(int steps) {
   std::string text = pp_config(steps, "1F1B", 1);
   text = edited(text, "pipeline_parallel_degree = 2", "pipeline_parallel_degree = 4");
   return edited(text, "pp_degree = 2", "pp_degree = 4");
-}
-
-// The one-process reference of a pipeline: the same model without weight tying.
-std::string untied(std::string config) {
-  return edited(std::move(config), "use_weight_tying = true", "use_weight_tying = false");
 }
 
 // In the default suite, each family of parallelism on 2 ranks against one process on the same

@@ -101,9 +101,10 @@ void GPT2Config::validate(const GPT2Config& c, ParseContext& ctx) {
        {std::pair{c.vocab_size, "vocab_size"}, std::pair{c.n_embd, "n_embd"}, std::pair{c.ffn_hidden, "ffn_hidden"}})
     if (value % 128 != 0)
       ctx.fail(key, fmt::format("must be divisible by 128 (for efficient training, as in Modalities), got {}", value));
-  const bool heads_ok = c.n_embd % c.n_head_q == 0;
+  const bool heads_ok = c.explicit_head_dim || c.n_embd % c.n_head_q == 0;
   if (!heads_ok)
-    ctx.fail("n_head_q", fmt::format("n_embd ({}) must be divisible by n_head_q ({})", c.n_embd, c.n_head_q));
+    ctx.fail("n_head_q",
+             fmt::format("n_embd ({}) must be divisible by n_head_q ({}), or give head_dim", c.n_embd, c.n_head_q));
   if (c.n_head_q % c.n_head_kv != 0)
     ctx.fail("n_head_kv", fmt::format("n_head_q ({}) must be divisible by n_head_kv ({})", c.n_head_q, c.n_head_kv));
   if (c.use_meta_device.value_or(false) && c.use_weight_tying)
@@ -124,20 +125,25 @@ void GPT2Config::validate(const GPT2Config& c, ParseContext& ctx) {
       ctx.fail(base + ".config.n_head",
                fmt::format("must equal n_head_q ({}) (RoPE's head dim is n_embd / n_head), got {}", c.n_head_q,
                            t.rope.n_head));
-    if (t.rope.n_embd != c.n_embd)
+    if (!c.explicit_head_dim && t.rope.n_embd != c.n_embd)
       ctx.fail(base + ".config.n_embd", fmt::format("must equal n_embd ({}), got {}", c.n_embd, t.rope.n_embd));
+    if (c.explicit_head_dim && t.rope.n_embd != c.attention_width())
+      ctx.fail(base + ".config.n_embd",
+               fmt::format("must equal n_head_q * head_dim ({}), the width of the query heads, got {}",
+                           c.attention_width(), t.rope.n_embd));
     if (t.rope.seq_length_dim != -2 && t.rope.seq_length_dim != 2)
       ctx.fail(base + ".config.seq_length_dim",
                fmt::format("must be -2 (the T dimension of [B, H, T, hd]), got {}", t.rope.seq_length_dim));
     if (heads_ok && c.head_dim() % 2 != 0)
-      ctx.fail(base, fmt::format("RoPE needs an even head dim, got n_embd / n_head_q = {}", c.head_dim()));
+      ctx.fail(base, fmt::format("RoPE needs an even head dim, got {} = {}",
+                                 c.explicit_head_dim ? "head_dim" : "n_embd / n_head_q", c.head_dim()));
   }
   check_norm(c.attention_norm_config, "attention_norm_config", c.n_embd, "n_embd", ctx);
   check_norm(c.ffn_norm_config, "ffn_norm_config", c.n_embd, "n_embd", ctx);
   check_norm(c.lm_head_norm_config, "lm_head_norm_config", c.n_embd, "n_embd", ctx);
   if (c.attention_config.qk_norm_config && heads_ok)
     check_norm(*c.attention_config.qk_norm_config, "attention_config.qk_norm_config", c.head_dim(),
-               "the head dim n_embd / n_head_q", ctx);
+               c.explicit_head_dim ? "the head dim head_dim" : "the head dim n_embd / n_head_q", ctx);
   if (c.ffn_hidden != 4 * c.n_embd)
     ctx.warn("ffn_hidden", fmt::format("expected 4 * n_embd ({}), got {} (allowed; Modalities warns too)", 4 * c.n_embd,
                                        c.ffn_hidden));

@@ -177,14 +177,21 @@ namespace modalities::plugins::gpt2 {
 struct AttentionConfig {
   std::vector<QkvTransformConfig> qkv_transforms;
   std::optional<NormWrapperConfig> qk_norm_config;
+  std::string qk_norm_position = "after_transforms";
   std::optional<std::int64_t> sliding_window;
+  bool qk_norm_before_transforms() const { return qk_norm_config && qk_norm_position == "before_transforms"; }
   static void describe(Schema<AttentionConfig>& s) {
     s.field("qkv_transforms", &AttentionConfig::qkv_transforms,
             "Transforms applied in order to (q, k, v) after the head split: IdentityTransform or RotaryTransform "
             "(RoPE, half-split convention).")
         .required();
     s.field("qk_norm_config", &AttentionConfig::qk_norm_config,
-            "Optional norm applied per head (size = head dim) to q and k after the transforms.");
+            "Optional norm applied per head (size = head dim) to q and k, after the transforms (Modalities) or "
+            "before them (qk_norm_position).");
+    s.field("qk_norm_position", &AttentionConfig::qk_norm_position,
+            "Ours: where qk_norm_config normalizes q and k: after_transforms (Modalities: after RoPE) or "
+            "before_transforms (Qwen3, Qwen3-MoE: before RoPE).")
+        .one_of({"after_transforms", "before_transforms"});
     s.field("sliding_window", &AttentionConfig::sliding_window,
             "Ours: sliding-window attention (Mistral): position i attends to j with i - window < j <= i. "
             "null: full causal attention (Modalities).")
@@ -218,6 +225,7 @@ struct GPT2Config {
   std::int64_t n_head_q = 0;
   std::int64_t n_head_kv = 0;
   std::int64_t n_embd = 0;
+  std::optional<std::int64_t> explicit_head_dim;  // config key head_dim
   std::int64_t ffn_hidden = 0;
   double dropout = 0.0;
   bool bias = false;
@@ -234,7 +242,10 @@ struct GPT2Config {
   std::optional<std::int64_t> seed;
   std::int64_t enforce_swiglu_hidden_dim_multiple_of = 256;
 
-  std::int64_t head_dim() const { return n_embd / n_head_q; }
+  /// The width of one attention head: head_dim, or n_embd / n_head_q.
+  std::int64_t head_dim() const { return explicit_head_dim.value_or(n_head_q > 0 ? n_embd / n_head_q : 0); }
+  /// The width of all query heads together (q_attn's output, c_proj's input).
+  std::int64_t attention_width() const { return n_head_q * head_dim(); }
   bool qkv_bias_on() const { return qkv_bias.value_or(bias); }
   bool attn_proj_bias_on() const { return attn_proj_bias.value_or(bias); }
   bool mlp_bias_on() const { return mlp_bias.value_or(bias); }
@@ -265,7 +276,8 @@ struct GPT2Config {
         .required()
         .at_least(1);
     s.field("n_layer", field_of<C>(&GPT2Config::n_layer), "Number of GPT2Block layers.").required().at_least(1);
-    s.field("n_head_q", field_of<C>(&GPT2Config::n_head_q), "Query heads; n_embd must be divisible by it.")
+    s.field("n_head_q", field_of<C>(&GPT2Config::n_head_q),
+            "Query heads; n_embd must be divisible by it unless head_dim is given.")
         .required()
         .at_least(1);
     s.field("n_head_kv", field_of<C>(&GPT2Config::n_head_kv),
@@ -273,6 +285,10 @@ struct GPT2Config {
         .required()
         .at_least(1);
     s.field("n_embd", field_of<C>(&GPT2Config::n_embd), "Model width d; divisible by 128.").required().at_least(1);
+    s.field("head_dim", field_of<C>(&GPT2Config::explicit_head_dim),
+            "Ours: the width of one attention head, when it is not n_embd / n_head_q (Qwen3, Mistral-Nemo): q_attn "
+            "then maps n_embd to n_head_q * head_dim and c_proj back. null: n_embd / n_head_q (Modalities).")
+        .at_least(1);
     s.field("ffn_hidden", field_of<C>(&GPT2Config::ffn_hidden),
             "MLP hidden size (GELU uses it as is; SwiGLU uses ceil_to_multiple(int(2*ffn_hidden/3), "
             "enforce_swiglu_hidden_dim_multiple_of)); divisible by 128.")

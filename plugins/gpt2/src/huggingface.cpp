@@ -1,7 +1,8 @@
 // Hugging Face transformers architectures <-> model/gpt2; see huggingface.h and README.md,
 // "Hugging Face interop". The names and conventions are transformers 4.57's
-// (models/{llama,mistral,qwen2,gpt2}); tests/huggingface_test.cpp checks logits against
-// transformers on tiny models that scripts/reference/make_hf_fixtures.py wrote.
+// (models/{llama,mistral,qwen2,qwen3,gpt2,mixtral,qwen2_moe,qwen3_moe}); tests/huggingface_test.cpp
+// and plugins/moe/tests check logits against transformers on tiny models that
+// scripts/reference/make_hf_fixtures.py wrote.
 #include "huggingface.h"
 
 #include <modalities/sdk/error.h>
@@ -12,6 +13,7 @@
 #include <fmt/ranges.h>
 #include <simdjson.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -22,6 +24,11 @@
 
 namespace modalities::plugins::gpt2::hf {
 namespace fs = std::filesystem;
+
+bool MoeSpec::is_moe_layer(std::int64_t layer) const {
+  if ((layer + 1) % decoder_sparse_step != 0) return false;
+  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
+}
 
 namespace {
 
@@ -90,6 +97,32 @@ class ConfigReader {
     std::string_view s;
     if (get(key).get_string().get(s)) throw error(key, "must be a string");
     return std::string(s);
+  }
+  /// A list of integers; missing or null: empty.
+  std::vector<std::int64_t> integers(const std::string& key) const {
+    std::vector<std::int64_t> out;
+    if (!has(key)) return out;
+    simdjson::dom::array a;
+    if (get(key).get_array().get(a)) throw error(key, "must be a list of integers or null");
+    for (const auto e : a) {
+      std::int64_t v = 0;
+      if (e.get_int64().get(v)) throw error(key, "must be a list of integers or null");
+      out.push_back(v);
+    }
+    return out;
+  }
+  /// A list of strings; missing or null: empty.
+  std::vector<std::string> strings(const std::string& key) const {
+    std::vector<std::string> out;
+    if (!has(key)) return out;
+    simdjson::dom::array a;
+    if (get(key).get_array().get(a)) throw error(key, "must be a list of strings or null");
+    for (const auto e : a) {
+      std::string_view v;
+      if (e.get_string().get(v)) throw error(key, "must be a list of strings or null");
+      out.emplace_back(v);
+    }
+    return out;
   }
   const fs::path& file() const { return file_; }
   /// Whether `key` is there with the value null (has() treats null as absent).
@@ -184,6 +217,43 @@ std::optional<RopeScaling> rope_scaling(const ConfigReader& r) {
   return s;
 }
 
+MoeSpec read_moe(const ConfigReader& r, const ImportedConfig& c) {
+  const DecoderSpec& s = c.spec;
+  MoeSpec m;
+  if (c.model_type == "mixtral") {
+    m.num_experts = positive(r, "num_local_experts");
+    m.expert_hidden = s.mlp_hidden;  // Mixtral's intermediate_size is the experts' (every block is MoE)
+    m.norm_topk_prob = true;
+    if (r.number("router_jitter_noise", 0.0) != 0.0)
+      throw r.error("router_jitter_noise", "must be 0: model/gpt2_moe's router has no training-time jitter");
+  } else {
+    m.num_experts = positive(r, "num_experts");
+    m.expert_hidden = positive(r, "moe_intermediate_size");
+    m.norm_topk_prob = r.boolean("norm_topk_prob", false);
+    m.decoder_sparse_step = positive(r, "decoder_sparse_step", 1);
+    m.mlp_only_layers = r.integers("mlp_only_layers");
+    for (const std::int64_t layer : m.mlp_only_layers)
+      if (layer < 0 || layer >= s.n_layer)
+        throw r.error("mlp_only_layers",
+                      fmt::format("has {}, which is not a layer (num_hidden_layers = {})", layer, s.n_layer));
+    if (c.model_type == "qwen2_moe") {
+      m.shared_hidden = positive(r, "shared_expert_intermediate_size");
+      m.shared_gate = true;
+    }
+  }
+  m.top_k = positive(r, "num_experts_per_tok");
+  if (m.top_k > m.num_experts)
+    throw r.error("num_experts_per_tok", fmt::format("is {}, more than the {} experts", m.top_k, m.num_experts));
+  if (r.boolean("output_router_logits", false)) m.aux_loss_coef = r.number("router_aux_loss_coef", 0.001);
+  if (m.aux_loss_coef < 0) throw r.error("router_aux_loss_coef", "must not be negative");
+  bool any = false;
+  for (std::int64_t i = 0; i < s.n_layer; ++i) any = any || m.is_moe_layer(i);
+  if (!any)
+    throw r.error("mlp_only_layers",
+                  "and decoder_sparse_step leave no MoE layer: the model is dense; give it as a dense family");
+  return m;
+}
+
 ImportedConfig read_llama_like(const ConfigReader& r, const std::string& model_type) {
   ImportedConfig c;
   c.model_type = model_type;
@@ -203,32 +273,62 @@ ImportedConfig read_llama_like(const ConfigReader& r, const std::string& model_t
   s.rope_scaling = rope_scaling(r);
   if (const std::string act = r.string("hidden_act", "silu"); act != "silu")
     throw r.error("hidden_act", fmt::format("is '{}'; model/gpt2's SwiGLU uses silu", act));
-  if (s.n_embd % s.n_head_q != 0)
-    throw r.error("num_attention_heads", fmt::format("must divide hidden_size ({}), got {}", s.n_embd, s.n_head_q));
   if (s.n_head_q % s.n_head_kv != 0)
     throw r.error("num_key_value_heads",
                   fmt::format("must divide num_attention_heads ({}), got {}", s.n_head_q, s.n_head_kv));
-  if (r.has("head_dim") && r.integer("head_dim") != s.n_embd / s.n_head_q)
-    throw r.error("head_dim", fmt::format("is {}; model/gpt2's head dim is hidden_size / num_attention_heads = {}",
-                                          r.integer("head_dim"), s.n_embd / s.n_head_q));
-  if ((s.n_embd / s.n_head_q) % 2 != 0) throw r.error("hidden_size", "RoPE needs an even head dim");
+  // The head width: head_dim where config.json has it (Qwen3Config's default is 128, the others'
+  // hidden_size / num_attention_heads); model/gpt2's head_dim key when it differs from that.
+  const std::int64_t even_split = s.n_embd % s.n_head_q == 0 ? s.n_embd / s.n_head_q : 0;
+  const std::int64_t head = r.has("head_dim") ? positive(r, "head_dim") : (model_type == "qwen3" ? 128 : even_split);
+  if (head == 0)
+    throw r.error(
+        "num_attention_heads",
+        fmt::format("must divide hidden_size ({}) when config.json has no head_dim, got {}", s.n_embd, s.n_head_q));
+  if (model_type == "qwen2_moe" && head != even_split)
+    throw r.error("head_dim", fmt::format("is {}; Qwen2-MoE's heads are hidden_size / num_attention_heads = {} wide "
+                                          "(transformers refuses others)",
+                                          head, even_split));
+  if (head % 2 != 0) throw r.error(r.has("head_dim") ? "head_dim" : "hidden_size", "RoPE needs an even head dim");
+  s.head_dim = head == even_split ? 0 : head;
   if (r.has("partial_rotary_factor") && r.number("partial_rotary_factor") != 1.0)
     throw r.error("partial_rotary_factor", "must be 1 (model/gpt2 rotates the whole head)");
+  const auto no_layer_windows = [&](const char* family) {
+    if (r.boolean("use_sliding_window", false))
+      throw r.error("use_sliding_window",
+                    fmt::format("is true: {} then uses sliding windows in some layers only (max_window_layers); "
+                                "model/gpt2 has one attention pattern for every layer",
+                                family));
+    for (const std::string& t : r.strings("layer_types"))
+      if (t != "full_attention")
+        throw r.error("layer_types", fmt::format("has '{}'; model/gpt2 has full causal attention in every layer", t));
+  };
   if (model_type == "llama") {
     s.qkv_bias = s.attn_proj_bias = r.boolean("attention_bias", false);
     s.mlp_bias = r.boolean("mlp_bias", false);
     c.architecture = "LlamaForCausalLM";
-  } else if (model_type == "mistral") {
+  } else if (model_type == "mistral" || model_type == "mixtral") {
     if (r.has("sliding_window")) s.sliding_window = positive(r, "sliding_window");
-    c.architecture = "MistralForCausalLM";
-  } else {  // qwen2
+    c.architecture = model_type == "mistral" ? "MistralForCausalLM" : "MixtralForCausalLM";
+  } else if (model_type == "qwen2") {
     s.qkv_bias = true;
-    if (r.boolean("use_sliding_window", false))
-      throw r.error("use_sliding_window",
-                    "is true: Qwen2 then uses sliding windows in some layers only (max_window_layers); model/gpt2 "
-                    "has one attention pattern for every layer");
+    no_layer_windows("Qwen2");
     c.architecture = "Qwen2ForCausalLM";
+  } else if (model_type == "qwen2_moe") {
+    s.qkv_bias = r.boolean("qkv_bias", true);
+    no_layer_windows("Qwen2-MoE");
+    c.architecture = "Qwen2MoeForCausalLM";
+  } else if (model_type == "qwen3") {
+    s.qkv_bias = s.attn_proj_bias = r.boolean("attention_bias", false);
+    s.qk_norm = true;
+    no_layer_windows("Qwen3");
+    c.architecture = "Qwen3ForCausalLM";
+  } else {  // qwen3_moe: with use_sliding_window, every layer has the window
+    s.qkv_bias = s.attn_proj_bias = r.boolean("attention_bias", false);
+    s.qk_norm = true;
+    if (r.boolean("use_sliding_window", false)) s.sliding_window = positive(r, "sliding_window");
+    c.architecture = "Qwen3MoeForCausalLM";
   }
+  if (model_type == "mixtral" || model_type == "qwen2_moe" || model_type == "qwen3_moe") s.moe = read_moe(r, c);
   return c;
 }
 
@@ -275,12 +375,14 @@ enum class Kind {
   kTransposed,  // GPT-2's Conv1D stores [in, out]
   kQkvWeight,   // GPT-2's c_attn.weight [d, 3d] = [q^T | k^T | v^T]
   kQkvBias,     // GPT-2's c_attn.bias [3d] = [q | k | v]
+  kStacked,     // the MoE experts: transformers' one tensor per expert, ours stacked [E, ...]
 };
 
 struct Link {
-  std::string hf;
+  std::string hf;                 // for kStacked: "...experts.{}.w1.weight", {} the expert
   std::vector<std::string> ours;  // one, or q/k/v for the kQkv kinds
   Kind kind = Kind::kSame;
+  std::int64_t experts = 0;  // kStacked
 };
 
 bool is_gpt2(const std::string& model_type) { return model_type == "gpt2"; }
@@ -327,6 +429,30 @@ std::vector<Link> links(const std::string& model_type, const DecoderSpec& s) {
       }
       add(h + "self_attn.o_proj.weight", o + "attn.c_proj.weight");
       if (s.attn_proj_bias) add(h + "self_attn.o_proj.bias", o + "attn.c_proj.bias");
+      if (s.qk_norm) {
+        add(h + "self_attn.q_norm.weight", o + "attn.q_norm.weight");
+        add(h + "self_attn.k_norm.weight", o + "attn.k_norm.weight");
+      }
+      if (s.moe && s.moe->is_moe_layer(i)) {
+        // model/gpt2_moe's block (plugins/moe/src/moe.h): router.gate, experts.w1/w3 [E, F, d] (gate,
+        // up), experts.w2 [E, d, F] (down), shared_experts (a SwiGLU: W, V, W_2), shared_expert_gate.
+        const bool mixtral = model_type == "mixtral";
+        const std::string b = h + (mixtral ? "block_sparse_moe." : "mlp."), mo = o + "mlp.";
+        add(b + "gate.weight", mo + "router.gate.weight");
+        for (const auto& [hf, ours] :
+             mixtral ? std::vector<std::pair<const char*, const char*>>{{"w1", "w1"}, {"w3", "w3"}, {"w2", "w2"}}
+                     : std::vector<std::pair<const char*, const char*>>{
+                           {"gate_proj", "w1"}, {"up_proj", "w3"}, {"down_proj", "w2"}})
+          out.push_back(
+              {b + "experts.{}." + hf + ".weight", {mo + "experts." + ours}, Kind::kStacked, s.moe->num_experts});
+        if (s.moe->shared_hidden > 0) {
+          for (const auto& [hf, ours] :
+               {std::pair{"gate_proj", "W"}, std::pair{"up_proj", "V"}, std::pair{"down_proj", "W_2"}})
+            add(b + "shared_expert." + hf + ".weight", mo + "shared_experts." + ours + ".weight");
+          if (s.moe->shared_gate) add(b + "shared_expert_gate.weight", mo + "shared_expert_gate.weight");
+        }
+        continue;
+      }
       for (const auto& [hf, ours] :
            {std::pair{"gate_proj", "W"}, std::pair{"up_proj", "V"}, std::pair{"down_proj", "W_2"}}) {
         add(h + "mlp." + hf + ".weight", o + "mlp." + ours + ".weight");
@@ -395,6 +521,14 @@ std::string dtype_name(c10::ScalarType t) {
   }
 }
 
+std::string architecture_of(const std::string& model_type) {
+  static const std::map<std::string, std::string> names = {
+      {"gpt2", "GPT2LMHeadModel"},          {"llama", "LlamaForCausalLM"},       {"mistral", "MistralForCausalLM"},
+      {"qwen2", "Qwen2ForCausalLM"},        {"qwen3", "Qwen3ForCausalLM"},       {"mixtral", "MixtralForCausalLM"},
+      {"qwen2_moe", "Qwen2MoeForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+  return names.at(model_type);
+}
+
 std::string choose_model_type(const DecoderSpec& s) {
   std::vector<std::string> why;
   if (s.absolute_positions) {
@@ -412,19 +546,53 @@ std::string choose_model_type(const DecoderSpec& s) {
     if (s.norm != "rms_norm")
       why.push_back("RoPE models need RMSNorm without bias (pytorch_rms_norm, or rms_norm with bias = false)");
     const bool no_bias = !s.qkv_bias && !s.attn_proj_bias && !s.mlp_bias;
-    if (s.sliding_window && !no_bias) why.push_back("a sliding window (Mistral) with biases");
-    if (why.empty()) {
-      if (s.sliding_window) return "mistral";
-      if (s.qkv_bias && !s.attn_proj_bias && !s.mlp_bias) return "qwen2";
-      if (s.qkv_bias == s.attn_proj_bias) return "llama";
-      why.push_back(
-          "biases on q/k/v and attn.c_proj differ (Llama's attention_bias covers all four, Qwen2 has q/k/v only)");
+    if (s.mlp_bias && (s.qk_norm || s.moe)) why.push_back("MLP biases (Qwen3 and the MoE families have none)");
+    if (why.empty() && s.moe) {
+      const MoeSpec& m = *s.moe;
+      if (s.qk_norm) {  // Qwen3-MoE
+        if (m.shared_hidden > 0) why.push_back("qk-norm with shared experts (Qwen3-MoE has none)");
+        if (s.qkv_bias != s.attn_proj_bias)
+          why.push_back("biases on q/k/v and attn.c_proj differ (Qwen3-MoE's attention_bias covers all four)");
+        if (why.empty()) return "qwen3_moe";
+      } else if (m.shared_hidden > 0) {  // Qwen2-MoE
+        if (!m.shared_gate) why.push_back("shared experts without shared_expert_gate (Qwen2-MoE gates them)");
+        if (s.attn_proj_bias) why.push_back("a bias on attn.c_proj (Qwen2-MoE has biases on q/k/v at most)");
+        if (s.sliding_window) why.push_back("a sliding window with shared experts (Qwen2-MoE has none)");
+        if (s.head_dim > 0) why.push_back("head_dim other than n_embd / n_head_q (Qwen2-MoE refuses it)");
+        if (why.empty()) return "qwen2_moe";
+      } else {  // Mixtral
+        if (!no_bias) why.push_back("biases (Mixtral has none; Qwen2-MoE has q/k/v biases with a shared expert)");
+        if (!m.norm_topk_prob)
+          why.push_back(
+              "top-k weights not normalized (Mixtral normalizes them; Qwen2-MoE and Qwen3-MoE do not, and "
+              "have a shared expert or qk-norm)");
+        if (m.decoder_sparse_step != 1 || !m.mlp_only_layers.empty())
+          why.push_back(
+              "dense blocks (Mixtral's are all MoE; Qwen2-MoE and Qwen3-MoE have dense ones, with a shared "
+              "expert or qk-norm)");
+        if (why.empty()) return "mixtral";
+      }
+    } else if (why.empty() && s.qk_norm) {  // Qwen3
+      if (s.qkv_bias != s.attn_proj_bias)
+        why.push_back("biases on q/k/v and attn.c_proj differ (Qwen3's attention_bias covers all four)");
+      if (s.sliding_window) why.push_back("a sliding window with qk-norm (Qwen3 has windows in some layers only)");
+      if (why.empty()) return "qwen3";
+    } else if (why.empty()) {
+      if (s.sliding_window && !no_bias) why.push_back("a sliding window (Mistral) with biases");
+      if (why.empty()) {
+        if (s.sliding_window) return "mistral";
+        if (s.qkv_bias && !s.attn_proj_bias && !s.mlp_bias) return "qwen2";
+        if (s.qkv_bias == s.attn_proj_bias) return "llama";
+        why.push_back(
+            "biases on q/k/v and attn.c_proj differ (Llama's attention_bias covers all four, Qwen2 has q/k/v only)");
+      }
     }
   }
   throw Error(
       fmt::format("this model has no transformers counterpart: {}. Exported are Llama (RoPE, SwiGLU, RMSNorm), "
-                  "Mistral (the same with a sliding window), Qwen2 (biases on q/k/v) and GPT-2 (learned "
-                  "positions, GELU, LayerNorm, biases)",
+                  "Mistral (the same with a sliding window), Qwen2 (biases on q/k/v), Qwen3 (qk-norm before RoPE), "
+                  "GPT-2 (learned positions, GELU, LayerNorm, biases), and the MoE families Mixtral (normalized "
+                  "top-k, every block MoE, no biases), Qwen2-MoE (a gated shared expert) and Qwen3-MoE (qk-norm)",
                   fmt::join(why, "; ")));
 }
 
@@ -438,10 +606,16 @@ void check_allocatable(const ConfigReader& r, const ImportedConfig& c) {
   const DecoderSpec& s = c.spec;
   const bool gpt2 = c.model_type == "gpt2";
   const long double d = static_cast<long double>(s.n_embd);
-  const long double head = d / static_cast<long double>(s.n_head_q);
-  const long double kv = head * static_cast<long double>(s.n_head_kv);
-  const long double per_layer =
-      d * (d + 2 * kv) + d * d + (s.activation == "swiglu" ? 3 : 2) * d * static_cast<long double>(s.mlp_hidden);
+  const long double head = static_cast<long double>(s.head_size());
+  const long double q = head * static_cast<long double>(s.n_head_q), kv = head * static_cast<long double>(s.n_head_kv);
+  long double ffn = (s.activation == "swiglu" ? 3 : 2) * d * static_cast<long double>(s.mlp_hidden);
+  if (s.moe)  // every block counted as a MoE block: the experts, the router and the shared expert
+    ffn = std::max(
+        ffn, 3 * d *
+                     (static_cast<long double>(s.moe->num_experts) * static_cast<long double>(s.moe->expert_hidden) +
+                      static_cast<long double>(s.moe->shared_hidden)) +
+                 d * static_cast<long double>(s.moe->num_experts + 1));
+  const long double per_layer = d * (q + 2 * kv) + q * d + ffn;
   // Embedding (and untied head), wpe or the RoPE table, the blocks.
   const long double params = static_cast<long double>(s.vocab_size) * d * (s.tie_word_embeddings ? 1 : 2) +
                              static_cast<long double>(s.max_positions) * (s.absolute_positions ? d : head) +
@@ -468,11 +642,15 @@ ImportedConfig read_config(const fs::path& folder) {
   if (r.has("quantization_config")) throw r.error("quantization_config", "is set; quantized checkpoints are not read");
   const std::string model_type = r.string("model_type");
   ImportedConfig c;
-  if (model_type == "llama" || model_type == "mistral" || model_type == "qwen2") c = read_llama_like(r, model_type);
+  if (model_type == "llama" || model_type == "mistral" || model_type == "qwen2" || model_type == "qwen3" ||
+      model_type == "mixtral" || model_type == "qwen2_moe" || model_type == "qwen3_moe")
+    c = read_llama_like(r, model_type);
   else if (model_type == "gpt2") c = read_gpt2(r);
   else
     throw r.error("model_type", fmt::format("is '{}'; model/gpt2 takes the decoder-only families llama (Llama 2, "
-                                            "Llama 3), mistral, qwen2 and gpt2",
+                                            "Llama 3), mistral, qwen2, qwen3 and gpt2, and model/gpt2_moe "
+                                            "(plugins/moe) the Mixture-of-Experts families mixtral, qwen2_moe and "
+                                            "qwen3_moe",
                                             model_type));
   check_allocatable(r, c);
   return c;
@@ -509,8 +687,21 @@ StateDict to_modalities(const ImportedConfig& config, const StateDict& hf_in,
   };
   const std::int64_t d = config.spec.n_embd;
   for (const Link& l : links(config.model_type, config.spec)) {
+    if (l.kind == Kind::kStacked) {
+      std::vector<at::Tensor> parts;
+      for (std::int64_t e = 0; e < l.experts; ++e) {
+        const std::string name = fmt::format(fmt::runtime(l.hf), e);
+        parts.push_back(take(name));
+        if (e > 0 && parts[e].sizes() != parts[0].sizes())
+          throw Error(fmt::format("{}: '{}' is {}; expert 0's is {}", folder, name, shape_of(parts[e].sizes()),
+                                  shape_of(parts[0].sizes())));
+      }
+      put(l.ours[0], at::stack(parts), fmt::format(fmt::runtime(l.hf), "*") + " (stacked)");
+      continue;
+    }
     const at::Tensor& t = take(l.hf);
     switch (l.kind) {
+      case Kind::kStacked: break;
       case Kind::kSame: put(l.ours[0], t, l.hf); break;
       case Kind::kTransposed:
         if (t.dim() != 2)
@@ -560,17 +751,22 @@ HuggingFaceCheckpoint to_huggingface(const DecoderSpec& s, const StateDict& ours
         c.tensors[l.hf] = at::cat({get(l.ours[0]).t(), get(l.ours[1]).t(), get(l.ours[2]).t()}, 1).contiguous();
         break;
       case Kind::kQkvBias: c.tensors[l.hf] = at::cat({get(l.ours[0]), get(l.ours[1]), get(l.ours[2])}, 0); break;
+      case Kind::kStacked: {
+        const at::Tensor stack = get(l.ours[0]);
+        if (stack.dim() < 1 || stack.size(0) != l.experts)
+          throw Error(
+              fmt::format("'{}' is {}, expected {} experts stacked", l.ours[0], shape_of(stack.sizes()), l.experts));
+        for (std::int64_t e = 0; e < l.experts; ++e)
+          c.tensors[fmt::format(fmt::runtime(l.hf), e)] = stack[e].contiguous();
+        break;
+      }
     }
   }
   const at::Tensor& wte = ours.count("transformer.wte.weight") ? ours.at("transformer.wte.weight") : at::Tensor();
   const std::string dtype = dtype_name(options.dtype.value_or(wte.defined() ? wte.scalar_type() : at::kFloat));
 
   JsonObject j;
-  j.raw("architectures",
-        fmt::format("[\n    {}\n  ]", formats::json_quote(model_type == "gpt2"      ? "GPT2LMHeadModel"
-                                                          : model_type == "llama"   ? "LlamaForCausalLM"
-                                                          : model_type == "mistral" ? "MistralForCausalLM"
-                                                                                    : "Qwen2ForCausalLM")));
+  j.raw("architectures", fmt::format("[\n    {}\n  ]", formats::json_quote(architecture_of(model_type))));
   j.str("model_type", model_type).num("vocab_size", s.vocab_size).boolean("tie_word_embeddings", s.tie_word_embeddings);
   j.opt("bos_token_id", options.bos_token_id).opt("eos_token_id", options.eos_token_id);
   if (options.pad_token_id) j.num("pad_token_id", *options.pad_token_id);
@@ -585,7 +781,7 @@ HuggingFaceCheckpoint to_huggingface(const DecoderSpec& s, const StateDict& ours
   } else {
     j.num("hidden_size", s.n_embd).num("intermediate_size", s.mlp_hidden).num("num_hidden_layers", s.n_layer);
     j.num("num_attention_heads", s.n_head_q).num("num_key_value_heads", s.n_head_kv);
-    j.num("head_dim", s.n_embd / s.n_head_q).str("hidden_act", "silu");
+    j.num("head_dim", s.head_size()).str("hidden_act", "silu");
     j.num("max_position_embeddings", s.max_positions).real("rms_norm_eps", s.norm_eps);
     j.real("rope_theta", static_cast<double>(s.rope_theta)).real("attention_dropout", s.dropout);
     if (s.rope_scaling) {
@@ -601,13 +797,30 @@ HuggingFaceCheckpoint to_huggingface(const DecoderSpec& s, const StateDict& ours
     }
     if (model_type == "llama")
       j.boolean("attention_bias", s.qkv_bias).boolean("mlp_bias", s.mlp_bias).num("pretraining_tp", 1);
-    if (model_type == "mistral") j.opt("sliding_window", s.sliding_window);
-    if (model_type == "qwen2") j.boolean("use_sliding_window", false).raw("sliding_window", "null");
+    if (model_type == "mistral" || model_type == "mixtral") j.opt("sliding_window", s.sliding_window);
+    if (model_type == "qwen2" || model_type == "qwen2_moe" || model_type == "qwen3")
+      j.boolean("use_sliding_window", false).raw("sliding_window", "null").num("max_window_layers", s.n_layer);
+    if (model_type == "qwen3_moe")
+      j.boolean("use_sliding_window", s.sliding_window.has_value()).opt("sliding_window", s.sliding_window);
+    if (model_type == "qwen3" || model_type == "qwen3_moe") j.boolean("attention_bias", s.qkv_bias);
+    if (model_type == "qwen2_moe") j.boolean("qkv_bias", s.qkv_bias);
+    if (s.moe) {
+      const MoeSpec& m = *s.moe;
+      j.num("num_experts_per_tok", m.top_k).real("router_aux_loss_coef", m.aux_loss_coef);
+      j.boolean("output_router_logits", false);
+      if (model_type == "mixtral") {
+        // Mixtral's intermediate_size is the experts' hidden size.
+        j.num("intermediate_size", m.expert_hidden).num("num_local_experts", m.num_experts);
+        j.real("router_jitter_noise", 0.0);
+      } else {
+        j.num("num_experts", m.num_experts).num("moe_intermediate_size", m.expert_hidden);
+        j.boolean("norm_topk_prob", m.norm_topk_prob).num("decoder_sparse_step", m.decoder_sparse_step);
+        j.raw("mlp_only_layers", fmt::format("[{}]", fmt::join(m.mlp_only_layers, ", ")));
+        if (model_type == "qwen2_moe") j.num("shared_expert_intermediate_size", m.shared_hidden);
+      }
+    }
   }
-  c.architecture = model_type == "gpt2"      ? "GPT2LMHeadModel"
-                   : model_type == "llama"   ? "LlamaForCausalLM"
-                   : model_type == "mistral" ? "MistralForCausalLM"
-                                             : "Qwen2ForCausalLM";
+  c.architecture = architecture_of(model_type);
   c.config_json = j.dump() + "\n";
   JsonObject g;
   g.boolean("_from_model_config", true)

@@ -1,8 +1,10 @@
 // Hugging Face transformers architectures <-> model/gpt2 (README.md, "Hugging Face interop").
 // DecoderSpec describes a decoder-only transformer in neutral terms; this file maps it and its
 // weights to and from the transformers families model/gpt2 can express: Llama (2/3, RoPE
-// scaling), Mistral (sliding window), Qwen2 (q/k/v biases), GPT-2. pretrained.cpp converts between
-// DecoderSpec and its own config.
+// scaling), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (qk-norm before RoPE), GPT-2,
+// and the Mixture-of-Experts families Mixtral, Qwen2-MoE and Qwen3-MoE, whose feed-forward
+// model/gpt2_moe (plugins/moe) computes. pretrained.cpp converts between DecoderSpec and its own
+// config.
 #pragma once
 
 #include <modalities/sdk/huggingface.h>
@@ -12,6 +14,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace modalities::plugins::gpt2::hf {
 
@@ -19,6 +22,22 @@ struct RopeScaling {
   std::string rope_type;  // "linear" | "llama3"
   double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
   std::int64_t original_max_position_embeddings = 8192;
+};
+
+/// The Mixture-of-Experts feed-forward of the transformers MoE families (Mixtral, Qwen2-MoE,
+/// Qwen3-MoE): softmax top-k routing over SwiGLU experts, optionally a sigmoid-gated shared
+/// expert; model/gpt2_moe (plugins/moe) computes it.
+struct MoeSpec {
+  std::int64_t num_experts = 0, top_k = 0, expert_hidden = 0;
+  bool norm_topk_prob = true;
+  std::int64_t shared_hidden = 0;  // the shared expert's hidden size (0: none)
+  bool shared_gate = false;        // its sigmoid gate (Qwen2-MoE)
+  std::int64_t decoder_sparse_step = 1;
+  std::vector<std::int64_t> mlp_only_layers;
+  double aux_loss_coef = 0.0;  // router_aux_loss_coef when output_router_logits, else 0
+  /// transformers' rule: block `layer` is MoE unless listed in mlp_only_layers or
+  /// (layer + 1) % decoder_sparse_step != 0.
+  bool is_moe_layer(std::int64_t layer) const;
 };
 
 struct DecoderSpec {
@@ -34,11 +53,16 @@ struct DecoderSpec {
   std::optional<std::int64_t> sliding_window;
   bool tie_word_embeddings = false;
   double dropout = 0.0;
+  std::int64_t head_dim = 0;  // 0: n_embd / n_head_q
+  bool qk_norm = false;       // RMSNorm of every q and k head before RoPE (Qwen3), eps norm_eps
+  std::optional<MoeSpec> moe;
+
+  std::int64_t head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head_q; }
 };
 
 /// The architecture of a Hugging Face folder, from its config.json.
 struct ImportedConfig {
-  std::string model_type;    // "llama", "mistral", "qwen2", "gpt2"
+  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"
   std::string architecture;  // "LlamaForCausalLM", ...
   DecoderSpec spec;
 };

@@ -131,11 +131,16 @@ class FeedForward : public torch::nn::Module {
  public:
   using torch::nn::Module::Module;
   virtual at::Tensor forward(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) = 0;
-  /// Throws modalities::Error naming why this feed-forward cannot be split by tensor parallelism;
-  /// called for every block before any weight is split.
-  virtual void check_tensor_parallel() const;
+  /// Throws modalities::Error naming why this feed-forward cannot take part in tensor parallelism
+  /// with `plan`; called for every block before any weight is split.
+  virtual void check_tensor_parallel(const TpPlan& plan) const;
   /// Tensor parallel: this rank's part of the hidden units (the weights were split by the model).
   virtual void parallelize(const TpPlan& plan);
+  /// Whether it computes whole on every tp rank under tensor parallelism (its parameters
+  /// replicated, its output the block's whole output): then the block hands it the normed input
+  /// without entering the tp region, whose backward would add up the tp ranks' equal input
+  /// gradients. The MoE blocks (plugins/moe) are; model/gpt2's MLPs split their hidden units.
+  virtual bool replicated_under_tensor_parallel() const { return false; }
   /// Expert parallelism: keeps this rank's share of the feed-forward's experts, whose forward
   /// then talks to the other ranks of ep.group, and returns the names (relative to this module)
   /// of the parameters split on dim 0. A dense MLP has no experts: the default returns none and
@@ -165,7 +170,7 @@ class SwiGLUImpl final : public FeedForward {
   // x: [B*T, d] -> [B*T, h] -> [B*T, d]; no dropout (as in Modalities). Under TP h is this
   // rank's part of the hidden units and W_2 is row-parallel.
   at::Tensor forward(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) override;
-  void check_tensor_parallel() const override {}
+  void check_tensor_parallel(const TpPlan&) const override {}
   void parallelize(const TpPlan& plan) override { tp = &plan; }
 
   std::shared_ptr<LinearImpl> W, V, W_2;

@@ -66,8 +66,9 @@ struct EpPlan {
 
 class GPT2 final : public Module, public HuggingFaceExportable {
  public:
-  GPT2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn = {}, std::string aux_loss_key = {})
-      : config_(c), ffn_(std::move(ffn)), aux_loss_key_(std::move(aux_loss_key)) {
+  GPT2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn = {}, std::string aux_loss_key = {},
+       HfFeedForward hf_ffn = {})
+      : config_(c), ffn_(std::move(ffn)), aux_loss_key_(std::move(aux_loss_key)), hf_ffn_(std::move(hf_ffn)) {
     if (c.seed) {
       // torch.manual_seed reinterprets a negative seed as its two's complement uint64.
       at::manual_seed(static_cast<std::uint64_t>(*c.seed));
@@ -204,13 +205,15 @@ class GPT2 final : public Module, public HuggingFaceExportable {
           "gpt2: a tensor-, expert-parallel or pipeline-split model holds part of the weights; export the whole "
           "model (a conversion config builds model/gpt2 and loads the checkpoint into it, which reads "
           "sharded checkpoints whole)");
-    if (ffn_)
+    if (ffn_ && !hf_ffn_)
       throw Error(
-          "gpt2: this model has feed-forward layers of another plugin (model/gpt2_moe); the Hugging Face "
-          "export covers model/gpt2's dense MLPs only");
+          "gpt2: this model has feed-forward layers of another plugin that has no Hugging Face description of "
+          "them; the export covers model/gpt2's dense MLPs and model/gpt2_moe's MoE blocks");
     for (const auto& t : impl_->parameters())
       if (t.is_meta()) throw Error("gpt2: the model is on the meta device; load a checkpoint into it before exporting");
-    return hf::to_huggingface(spec_from_config(config_), state_dict(), options);
+    hf::DecoderSpec spec = spec_from_config(config_);
+    if (hf_ffn_) hf_ffn_(spec);
+    return hf::to_huggingface(spec, state_dict(), options);
   }
 
   // --- tensor parallel (model/gpt2_tp) ---------------------------------------------------
@@ -228,7 +231,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 
   void parallelize(const TpPlan& plan) {
     if (tp_) throw Error("gpt2_tp: the model is split already (tensor parallelism applied twice)");
-    impl_->check_tensor_parallel();
+    impl_->check_tensor_parallel(plan);
     const std::int64_t p = plan.size;
     const auto divisible = [&](std::string_view field, std::int64_t value) {
       if (value % p != 0)
@@ -363,7 +366,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   std::shared_ptr<Module> clone() const override {
     // Built on the meta device (no storage, no RNG use), then every tensor is replaced by a
     // copy of ours: same values, device, dtype and requires_grad; tying is preserved.
-    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_, aux_loss_key_);
+    auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_, aux_loss_key_, hf_ffn_);
     if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
     if (ep_) copy->parallelize_experts(ep_->ep);
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
@@ -412,6 +415,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   GPT2Config config_;
   FeedForwardFactory ffn_;    // another plugin's feed-forward layers (make_gpt2)
   std::string aux_loss_key_;  // the model output of their auxiliary losses (make_gpt2)
+  HfFeedForward hf_ffn_;      // their Hugging Face description (make_gpt2)
   std::shared_ptr<GPT2LLMImpl> impl_;
   Dt param_dtype_;
   std::shared_ptr<const TpPlan> tp_;                               // model/gpt2_tp
@@ -424,8 +428,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
 }  // namespace
 
 std::shared_ptr<Module> make_gpt2(const GPT2Config& c, const c10::Device& device, FeedForwardFactory ffn,
-                                  std::string aux_loss_key) {
-  return std::make_shared<GPT2>(c, device, std::move(ffn), std::move(aux_loss_key));
+                                  std::string aux_loss_key, HfFeedForward hf_ffn) {
+  return std::make_shared<GPT2>(c, device, std::move(ffn), std::move(aux_loss_key), std::move(hf_ffn));
 }
 
 }  // namespace modalities::plugins::gpt2

@@ -236,11 +236,11 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
         dropout_(c.dropout),
         impl_(c.attention_implementation == "manual" ? AttentionImpl::kManual : AttentionImpl::kPytorchFlash),
         mask_(std::move(mask)) {
-    const std::int64_t kv = c.n_embd / (c.n_head_q / c.n_head_kv);
-    q_attn = register_module("q_attn", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.qkv_bias_on(), o));
+    const std::int64_t width = c.attention_width(), kv = c.n_head_kv * c.head_dim();
+    q_attn = register_module("q_attn", std::make_shared<LinearImpl>(c.n_embd, width, c.qkv_bias_on(), o));
     k_attn = register_module("k_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.qkv_bias_on(), o));
     v_attn = register_module("v_attn", std::make_shared<LinearImpl>(c.n_embd, kv, c.qkv_bias_on(), o));
-    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(c.n_embd, c.n_embd, c.attn_proj_bias_on(), o));
+    c_proj = register_module("c_proj", std::make_shared<LinearImpl>(width, c.n_embd, c.attn_proj_bias_on(), o));
     register_module("resid_dropout", torch::nn::Dropout(c.dropout));
     // A plain module named like nn.ModuleList, entries "0", "1", ...; typed view in `rope_`.
     auto list = register_module("qkv_transforms", std::make_shared<torch::nn::Module>("ModuleList"));
@@ -255,6 +255,7 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
         list->register_module(std::to_string(j), std::make_shared<IdentityTransformImpl>());
       }
     }
+    norm_before_ = c.attention_config.qk_norm_before_transforms();
     if (c.attention_config.qk_norm_config) {
       q_norm = register_module("q_norm", std::make_shared<NormImpl>(*c.attention_config.qk_norm_config, o));
       k_norm = register_module("k_norm", std::make_shared<NormImpl>(*c.attention_config.qk_norm_config, o));
@@ -265,7 +266,7 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
   at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) {
     at::Tensor q, k, v;  // [B, Hq, T, hd] each once expanded
     const std::int64_t r = hq_ / hkv_;
-    if (rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
+    if (!norm_before_ && rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
       // Common case, fused (fused_ops.h): the three projections, the heads split, RoPE and
       // the GQA expansion as one autograd node. With qk-norm the norms come between RoPE and
       // the expansion, which then happens below.
@@ -288,9 +289,13 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       q = (*q_attn)(x, dt).view({B, T, hq_, hd_}).transpose(1, 2).contiguous();  // [B, Hq, T, hd]
       k = (*k_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
       v = (*v_attn)(x, dt).view({B, T, -1, hd_}).transpose(1, 2).contiguous();   // [B, Hkv, T, hd]
+      if (norm_before_) {  // Qwen3: each head normalized, then rotated
+        q = (*q_norm)(q, dt);
+        k = (*k_norm)(k, dt);
+      }
       for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k);
     }
-    if (q_norm) {
+    if (q_norm && !norm_before_) {
       q = (*q_norm)(q, dt);
       k = (*k_norm)(k, dt);
     }
@@ -337,13 +342,14 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
   AttentionImpl impl_;
   std::shared_ptr<CausalMaskCache> mask_;
   std::vector<std::shared_ptr<RotaryTransformImpl>> rope_;
+  bool norm_before_ = false;  // qk-norm before the transforms (attention_config.qk_norm_position)
 };
 
-void FeedForward::check_tensor_parallel() const {
+void FeedForward::check_tensor_parallel(const TpPlan&) const {
   throw Error(fmt::format("the feed-forward '{}' does not support tensor parallelism", name()));
 }
 
-void FeedForward::parallelize(const TpPlan&) { check_tensor_parallel(); }
+void FeedForward::parallelize(const TpPlan& plan) { check_tensor_parallel(plan); }
 
 ExpertParallel::ExpertParallel(c10::intrusive_ptr<c10d::ProcessGroup> g, std::int64_t r, std::int64_t n)
     : group(std::move(g)), rank(r), size(n) {}
@@ -383,7 +389,7 @@ class TransformerMLPImpl final : public FeedForward {
     return y;
   }
 
-  void check_tensor_parallel() const override {}
+  void check_tensor_parallel(const TpPlan&) const override {}
   void parallelize(const TpPlan& plan) override { tp = &plan; }
 
   std::shared_ptr<LinearImpl> c_fc, c_proj;
@@ -413,7 +419,8 @@ class GPT2BlockImpl final : public torch::nn::Module {
   at::Tensor operator()(at::Tensor x, std::int64_t B, std::int64_t T, Dt dt) {
     const auto enter = [&](const at::Tensor& n) { return tp ? tp->enter(n, B, T) : n; };
     x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt);
-    const at::Tensor n = enter((*ffn_norm)(x, dt));
+    const at::Tensor normed = (*ffn_norm)(x, dt);
+    const at::Tensor n = mlp->replicated_under_tensor_parallel() ? normed : enter(normed);
     return x + mlp->forward(n, B, T, dt);
   }
 
@@ -596,8 +603,8 @@ std::vector<std::string> GPT2LLMImpl::parallelize_experts(const ExpertParallel& 
   return out;
 }
 
-void GPT2LLMImpl::check_tensor_parallel() const {
-  for_each_feed_forward([](const FeedForward& ffn) { ffn.check_tensor_parallel(); });
+void GPT2LLMImpl::check_tensor_parallel(const TpPlan& plan) const {
+  for_each_feed_forward([&](const FeedForward& ffn) { ffn.check_tensor_parallel(plan); });
 }
 
 bool GPT2LLMImpl::has_aux_losses() const {

@@ -46,8 +46,9 @@ class GPT2LLMImpl final : public torch::nn::Module {
   void retain(const std::vector<std::string>& fqns);
   // Tensor parallel: every module learns the plan; the weights were split by GPT2::parallelize.
   void parallelize(std::shared_ptr<const TpPlan> plan);
-  // Throws modalities::Error when a block's feed-forward cannot be split (FeedForward::check_tensor_parallel).
-  void check_tensor_parallel() const;
+  // Throws modalities::Error when a block's feed-forward cannot take part in `plan`
+  // (FeedForward::check_tensor_parallel).
+  void check_tensor_parallel(const TpPlan& plan) const;
   const TpPlan* tp_plan() const { return tp_.get(); }
   // Expert parallelism: every block's feed-forward keeps its share of the experts
   // (FeedForward::parallelize_experts); the FQNs of the parameters split.

@@ -89,9 +89,28 @@ void register_components(Registrar& r) {
       });
   r.add<Module, HuggingFacePretrainedConfig>(
       "huggingface_pretrained_model",
-      "A Hugging Face causal LM folder (Llama 2/3, Mistral, Qwen2, GPT-2; safetensors) loaded into model/gpt2, to "
-      "continue pre-training or to generate; its state dict, checkpoints and wrappers are model/gpt2's.",
-      load_huggingface);
+      "A Hugging Face causal LM folder (Llama 2/3, Mistral, Qwen2, Qwen3, GPT-2; safetensors) loaded into "
+      "model/gpt2, to continue pre-training or to generate; its state dict, checkpoints and wrappers are "
+      "model/gpt2's. The Mixture-of-Experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are handed to "
+      "model/huggingface_pretrained_moe_model of plugins/moe, which loads them into model/gpt2_moe.",
+      [](const HuggingFacePretrainedConfig& c, BuildContext& ctx) -> std::shared_ptr<Module> {
+        const hf::ImportedConfig imported = read_huggingface_config(c);
+        if (!imported.spec.moe) return load_huggingface(c);
+        Value built;
+        try {
+          built = ctx.build(Module::kComponentKey, kHuggingFaceMoeVariant, huggingface_config_value(c));
+        } catch (const ConfigError&) {
+          throw;
+        } catch (const Error& e) {
+          throw Error(
+              fmt::format("{} ({}) is a Mixture-of-Experts family, imported by plugins/moe "
+                          "(libmodalities_moe.so, on the plugin path): {}",
+                          c.model_name.string(), imported.model_type, e.what()));
+        }
+        if (!built.is_object() || built.as_object().interface != Module::kInterface)
+          throw Error(fmt::format("model/{} did not return a Module", kHuggingFaceMoeVariant));
+        return std::static_pointer_cast<Module>(built.as_object().ptr);
+      });
   r.add<Module, Gpt2TpConfig>(
       "gpt2_tp",
       "Tensor parallelism over the mesh's tp dim for any model that implements Module::apply_tensor_parallel; "

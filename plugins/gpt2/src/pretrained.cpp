@@ -38,6 +38,9 @@ hf::DecoderSpec spec_from_config(const GPT2Config& c) {
   s.tie_word_embeddings = c.use_weight_tying;
   s.dropout = c.dropout;
   s.sliding_window = c.attention_config.sliding_window;
+  if (c.explicit_head_dim && c.n_embd % c.n_head_q == 0 && *c.explicit_head_dim == c.n_embd / c.n_head_q)
+    s.head_dim = 0;
+  else s.head_dim = c.explicit_head_dim.value_or(0);
   // One norm for all three places: RMSNorm (pytorch_rms_norm, or rms_norm without bias) or LayerNorm with
   // weight and bias.
   const auto kind = [](const NormWrapperConfig& n) -> std::string {
@@ -55,8 +58,15 @@ hf::DecoderSpec spec_from_config(const GPT2Config& c) {
     }
   if (s.norm != "rms_norm" && s.norm != "layer_norm")
     why.push_back(fmt::format("{} has no transformers counterpart", s.norm));
-  if (c.attention_config.qk_norm_config)
-    why.push_back("qk_norm_config (Modalities normalizes q and k after RoPE; no transformers family does)");
+  if (const auto& qk = c.attention_config.qk_norm_config) {
+    if (!c.attention_config.qk_norm_before_transforms())
+      why.push_back(
+          "qk_norm_config after the transforms (Modalities normalizes q and k after RoPE; no transformers family "
+          "does; Qwen3 normalizes before: qk_norm_position = \"before_transforms\")");
+    else if (kind(*qk) != "rms_norm" || qk->eps != s.norm_eps)
+      why.push_back("a qk-norm other than the model's RMSNorm with the same eps (Qwen3 uses rms_norm_eps for all)");
+    s.qk_norm = true;
+  }
   int rotary = 0;
   for (const QkvTransformConfig& t : c.attention_config.qkv_transforms) {
     if (!t.rotary) continue;
@@ -102,7 +112,7 @@ GPT2Config config_from_spec(const hf::DecoderSpec& s) {
     QkvTransformConfig t;
     t.type_hint = "RotaryTransform";
     t.rotary = true;
-    t.rope.n_embd = s.n_embd;
+    t.rope.n_embd = s.n_head_q * s.head_size();
     t.rope.n_head = s.n_head_q;
     t.rope.seq_length_dim = -2;
     t.rope.base_freq = s.rope_theta;
@@ -128,10 +138,17 @@ GPT2Config config_from_spec(const hf::DecoderSpec& s) {
     n.weight = n.bias = true;
   }
   c.attention_norm_config = c.ffn_norm_config = c.lm_head_norm_config = n;
+  if (s.head_dim > 0) c.explicit_head_dim = s.head_dim;
+  if (s.qk_norm) {
+    NormWrapperConfig qk = n;
+    qk.size = s.head_size();
+    c.attention_config.qk_norm_config = qk;
+    c.attention_config.qk_norm_position = "before_transforms";
+  }
   return c;
 }
 
-std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
+hf::ImportedConfig read_huggingface_config(const HuggingFacePretrainedConfig& c) {
   if (c.model_type != "AutoModelForCausalLM")
     throw ConfigError("model_type",
                       "AutoModelForMaskedLM (encoder models such as BERT) is not supported: model/gpt2 "
@@ -142,7 +159,28 @@ std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
                       fmt::format("'{}' is not a folder. Hub ids are not downloaded here: fetch the model first "
                                   "(e.g. `huggingface-cli download {} --local-dir <dir>`) and give the folder",
                                   folder.string(), folder.string()));
-  hf::ImportedConfig imported = hf::read_config(folder);
+  return hf::read_config(folder);
+}
+
+Value huggingface_config_value(const HuggingFacePretrainedConfig& c) {
+  // kwargs (float32 only) and model_args (empty only) were checked and change nothing: left out.
+  Value::Table t{{"model_type", Value(c.model_type)},
+                 {"model_name", Value(c.model_name.string())},
+                 {"prediction_key", Value(c.prediction_key)},
+                 {"huggingface_prediction_subscription_key", Value(c.huggingface_prediction_subscription_key)},
+                 {"sample_key", Value(c.sample_key)},
+                 {"dropout", Value(c.dropout)},
+                 {"attention_implementation", Value(c.attention_implementation)}};
+  if (c.sequence_length) t.emplace_back("sequence_length", Value(*c.sequence_length));
+  return Value(std::move(t));
+}
+
+std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c, const MoeModelFactory& moe) {
+  const std::filesystem::path folder = c.model_name;
+  hf::ImportedConfig imported = read_huggingface_config(c);
+  if (imported.spec.moe && !moe)
+    throw Error(fmt::format("{}: {} is a Mixture-of-Experts family, which model/gpt2_moe (plugins/moe) imports",
+                            folder.string(), imported.model_type));
   imported.spec.dropout = c.dropout;
   GPT2Config g = config_from_spec(imported.spec);
   g.sample_key = c.sample_key;
@@ -156,7 +194,8 @@ std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c) {
                                     g.sequence_length, *c.sequence_length));
     g.sequence_length = *c.sequence_length;
   }
-  std::shared_ptr<Module> model = make_gpt2(g, run_device());
+  std::shared_ptr<Module> model =
+      imported.spec.moe ? moe(g, *imported.spec.moe, run_device()) : make_gpt2(g, run_device());
   StateDict live = model->state_dict();
   std::map<std::string, std::vector<std::int64_t>> shapes;
   for (const auto& [name, t] : live) shapes[name] = t.sizes().vec();

@@ -878,6 +878,12 @@ TEST(Gpt2ConfigTest, EveryValidatorNamesTheField) {
                           {"config", Value(Value::Table{{"normalized_shape", Value(128)}})}}),
        "m.config.attention_config.qk_norm_config.config.normalized_shape: must equal the head dim n_embd / n_head_q "
        "(16)"},
+      {"head_dim", Value(32),
+       "m.config.attention_config.qkv_transforms[0].config.n_embd: must equal n_head_q * head_dim (256), the width "
+       "of the query heads, got 128"},
+      {"head_dim", Value(0), "m.config.head_dim: must be >= 1"},
+      {"attention_config.qk_norm_position", Value("before_rope"),
+       "m.config.attention_config.qk_norm_position: must be one of 'after_transforms', 'before_transforms'"},
       {"enforce_swiglu_hidden_dim_multiple_of", Value(0),
        "m.config.enforce_swiglu_hidden_dim_multiple_of: must be >= 1"},
       {"n_embd", Value(128.0), "m.config.n_embd: expected an integer"},

@@ -41,8 +41,8 @@ using ::testing::HasSubstr;
 const fs::path kHf = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "tests" / "data" / "hf";
 
 const char* const kImports[] = {"llama", "llama3_scaled_bias", "mistral_window", "qwen2_linear",
-                                "gpt2",  "gpt2_gelu_untied"};
-const char* const kExports[] = {"llama", "qwen2_llama3_rope", "mistral_window", "gpt2"};
+                                "qwen3", "mistral_head_dim",   "gpt2",           "gpt2_gelu_untied"};
+const char* const kExports[] = {"llama", "qwen2_llama3_rope", "mistral_window", "qwen3", "gpt2"};
 
 using TempDir = modalities::testing::ScratchDir;
 
@@ -251,6 +251,7 @@ TEST(HuggingFaceExportTest, ImportThenExportGivesTheOriginalTensors) {
                             "num_hidden_layers",
                             "num_attention_heads",
                             "num_key_value_heads",
+                            "head_dim",
                             "rope_theta",
                             "rope_scaling",
                             "sliding_window",

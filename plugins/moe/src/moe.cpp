@@ -255,11 +255,14 @@ MoeFeedForwardImpl::MoeFeedForwardImpl(const MoeConfig& c, std::int64_t d, const
   }
 }
 
-void MoeFeedForwardImpl::check_tensor_parallel() const {
-  throw Error(
-      "model/gpt2_moe: tensor parallelism of MoE blocks is not implemented (plugins/moe/README.md, \"Status\"); "
-      "train the MoE model without a tp dim (tensor_parallel_degree = 1)");
+void MoeFeedForwardImpl::check_tensor_parallel(const gpt2::TpPlan& plan) const {
+  if (plan.sequence_parallel)
+    throw ConfigError("sequence_parallel",
+                      "is true, but model/gpt2_moe's MoE blocks compute whole on every tp rank and do not take "
+                      "sequence-parallel (split) tokens yet; set sequence_parallel = false (plugins/moe/README.md)");
 }
+
+void MoeFeedForwardImpl::parallelize(const gpt2::TpPlan& plan) { check_tensor_parallel(plan); }
 
 Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
   Routing r;

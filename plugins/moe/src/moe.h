@@ -125,7 +125,13 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
  public:
   MoeFeedForwardImpl(const MoeConfig& c, std::int64_t d, const at::TensorOptions& o);
   at::Tensor forward(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) override;
-  void check_tensor_parallel() const override;
+  /// Tensor parallelism (README.md, "Expert parallelism with tensor parallelism"): the block computes
+  /// whole on every tp rank (router, experts, shared experts replicated over tp; the experts split
+  /// over ep as without tp). Sequence parallelism is refused (its tokens would be split over the
+  /// tp ranks, and the auxiliary losses with them).
+  void check_tensor_parallel(const gpt2::TpPlan& plan) const override;
+  void parallelize(const gpt2::TpPlan& plan) override;
+  bool replicated_under_tensor_parallel() const override { return true; }
   /// Chooses the experts of every token of x [N, d].
   Routing route(const at::Tensor& x, Dt dt) const;
   const Routing& last_routing() const { return last_; }

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
@@ -130,6 +131,56 @@ class LoadBalancedOptimizer final : public Optimizer {
   std::vector<MoeFeedForwardImpl*> blocks_;
 };
 
+// The Hugging Face side of model/gpt2_moe (plugins/gpt2/src/huggingface.h, MoeSpec): the MoE
+// families' feed-forward as a moe_config, and back for the export.
+MoeConfig moe_config_from_spec(const gpt2::hf::MoeSpec& m) {
+  MoeConfig c;
+  c.num_experts = m.num_experts;
+  c.top_k = m.top_k;
+  c.moe_ffn_hidden = m.expert_hidden;
+  c.score_function = "softmax";
+  c.norm_topk_prob = m.norm_topk_prob;
+  if (m.shared_hidden > 0) {
+    c.num_shared_experts = 1;
+    c.shared_expert_ffn_hidden_per_expert = m.shared_hidden;
+    c.shared_expert_gate = m.shared_gate;
+  }
+  c.decoder_sparse_step = m.decoder_sparse_step;
+  c.mlp_only_layers = m.mlp_only_layers;
+  c.aux_loss_coef = m.aux_loss_coef;
+  return c;
+}
+
+gpt2::HfFeedForward describe_for_huggingface(const MoeConfig& c, std::int64_t n_layer) {
+  return [c, n_layer](gpt2::hf::DecoderSpec& spec) {
+    std::vector<std::string> why;
+    if (c.score_function != "softmax")
+      why.push_back(fmt::format("score_function '{}' (they use softmax)", c.score_function));
+    if (c.route_scale != 1.0) why.push_back(fmt::format("route_scale {} (they use 1)", c.route_scale));
+    if (c.n_group > 1) why.push_back("group-limited routing (n_group > 1)");
+    if (c.use_expert_bias) why.push_back("use_expert_bias (the auxiliary-loss-free selection bias)");
+    if (c.capacity_factor) why.push_back("capacity_factor (they are dropless)");
+    if (!why.empty())
+      throw Error(
+          fmt::format("model/gpt2_moe: moe_config has no counterpart in the transformers MoE families "
+                      "(Mixtral, Qwen2-MoE, Qwen3-MoE): {}",
+                      fmt::join(why, "; ")));
+    gpt2::hf::MoeSpec m;
+    m.num_experts = c.num_experts;
+    m.top_k = c.top_k;
+    m.expert_hidden = c.moe_ffn_hidden;
+    m.norm_topk_prob = c.norm_topk_prob;
+    m.shared_hidden = c.shared_hidden();
+    m.shared_gate = c.shared_expert_gate;
+    m.decoder_sparse_step = c.decoder_sparse_step;
+    // first_k_dense_replace and mlp_only_layers as the one list transformers has.
+    for (std::int64_t layer = 0; layer < n_layer; ++layer)
+      if ((layer + 1) % c.decoder_sparse_step == 0 && !c.is_moe_layer(layer)) m.mlp_only_layers.push_back(layer);
+    m.aux_loss_coef = c.aux_loss_coef;
+    spec.moe = m;
+  };
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -140,7 +191,21 @@ void register_components(Registrar& r) {
       "dense / every n-th / listed dense layers (Mixtral, Qwen2/3-MoE, DeepSeek-V3 style).",
       [](const Gpt2MoeConfig& c) {
         return gpt2::make_gpt2(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device(),
-                               moe_feed_forward(c.moe_config, c.n_embd), c.moe_config.aux_loss_key);
+                               moe_feed_forward(c.moe_config, c.n_embd), c.moe_config.aux_loss_key,
+                               describe_for_huggingface(c.moe_config, c.n_layer));
+      });
+  r.add<Module, gpt2::HuggingFacePretrainedConfig>(
+      gpt2::kHuggingFaceMoeVariant,
+      "A Hugging Face Mixture-of-Experts folder (Mixtral, Qwen2-MoE, Qwen3-MoE; safetensors) loaded into "
+      "model/gpt2_moe, the experts stacked. model/huggingface_pretrained_model hands these families to it; its keys "
+      "are that variant's.",
+      [](const gpt2::HuggingFacePretrainedConfig& c) {
+        return gpt2::load_huggingface(
+            c, [](const gpt2::GPT2Config& g, const gpt2::hf::MoeSpec& spec, const c10::Device& device) {
+              const MoeConfig m = moe_config_from_spec(spec);
+              return gpt2::make_gpt2(g, device, moe_feed_forward(m, g.n_embd), m.aux_loss_key,
+                                     describe_for_huggingface(m, g.n_layer));
+            });
       });
   r.add<Optimizer, LoadBalancedConfig>(
       "moe_load_balanced",

@@ -468,14 +468,23 @@ TEST(Gpt2Moe, SeededBuildsAreEqual) {
   for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
 }
 
-TEST(Gpt2Moe, TensorParallelIsRefusedByName) {
+// Under tensor parallelism a MoE block computes whole on every tp rank (the distributed EP2 x TP2
+// run checks the numbers); sequence parallelism is refused by name.
+TEST(Gpt2Moe, TensorParallelKeepsTheBlockWholeAndRefusesSequenceParallelism) {
   const MoeConfig c = top1_softmax(2, 4);
   MoeFeedForwardImpl m(c, 8, at::TensorOptions());
+  EXPECT_TRUE(m.replicated_under_tensor_parallel());
+  gpt2::TpPlan plan;
+  plan.size = 2;
+  plan.sequence_parallel = false;
+  EXPECT_NO_THROW(m.check_tensor_parallel(plan));
+  plan.sequence_parallel = true;
   try {
-    m.check_tensor_parallel();
+    m.check_tensor_parallel(plan);
     FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("tensor parallelism of MoE blocks is not implemented"));
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("sequence_parallel"));
+    EXPECT_THAT(e.what(), HasSubstr("do not take sequence-parallel"));
   }
 }
 

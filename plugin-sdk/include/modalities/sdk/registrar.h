@@ -32,6 +32,13 @@ class MODALITIES_SDK_API BuildContext {
   virtual std::string_view path() const = 0;
   /// Reports a non-fatal problem; shown with the node's path and source location.
   virtual void warn(std::string message) = 0;
+  /// Builds another registered variant with `config` (a table of built values, as a factory's
+  /// config arrives) and returns what its factory returned: how a factory hands part of its
+  /// domain to a variant another plugin registers (model/huggingface_pretrained_model hands the
+  /// Mixture-of-Experts families to plugins/moe). Its config errors name this node's config
+  /// keys. Throws modalities::Error naming the variant when no loaded plugin registers it. The
+  /// default (a host without nested builds) throws. Since: SDK 0.1 (ABI 8).
+  virtual Value build(std::string_view component_key, std::string_view variant_key, Value config);
 };
 
 /// A registered `${name:argument}` resolver. Returns the substituted value
