@@ -816,8 +816,9 @@ TEST(DistributedMoeTest, WhatTheExpertParallelRanksCannotSplitIsAConfigError) {
   // TP2 with sequence parallelism on the MoE model (no ep dim): the blocks cannot take split tokens.
   std::string sp = edited(moe_ep_tp_config(2), "expert_parallel_degree = 2,", "expert_parallel_degree = 1,");
   sp = edited(sp, "sequence_parallel = false", "sequence_parallel = true");
-  expect_refused_on_two_ranks(dir, "sequence_parallel", sp,
-                              "model.config.tensor_parallel.sequence_parallel: is true, but model/gpt2_moe's MoE blocks");
+  expect_refused_on_two_ranks(
+      dir, "sequence_parallel", sp,
+      "model.config.tensor_parallel.sequence_parallel: is true, but model/gpt2_moe's MoE blocks");
 }
 
 // --- pipeline parallel -----------------------------------------------------------------------
