@@ -19,12 +19,14 @@ namespace {
 
 class NodeBuildContext final : public BuildContext {
  public:
-  NodeBuildContext(std::string path, const std::function<void(const std::string&)>& log, const Registry& registry)
-      : path_(std::move(path)), log_(log), registry_(registry) {}
+  NodeBuildContext(std::string path, const std::function<void(const std::string&)>& log, const Registry& registry,
+                   const Value& config)
+      : path_(std::move(path)), log_(log), registry_(registry), config_(config) {}
   std::string_view path() const override { return path_; }
   void warn(std::string message) override {
     if (log_) log_(fmt::format("warning: {}: {}", path_, message));
   }
+  const Value& config() const override { return config_; }
   // A factory's nested build (registrar.h): the variant's own factory, with a context whose path
   // says on whose behalf it builds. Its errors reach the outer factory's caller, which reports
   // them at this node.
@@ -32,14 +34,15 @@ class NodeBuildContext final : public BuildContext {
     const RegisteredVariant* variant = registry_.find(component_key, variant_key);
     if (variant == nullptr)
       throw Error(fmt::format("{}/{} is not registered: no loaded plugin provides it", component_key, variant_key));
-    NodeBuildContext inner(fmt::format("{} (as {})", path_, variant->spec.id()), log_, registry_);
-    return variant->spec.build(std::move(config), inner);
+    NodeBuildContext inner(fmt::format("{} (as {})", path_, variant->spec.id()), log_, registry_, config);
+    return variant->spec.build(config, inner);
   }
 
  private:
   std::string path_;
   const std::function<void(const std::string&)>& log_;
   const Registry& registry_;
+  const Value& config_;
 };
 
 std::string_view pass_type_hint() {
@@ -328,10 +331,11 @@ Value ComponentGraph::build_node(const ConfigNode& n, const ConfigPath& p,
   const ConfigPath cfg_path = p.child("config");
   Value::Table config;
   for (const auto& [k, v] : n.find("config")->as_table()) config.emplace_back(k, build_node(v, cfg_path.child(k), log));
-  NodeBuildContext ctx(p.str(), warn_, registry_);
+  const Value config_value(std::move(config));
+  NodeBuildContext ctx(p.str(), warn_, registry_, config_value);
   Value result;
   try {
-    result = variant.spec.build(Value(std::move(config)), ctx);
+    result = variant.spec.build(config_value, ctx);
   } catch (const ConfigError& e) {
     map_field_errors(e.errors(), cfg_path, variant, false);
     throw ConfigFileError(diagnostics_);

@@ -84,6 +84,11 @@ std::string toml_quote(std::string_view s, bool escape_interpolation) {
 
 BuildContext::~BuildContext() = default;
 
+const Value& BuildContext::config() const {
+  static const Value none;
+  return none;
+}
+
 Value BuildContext::build(std::string_view component_key, std::string_view variant_key, Value) {
   throw Error(
       fmt::format("{}: this host cannot build {}/{} from inside a factory", path(), component_key, variant_key));

@@ -135,28 +135,10 @@ MOE_IMPORTS = {
 }
 
 
-def make_moe_import(out, name, config_cls, kwargs):
-    folder = out / f"import_{name}"
-    shutil.rmtree(folder, ignore_errors=True)
-    torch.manual_seed(0)
-    config = config_cls(**kwargs)
-    model = CAUSAL_LM[config_cls.__name__](config).eval()
-    randomize(model, seed=len(name))
-    model.tie_weights()
-    model.save_pretrained(folder, safe_serialization=True)
-    ids = input_ids(config.vocab_size)
-    logits = model(ids).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
-    loss.backward()
-    tensors = {"input_ids": ids.contiguous(), "logits": logits.detach().float().contiguous(), "loss": loss.detach()}
-    for n, p in model.named_parameters():
-        tensors["grad/" + n] = p.grad.detach().contiguous()
-    save_file(tensors, str(folder / "reference.safetensors"), metadata=META)
-    print(f"import_{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"loss {loss.item():.5f}")
-
-
-def make_import(out, name, config_cls, kwargs, shard):
+def make_import(out, name, config_cls, kwargs, shard=None, grads=False):
+    """import_<name>/: the model saved with save_pretrained and reference.safetensors; with `grads`,
+    also the next-token cross-entropy of the logits ("loss") and its gradient of every parameter
+    ("grad/<transformers name>")."""
     folder = out / f"import_{name}"
     shutil.rmtree(folder, ignore_errors=True)
     torch.manual_seed(0)
@@ -167,10 +149,20 @@ def make_import(out, name, config_cls, kwargs, shard):
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(folder, safe_serialization=True, **kw)
     ids = input_ids(config.vocab_size)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grads):
         logits = model(ids).logits
-    save_reference(folder, ids, logits)
-    print(f"import_{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} parameters")
+    if not grads:
+        save_reference(folder, ids, logits)
+        print(f"import_{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} parameters")
+        return
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
+    loss.backward()
+    tensors = {"input_ids": ids.contiguous(), "logits": logits.detach().float().contiguous(), "loss": loss.detach()}
+    for n, p in model.named_parameters():
+        tensors["grad/" + n] = p.grad.detach().contiguous()
+    save_file(tensors, str(folder / "reference.safetensors"), metadata=META)
+    print(f"import_{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} parameters, "
+          f"loss {loss.item():.5f}")
 
 
 # ---- export cases: model/gpt2 configs and the transformers model they must become -------------------
@@ -386,7 +378,7 @@ def main(out: Path, moe_out: Path):
     (out / "VERSIONS").write_text(versions)
     moe_out.mkdir(parents=True, exist_ok=True)
     for name, (cls, kwargs) in MOE_IMPORTS.items():
-        make_moe_import(moe_out, name, cls, kwargs)
+        make_import(moe_out, name, cls, kwargs, grads=True)
     (moe_out / "VERSIONS").write_text(versions)
 
 

@@ -323,6 +323,11 @@ TEST_F(GraphTest, AFactoryBuildsAnotherRegisteredVariant) {
   EXPECT_EQ(widget(g, "w")->name, "a (delegated)");
   EXPECT_EQ(widget(g, "w")->size, 3);
   EXPECT_THAT(build_log(), ElementsAre("a (delegated)"));
+  // Its own config as it came (BuildContext::config).
+  const BuiltGraph same = build(
+      "[w]\ncomponent_key = \"widget\"\nvariant_key = \"delegating\"\nconfig = { name = \"as given\", size = 5 }\n");
+  EXPECT_EQ(widget(same, "w")->name, "as given");
+  EXPECT_EQ(widget(same, "w")->size, 5);
   // The nested variant's errors are reported at this node; an unregistered one is named.
   EXPECT_THAT(error_of("[w]\ncomponent_key = \"widget\"\nvariant_key = \"delegating\"\nconfig = { name = \"zero\" }\n"),
               HasSubstr("w.config.size"));

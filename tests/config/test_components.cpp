@@ -95,9 +95,12 @@ void register_test_components(core::Registry& registry) {
     r.add<Widget, EmptyConfig>(
         "exploding", "Factory always throws.",
         [](const EmptyConfig&) -> std::shared_ptr<Widget> { throw Error("kaboom: the factory failed"); });
-    // Hands its config to another variant (BuildContext::build): widget/plain (with size 0, which
-    // it refuses, for the name "zero"), or for the name "gadget" the unregistered widget/missing.
+    // Hands a config to another variant (BuildContext::build): widget/plain (with size 0, which it
+    // refuses, for the name "zero"; its own config as given for the name "as given"), or for the
+    // name "gadget" the unregistered widget/missing.
     r.add<Widget, PlainConfig>("delegating", "Built by widget/plain.", [](const PlainConfig& c, BuildContext& ctx) {
+      if (c.name == "as given")
+        return std::static_pointer_cast<Widget>(ctx.build("widget", "plain", ctx.config()).as_object().ptr);
       Value::Table t{{"name", Value(c.name + " (delegated)")}, {"size", Value(c.name == "zero" ? 0 : c.size)}};
       const Value v = ctx.build("widget", c.name == "gadget" ? "missing" : "plain", Value(std::move(t)));
       return std::static_pointer_cast<Widget>(v.as_object().ptr);

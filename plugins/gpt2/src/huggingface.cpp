@@ -14,9 +14,11 @@
 #include <simdjson.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <set>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -98,28 +100,18 @@ class ConfigReader {
     if (get(key).get_string().get(s)) throw error(key, "must be a string");
     return std::string(s);
   }
-  /// A list of integers; missing or null: empty.
-  std::vector<std::int64_t> integers(const std::string& key) const {
-    std::vector<std::int64_t> out;
+  /// A list of integers or strings (T = std::int64_t or std::string); missing or null: empty.
+  template <class T>
+  std::vector<T> list(const std::string& key) const {
+    std::vector<T> out;
     if (!has(key)) return out;
+    const char* what =
+        std::is_same_v<T, std::string> ? "must be a list of strings or null" : "must be a list of integers or null";
     simdjson::dom::array a;
-    if (get(key).get_array().get(a)) throw error(key, "must be a list of integers or null");
+    if (get(key).get_array().get(a)) throw error(key, what);
     for (const auto e : a) {
-      std::int64_t v = 0;
-      if (e.get_int64().get(v)) throw error(key, "must be a list of integers or null");
-      out.push_back(v);
-    }
-    return out;
-  }
-  /// A list of strings; missing or null: empty.
-  std::vector<std::string> strings(const std::string& key) const {
-    std::vector<std::string> out;
-    if (!has(key)) return out;
-    simdjson::dom::array a;
-    if (get(key).get_array().get(a)) throw error(key, "must be a list of strings or null");
-    for (const auto e : a) {
-      std::string_view v;
-      if (e.get_string().get(v)) throw error(key, "must be a list of strings or null");
+      std::conditional_t<std::is_same_v<T, std::string>, std::string_view, std::int64_t> v{};
+      if (e.get(v)) throw error(key, what);
       out.emplace_back(v);
     }
     return out;
@@ -231,7 +223,7 @@ MoeSpec read_moe(const ConfigReader& r, const ImportedConfig& c) {
     m.expert_hidden = positive(r, "moe_intermediate_size");
     m.norm_topk_prob = r.boolean("norm_topk_prob", false);
     m.decoder_sparse_step = positive(r, "decoder_sparse_step", 1);
-    m.mlp_only_layers = r.integers("mlp_only_layers");
+    m.mlp_only_layers = r.list<std::int64_t>("mlp_only_layers");
     for (const std::int64_t layer : m.mlp_only_layers)
       if (layer < 0 || layer >= s.n_layer)
         throw r.error("mlp_only_layers",
@@ -298,7 +290,7 @@ ImportedConfig read_llama_like(const ConfigReader& r, const std::string& model_t
                     fmt::format("is true: {} then uses sliding windows in some layers only (max_window_layers); "
                                 "model/gpt2 has one attention pattern for every layer",
                                 family));
-    for (const std::string& t : r.strings("layer_types"))
+    for (const std::string& t : r.list<std::string>("layer_types"))
       if (t != "full_attention")
         throw r.error("layer_types", fmt::format("has '{}'; model/gpt2 has full causal attention in every layer", t));
   };
@@ -439,10 +431,10 @@ std::vector<Link> links(const std::string& model_type, const DecoderSpec& s) {
         const bool mixtral = model_type == "mixtral";
         const std::string b = h + (mixtral ? "block_sparse_moe." : "mlp."), mo = o + "mlp.";
         add(b + "gate.weight", mo + "router.gate.weight");
-        for (const auto& [hf, ours] :
-             mixtral ? std::vector<std::pair<const char*, const char*>>{{"w1", "w1"}, {"w3", "w3"}, {"w2", "w2"}}
-                     : std::vector<std::pair<const char*, const char*>>{
-                           {"gate_proj", "w1"}, {"up_proj", "w3"}, {"down_proj", "w2"}})
+        using Names = std::array<std::pair<const char*, const char*>, 3>;  // (transformers, ours)
+        static constexpr Names kMixtral{{{"w1", "w1"}, {"w3", "w3"}, {"w2", "w2"}}};
+        static constexpr Names kQwen{{{"gate_proj", "w1"}, {"up_proj", "w3"}, {"down_proj", "w2"}}};
+        for (const auto& [hf, ours] : mixtral ? kMixtral : kQwen)
           out.push_back(
               {b + "experts.{}." + hf + ".weight", {mo + "experts." + ours}, Kind::kStacked, s.moe->num_experts});
         if (s.moe->shared_hidden > 0) {

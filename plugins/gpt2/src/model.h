@@ -39,11 +39,10 @@ inline constexpr const char* kHuggingFaceMoeVariant = "huggingface_pretrained_mo
 /// The transformers architecture of `c`'s folder (config.json), after the checks of c's keys.
 hf::ImportedConfig read_huggingface_config(const HuggingFacePretrainedConfig& c);
 
-/// `c` as the config table of a component node (what BuildContext::build takes).
-Value huggingface_config_value(const HuggingFacePretrainedConfig& c);
-
-/// model/huggingface_pretrained_model: a transformers folder read into model/gpt2 on the run's
-/// device; a Mixture-of-Experts family into the model `moe` builds (refused without it).
-std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c, const MoeModelFactory& moe = {});
+/// model/huggingface_pretrained_model: the transformers folder of `c`, whose config.json said
+/// `imported` (read_huggingface_config), read into model/gpt2 on the run's device; a
+/// Mixture-of-Experts family into the model `moe` builds (refused without it).
+std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c, hf::ImportedConfig imported,
+                                         const MoeModelFactory& moe = {});
 
 }  // namespace modalities::plugins::gpt2

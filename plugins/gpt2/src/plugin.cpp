@@ -94,11 +94,11 @@ void register_components(Registrar& r) {
       "model/gpt2's. The Mixture-of-Experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are handed to "
       "model/huggingface_pretrained_moe_model of plugins/moe, which loads them into model/gpt2_moe.",
       [](const HuggingFacePretrainedConfig& c, BuildContext& ctx) -> std::shared_ptr<Module> {
-        const hf::ImportedConfig imported = read_huggingface_config(c);
-        if (!imported.spec.moe) return load_huggingface(c);
+        hf::ImportedConfig imported = read_huggingface_config(c);
+        if (!imported.spec.moe) return load_huggingface(c, std::move(imported));
         Value built;
         try {
-          built = ctx.build(Module::kComponentKey, kHuggingFaceMoeVariant, huggingface_config_value(c));
+          built = ctx.build(Module::kComponentKey, kHuggingFaceMoeVariant, ctx.config());
         } catch (const ConfigError&) {
           throw;
         } catch (const Error& e) {

@@ -162,22 +162,9 @@ hf::ImportedConfig read_huggingface_config(const HuggingFacePretrainedConfig& c)
   return hf::read_config(folder);
 }
 
-Value huggingface_config_value(const HuggingFacePretrainedConfig& c) {
-  // kwargs (float32 only) and model_args (empty only) were checked and change nothing: left out.
-  Value::Table t{{"model_type", Value(c.model_type)},
-                 {"model_name", Value(c.model_name.string())},
-                 {"prediction_key", Value(c.prediction_key)},
-                 {"huggingface_prediction_subscription_key", Value(c.huggingface_prediction_subscription_key)},
-                 {"sample_key", Value(c.sample_key)},
-                 {"dropout", Value(c.dropout)},
-                 {"attention_implementation", Value(c.attention_implementation)}};
-  if (c.sequence_length) t.emplace_back("sequence_length", Value(*c.sequence_length));
-  return Value(std::move(t));
-}
-
-std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c, const MoeModelFactory& moe) {
+std::shared_ptr<Module> load_huggingface(const HuggingFacePretrainedConfig& c, hf::ImportedConfig imported,
+                                         const MoeModelFactory& moe) {
   const std::filesystem::path folder = c.model_name;
-  hf::ImportedConfig imported = read_huggingface_config(c);
   if (imported.spec.moe && !moe)
     throw Error(fmt::format("{}: {} is a Mixture-of-Experts family, which model/gpt2_moe (plugins/moe) imports",
                             folder.string(), imported.model_type));

@@ -9,6 +9,7 @@
 //  * HF -> ours -> HF gives the very tensors of the original files;
 //  * errors name the file, key and what is supported.
 #include "hash_weights.h"
+#include "hf_folders.h"
 
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
@@ -45,15 +46,8 @@ const char* const kImports[] = {"llama", "llama3_scaled_bias", "mistral_window",
 const char* const kExports[] = {"llama", "qwen2_llama3_rope", "mistral_window", "qwen3", "gpt2"};
 
 using TempDir = modalities::testing::ScratchDir;
-
-std::string import_toml(const fs::path& folder, const std::string& extra = "") {
-  return fmt::format(R"([model]
-component_key = "model"
-variant_key = "huggingface_pretrained_model"
-config = {{ model_type = "AutoModelForCausalLM", model_name = "{}", prediction_key = "logits", huggingface_prediction_subscription_key = "logits", sample_key = "input_ids"{} }}
-)",
-                     folder.string(), extra);
-}
+using modalities::testing::hf::copy_with_config;
+using modalities::testing::hf::import_toml;
 
 std::shared_ptr<Module> import_model(testing::Harness& h, const fs::path& folder) {
   h.set_config_text(import_toml(folder));
@@ -282,17 +276,6 @@ std::string import_error(const fs::path& folder, const std::string& extra = "") 
   testing::Harness h{MODALITIES_TEST_PLUGIN};
   h.set_config_text(import_toml(folder, extra));
   return h.build_error();
-}
-
-void copy_with_config(const fs::path& from, const fs::path& to, const std::string& old_text,
-                      const std::string& new_text) {
-  fs::create_directories(to);
-  for (const auto& e : fs::directory_iterator(from)) fs::copy_file(e.path(), to / e.path().filename());
-  std::string cfg = testing::read_file(to / "config.json");
-  const auto at = cfg.find(old_text);
-  ASSERT_NE(at, std::string::npos) << old_text;
-  cfg.replace(at, old_text.size(), new_text);
-  std::ofstream(to / "config.json", std::ios::trunc) << cfg;
 }
 
 TEST(HuggingFaceErrorsTest, NameWhatIsUnsupported) {

@@ -181,6 +181,12 @@ gpt2::HfFeedForward describe_for_huggingface(const MoeConfig& c, std::int64_t n_
   };
 }
 
+// model/gpt2_moe: model/gpt2's decoder `g` with the MoE blocks of `m`, on `device`.
+std::shared_ptr<Module> make_gpt2_moe(const gpt2::GPT2Config& g, const MoeConfig& m, const c10::Device& device) {
+  return gpt2::make_gpt2(g, device, moe_feed_forward(m, g.n_embd), m.aux_loss_key,
+                         describe_for_huggingface(m, g.n_layer));
+}
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -190,9 +196,8 @@ void register_components(Registrar& r) {
       "not, scaled), stacked SwiGLU experts over tokens sorted by expert, optional (gated) shared experts, first k "
       "dense / every n-th / listed dense layers (Mixtral, Qwen2/3-MoE, DeepSeek-V3 style).",
       [](const Gpt2MoeConfig& c) {
-        return gpt2::make_gpt2(c, c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device(),
-                               moe_feed_forward(c.moe_config, c.n_embd), c.moe_config.aux_loss_key,
-                               describe_for_huggingface(c.moe_config, c.n_layer));
+        return make_gpt2_moe(c, c.moe_config,
+                             c.use_meta_device.value_or(false) ? c10::Device(c10::kMeta) : run_device());
       });
   r.add<Module, gpt2::HuggingFacePretrainedConfig>(
       gpt2::kHuggingFaceMoeVariant,
@@ -201,10 +206,9 @@ void register_components(Registrar& r) {
       "are that variant's.",
       [](const gpt2::HuggingFacePretrainedConfig& c) {
         return gpt2::load_huggingface(
-            c, [](const gpt2::GPT2Config& g, const gpt2::hf::MoeSpec& spec, const c10::Device& device) {
-              const MoeConfig m = moe_config_from_spec(spec);
-              return gpt2::make_gpt2(g, device, moe_feed_forward(m, g.n_embd), m.aux_loss_key,
-                                     describe_for_huggingface(m, g.n_layer));
+            c, gpt2::read_huggingface_config(c),
+            [](const gpt2::GPT2Config& g, const gpt2::hf::MoeSpec& spec, const c10::Device& device) {
+              return make_gpt2_moe(g, moe_config_from_spec(spec), device);
             });
       });
   r.add<Optimizer, LoadBalancedConfig>(

@@ -4,6 +4,7 @@
 // them back. The references are transformers 4.57.6's own models on the same weights and tokens
 // (tests/data/hf, written by scripts/reference/make_hf_fixtures.py; no Python in CI).
 #include "huggingface.h"  // plugins/gpt2: hf::read_config, hf::to_huggingface
+#include "hf_folders.h"   // plugins/gpt2/tests: import_toml, copy_with_config
 
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/formats/safetensors.h>
@@ -30,6 +31,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using testing::hf::copy_with_config;
+using testing::hf::import_toml;
 
 const fs::path kHf = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "tests" / "data" / "hf";
 const fs::path kExample = fs::path(MODALITIES_TEST_PLUGIN_SOURCE_DIR) / "configs" / "example.toml";
@@ -38,15 +41,6 @@ const char* const kFamilies[] = {"mixtral", "qwen2_moe", "qwen3_moe"};
 // The issue's bound: logits within 1e-5 of the largest logit; gradients within 1e-5 of their
 // largest entry (the block test's bound, tests/moe_test.cpp).
 constexpr double kTol = 1e-5;
-
-std::string import_toml(const fs::path& folder) {
-  return fmt::format(R"([model]
-component_key = "model"
-variant_key = "huggingface_pretrained_model"
-config = {{ model_type = "AutoModelForCausalLM", model_name = "{}", prediction_key = "logits", huggingface_prediction_subscription_key = "logits", sample_key = "input_ids" }}
-)",
-                     folder.string());
-}
 
 // A harness with both plugins: gpt2 registers model/huggingface_pretrained_model, this one the
 // variant it hands the MoE families to.
@@ -212,17 +206,6 @@ TEST(MoeHuggingFaceTest, AGpt2MoeModelExportsAsItsFamily) {
   ASSERT_NE(s, nullptr) << sig.build_error();
   EXPECT_THAT([&] { dynamic_cast<const HuggingFaceExportable&>(*s).to_huggingface({}); },
               ::testing::ThrowsMessage<Error>(HasSubstr("score_function 'sigmoid'")));
-}
-
-void copy_with_config(const fs::path& from, const fs::path& to, const std::string& old_text,
-                      const std::string& new_text) {
-  fs::create_directories(to);
-  for (const auto& e : fs::directory_iterator(from)) fs::copy_file(e.path(), to / e.path().filename());
-  std::string cfg = testing::read_file(to / "config.json");
-  const auto at = cfg.find(old_text);
-  ASSERT_NE(at, std::string::npos) << old_text;
-  cfg.replace(at, old_text.size(), new_text);
-  std::ofstream(to / "config.json", std::ios::trunc) << cfg;
 }
 
 std::string import_error(const fs::path& folder, bool with_moe = true) {

@@ -32,6 +32,10 @@ class MODALITIES_SDK_API BuildContext {
   virtual std::string_view path() const = 0;
   /// Reports a non-fatal problem; shown with the node's path and source location.
   virtual void warn(std::string message) = 0;
+  /// The config table of the node being built, as its factory received it before parsing: what
+  /// a factory hands on to build() unchanged. The default (a host without it) is null.
+  /// Since: SDK 0.1 (ABI 8).
+  virtual const Value& config() const;
   /// Builds another registered variant with `config` (a table of built values, as a factory's
   /// config arrives) and returns what its factory returned: how a factory hands part of its
   /// domain to a variant another plugin registers (model/huggingface_pretrained_model hands the
