@@ -579,8 +579,10 @@ struct Layout {
 // for bit PyTorch's, which differs from the float64 norm of the sharded clippers by up to ~1e-4
 // relative). Every curve is printed.
 // `reference(accumulation)`: the one-process config with that many accumulation steps.
+// `inspect(root)`, when given, then looks at the runs' outputs under root/<id>.
 void expect_layouts_train_like_a_reference(int steps, const std::vector<Layout>& layouts,
-                                           const std::function<std::string(int)>& reference) {
+                                           const std::function<std::string(int)>& reference,
+                                           const std::function<void(const std::filesystem::path&)>& inspect = {}) {
   const modalities::testing::ScratchDir dir;
   const auto root = dir.path() / "experiments";
   const auto run_on = [&](int ranks, const std::string& id, const std::string& config) {
@@ -624,6 +626,7 @@ void expect_layouts_train_like_a_reference(int steps, const std::vector<Layout>&
     EXPECT_LE(loss, std::max(1e-5, 10 * loss_floor)) << l.id;
     EXPECT_LE(norm, std::max(1e-5, 10 * norm_floor)) << l.id;
   }
+  if (inspect) inspect(root);
 }
 
 void expect_layouts_train_like_one_process(int steps, const std::vector<Layout>& layouts,
@@ -715,46 +718,132 @@ std::string moe_ep_config(int steps, int ep = 2, int accumulation = 1, int check
                 "expert_parallel_degree = 2", fmt::format("expert_parallel_degree = {}", ep));
 }
 
+// moe_ep_config that logs every expert's routing slots (moe_config.log_tokens_per_expert), and
+// computes in float64 if `fp64` (param_dtype = reduce_dtype = FP_64; the master weights and the
+// optimizer stay float32).
+std::string moe_counted_config(int steps, int ep, int accumulation, bool fp64) {
+  std::string text = edited(moe_ep_config(steps, ep, accumulation), "use_expert_bias = true",
+                            "use_expert_bias = true\nlog_tokens_per_expert = true");
+  if (fp64)
+    text = edited(text, "param_dtype = \"FP_32\", reduce_dtype = \"FP_32\"",
+                  "param_dtype = \"FP_64\", reduce_dtype = \"FP_64\"");
+  return text;
+}
+
+// Every logged step's routing slots per expert and block ("moe tokens of expert e (block L)",
+// summed over the ranks) of experiment `id` under `root`.
+std::vector<std::map<std::string, double>> tokens_per_expert_of(const std::filesystem::path& root,
+                                                                const std::string& id) {
+  std::ifstream in(root / id / "evaluation_results.jsonl");
+  std::vector<std::map<std::string, double>> out;
+  const std::string key = "\"moe tokens of expert ";
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"train loss avg\"") == std::string::npos) continue;
+    std::map<std::string, double>& step = out.emplace_back();
+    for (auto at = line.find(key); at != std::string::npos; at = line.find(key, at + 1)) {
+      const auto end = line.find('"', at + 1);
+      step[line.substr(at + 1, end - at - 1)] = number_after(line, line.substr(at + 1, end - at - 1));
+    }
+  }
+  return out;
+}
+
+// The layouts' routing against the one-process run's ("one_8x1"): every expert of every block got
+// the same slots at step 1 and, if `every_step`, at every step. Prints how many (step, block,
+// expert) counts differ: in float32 the reordered sums of the layouts can flip a near-tied choice
+// once the weights have drifted apart by rounding, and from then on a step may differ.
+void expect_same_tokens_per_expert(const std::filesystem::path& root, const std::vector<std::string>& ids, int steps,
+                                   bool every_step) {
+  const auto ref = tokens_per_expert_of(root, "one_8x1");
+  ASSERT_EQ(ref.size(), static_cast<std::size_t>(steps));
+  ASSERT_FALSE(ref[0].empty()) << "no \"moe tokens of expert\" metric was logged";
+  for (const std::string& id : ids) {
+    const auto got = tokens_per_expert_of(root, id);
+    ASSERT_EQ(got.size(), ref.size()) << id;
+    EXPECT_EQ(got[0], ref[0]) << id << ": the tokens per expert of step 1 differ";
+    int differing = 0, steps_differing = 0;
+    for (int k = 0; k < steps; ++k) {
+      ASSERT_EQ(got[k].size(), ref[k].size()) << id << " step " << k + 1;
+      int here = 0;
+      for (const auto& [name, count] : ref[k]) here += got[k].at(name) != count ? 1 : 0;
+      differing += here;
+      steps_differing += here > 0 ? 1 : 0;
+      if (every_step) {
+        EXPECT_EQ(here, 0) << id << ": the tokens per expert of step " << k + 1 << " differ";
+      }
+    }
+    std::printf("%-15s tokens per expert: %d of %zu counts differ from one process (in %d of %d steps)\n", id.c_str(),
+                differing, ref[0].size() * static_cast<std::size_t>(steps), steps_differing, steps);
+  }
+}
+
 // EP2 on two ranks (each rank 2 of the 4 experts of every block, its own 4 sequences) trains like
-// one process on the 8 sequences: 5 steps in the default suite, the acceptance under `full`.
+// one process on the 8 sequences, and routes the same tokens to every expert at step 1: 5 steps
+// in the default suite, the acceptance under `full`.
 TEST(DistributedMoeTest, ExpertParallelOnTwoRanksTrainsLikeOneProcess) {
   constexpr int kSteps = 5;  // the warm-up's 4 steps and one
-  expect_layouts_train_like_a_reference(kSteps, {{"ep2", 2, moe_ep_config(kSteps)}},
-                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+  expect_layouts_train_like_a_reference(
+      kSteps, {{"ep2", 2, moe_counted_config(kSteps, 2, 1, false)}},
+      [](int accumulation) { return moe_counted_config(kSteps, 1, accumulation, false); },
+      [](const std::filesystem::path& root) { expect_same_tokens_per_expert(root, {"ep2"}, kSteps, false); });
 }
 
 // The issue's acceptance (label `full`): EP2 on 2 ranks and EP2 x FSDP2 on 4 (dp_shard 4 with ep 2:
-// each expert pair sharded over 2 ranks) against one process, 20 steps.
+// each expert pair sharded over 2 ranks) against one process, 20 steps: the losses and grad norms,
+// and the tokens per expert at step 1 (how many differ later is printed).
 TEST(DistributedMoeFullTest, ExpertParallelAndItsFsdp2TrainLikeOneProcess) {
   constexpr int kSteps = 20;
-  expect_layouts_train_like_a_reference(kSteps,
-                                        {{"ep2", 2, moe_ep_config(kSteps)}, {"ep2_fsdp2", 4, moe_ep_config(kSteps)}},
-                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+  expect_layouts_train_like_a_reference(
+      kSteps,
+      {{"ep2", 2, moe_counted_config(kSteps, 2, 1, false)}, {"ep2_fsdp2", 4, moe_counted_config(kSteps, 2, 1, false)}},
+      [](int accumulation) { return moe_counted_config(kSteps, 1, accumulation, false); },
+      [](const std::filesystem::path& root) {
+        expect_same_tokens_per_expert(root, {"ep2", "ep2_fsdp2"}, kSteps, false);
+      });
 }
 
-// configs/moe/ep_cpu.toml without the auxiliary losses (the cross-entropy alone: an activation-
-// checkpointed MoE block may not leave one), with every block activation-checkpointed if `ac`.
+// The same in float64 compute (label `full`): no near tie is close enough for the layouts'
+// reordering to flip it, so every step's tokens per expert equal one process's.
+TEST(DistributedMoeFullTest, InFloat64ExpertParallelRoutesLikeOneProcessAtEveryStep) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_a_reference(
+      kSteps,
+      {{"ep2", 2, moe_counted_config(kSteps, 2, 1, true)}, {"ep2_fsdp2", 4, moe_counted_config(kSteps, 2, 1, true)}},
+      [](int accumulation) { return moe_counted_config(kSteps, 1, accumulation, true); },
+      [](const std::filesystem::path& root) {
+        expect_same_tokens_per_expert(root, {"ep2", "ep2_fsdp2"}, kSteps, true);
+      });
+}
+
+// A model/parallelized config with every block activation-checkpointed.
+std::string activation_checkpointed(const std::string& text) {
+  return edited(text, "fully_shard = {",
+                "activation_checkpointing = { ac_variant = \"full_activation_checkpointing\", layers_fqn = "
+                "\"transformer.h\", ac_fun_params = {} }\nfully_shard = {");
+}
+
+// configs/moe/ep_cpu.toml without the auxiliary losses (the cross-entropy alone), with every block
+// activation-checkpointed if `ac`.
 std::string moe_ep_config_without_aux(int steps, int ep, int accumulation, bool ac) {
   std::string text = moe_ep_config(steps, ep, accumulation);
   text = edited(text, "aux_loss_coef = 0.01", "aux_loss_coef = 0.0");
   text = edited(text, "z_loss_coef = 0.001", "z_loss_coef = 0.0");
   text = edited(text, ", { instance_key = \"moe_aux_loss\", pass_type = \"BY_REFERENCE\" }]", "]");
   text = edited(text, "weights = [1.0, 1.0]", "weights = [1.0]");
-  if (ac)
-    text = edited(text, "fully_shard = {",
-                  "activation_checkpointing = { ac_variant = \"full_activation_checkpointing\", layers_fqn = "
-                  "\"transformer.h\", ac_fun_params = {} }\nfully_shard = {");
-  return text;
+  return ac ? activation_checkpointed(text) : text;
 }
 
 // Activation checkpointing of the MoE blocks under EP2 (label `full`): every block recomputed in
-// backward, its all-to-alls again, on both ranks in the same order; the run trains like one
-// process without checkpointing, 20 steps.
+// backward, its all-to-alls again, on both ranks in the same order, with and without the
+// auxiliary losses (which pass through the recomputation: plugins/gpt2, Note [Auxiliary losses
+// through a block runner]); each run trains like one process without checkpointing, 20 steps.
 TEST(DistributedMoeFullTest, ActivationCheckpointedMoeBlocksUnderExpertParallelismTrainLikeOneProcess) {
   constexpr int kSteps = 20;
   expect_layouts_train_like_a_reference(
       kSteps, {{"ep2_ac", 2, moe_ep_config_without_aux(kSteps, 2, 1, true)}},
       [](int accumulation) { return moe_ep_config_without_aux(kSteps, 1, accumulation, false); });
+  expect_layouts_train_like_a_reference(kSteps, {{"ep2_ac_aux", 2, activation_checkpointed(moe_ep_config(kSteps))}},
+                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
 }
 
 // ep_cpu.toml's sampler over the mesh's dp_shard ranks: under tp or pp several ranks read the same
@@ -769,19 +858,24 @@ std::string sampled_over_dp_shard(std::string text) {
 }
 
 // EP2 x TP2 on 4 ranks (dp_shard 2 x tp 2, ep over dp_shard): tensor parallelism of the attention
-// and the dense parts; every MoE block computes whole on both tp ranks, its experts split over ep.
-std::string moe_ep_tp_config(int steps) {
-  std::string text = sampled_over_dp_shard(moe_ep_config(steps));
-  text = edited(text, "expert_parallel_degree = 2,", "expert_parallel_degree = 2, tensor_parallel_degree = 2,");
-  return edited(text, "fully_shard = {", "tensor_parallel = { sequence_parallel = false }\nfully_shard = {");
+// and the dense parts; every MoE block computes whole on both tp ranks, its experts split over ep
+// (under sequence parallelism on the sequence gathered for it).
+std::string moe_ep_tp_config(int steps, int ep = 2, bool sequence_parallel = false) {
+  std::string text = sampled_over_dp_shard(moe_ep_config(steps, ep));
+  text = edited(text, fmt::format("expert_parallel_degree = {},", ep),
+                fmt::format("expert_parallel_degree = {}, tensor_parallel_degree = 2,", ep));
+  return edited(text, "fully_shard = {",
+                fmt::format("tensor_parallel = {{ sequence_parallel = {} }}\nfully_shard = {{", sequence_parallel));
 }
 
-// EP2 x PP2 on 4 ranks (pp 2 x dp_shard 2, ep over dp_shard): one MoE block per stage, 1F1B over two
-// pipeline micro-batches of 2 sequences, untied, without the auxiliary losses (which pipeline
-// stages do not carry yet).
-std::string moe_ep_pp_config(int steps) {
-  std::string text = sampled_over_dp_shard(untied(moe_ep_config_without_aux(steps, 2, 1, false)));
-  text = edited(text, "expert_parallel_degree = 2,", "expert_parallel_degree = 2, pipeline_parallel_degree = 2,");
+// EP2 x PP2 on 4 ranks (pp 2 x dp_shard 2, ep over dp_shard; `ep` 1: PP2 alone on 2 ranks): one MoE
+// block per stage, 1F1B over pipeline micro-batches of 2 sequences, untied; the first stage's
+// auxiliary losses travel to the last stage's loss with the activations (plugins/pipeline, Note
+// [Side losses through the pipeline]).
+std::string moe_ep_pp_config(int steps, int ep = 2) {
+  std::string text = sampled_over_dp_shard(untied(moe_ep_config(steps, ep)));
+  text = edited(text, fmt::format("expert_parallel_degree = {},", ep),
+                fmt::format("expert_parallel_degree = {}, pipeline_parallel_degree = 2,", ep));
   return edited(text, "fully_shard = {",
                 "pipeline = { pp_schedule_name = \"1F1B\", num_layers_per_stage = 2, batch_size = "
                 "\"${settings.step_profile.local_train_micro_batch_size}\", microbatch_size = 2, loss_fn = { "
@@ -791,14 +885,32 @@ std::string moe_ep_pp_config(int steps) {
                 "fully_shard = {");
 }
 
-// The issue's acceptance (label `full`): EP2 x TP2 and EP2 x PP2 (4 ranks each) against one process
-// on the same 8 sequences, 20 steps.
+// TP2 with sequence parallelism on the MoE model (2 ranks, no ep dim): the MoE blocks take the
+// gathered sequence, and the run trains like one process, with the auxiliary losses; 5 steps.
+TEST(DistributedMoeTest, SequenceParallelTensorParallelismTrainsLikeOneProcess) {
+  constexpr int kSteps = 5;
+  expect_layouts_train_like_a_reference(kSteps, {{"tp2_sp", 2, moe_ep_tp_config(kSteps, 1, true)}},
+                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+}
+
+// PP2 on the MoE model with the auxiliary losses (2 ranks, no ep dim): the first stage's losses
+// reach the loss of the last, and the run trains like one process; 5 steps.
+TEST(DistributedMoeTest, PipelineParallelismCarriesTheAuxiliaryLossesAndTrainsLikeOneProcess) {
+  constexpr int kSteps = 5;
+  expect_layouts_train_like_a_reference(kSteps, {{"pp2", 2, moe_ep_pp_config(kSteps, 1)}}, [](int accumulation) {
+    return untied(moe_ep_config(kSteps, 1, accumulation));
+  });
+}
+
+// The issue's acceptance (label `full`): EP2 x TP2 (with and without sequence parallelism) and
+// EP2 x PP2 (4 ranks each) against one process on the same 8 sequences, 20 steps.
 TEST(DistributedMoeFullTest, ExpertParallelWithTensorAndPipelineParallelismTrainsLikeOneProcess) {
   constexpr int kSteps = 20;
-  expect_layouts_train_like_a_reference(kSteps, {{"ep2_tp2", 4, moe_ep_tp_config(kSteps)}},
-                                        [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
+  expect_layouts_train_like_a_reference(
+      kSteps, {{"ep2_tp2", 4, moe_ep_tp_config(kSteps)}, {"ep2_tp2_sp", 4, moe_ep_tp_config(kSteps, 2, true)}},
+      [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
   expect_layouts_train_like_a_reference(kSteps, {{"ep2_pp2", 4, moe_ep_pp_config(kSteps)}}, [](int accumulation) {
-    return untied(moe_ep_config_without_aux(kSteps, 1, accumulation, false));
+    return untied(moe_ep_config(kSteps, 1, accumulation));
   });
 }
 
@@ -813,12 +925,6 @@ TEST(DistributedMoeTest, WhatTheExpertParallelRanksCannotSplitIsAConfigError) {
       "has an ep dim of 2 ranks (expert_parallel_degree), but the model has no experts");
   expect_refused_on_two_ranks(dir, "experts", edited(moe_ep_config(2), "num_experts = 4", "num_experts = 3"),
                               "is 3, which is not divisible by the expert-parallel degree 2");
-  // TP2 with sequence parallelism on the MoE model (no ep dim): the blocks cannot take split tokens.
-  std::string sp = edited(moe_ep_tp_config(2), "expert_parallel_degree = 2,", "expert_parallel_degree = 1,");
-  sp = edited(sp, "sequence_parallel = false", "sequence_parallel = true");
-  expect_refused_on_two_ranks(
-      dir, "sequence_parallel", sp,
-      "model.config.tensor_parallel.sequence_parallel: is true, but model/gpt2_moe's MoE blocks");
 }
 
 // --- pipeline parallel -----------------------------------------------------------------------

@@ -16,10 +16,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -233,7 +235,7 @@ TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias
     EXPECT_EQ(r.exit_code, 0) << r;
     return train_results(experiments / id / "evaluation_results.jsonl");
   };
-  const auto with = run("moe", {});
+  const auto with = run("moe", {{"use_expert_bias = true", "use_expert_bias = true\nlog_tokens_per_expert = true"}});
   const auto without = run("moe_plain", {{"weights = [1.0, 1.0]", "weights = [1.0, 0.0]"}});
   ASSERT_EQ(with.size(), 8u);
   ASSERT_EQ(without.size(), 8u);
@@ -253,12 +255,38 @@ TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias
       EXPECT_LE(hi, 4.0);  // 4 experts: one that takes every slot
       EXPECT_GE(lo, 0.0);
       EXPECT_LE(lo, 1.0);
+      // log_tokens_per_expert: the 4 experts' slots, N * top_k of every step, whose largest and
+      // smallest over their mean are the two numbers above.
+      std::vector<double> counts;
+      for (int e = 0; e < 4; ++e)
+        counts.push_back(std::stod(r.at(fmt::format("moe tokens of expert {} ({})", e, block))));
+      EXPECT_FALSE(r.contains(fmt::format("moe tokens of expert 4 ({})", block)));
+      const double slots = std::accumulate(counts.begin(), counts.end(), 0.0);
+      EXPECT_EQ(slots, std::stod(with[0].at("moe tokens of expert 0 (block 0)")) +
+                           std::stod(with[0].at("moe tokens of expert 1 (block 0)")) +
+                           std::stod(with[0].at("moe tokens of expert 2 (block 0)")) +
+                           std::stod(with[0].at("moe tokens of expert 3 (block 0)")));
+      EXPECT_EQ(std::fmod(slots, 2.0), 0.0);  // top_k = 2
+      EXPECT_NEAR(hi, *std::max_element(counts.begin(), counts.end()) / (slots / 4), 1e-4);
+      EXPECT_NEAR(lo, *std::min_element(counts.begin(), counts.end()) / (slots / 4), 1e-4);
       const double block_aux = std::stod(r.at("moe aux loss (" + block + ")"));
       EXPECT_GT(block_aux, 0.0);
       if (&r == &with[0]) aux_logged += block_aux;
     }
   EXPECT_NEAR(aux_logged, aux, 1e-4);
   EXPECT_FALSE(with[0].contains("moe dropped slots (block 0)"));  // dropless: nothing to report
+  // Activation checkpointing of the blocks (model/activation_checkpointed): the MoE block's
+  // auxiliary loss passes through the recomputation, and the run is the same, bit for bit.
+  const auto checkpointed =
+      run("moe_ac", {{"[app_state.config]\nmodel = { instance_key = \"model_raw\", pass_type = \"BY_REFERENCE\" }",
+                      "[app_state.config]\nmodel = { component_key = \"model\", variant_key = "
+                      "\"activation_checkpointed\", config = { model = { instance_key = \"model_raw\", pass_type = "
+                      "\"BY_REFERENCE\" }, layers_fqn = \"transformer.h\", ac_variant = "
+                      "\"full_activation_checkpointing\", ac_fun_params = {} } }"}});
+  ASSERT_EQ(checkpointed.size(), 8u);
+  for (std::size_t i = 0; i < 8; ++i)
+    for (const char* key : {"train loss avg", "grad norm last", "moe aux loss (block 0)"})
+      EXPECT_EQ(checkpointed[i].at(key), with[i].at(key)) << key << " at step " << i + 1;
   // The auxiliary-loss-free bias (optimizer/moe_load_balanced) starts at zero and moves after each
   // step: a large rate changes no first step and the choices of the later ones.
   const auto moved = run("moe_bias", {{"expert_bias_update_rate = 1e-3", "expert_bias_update_rate = 1.0"}});

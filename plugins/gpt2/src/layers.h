@@ -139,7 +139,9 @@ class FeedForward : public torch::nn::Module {
   /// Whether it computes whole on every tp rank under tensor parallelism (its parameters
   /// replicated, its output the block's whole output): then the block hands it the normed input
   /// without entering the tp region, whose backward would add up the tp ranks' equal input
-  /// gradients. The MoE blocks (plugins/moe) are; model/gpt2's MLPs split their hidden units.
+  /// gradients; under sequence parallelism the block gathers the whole sequence for it and keeps
+  /// this rank's chunk of its output. The MoE blocks (plugins/moe) are; model/gpt2's MLPs split
+  /// their hidden units.
   virtual bool replicated_under_tensor_parallel() const { return false; }
   /// Expert parallelism: keeps this rank's share of the feed-forward's experts, whose forward
   /// then talks to the other ranks of ep.group, and returns the names (relative to this module)

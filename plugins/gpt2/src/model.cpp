@@ -188,12 +188,6 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   }
 
   void retain_modules(const std::vector<std::string>& module_fqns) override {
-    if (impl_->has_aux_losses())
-      throw Error(fmt::format(
-          "model/gpt2_moe: the MoE blocks' auxiliary losses (model output '{}', moe_config.aux_loss_coef and "
-          "z_loss_coef) are not carried through pipeline stages yet; train without pipeline parallelism or set "
-          "both coefficients to 0 (plugins/moe/README.md, \"Status\")",
-          aux_loss_key_));
     impl_->retain(module_fqns);
     retained_ = module_fqns;
   }

@@ -420,8 +420,15 @@ class GPT2BlockImpl final : public torch::nn::Module {
     const auto enter = [&](const at::Tensor& n) { return tp ? tp->enter(n, B, T) : n; };
     x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt);
     const at::Tensor normed = (*ffn_norm)(x, dt);
-    const at::Tensor n = mlp->replicated_under_tensor_parallel() ? normed : enter(normed);
-    return x + mlp->forward(n, B, T, dt);
+    if (!mlp->replicated_under_tensor_parallel()) return x + mlp->forward(enter(normed), B, T, dt);
+    if (!tp || !tp->sequence_parallel) return x + mlp->forward(normed, B, T, dt);
+    // A feed-forward that computes whole on every tp rank (a MoE block) under sequence
+    // parallelism: the whole sequence in (all-gather; backward: this rank's chunk, the ranks'
+    // gradients being equal), this rank's chunk out (backward: all-gathered).
+    const std::int64_t Tl = T / tp->size;
+    const at::Tensor whole = tp::gather_from_tensor_parallel(normed.view({B, Tl, -1}), 1, tp->group);
+    const at::Tensor y = mlp->forward(whole.reshape({B * T, -1}), B, T, dt);
+    return x + tp::split_to_tensor_parallel(y.view({B, T, -1}), 1, tp->group).reshape({B * Tl, -1});
   }
 
   void parallelize(const TpPlan& plan) {
@@ -519,10 +526,14 @@ at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
         h = block(h, B, T, dt);
         continue;
       }
+      const std::string fqn = "transformer.h." + item.key();
+      if (block.mlp->has_aux_loss() && hooks_.has_runner(fqn)) {
+        h = run_block_with_aux_loss(fqn, block, h, B, T, dt);
+        continue;
+      }
       // Only the model-owned block and values: a block runner (activation checkpointing) may call
       // it again in backward.
-      h = hooks_.around("transformer.h." + item.key(), "GPT2Block", h,
-                        [&block, B, T, dt](const at::Tensor& x) { return block(x, B, T, dt); });
+      h = hooks_.around(fqn, "GPT2Block", h, [&block, B, T, dt](const at::Tensor& x) { return block(x, B, T, dt); });
     }
   }
   if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
@@ -615,10 +626,38 @@ bool GPT2LLMImpl::has_aux_losses() const {
 
 at::Tensor GPT2LLMImpl::take_aux_losses() {
   at::Tensor total;
+  const auto add = [&](const at::Tensor& a) { total = total.defined() ? total + a : a; };
   for_each_feed_forward([&](FeedForward& ffn) {
-    if (at::Tensor a = ffn.take_aux_loss(); a.defined()) total = total.defined() ? total + a : a;
+    if (at::Tensor a = ffn.take_aux_loss(); a.defined()) add(a);
   });
+  for (const at::Tensor& a : std::exchange(runner_aux_, {})) add(a);
   return total;
+}
+
+// Note [Auxiliary losses through a block runner]
+// A block runner sees one tensor in and one out, and activation checkpointing runs the block
+// without autograd and again in backward: an auxiliary loss the first run left in the
+// feed-forward would have no gradient. So a block whose feed-forward has one gives the runner its
+// output with the loss as one more row, [N + 1, d]: the loss at [N, 0], zeros beside it, all in
+// float32 or wider (a bfloat16 output converts there and back exactly). The gradients of both
+// parts reach the runner's node together, and the recomputation's loss gets its share, the
+// gradient the loss function gave it. Only blocks with a runner pay for this; their kForward
+// hooks see the packed output.
+at::Tensor GPT2LLMImpl::run_block_with_aux_loss(const std::string& fqn, GPT2BlockImpl& block, const at::Tensor& h,
+                                                std::int64_t B, std::int64_t T, Dt dt) {
+  auto out_dtype = std::make_shared<c10::ScalarType>(h.scalar_type());
+  const at::Tensor packed = hooks_.around(fqn, "GPT2Block", h, [&block, B, T, dt, out_dtype, fqn](const at::Tensor& x) {
+    const at::Tensor y = block(x, B, T, dt);
+    const at::Tensor aux = block.mlp->take_aux_loss();
+    TORCH_CHECK(aux.defined(), "gpt2: block ", fqn, " has an auxiliary loss but its forward left none");
+    *out_dtype = y.scalar_type();
+    const c10::ScalarType wide = at::promote_types(at::promote_types(y.scalar_type(), aux.scalar_type()), at::kFloat);
+    const at::Tensor row = at::constant_pad_nd(aux.reshape({1, 1}).to(wide), {0, y.size(1) - 1});
+    return at::cat({y.to(wide), row}, 0);
+  });
+  const std::int64_t N = packed.size(0) - 1;
+  runner_aux_.push_back(packed.select(0, N).select(0, 0));
+  return packed.narrow(0, 0, N).to(*out_dtype);
 }
 
 at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt) {

@@ -28,6 +28,7 @@ namespace modalities::plugins::gpt2 {
 
 class EmbeddingImpl;
 class NormImpl;
+class GPT2BlockImpl;
 
 class GPT2LLMImpl final : public torch::nn::Module {
  public:
@@ -59,8 +60,9 @@ class GPT2LLMImpl final : public torch::nn::Module {
   std::vector<ModelMetric> take_metrics();
   // Whether a block's feed-forward leaves an auxiliary loss (FeedForward::has_aux_loss).
   bool has_aux_losses() const;
-  // The sum of the blocks' auxiliary losses of the last forward (FeedForward::take_aux_loss),
-  // undefined when no block left one.
+  // The sum of the blocks' auxiliary losses of the last forward (FeedForward::take_aux_loss, or
+  // through a block runner: Note [Auxiliary losses through a block runner]), undefined when no
+  // block left one.
   at::Tensor take_aux_losses();
   // The root's forward with its hooks around it (kPreForward, kForward, kBackward of "").
   at::Tensor hooked_forward(const at::Tensor& input, Dt dt);
@@ -84,6 +86,10 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // the slice look up row 0 and are zeroed, and the sum over the ranks (TpPlan::leave) is the
   // whole embedding, exactly (x + 0 = x).
   at::Tensor vocab_parallel_embedding(const at::Tensor& ids, std::int64_t B, std::int64_t T, Dt dt) const;
+  // Block `fqn` through its runner with its feed-forward's auxiliary loss handed out alongside
+  // (Note [Auxiliary losses through a block runner]); the loss goes to runner_aux_.
+  at::Tensor run_block_with_aux_loss(const std::string& fqn, GPT2BlockImpl& block, const at::Tensor& h, std::int64_t B,
+                                     std::int64_t T, Dt dt);
 
   bool absolute_;
   std::int64_t sequence_length_;
@@ -94,7 +100,8 @@ class GPT2LLMImpl final : public torch::nn::Module {
   torch::nn::ModuleDict h_{nullptr};
   torch::nn::ModuleDict transformer_{nullptr};
   ModuleHooks hooks_;
-  std::shared_ptr<const TpPlan> tp_;  // model/gpt2_tp
+  std::vector<at::Tensor> runner_aux_;  // auxiliary losses of blocks run by a runner, last forward
+  std::shared_ptr<const TpPlan> tp_;    // model/gpt2_tp
 };
 
 }  // namespace modalities::plugins::gpt2

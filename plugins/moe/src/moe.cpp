@@ -109,6 +109,9 @@ void MoeConfig::describe(Schema<MoeConfig>& s) {
           "Transformer) or residual (a token whose every slot was dropped gets its input as the block's output, "
           "Modalities' moe_overflow_policy = residual).")
       .one_of({"drop", "residual"});
+  s.field("log_tokens_per_expert", &MoeConfig::log_tokens_per_expert,
+          "Also log, per MoE block, the routing slots each expert was chosen for since the last training-log step, "
+          "summed over the data-parallel ranks (metrics \"moe tokens of expert e (block L)\"; E numbers per block).");
   s.rule([](const MoeConfig& c, ParseContext& ctx) {
     if (c.num_experts % c.n_group != 0)
       ctx.fail("n_group", fmt::format("is {}, which does not divide num_experts = {} into equal groups", c.n_group,
@@ -210,17 +213,19 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& co
         at::silu(at::_grouped_mm(x, a.transpose(-2, -1), offs)) * at::_grouped_mm(x, b.transpose(-2, -1), offs);
     return at::_grouped_mm(h, c.transpose(-2, -1), offs);
   }
-  // One mm per expert that has tokens: the row counts are needed on the host.
+  // One mm per expert that has tokens: the row counts are needed on the host. The experts' weights
+  // by unbind and their rows by split, whose backwards stack and concatenate the gradients once
+  // (w[e] and x.narrow would each fill a zero gradient of the whole tensor per expert and then add
+  // them up: 45 % of the step on the bench's sizes).
   const at::Tensor host = counts.to(at::kCPU);
-  const std::int64_t* n = host.data_ptr<std::int64_t>();
+  const std::vector<std::int64_t> n(host.data_ptr<std::int64_t>(), host.data_ptr<std::int64_t>() + host.numel());
+  const std::vector<at::Tensor> as = a.unbind(0), bs = b.unbind(0), cs = c.unbind(0);
+  const std::vector<at::Tensor> xs = x.split_with_sizes(n, 0);
   std::vector<at::Tensor> parts;
-  std::int64_t offset = 0;
-  for (std::int64_t e = 0; e < host.numel(); ++e) {
+  for (std::size_t e = 0; e < n.size(); ++e) {
     if (n[e] == 0) continue;
-    const at::Tensor xe = x.narrow(0, offset, n[e]);
-    const at::Tensor h = at::silu(at::mm(xe, a[e].t())) * at::mm(xe, b[e].t());
-    parts.push_back(at::mm(h, c[e].t()));
-    offset += n[e];
+    const at::Tensor h = at::silu(at::mm(xs[e], as[e].t())) * at::mm(xs[e], bs[e].t());
+    parts.push_back(at::mm(h, cs[e].t()));
   }
   return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
 }
@@ -255,19 +260,16 @@ MoeFeedForwardImpl::MoeFeedForwardImpl(const MoeConfig& c, std::int64_t d, const
   }
 }
 
-void MoeFeedForwardImpl::check_tensor_parallel(const gpt2::TpPlan& plan) const {
-  if (plan.sequence_parallel)
-    throw ConfigError("sequence_parallel",
-                      "is true, but model/gpt2_moe's MoE blocks compute whole on every tp rank and do not take "
-                      "sequence-parallel (split) tokens yet; set sequence_parallel = false (plugins/moe/README.md)");
-}
-
-void MoeFeedForwardImpl::parallelize(const gpt2::TpPlan&) {}  // whole on every tp rank: nothing to split
+// Whole on every tp rank: nothing to split. The tp ranks route the same tokens, which the summed
+// per-expert counts must count once (Note [MoE metrics]).
+void MoeFeedForwardImpl::parallelize(const gpt2::TpPlan& plan) { tp_replicas_ = plan.size; }
 
 Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
   Routing r;
-  // Scores in float32 whatever the compute dtype (transformers' softmax(..., dtype=torch.float)).
-  r.router_logits = (*gate)(x, dt).to(at::kFloat);  // [N, E]
+  // Scores in float32 when the compute dtype is narrower (transformers' softmax(..., dtype=torch.float));
+  // float64 stays float64 (param_dtype = FP_64).
+  r.router_logits = (*gate)(x, dt);  // [N, E]
+  r.router_logits = r.router_logits.to(at::promote_types(r.router_logits.scalar_type(), at::kFloat));
   r.scores = c_.score_function == "sigmoid" ? at::sigmoid(r.router_logits) : at::softmax(r.router_logits, /*dim=*/-1);
   at::Tensor weights, chosen;
   if (!balances_load() && c_.n_group == 1) {
@@ -279,7 +281,7 @@ Routing MoeFeedForwardImpl::route(const at::Tensor& x, Dt dt) const {
     {
       at::NoGradGuard no_grad;
       choice = r.scores.detach();
-      if (balances_load()) choice = choice + router->expert_bias().to(at::kFloat);
+      if (balances_load()) choice = choice + router->expert_bias().to(choice.scalar_type());
       if (c_.n_group > 1) {
         // Each group scored by the sum of its two best scores; the topk_group best groups stay
         // open, the others' experts cannot be chosen (-inf: transformers' DeepseekV3 fills 0,
@@ -347,16 +349,10 @@ at::Tensor MoeFeedForwardImpl::forward(const at::Tensor& x, std::int64_t B, std:
     if (shared_expert_gate) s = at::sigmoid((*shared_expert_gate)(h, dt)) * s;
     out = out + s;
   }
-  if (c_.has_aux_loss()) {
-    // Under activation checkpointing the block's first forward runs without autograd and its
-    // recomputation comes after the loss: the auxiliary loss would train nothing.
-    if (is_training() && !at::GradMode::is_enabled())
-      throw Error(
-          "model/gpt2_moe: a MoE block with an auxiliary loss (moe_config.aux_loss_coef or z_loss_coef > 0) ran a "
-          "training forward without autograd, as activation checkpointing runs it; its loss would have no gradient. "
-          "Checkpoint other blocks, or set both coefficients to 0 (plugins/moe/README.md, \"Status\")");
-    aux_loss_ = aux_loss(r, B, T);
-  }
+  // Under activation checkpointing the first forward runs without autograd; model/gpt2 hands the
+  // loss through the block runner, whose recomputation gives it its gradient (plugins/gpt2,
+  // modules.cpp: Note [Auxiliary losses through a block runner]).
+  if (c_.has_aux_loss()) aux_loss_ = aux_loss(r, B, T);
   if (is_training() && at::GradMode::is_enabled()) {
     // Counted once per micro-batch: an activation-checkpointed block's first forward runs
     // without autograd, its recomputation with. The selection bias's load (Note [Load balancing
@@ -407,6 +403,16 @@ void MoeFeedForwardImpl::take_metrics(const std::string& block, std::vector<Mode
       out.push_back({fmt::format("moe dropped slots ({})", block), dropped.sum().item<double>() / total});
   }
   if (aux.defined()) out.push_back({fmt::format("moe aux loss ({})", block), aux.item<double>() / forwards});
+  if (c_.log_tokens_per_expert) {
+    // Every rank counts all E experts (the routing comes before the dispatch). The tp ranks of a
+    // tensor-parallel block route the same tokens: each reports its share, so the sum over the
+    // world counts every data-parallel rank's tokens once (exact: the counts are integers, and
+    // so are their shares' sums).
+    const auto* counts = load.contiguous().data_ptr<double>();
+    for (std::int64_t e = 0; e < load.numel(); ++e)
+      out.push_back({fmt::format("moe tokens of expert {} ({})", e, block),
+                     counts[e] / static_cast<double>(tp_replicas_), ModelMetric::Reduce::kSum});
+  }
 }
 
 at::Tensor MoeFeedForwardImpl::take_expert_load() {
@@ -474,6 +480,22 @@ at::Tensor MoeFeedForwardImpl::experts_across_ranks(const at::Tensor& routed, co
       recv[static_cast<std::size_t>(j)] += in_n[j * L + l];
     }
   const at::Tensor arrived = dist::all_to_all_rows(routed, send, recv, ep_->group);  // source-major
+  // Bytes sent to the other ranks: the dispatch's rows for their experts, the combine's results of
+  // their tokens; in backward the combine's gradient retraces the dispatch, the dispatch's the
+  // combine (hooks: they run when those gradients are sent).
+  const std::int64_t me = ep_->rank;
+  const auto off_rank = [me](const std::vector<std::int64_t>& rows) {
+    std::int64_t n = 0;
+    for (std::size_t j = 0; j < rows.size(); ++j) n += static_cast<std::int64_t>(j) == me ? 0 : rows[j];
+    return n;
+  };
+  const std::int64_t sent_rows = off_rank(send), received_rows = off_rank(recv);
+  const auto bytes = [](std::int64_t rows, const at::Tensor& t) { return rows * t.size(1) * t.element_size(); };
+  *all_to_all_bytes_ += bytes(sent_rows, routed);
+  if (arrived.requires_grad())
+    arrived.register_hook([counter = all_to_all_bytes_, received_rows, bytes](const at::Tensor& g) {
+      *counter += bytes(received_rows, g);
+    });
   // Expert-major order of the arrived rows, and each local expert's count.
   std::vector<std::int64_t> start(static_cast<std::size_t>(G * L));  // of block (i, l), source-major
   std::int64_t offset = 0;
@@ -495,7 +517,13 @@ at::Tensor MoeFeedForwardImpl::experts_across_ranks(const at::Tensor& routed, co
   const at::Tensor y = experts->forward(rows, at::tensor(local_counts, index).to(counts.device()), dt, grouped);
   // Back to the arrived order (the inverse permutation), then home.
   const at::Tensor back = at::empty_like(perm).scatter_(0, perm, at::arange(perm.numel(), perm.options()));
-  return dist::all_to_all_rows(y.index_select(0, back), recv, send, ep_->group);
+  const at::Tensor results = y.index_select(0, back);
+  *all_to_all_bytes_ += bytes(received_rows, results);
+  at::Tensor home = dist::all_to_all_rows(results, recv, send, ep_->group);
+  if (home.requires_grad())
+    home.register_hook(
+        [counter = all_to_all_bytes_, sent_rows, bytes](const at::Tensor& g) { *counter += bytes(sent_rows, g); });
+  return home;
 }
 
 // Note [MoE auxiliary losses]: of one block, over its N = B*T tokens, E experts, k per token:

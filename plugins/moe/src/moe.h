@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -51,6 +52,7 @@ struct MoeConfig {
   std::optional<double> capacity_factor;
   std::int64_t min_capacity = 4;
   std::string overflow_policy = "drop";
+  bool log_tokens_per_expert = false;
 
   /// Whether the blocks compute an auxiliary loss (a coefficient is positive).
   bool has_aux_loss() const { return aux_loss_coef > 0 || z_loss_coef > 0; }
@@ -125,11 +127,11 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
  public:
   MoeFeedForwardImpl(const MoeConfig& c, std::int64_t d, const at::TensorOptions& o);
   at::Tensor forward(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) override;
-  /// Tensor parallelism (README.md, "Expert parallelism with tensor parallelism"): the block computes
-  /// whole on every tp rank (router, experts, shared experts replicated over tp; the experts split
-  /// over ep as without tp). Sequence parallelism is refused (its tokens would be split over the
-  /// tp ranks, and the auxiliary losses with them).
-  void check_tensor_parallel(const gpt2::TpPlan& plan) const override;
+  /// Tensor parallelism (README.md, "Expert parallelism with tensor and pipeline parallelism"): the
+  /// block computes whole on every tp rank (router, experts, shared experts replicated over tp; the
+  /// experts split over ep as without tp); under sequence parallelism model/gpt2's block gathers
+  /// the sequence for it and keeps this rank's chunk of its output. Any plan is accepted.
+  void check_tensor_parallel(const gpt2::TpPlan&) const override {}
   void parallelize(const gpt2::TpPlan& plan) override;
   bool replicated_under_tensor_parallel() const override { return true; }
   /// Chooses the experts of every token of x [N, d].
@@ -148,10 +150,15 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   /// The model's seam (Module::apply_expert_parallel): apply_expert_parallel(ep); kExpertWeights
   /// are split.
   std::vector<std::string> parallelize_experts(const ExpertParallel& ep) override;
+  /// Bytes this rank sent to the other ep ranks in the all-to-alls of the forwards and backwards
+  /// since the last call (the dispatch and the combine, and both again in backward; counted from
+  /// the split sizes of each call and the rows' dtype), reset to zero.
+  std::int64_t take_all_to_all_bytes() { return all_to_all_bytes_->exchange(0); }
   at::Tensor take_aux_loss() override { return std::exchange(aux_loss_, at::Tensor()); }
   /// The training forwards' routing since the last call (moe.cpp, Note [MoE metrics]): this rank's
   /// tokens per expert max/mean and min/mean, the fraction of slots the capacity dropped, the
-  /// auxiliary loss; each averaged over the ranks when logged.
+  /// auxiliary loss, each averaged over the ranks when logged; with log_tokens_per_expert every
+  /// expert's chosen slots, summed over the ranks.
   void take_metrics(const std::string& block, std::vector<ModelMetric>& out) override;
   /// A token computes with top_k of the num_experts routed experts (MFU's active parameters).
   std::map<std::string, double> parameter_activity() const override {
@@ -188,6 +195,9 @@ class MoeFeedForwardImpl final : public gpt2::FeedForward {
   // their auxiliary losses (device tensors: no sync per forward).
   at::Tensor metric_load_, metric_dropped_, metric_aux_;
   std::int64_t metric_forwards_ = 0;
+  // Shared with the backward hooks that count the backward's all-to-alls.
+  std::shared_ptr<std::atomic<std::int64_t>> all_to_all_bytes_ = std::make_shared<std::atomic<std::int64_t>>(0);
+  std::int64_t tp_replicas_ = 1;  // tp ranks that route the same tokens (tensor parallelism)
 };
 
 /// The feed-forward factory of model/gpt2_moe: MoE blocks where c.is_moe_layer, model/gpt2's MLP elsewhere.

@@ -108,14 +108,24 @@ class PipelineImpl final : public Pipeline {
 };
 
 // Note [Pipeline transfers]
-// A stage's output goes to the next stage as a header (int64[8]: rank of the tensor, its sizes)
-// followed by the tensor, both sent asynchronously (the sends are waited for at the end of the
-// step, so a send never blocks the schedule); the receiver blocks on the header, allocates, and
-// receives. Gradients go back the same way. Tags name the transfer (micro-batch, stage,
-// direction, header or payload), so transfers between the same ranks cannot be confused. Every
-// order the schedules produce is deadlock-free when sends do not block and a receive waits only
-// for data its sender produces earlier in its own order.
-constexpr i64 kHeader = 8;
+// A stage's output goes to the next stage as a header (int64[12]: rank of the tensor, its
+// sizes, its dtype, and how many side losses follow: the count, the bytes of their names, their
+// dtype) followed by the tensor, both sent asynchronously (the sends are waited for at the end of
+// the step, so a send never blocks the schedule); the receiver blocks on the header, allocates,
+// and receives. Gradients go back the same way. Tags name the transfer (micro-batch, stage,
+// direction, part), so transfers between the same ranks cannot be confused. Every order the
+// schedules produce is deadlock-free when sends do not block and a receive waits only for data
+// its sender produces earlier in its own order.
+//
+// Note [Side losses through the pipeline]
+// A stage's outputs other than its prediction are side losses (0-dim floating tensors, e.g. the
+// MoE blocks' auxiliary losses): each stage adds its own to those it received, key by key, and
+// sends their sum on with its activation (their names, newline-separated, then their values
+// stacked); the last stage's loss reads them with the predictions (Loss::compute of a batch, as
+// in one process). The received values are a leaf of the stage's graph, so the backward sends
+// their gradient back with the activation's, and every stage's side losses get the gradient the
+// loss gave their sum.
+constexpr i64 kHeader = 12, kMaxDims = 6;
 
 class Executor {
  public:
@@ -149,28 +159,53 @@ class Executor {
       const Stage& st = *stages_[static_cast<std::size_t>(a.local_stage)];
       Saved& s = saved[{a.local_stage, a.micro_batch}];
       if (a.forward) {
-        at::Tensor in;
+        Transfer in;
         if (st.is_first()) {
-          in = inputs[static_cast<std::size_t>(a.micro_batch)];
+          in.tensor = inputs[static_cast<std::size_t>(a.micro_batch)];
         } else {
-          in = receive(st, st.stage_index() - 1, a.micro_batch, /*gradient=*/false);
-          if (backward) in.requires_grad_(true);
+          in = receive(st, st.stage_index() - 1, a.micro_batch, /*gradient=*/false, {});
+          if (backward) {
+            in.tensor.requires_grad_(true);
+            if (in.side.defined()) in.side.requires_grad_(true);
+          }
         }
         Module& part = *st.submodule();
         const auto t0 = Clock::now();
-        TensorMap out = part.forward({{part.sample_key(), in}});
+        TensorMap out = part.forward({{part.sample_key(), in.tensor}});
         at::Tensor y = out.at(part.prediction_key());
+        TensorMap side = side_losses(in, out, part.prediction_key(), st);
         if (st.is_last()) {
-          at::Tensor l = loss_->compute(y, targets[static_cast<std::size_t>(a.micro_batch)]);
+          const at::Tensor& target = targets[static_cast<std::size_t>(a.micro_batch)];
+          at::Tensor l;
+          if (side.empty()) {
+            l = loss_->compute(y, target);
+          } else {
+            InferenceResultBatch batch;
+            batch.targets.emplace(loss_->target_key(), target);
+            batch.predictions = std::move(side);
+            batch.predictions.insert_or_assign(part.prediction_key(), y);
+            l = loss_->compute(batch);
+          }
           losses[static_cast<std::size_t>(a.micro_batch)] = l.detach();
           s.output = l;
           compute_s += seconds_since(t0);
         } else {
           compute_s += seconds_since(t0);
-          send(st, st.stage_index() + 1, a.micro_batch, /*gradient=*/false, y.detach());
+          Transfer t{y.detach(), {}, {}};
+          if (!side.empty()) {
+            std::vector<at::Tensor> values;
+            for (auto& [name, value] : side) {
+              t.names.push_back(name);
+              values.push_back(value);
+            }
+            s.side_output = at::stack(values);
+            t.side = s.side_output.detach();
+          }
+          send(st, st.stage_index() + 1, a.micro_batch, /*gradient=*/false, t);
           s.output = y;
         }
-        s.input = in;
+        s.input = in.tensor;
+        s.side_input = in.side;
       } else {
         if (st.is_last()) {
           // The gradient of the mean over the micro-batches (PyTorch's scale_grads), times the
@@ -179,14 +214,21 @@ class Executor {
           (s.output * (loss_scale / static_cast<double>(m_))).backward();
           compute_s += seconds_since(t0);
         } else {
-          const at::Tensor g = receive(st, st.stage_index() + 1, a.micro_batch, /*gradient=*/true);
+          const i64 sides = s.side_output.defined() ? s.side_output.numel() : 0;
+          const Transfer g = receive(st, st.stage_index() + 1, a.micro_batch, /*gradient=*/true, sides);
           const auto t0 = Clock::now();
-          s.output.backward(g);
+          if (sides > 0 && s.side_output.requires_grad())
+            torch::autograd::backward({s.output, s.side_output}, {g.tensor, g.side});
+          else s.output.backward(g.tensor);
           compute_s += seconds_since(t0);
         }
         if (!st.is_first()) {
-          at::Tensor g = s.input.grad();
-          if (!g.defined()) g = at::zeros_like(s.input);
+          const auto grad_of = [](const at::Tensor& t) {
+            at::Tensor g = t.grad();
+            return g.defined() ? g : at::zeros_like(t);
+          };
+          Transfer g{grad_of(s.input), {}, {}};
+          if (s.side_input.defined()) g.side = grad_of(s.side_input);
           send(st, st.stage_index() - 1, a.micro_batch, /*gradient=*/true, g);
         }
         s = Saved{};  // free the micro-batch's activations
@@ -209,6 +251,14 @@ class Executor {
  private:
   struct Saved {
     at::Tensor input, output;
+    at::Tensor side_input, side_output;  // the side losses received and sent (Note [Side losses ...])
+  };
+  // What crosses from one stage to the next: the activation (or its gradient) and the side losses
+  // (their names forward only; their values, or gradients, stacked [n]).
+  struct Transfer {
+    at::Tensor tensor;
+    std::vector<std::string> names;
+    at::Tensor side;
   };
   using Clock = std::chrono::steady_clock;
   static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -216,6 +266,26 @@ class Executor {
 
   bool has_first() const { return holds_first(stages_); }
   bool has_last() const { return holds_last(stages_); }
+
+  // The side losses after stage `st`: those received plus the stage's own outputs other than its
+  // prediction, by name (Note [Side losses through the pipeline]).
+  static TensorMap side_losses(const Transfer& in, const TensorMap& out, const std::string& prediction_key,
+                               const Stage& st) {
+    TensorMap side;
+    for (std::size_t i = 0; i < in.names.size(); ++i) side.emplace(in.names[i], in.side[static_cast<i64>(i)]);
+    for (const auto& [name, value] : out) {
+      if (name == prediction_key) continue;
+      if (value.dim() != 0 || !value.is_floating_point())
+        throw Error(fmt::format(
+            "pipeline: stage {} output '{}' is not a 0-dim floating tensor (got {}-dim {}); a stage's outputs "
+            "besides its prediction '{}' are side losses carried to the last stage",
+            st.stage_index(), name, value.dim(), c10::toString(value.scalar_type()), prediction_key));
+      auto it = side.find(name);
+      if (it == side.end()) side.emplace(name, value);
+      else it->second = it->second + value;
+    }
+    return side;
+  }
 
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const {
     if (t.size(0) % m_ != 0)
@@ -226,32 +296,52 @@ class Executor {
     return out;
   }
 
-  int tag(i64 stage, i64 micro_batch, bool gradient, bool payload) const {
+  // part: 0 header, 1 tensor, 2 side-loss names, 3 side-loss values.
+  int tag(i64 stage, i64 micro_batch, bool gradient, int part) const {
     const i64 n = stages_.front()->num_stages();
-    return static_cast<int>(((micro_batch * n + stage) * 2 + (gradient ? 1 : 0)) * 2 + (payload ? 1 : 0));
+    return static_cast<int>(((micro_batch * n + stage) * 2 + (gradient ? 1 : 0)) * 4 + part);
   }
 
-  // Sends `t` from stage `from` (this rank) to stage `to`; the tag names the sending stage.
-  void send(const Stage& from, i64 to, i64 micro_batch, bool gradient, const at::Tensor& t) {
-    const int dst = static_cast<int>(from.owner(to));
-    const i64 stage = from.stage_index();
-    if (dst == from.pp_rank()) {  // both stages on this rank (interleaved): hand it over directly
-      local_[{stage, micro_batch, gradient}] = t.detach().clone();
-      return;
-    }
-    at::Tensor header = at::zeros({kHeader}, at::kLong);
-    header[0] = t.dim();
-    for (i64 d = 0; d < t.dim(); ++d) header[d + 1] = t.size(d);
-    header[kHeader - 1] = static_cast<i64>(t.scalar_type());
-    std::vector<at::Tensor> h = {header};
-    sends_.push_back(from.group()->send(h, dst, tag(stage, micro_batch, gradient, false)));
+  void post(const Stage& from, int dst, int tag, const at::Tensor& t) {
     std::vector<at::Tensor> p = {t.contiguous()};
-    sends_.push_back(from.group()->send(p, dst, tag(stage, micro_batch, gradient, true)));
+    sends_.push_back(from.group()->send(p, dst, tag));
     keep_.push_back(p.front());
   }
 
-  // Receives what stage `from` sent to `to` (this rank's stage).
-  at::Tensor receive(const Stage& to, i64 from, i64 micro_batch, bool gradient) {
+  // Sends `t` from stage `from` (this rank) to stage `to`; the tag names the sending stage.
+  void send(const Stage& from, i64 to, i64 micro_batch, bool gradient, const Transfer& t) {
+    const int dst = static_cast<int>(from.owner(to));
+    const i64 stage = from.stage_index();
+    if (dst == from.pp_rank()) {  // both stages on this rank (interleaved): hand it over directly
+      local_[{stage, micro_batch, gradient}] =
+          Transfer{t.tensor.detach().clone(), t.names, t.side.defined() ? t.side.detach().clone() : at::Tensor()};
+      return;
+    }
+    if (t.tensor.dim() > kMaxDims)
+      throw Error(fmt::format("pipeline: stage {} sends a {}-dim tensor; at most {} dims cross stages", stage,
+                              t.tensor.dim(), kMaxDims));
+    std::string names;
+    for (const std::string& n : t.names) names += n + "\n";
+    at::Tensor header = at::zeros({kHeader}, at::kLong);
+    header[0] = t.tensor.dim();
+    for (i64 d = 0; d < t.tensor.dim(); ++d) header[d + 1] = t.tensor.size(d);
+    header[7] = static_cast<i64>(t.tensor.scalar_type());
+    header[8] = t.side.defined() ? t.side.numel() : 0;
+    header[9] = static_cast<i64>(names.size());
+    header[10] = t.side.defined() ? static_cast<i64>(t.side.scalar_type()) : 0;
+    post(from, dst, tag(stage, micro_batch, gradient, 0), header);
+    post(from, dst, tag(stage, micro_batch, gradient, 1), t.tensor);
+    if (!names.empty()) {
+      const at::Tensor bytes = at::empty({static_cast<i64>(names.size())}, at::kByte);
+      std::copy(names.begin(), names.end(), reinterpret_cast<char*>(bytes.data_ptr<std::uint8_t>()));
+      post(from, dst, tag(stage, micro_batch, gradient, 2), bytes);
+    }
+    if (t.side.defined()) post(from, dst, tag(stage, micro_batch, gradient, 3), t.side);
+  }
+
+  // Receives what stage `from` sent to `to` (this rank's stage). A gradient carries `sides` side
+  // loss gradients, as many as the forward sent (the header must agree).
+  Transfer receive(const Stage& to, i64 from, i64 micro_batch, bool gradient, i64 sides) {
     const int src = static_cast<int>(to.owner(from));
     if (src == to.pp_rank()) {
       const auto it = local_.find({from, micro_batch, gradient});
@@ -260,20 +350,38 @@ class Executor {
             fmt::format("pipeline: stage {} needs micro-batch {} of stage {} before it was computed (a "
                         "schedule bug)",
                         to.stage_index(), micro_batch, from));
-      at::Tensor t = std::move(it->second);
+      Transfer t = std::move(it->second);
       local_.erase(it);
       return t;
     }
-    std::vector<at::Tensor> h = {at::empty({kHeader}, at::kLong)};
-    to.group()->recv(h, src, tag(from, micro_batch, gradient, false))->wait();
-    const at::Tensor& header = h.front();
-    std::vector<i64> sizes;
-    for (i64 d = 0; d < header[0].item<i64>(); ++d) sizes.push_back(header[d + 1].item<i64>());
-    const auto dtype = static_cast<c10::ScalarType>(header[kHeader - 1].item<i64>());
+    const auto recv = [&](at::Tensor t, int part) {
+      std::vector<at::Tensor> p = {std::move(t)};
+      to.group()->recv(p, src, tag(from, micro_batch, gradient, part))->wait();
+      return p.front();
+    };
+    const at::Tensor header = recv(at::empty({kHeader}, at::kLong), 0);
+    const auto* h = header.data_ptr<i64>();
+    std::vector<i64> sizes(h + 1, h + 1 + h[0]);
     // The payload lands on the run device (the stages' device; the header is a CPU tensor).
-    std::vector<at::Tensor> p = {at::empty(sizes, at::TensorOptions().dtype(dtype).device(run_device()))};
-    to.group()->recv(p, src, tag(from, micro_batch, gradient, true))->wait();
-    return p.front();
+    const auto on_device = [](c10::ScalarType dtype) { return at::TensorOptions().dtype(dtype).device(run_device()); };
+    Transfer t;
+    t.tensor = recv(at::empty(sizes, on_device(static_cast<c10::ScalarType>(h[7]))), 1);
+    const i64 count = h[8], name_bytes = h[9];
+    if (gradient && count != sides)
+      throw Error(fmt::format("pipeline: stage {} sent gradients of {} side losses for micro-batch {}, not {}", from,
+                              count, micro_batch, sides));
+    if (name_bytes > 0) {
+      const at::Tensor bytes = recv(at::empty({name_bytes}, at::kByte), 2);
+      const std::string names(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()),
+                              static_cast<std::size_t>(name_bytes));
+      for (std::size_t at = 0, end; (end = names.find('\n', at)) != std::string::npos; at = end + 1)
+        t.names.push_back(names.substr(at, end - at));
+    }
+    if (count > 0) t.side = recv(at::empty({count}, on_device(static_cast<c10::ScalarType>(h[10]))), 3);
+    if (!gradient && static_cast<i64>(t.names.size()) != count)
+      throw Error(fmt::format("pipeline: stage {} sent {} side losses for micro-batch {} but {} names", from, count,
+                              micro_batch, t.names.size()));
+    return t;
   }
 
   std::vector<std::shared_ptr<Stage>> stages_;
@@ -282,7 +390,7 @@ class Executor {
   i64 m_;
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
   std::vector<at::Tensor> keep_;  // payloads of pending sends
-  std::map<std::tuple<i64, i64, bool>, at::Tensor> local_;
+  std::map<std::tuple<i64, i64, bool>, Transfer> local_;
 };
 
 class Schedule final : public PipelineSchedule {

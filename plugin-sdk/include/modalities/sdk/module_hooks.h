@@ -54,6 +54,12 @@ class MODALITIES_SDK_API ModuleHooks {
   bool empty() const { return entries_->empty() && runners_->empty(); }
   /// Whether a hook listens to `fqn`.
   bool wants(std::string_view fqn) const;
+  /// Whether a runner runs block `fqn` (around() then hands it the block function).
+  bool has_runner(const std::string& fqn) const {
+    for (const RunnerEntry& r : *runners_)
+      if (r.fqns.empty() || r.fqns.contains(fqn)) return true;
+    return false;
+  }
   /// Calls the hooks of `fqn` at `point`.
   void call(HookPoint point, std::string_view fqn, std::string_view class_name, std::span<const at::Tensor> inputs,
             std::span<const at::Tensor> outputs) const;
