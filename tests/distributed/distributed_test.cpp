@@ -690,6 +690,46 @@ TEST(DistributedTpFullTest, EveryTensorParallelLayoutTrainsLikeOneProcess) {
                                                  {"fsdp2x2_tp2_loss_parallel", 4, tp_config(kSteps, false, true)}});
 }
 
+// --- document masking -------------------------------------------------------------------------
+
+// A configs/distributed/*.toml whose collator also writes the document ids of the packed samples
+// (collate_fn/document_masking_collator_wrapper, EOD id 0 of data/tokenizer/gpt2_style_8k) and
+// whose model attends inside each document, with positions restarting at each one.
+std::string document_masked(std::string text) {
+  text = edited(
+      std::move(text),
+      "[collate_fn]\ncomponent_key = \"collate_fn\"\nvariant_key = \"gpt_2_llm_collator\"\n\n[collate_fn.config]",
+      "[collate_fn]\ncomponent_key = \"collate_fn\"\nvariant_key = \"document_masking_collator_wrapper\"\n\n"
+      "[collate_fn.config]\nsample_key = \"${settings.referencing_keys.sample_key}\"\neod_token_id = 0\n"
+      "wrapped_collate_fn = { instance_key = \"packing_collate_fn\", pass_type = \"BY_REFERENCE\" }\n\n"
+      "[packing_collate_fn]\ncomponent_key = \"collate_fn\"\nvariant_key = \"gpt_2_llm_collator\"\n\n"
+      "[packing_collate_fn.config]");
+  return edited(std::move(text), "[model_raw.config]\n",
+                "[model_raw.config]\ndocument_ids_key = \"document_ids\"\ndocument_positions = \"restart\"\n");
+}
+
+// Document masking on 2 ranks: FSDP2 and TP2 with sequence parallelism train like one process with
+// the same masking on the same global batch (the bundled documents average ~470 tokens, so the
+// 128-token samples cross boundaries); 5 steps. Under `full`: 20 steps, also FSDP2 on 4 ranks and
+// activation checkpointing.
+TEST(DistributedDocumentMaskingTest, Fsdp2AndSequenceParallelTensorParallelismTrainLikeOneProcess) {
+  constexpr int kSteps = 5;
+  expect_layouts_train_like_one_process(
+      kSteps,
+      {{"fsdp2_2", 2, document_masked(fsdp2_config(kSteps))}, {"tp2_sp", 2, document_masked(tp_config(kSteps))}},
+      document_masked);
+}
+
+TEST(DistributedDocumentMaskingFullTest, EveryLayoutTrainsLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_one_process(kSteps,
+                                        {{"fsdp2_2", 2, document_masked(fsdp2_config(kSteps))},
+                                         {"fsdp2_4", 4, document_masked(fsdp2_config(kSteps))},
+                                         {"tp2_sp", 2, document_masked(tp_config(kSteps))},
+                                         {"fsdp2_ac_2", 2, document_masked(distributed_config("ac_cpu.toml", kSteps))}},
+                                        document_masked);
+}
+
 // Heads or kv heads that the tp ranks cannot split evenly are config errors, on every rank, before
 // anything is built on them. (The vocabulary, a multiple of 128 for model/gpt2, always splits over
 // a power-of-two degree; its check is the same code.)

@@ -279,6 +279,86 @@ class CocaCollator final : public CollateFn {
   CocaCollatorConfig c_;
 };
 
+// --- document_masking_collator_wrapper ---------------------------------------------------
+// Note [Document ids]: a packed sample's documents end with the EOD token. For the inputs X
+// [b, L] of the wrapped collator, the document of position t is the number of EOD tokens at
+// positions before t: an EOD belongs to the document it ends, the token after it starts the next.
+// With mask_boundary_targets the target at an EOD input (the next document's first token,
+// predicted from the end of the previous one) becomes loss_ignore_index.
+
+struct DocumentMaskingConfig {
+  Ref<CollateFn> wrapped_collate_fn;
+  std::string sample_key;
+  std::string document_ids_key = "document_ids";
+  std::int64_t eod_token_id = -1;
+  bool mask_boundary_targets = false;
+  std::optional<std::string> target_key;
+  std::int64_t loss_ignore_index = -100;
+  static void describe(Schema<DocumentMaskingConfig>& s) {
+    using C = DocumentMaskingConfig;
+    s.field("wrapped_collate_fn", &C::wrapped_collate_fn, "Collator whose batches get document ids.").required();
+    s.field("sample_key", &C::sample_key, "Input key of the token ids [b, L] the documents are found in.").required();
+    s.field("document_ids_key", &C::document_ids_key,
+            "Input key the document ids [b, L] (int64) are written to; model/gpt2's document_ids_key reads it.")
+        .non_empty();
+    s.field("eod_token_id", &C::eod_token_id,
+            "Id of the end-of-document token that separates the packed documents (the tokenizer's eod_token, "
+            "e.g. 50256 for GPT-2's <|endoftext|>).")
+        .required()
+        .non_negative();
+    s.field("mask_boundary_targets", &C::mask_boundary_targets,
+            "Replace the target at every EOD input (the next document's first token) by loss_ignore_index.");
+    s.field("target_key", &C::target_key, "Target key masked by mask_boundary_targets (required with it).");
+    s.field("loss_ignore_index", &C::loss_ignore_index, "Value of masked targets.");
+    s.rule([](const C& c, ParseContext& ctx) {
+      if (c.mask_boundary_targets && !c.target_key)
+        ctx.fail("target_key", "is missing; mask_boundary_targets = true needs the target key to mask");
+      if (c.document_ids_key == c.sample_key)
+        ctx.fail("document_ids_key", fmt::format("is '{}', the sample_key; choose another key", c.sample_key));
+    });
+  }
+};
+
+class DocumentMaskingCollator final : public CollateFn {
+ public:
+  explicit DocumentMaskingCollator(const DocumentMaskingConfig& c) : wrapped_(c.wrapped_collate_fn.shared()), c_(c) {}
+
+  DatasetBatch collate(std::span<const Sample> samples) const override {
+    DatasetBatch batch = wrapped_->collate(samples);
+    const auto it = batch.samples.find(c_.sample_key);
+    if (it == batch.samples.end())
+      throw Error(
+          fmt::format("document_masking_collator_wrapper: the wrapped collator's batch has no input '{}' "
+                      "(sample_key)",
+                      c_.sample_key));
+    const at::Tensor& x = it->second;
+    MODALITIES_CHECK(x.dim() == 2 && !at::isFloatingType(x.scalar_type()),
+                     "document_masking_collator_wrapper: input '{}' must be token ids [b, L], got {} of shape {}",
+                     c_.sample_key, c10::toString(x.scalar_type()), c10::str(x.sizes()));
+    const at::Tensor eod = x.eq(c_.eod_token_id);
+    // Ids count the EODs strictly before each position (Note [Document ids]).
+    const at::Tensor ids = eod.to(at::kLong).cumsum(1) - eod.to(at::kLong);
+    if (c_.mask_boundary_targets) {
+      const auto t = batch.targets.find(*c_.target_key);
+      if (t == batch.targets.end())
+        throw Error(
+            fmt::format("document_masking_collator_wrapper: the wrapped collator's batch has no target '{}' "
+                        "(target_key)",
+                        *c_.target_key));
+      MODALITIES_CHECK(t->second.sizes() == x.sizes(),
+                       "document_masking_collator_wrapper: target '{}' has shape {}, input '{}' {}", *c_.target_key,
+                       c10::str(t->second.sizes()), c_.sample_key, c10::str(x.sizes()));
+      t->second = t->second.masked_fill(eod, c_.loss_ignore_index);
+    }
+    batch.samples[c_.document_ids_key] = ids.contiguous();
+    return batch;
+  }
+
+ private:
+  std::shared_ptr<CollateFn> wrapped_;
+  DocumentMaskingConfig c_;
+};
+
 }  // namespace
 
 void register_components(Registrar& r) {
@@ -289,6 +369,11 @@ void register_components(Registrar& r) {
       "mask_loss_collator_wrapper",
       "Keeps only target tokens strictly between begin and end markers; the rest become loss_ignore_index.",
       [](const MaskLossConfig& c) { return make_mask_loss(c); });
+  r.add<CollateFn, DocumentMaskingConfig>(
+      "document_masking_collator_wrapper",
+      "Adds each token's document id within its packed sample (from the EOD token) for document-masked attention; "
+      "optionally masks the targets across document boundaries.",
+      [](const DocumentMaskingConfig& c) { return std::make_shared<DocumentMaskingCollator>(c); });
   r.add<CollateFn, CocaCollatorConfig>("coca_collator",
                                        "Stacks several keys; the text key is split into inputs and shifted targets.",
                                        [](const CocaCollatorConfig& c) { return std::make_shared<CocaCollator>(c); });

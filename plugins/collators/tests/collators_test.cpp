@@ -225,6 +225,44 @@ TEST_F(CollatorsTest, CocaCollatorValidatorsNameTheConfigPath) {
               HasSubstr("coca_collate_fn.config.text_target_key: 'target_ids' must not be one of target_keys"));
 }
 
+// Note [Document ids] in collators.cpp: an EOD (0 here) belongs to the document it ends.
+TEST_F(CollatorsTest, DocumentMaskingCountsTheDocumentsOfEachSampleAndMasksTheBoundaryTargets) {
+  auto c = h.get<CollateFn>("document_collate_fn");
+  ASSERT_NE(c, nullptr);
+  const std::vector<Sample> samples = {tokens({5, 6, 0, 7, 0, 0, 8, 9}), tokens({1, 2, 3, 4, 5, 6, 7, 0})};
+  const DatasetBatch b = c->collate(samples);
+  const at::Tensor& ids = b.samples.at("document_ids");
+  EXPECT_EQ(ids.scalar_type(), at::kLong);
+  // Inputs 5 6 0 7 0 0 8 (targets 6 0 7 0 0 8 9) and 1 .. 7 (targets 2 .. 7 0).
+  EXPECT_THAT(row(ids, 0), ElementsAre(0, 0, 0, 1, 1, 2, 3));
+  EXPECT_THAT(row(ids, 1), ElementsAre(0, 0, 0, 0, 0, 0, 0));
+  EXPECT_THAT(row(b.targets.at("target_ids"), 0), ElementsAre(6, 0, -100, 0, -100, -100, 9));
+  EXPECT_THAT(row(b.targets.at("target_ids"), 1), ElementsAre(2, 3, 4, 5, 6, 7, 0));
+  EXPECT_THAT(row(b.samples.at("input_ids"), 0), ElementsAre(5, 6, 0, 7, 0, 0, 8));
+  // Without mask_boundary_targets the targets are the wrapped collator's.
+  h.set("document_collate_fn.config.mask_boundary_targets", Value(false));
+  const DatasetBatch kept = h.get<CollateFn>("document_collate_fn")->collate(samples);
+  EXPECT_THAT(row(kept.targets.at("target_ids"), 0), ElementsAre(6, 0, 7, 0, 0, 8, 9));
+  EXPECT_THAT(row(kept.samples.at("document_ids"), 0), ElementsAre(0, 0, 0, 1, 1, 2, 3));
+}
+
+TEST_F(CollatorsTest, DocumentMaskingValidatorsNameTheConfigPath) {
+  h.erase("document_collate_fn.config.eod_token_id");
+  EXPECT_THAT(h.build_error(), HasSubstr("document_collate_fn.config.eod_token_id: missing required key"));
+  h.set("document_collate_fn.config.eod_token_id", Value(-1));
+  EXPECT_THAT(h.build_error(), HasSubstr("document_collate_fn.config.eod_token_id"));
+  h.set("document_collate_fn.config.eod_token_id", Value(0));
+  h.erase("document_collate_fn.config.target_key");
+  EXPECT_THAT(h.build_error(), HasSubstr("document_collate_fn.config.target_key: is missing; mask_boundary_targets"));
+  h.set("document_collate_fn.config.target_key", Value("target_ids"));
+  h.set("document_collate_fn.config.document_ids_key", Value("input_ids"));
+  EXPECT_THAT(h.build_error(), HasSubstr("document_collate_fn.config.document_ids_key: is 'input_ids'"));
+  h.set("document_collate_fn.config.document_ids_key", Value("document_ids"));
+  h.set("document_collate_fn.config.sample_key", Value("text"));
+  auto c = h.get<CollateFn>("document_collate_fn");
+  EXPECT_THAT(collate_error(*c, {tokens({1, 2, 3})}), HasSubstr("has no input 'text' (sample_key)"));
+}
+
 TEST(MaskLossGpt2Test, ResolvesMarkersWithTheGpt2Tokenizer) {
   MODALITIES_REQUIRE_SHARED(MODALITIES_TEST_FIXTURES_DIR);
   const std::filesystem::path gpt2 = std::filesystem::path(MODALITIES_TEST_FIXTURES_DIR) / "data/tokenizer/hf_gpt2";

@@ -107,6 +107,11 @@ void GPT2Config::validate(const GPT2Config& c, ParseContext& ctx) {
              fmt::format("n_embd ({}) must be divisible by n_head_q ({}), or give head_dim", c.n_embd, c.n_head_q));
   if (c.n_head_q % c.n_head_kv != 0)
     ctx.fail("n_head_kv", fmt::format("n_head_q ({}) must be divisible by n_head_kv ({})", c.n_head_q, c.n_head_kv));
+  if (c.document_ids_key && (c.document_ids_key->empty() || *c.document_ids_key == c.sample_key))
+    ctx.fail("document_ids_key", fmt::format("is '{}'; it must name an input other than sample_key ('{}')",
+                                             *c.document_ids_key, c.sample_key));
+  if (!c.document_ids_key && c.document_positions == "restart")
+    ctx.fail("document_positions", "is restart, but there is no document_ids_key to find the documents by");
   if (c.use_meta_device.value_or(false) && c.use_weight_tying)
     ctx.fail("use_meta_device",
              "must be false when use_weight_tying is true (weight tying is not supported on the meta device, "

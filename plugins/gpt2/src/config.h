@@ -241,6 +241,8 @@ struct GPT2Config {
   bool use_weight_tying = false;
   std::optional<std::int64_t> seed;
   std::int64_t enforce_swiglu_hidden_dim_multiple_of = 256;
+  std::optional<std::string> document_ids_key;
+  std::string document_positions = "continue";
 
   /// The width of one attention head: head_dim, or n_embd / n_head_q.
   std::int64_t head_dim() const { return explicit_head_dim.value_or(n_head_q > 0 ? n_embd / n_head_q : 0); }
@@ -335,6 +337,15 @@ struct GPT2Config {
     s.field("enforce_swiglu_hidden_dim_multiple_of", field_of<C>(&GPT2Config::enforce_swiglu_hidden_dim_multiple_of),
             "SwiGLU hidden size is rounded up to a multiple of this.")
         .at_least(1);
+    s.field("document_ids_key", field_of<C>(&GPT2Config::document_ids_key),
+            "Ours: the model input holding each token's document within its packed sample ([B, T] integers, equal "
+            "for the tokens of one document; collate_fn/document_masking_collator_wrapper writes it). When the "
+            "input has it, attention stays inside each token's document (block-diagonal causal); without it (or "
+            "null) every token attends to all earlier tokens of its sample.");
+    s.field("document_positions", field_of<C>(&GPT2Config::document_positions),
+            "Ours, with document_ids_key: positions (RoPE, ABSOLUTE) continue across the documents of a sample "
+            "(continue) or restart at 0 at each document (restart).")
+        .one_of({"continue", "restart"});
     s.rule([](const C& c, ParseContext& ctx) { validate(c, ctx); });
   }
 

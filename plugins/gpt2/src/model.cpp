@@ -84,11 +84,25 @@ class GPT2 final : public Module, public HuggingFaceExportable {
       throw Error(
           fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key, quoted_list(keys)));
     }
-    TensorMap out{{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_)}};
+    std::shared_ptr<const Documents> docs;
+    if (config_.document_ids_key)
+      if (auto d = inputs.find(*config_.document_ids_key); d != inputs.end()) docs = documents(it->second, d->second);
+    TensorMap out{{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_, std::move(docs))}};
     // The feed-forwards' auxiliary losses (MoE load balancing), summed over the blocks.
     if (!aux_loss_key_.empty())
       if (at::Tensor aux = impl_->take_aux_losses(); aux.defined()) out.emplace(aux_loss_key_, std::move(aux));
     return out;
+  }
+  // The documents of `ids` [B, T] from the input `document_ids_key` (Note [Document masking]).
+  std::shared_ptr<const Documents> documents(const at::Tensor& ids, const at::Tensor& doc_ids) const {
+    const std::string& key = *config_.document_ids_key;
+    if (doc_ids.dim() != 2 || doc_ids.size(0) != ids.size(0) || doc_ids.size(1) != ids.size(1))
+      throw Error(fmt::format("gpt2: the input '{}' (document_ids_key) has shape {}, but '{}' has {}; expected [B, T]",
+                              key, c10::str(doc_ids.sizes()), config_.sample_key, c10::str(ids.sizes())));
+    if (at::isFloatingType(doc_ids.scalar_type()) || doc_ids.scalar_type() == at::kBool)
+      throw Error(fmt::format("gpt2: the input '{}' (document_ids_key) must hold integer document ids, got {}", key,
+                              c10::toString(doc_ids.scalar_type())));
+    return impl_->documents(doc_ids.to(ids.device()), config_.document_positions == "restart");
   }
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
@@ -188,6 +202,11 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   }
 
   void retain_modules(const std::vector<std::string>& module_fqns) override {
+    if (config_.document_ids_key)
+      throw Error(fmt::format(
+          "model/gpt2: document masking (document_ids_key = '{}') does not reach pipeline stages yet (a stage gets "
+          "the hidden states only); remove document_ids_key or train without pipeline parallelism",
+          *config_.document_ids_key));
     impl_->retain(module_fqns);
     retained_ = module_fqns;
   }

@@ -128,10 +128,22 @@ class RotaryTransformImpl final : public Leaf {
     *inv_freq_slot_ = f(*inv_freq_slot_);
     cache_ = {};
   }
-  // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged)
-  std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& q, const at::Tensor& k) {
-    const auto& [cos, sin] = tables(k.size(-2), k.device(), k.scalar_type());
+  // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged); at `positions` [B, T]
+  // (each token's position in its document) when defined.
+  std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& positions = {}) {
+    const auto [cos, sin] = positions.defined() ? tables_at(positions, k.device(), k.scalar_type())
+                                                : tables(k.size(-2), k.device(), k.scalar_type());
     return {apply(q, cos, sin), apply(k, cos, sin)};
+  }
+  // The rows of tables() at `positions` [B, T]: cos/sin [B, 1, T, hd].
+  std::pair<at::Tensor, at::Tensor> tables_at(const at::Tensor& positions, const c10::Device& device,
+                                              c10::ScalarType dtype) {
+    const std::int64_t B = positions.size(0), T = positions.size(1);
+    const auto& [cos, sin] = tables(T, device, dtype);  // positions < T
+    const at::Tensor rows = positions.reshape({-1});
+    return {cos.view({T, hd_}).index_select(0, rows).view({B, 1, T, hd_}),
+            sin.view({T, hd_}).index_select(0, rows).view({B, 1, T, hd_})};
   }
   const at::Tensor& inv_freq() const { return *inv_freq_slot_; }
   std::int64_t head_dim() const { return hd_; }
@@ -262,8 +274,9 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
     }
   }
 
-  // x: [B*T, d] (rows = tokens, see GPT2LLMImpl::forward) -> [B*T, d]
-  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt) {
+  // x: [B*T, d] (rows = tokens, see GPT2LLMImpl::forward) -> [B*T, d]; inside documents with `docs`.
+  at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt, const Documents* docs) {
+    const at::Tensor positions = docs != nullptr ? docs->positions : at::Tensor();
     at::Tensor q, k, v;  // [B, Hq, T, hd] each once expanded
     const std::int64_t r = hq_ / hkv_;
     if (!norm_before_ && rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
@@ -274,7 +287,9 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       sq.heads = hq_;
       sk.heads = sv.heads = hkv_;
       if (!rope_.empty()) {
-        std::tie(sq.cos, sq.sin) = rope_.front()->tables(T, x.device(), x.scalar_type());
+        std::tie(sq.cos, sq.sin) = positions.defined()
+                                       ? rope_.front()->tables_at(positions, x.device(), x.scalar_type())
+                                       : rope_.front()->tables(T, x.device(), x.scalar_type());
         sk.cos = sq.cos;
         sk.sin = sq.sin;
       }
@@ -293,7 +308,7 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
         q = (*q_norm)(q, dt);
         k = (*k_norm)(k, dt);
       }
-      for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k);
+      for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k, positions);
     }
     if (q_norm && !norm_before_) {
       q = (*q_norm)(q, dt);
@@ -305,12 +320,19 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       v = v.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
     }
     at::Tensor y;  // [B, Hq, T, hd]
+    // [B, 1, T, T], or undefined when pytorch_flash goes document by document.
+    const at::Tensor documents = docs != nullptr ? docs->mask : at::Tensor();
     if (impl_ == AttentionImpl::kManual) {
       at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd_)));
-      s = s + mask_->get(T, q.options());
+      if (documents.defined()) s = s.masked_fill(documents.logical_not(), -std::numeric_limits<double>::infinity());
+      else s = s + mask_->get(T, q.options());
       at::Tensor p = at::softmax(s, -1);
       if (dropout_ > 0) p = at::dropout(p, dropout_, /*train=*/true);  // in every mode, as in Modalities
       y = at::matmul(p, v);
+    } else if (docs != nullptr && !docs->lengths.empty()) {
+      y = attend_by_document(q, k, v, docs->lengths);
+    } else if (documents.defined()) {
+      y = at::scaled_dot_product_attention(q, k, v, documents, dropout_, /*is_causal=*/false);
     } else if (const at::Tensor window = mask_->sliding(T, q.device()); window.defined()) {
       y = at::scaled_dot_product_attention(q, k, v, window, dropout_, /*is_causal=*/false);
     } else {
@@ -321,6 +343,29 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
     y = tp_ ? row_parallel(*c_proj, y, B, T, dt, *tp_) : (*c_proj)(y, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
+  }
+
+  // Causal SDPA on each document of each sample (Note [Document masking]): q, k, v [B, H, T, hd]
+  // cut by unbind and split, whose backwards stack and concatenate the gradients once (a narrow
+  // per document would fill a zero gradient of the whole tensor each time).
+  at::Tensor attend_by_document(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const std::vector<std::vector<std::int64_t>>& lengths) const {
+    const std::vector<at::Tensor> qs = q.unbind(0), ks = k.unbind(0), vs = v.unbind(0);
+    std::vector<at::Tensor> samples;
+    samples.reserve(qs.size());
+    for (std::size_t b = 0; b < qs.size(); ++b) {
+      const std::vector<std::int64_t>& n = lengths[b];
+      const std::vector<at::Tensor> qd = qs[b].split_with_sizes(n, 1), kd = ks[b].split_with_sizes(n, 1),
+                                    vd = vs[b].split_with_sizes(n, 1);
+      std::vector<at::Tensor> out;
+      out.reserve(n.size());
+      for (std::size_t d = 0; d < n.size(); ++d)
+        out.push_back(at::scaled_dot_product_attention(qd[d].unsqueeze(0), kd[d].unsqueeze(0), vd[d].unsqueeze(0),
+                                                       /*attn_mask=*/{}, dropout_, /*is_causal=*/true)
+                          .squeeze(0));
+      samples.push_back(out.size() == 1 ? out.front() : at::cat(out, 1));
+    }
+    return at::stack(samples);
   }
 
   // Tensor parallel: this rank computes heads [rank * Hq / size, ...) (and the matching kv heads);
@@ -416,9 +461,9 @@ class GPT2BlockImpl final : public torch::nn::Module {
   }
   // Pre-norm residual block. x: [B*T, d] -> [B*T, d]; under sequence parallelism this rank's
   // sequence chunk [B*(T/tp), d], gathered whole into the attention and the MLP.
-  at::Tensor operator()(at::Tensor x, std::int64_t B, std::int64_t T, Dt dt) {
+  at::Tensor operator()(at::Tensor x, std::int64_t B, std::int64_t T, Dt dt, const Documents* docs = nullptr) {
     const auto enter = [&](const at::Tensor& n) { return tp ? tp->enter(n, B, T) : n; };
-    x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt);
+    x = x + (*attn)(enter((*attention_norm)(x, dt)), B, T, dt, docs);
     const at::Tensor normed = (*ffn_norm)(x, dt);
     if (!mlp->replicated_under_tensor_parallel()) return x + mlp->forward(enter(normed), B, T, dt);
     if (!tp || !tp->sequence_parallel) return x + mlp->forward(normed, B, T, dt);
@@ -458,6 +503,8 @@ std::shared_ptr<M> init(std::shared_ptr<M> m, const at::TensorOptions& o) {
 GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o, const FeedForwardFactory& ffn)
     : torch::nn::Module("GPT2LLM"),
       absolute_(c.poe_type == "ABSOLUTE"),
+      window_(c.attention_config.sliding_window),
+      manual_attention_(c.attention_implementation == "manual"),
       sequence_length_(c.sequence_length),
       dropout_(c.dropout) {
   auto mask = std::make_shared<CausalMaskCache>(c.attention_config.sliding_window);
@@ -489,7 +536,7 @@ GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o, const 
   register_module("transformer", transformer_);
 }
 
-at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
+at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt, std::shared_ptr<const Documents> docs) {
   TORCH_CHECK(input.dim() >= 2, "gpt2: expected input of shape [B, T], got ", input.sizes());
   const std::int64_t B = input.size(0), T = input.size(1);
   TORCH_CHECK(T <= sequence_length_, "gpt2: cannot forward a sequence of length ", T,
@@ -503,18 +550,17 @@ at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
     h = vocab_parallel_embedding(input, B, T, dt);  // [B*T, d], or [B*(T/tp), d] with SP
     if (absolute_ && transformer_->contains("wpe")) {
       const std::int64_t Tl = sp ? T / tp->size : T;
-      const at::Tensor w = cast(sp ? tp->shared(wpe_->weight) : wpe_->weight, dt).narrow(0, sp ? tp->rank * Tl : 0, Tl);
-      h = (h.view({B, Tl, -1}) + w).view({B * Tl, -1});
+      h = (h.view({B, Tl, -1}) + position_rows(B, sp ? tp->rank * Tl : 0, Tl, dt, docs.get(), sp)).view({B * Tl, -1});
     }
   } else if (transformer_->contains("wte")) {
     if (absolute_ && transformer_->contains("wpe"))
-      h = ((*wte_)(input, dt) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+      h = ((*wte_)(input, dt) + position_rows(B, 0, T, dt, docs.get(), false)).view({B * T, -1});
     else h = (*wte_)(input.reshape({B * T}), dt);  // [B*T, d]
   } else {
     TORCH_CHECK(input.dim() == 3, "gpt2: a part without wte expects hidden states [B, T, d], got ", input.sizes());
     h = (input.is_floating_point() ? cast(input, dt) : input).reshape({B * T, input.size(2)});
     if (absolute_ && transformer_->contains("wpe"))
-      h = (h.view({B, T, -1}) + cast(wpe_->weight, dt).narrow(0, 0, T)).view({B * T, -1});
+      h = (h.view({B, T, -1}) + position_rows(B, 0, T, dt, docs.get(), false)).view({B * T, -1});
     if (sp)  // replicated hidden states -> this rank's sequence chunk
       h = tp::split_to_tensor_parallel(h.view({B, T, -1}), 1, tp->group).reshape({B * (T / tp->size), -1});
   }
@@ -523,17 +569,18 @@ at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt) {
     for (const auto& item : *h_) {
       auto& block = *item.value()->as<GPT2BlockImpl>();
       if (hooks_.empty()) {  // the common case: no fqn string, no std::function per block
-        h = block(h, B, T, dt);
+        h = block(h, B, T, dt, docs.get());
         continue;
       }
       const std::string fqn = "transformer.h." + item.key();
       if (block.mlp->has_aux_loss() && hooks_.has_runner(fqn)) {
-        h = run_block_with_aux_loss(fqn, block, h, B, T, dt);
+        h = run_block_with_aux_loss(fqn, block, h, B, T, dt, docs);
         continue;
       }
-      // Only the model-owned block and values: a block runner (activation checkpointing) may call
-      // it again in backward.
-      h = hooks_.around(fqn, "GPT2Block", h, [&block, B, T, dt](const at::Tensor& x) { return block(x, B, T, dt); });
+      // Only the model-owned block and values (and the documents, shared): a block runner
+      // (activation checkpointing) may call it again in backward.
+      h = hooks_.around(fqn, "GPT2Block", h,
+                        [&block, B, T, dt, docs](const at::Tensor& x) { return block(x, B, T, dt, docs.get()); });
     }
   }
   if (transformer_->contains("lm_head_norm")) h = (*lm_head_norm_)(h, dt);
@@ -644,27 +691,90 @@ at::Tensor GPT2LLMImpl::take_aux_losses() {
 // gradient the loss function gave it. Only blocks with a runner pay for this; their kForward
 // hooks see the packed output.
 at::Tensor GPT2LLMImpl::run_block_with_aux_loss(const std::string& fqn, GPT2BlockImpl& block, const at::Tensor& h,
-                                                std::int64_t B, std::int64_t T, Dt dt) {
+                                                std::int64_t B, std::int64_t T, Dt dt,
+                                                const std::shared_ptr<const Documents>& docs) {
   auto out_dtype = std::make_shared<c10::ScalarType>(h.scalar_type());
-  const at::Tensor packed = hooks_.around(fqn, "GPT2Block", h, [&block, B, T, dt, out_dtype, fqn](const at::Tensor& x) {
-    const at::Tensor y = block(x, B, T, dt);
-    const at::Tensor aux = block.mlp->take_aux_loss();
-    TORCH_CHECK(aux.defined(), "gpt2: block ", fqn, " has an auxiliary loss but its forward left none");
-    *out_dtype = y.scalar_type();
-    const c10::ScalarType wide = at::promote_types(at::promote_types(y.scalar_type(), aux.scalar_type()), at::kFloat);
-    const at::Tensor row = at::constant_pad_nd(aux.reshape({1, 1}).to(wide), {0, y.size(1) - 1});
-    return at::cat({y.to(wide), row}, 0);
-  });
+  const at::Tensor packed =
+      hooks_.around(fqn, "GPT2Block", h, [&block, B, T, dt, out_dtype, fqn, docs](const at::Tensor& x) {
+        const at::Tensor y = block(x, B, T, dt, docs.get());
+        const at::Tensor aux = block.mlp->take_aux_loss();
+        TORCH_CHECK(aux.defined(), "gpt2: block ", fqn, " has an auxiliary loss but its forward left none");
+        *out_dtype = y.scalar_type();
+        const c10::ScalarType wide =
+            at::promote_types(at::promote_types(y.scalar_type(), aux.scalar_type()), at::kFloat);
+        const at::Tensor row = at::constant_pad_nd(aux.reshape({1, 1}).to(wide), {0, y.size(1) - 1});
+        return at::cat({y.to(wide), row}, 0);
+      });
   const std::int64_t N = packed.size(0) - 1;
   runner_aux_.push_back(packed.select(0, N).select(0, 0));
   return packed.narrow(0, 0, N).to(*out_dtype);
 }
 
-at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt) {
-  if (hooks_.empty()) return forward(input, dt);
+// Note [Document masking]
+// A packed sample holds several documents (the collator's document ids: equal ids, one
+// document). With them, token i attends to token j only when both are in the same document, j
+// <= i (and within the sliding window): a block-diagonal causal mask [B, 1, T, T], built once per
+// forward and shared by every block, handed to SDPA as a boolean mask (the manual path fills
+// -inf outside it); pytorch_flash without a sliding window attends document by document instead
+// (causal SDPA on each: sum of the documents' squared lengths, not T^2, of work; every document a
+// run of equal ids). With document_positions = restart, each token's position is its index in
+// its document (its index minus that of its document's first token): RoPE rotates by it and
+// ABSOLUTE positions look it up. A batch whose every sample is one document takes the plain
+// causal path, bit for bit as without document ids (one host sync per forward to find out).
+std::shared_ptr<const Documents> GPT2LLMImpl::documents(const at::Tensor& ids, bool restart_positions) const {
+  at::NoGradGuard no_grad;
+  const std::int64_t T = ids.size(1);
+  const at::Tensor starts = ids.narrow(1, 1, T - 1) != ids.narrow(1, 0, T - 1);  // [B, T-1]: a new document at t+1
+  if (!starts.any().item<bool>()) return nullptr;
+  auto docs = std::make_shared<Documents>();
+  if (!window_ && !manual_attention_) {
+    // The documents' lengths, if every document is one run of equal ids (the collator's are).
+    const at::Tensor host = ids.to(at::kCPU, at::kLong).contiguous();
+    const std::int64_t* id = host.const_data_ptr<std::int64_t>();
+    bool runs = true;
+    for (std::int64_t b = 0; b < ids.size(0) && runs; ++b, id += T) {
+      std::vector<std::int64_t>& n = docs->lengths.emplace_back();
+      std::vector<std::int64_t> seen;
+      for (std::int64_t t = 0; t < T; ++t) {
+        if (t > 0 && id[t] == id[t - 1]) {
+          ++n.back();
+          continue;
+        }
+        if (std::find(seen.begin(), seen.end(), id[t]) != seen.end()) runs = false;  // a document resumes
+        seen.push_back(id[t]);
+        n.push_back(1);
+      }
+    }
+    if (!runs) docs->lengths.clear();
+  }
+  if (docs->lengths.empty()) {  // the mask: manual attention, a sliding window, documents not in runs
+    at::Tensor allowed = at::ones({T, T}, ids.options().dtype(at::kBool)).tril();
+    if (window_) allowed = allowed.logical_and(at::ones_like(allowed).triu(-(*window_ - 1)));
+    docs->mask = (ids.unsqueeze(2) == ids.unsqueeze(1)).logical_and(allowed).unsqueeze(1);  // [B, 1, T, T]
+  }
+  if (restart_positions) {
+    const at::Tensor t = at::arange(T, ids.options().dtype(at::kLong)).expand({ids.size(0), T});
+    const at::Tensor first_flag = at::cat({at::ones({ids.size(0), 1}, starts.options()), starts}, 1);  // [B, T]
+    const at::Tensor first = std::get<0>(at::where(first_flag, t, at::zeros_like(t)).cummax(1));
+    docs->positions = t - first;
+  }
+  return docs;
+}
+
+at::Tensor GPT2LLMImpl::position_rows(std::int64_t B, std::int64_t first, std::int64_t count, Dt dt,
+                                      const Documents* docs, bool chunk) const {
+  // A sequence-parallel chunk: each tp rank adds its rows, so the table's gradient is summed.
+  const at::Tensor w = cast(chunk ? tp_->shared(wpe_->weight) : wpe_->weight, dt);
+  if (docs == nullptr || !docs->positions.defined()) return w.narrow(0, first, count).unsqueeze(0);
+  const at::Tensor rows = docs->positions.narrow(1, first, count).reshape({-1});
+  return w.index_select(0, rows).view({B, count, -1});
+}
+
+at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt, std::shared_ptr<const Documents> docs) {
+  if (hooks_.empty()) return forward(input, dt, std::move(docs));
   const at::Tensor in[] = {input};
   hooks_.call(HookPoint::kPreForward, "", "GPT2LLM", in, {});
-  at::Tensor out = forward(input, dt);
+  at::Tensor out = forward(input, dt, std::move(docs));
   const at::Tensor outs[] = {out};
   hooks_.call(HookPoint::kForward, "", "GPT2LLM", in, outs);
   if (hooks_.wants("")) hooks_.on_backward(out, "", "GPT2LLM");

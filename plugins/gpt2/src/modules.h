@@ -30,6 +30,20 @@ class EmbeddingImpl;
 class NormImpl;
 class GPT2BlockImpl;
 
+// Document masking (GPT2Config::document_ids_key; modules.cpp, Note [Document masking]): what every
+// block's attention needs in one forward, built once from the document ids. Kept alive by the
+// blocks' functions until their backward (activation checkpointing runs them again).
+struct Documents {
+  // [B, 1, T, T] bool: token i may attend to j (same document, causal, window); undefined when
+  // `lengths` serve instead.
+  at::Tensor mask;
+  at::Tensor positions;  // [B, T] int64: each token's position in its document (restart); else undefined
+  // Per sample, the lengths of its documents in order (they tile T) when the documents are
+  // contiguous runs of ids and there is no sliding window: then pytorch_flash attends document by
+  // document (causal SDPA on each) instead of over the masked T x T. Empty otherwise.
+  std::vector<std::vector<std::int64_t>> lengths;
+};
+
 class GPT2LLMImpl final : public torch::nn::Module {
  public:
   // `ffn` makes the feed-forward of the blocks it chooses (layers.h); the others get model/gpt2's MLP.
@@ -41,7 +55,11 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // plain mm, without the flatten/unflatten views (and their backward nodes) that a
   // [B, T, d] input costs per projection. Same kernels on the same memory, so the results
   // are bit-identical to the 3-d layout; it saves ~10 ops per projection per step.
-  at::Tensor forward(const at::Tensor& input, Dt dt);
+  // With `docs`, attention stays inside documents (and positions restart, if it has them).
+  at::Tensor forward(const at::Tensor& input, Dt dt, std::shared_ptr<const Documents> docs = nullptr);
+  // The Documents of document ids [B, T] (equal ids: one document); null when every sample is one
+  // document (plain causal attention, bit for bit). One host sync.
+  std::shared_ptr<const Documents> documents(const at::Tensor& ids, bool restart_positions) const;
   // Pipeline stage: drops every module of `transformer` (and every block) that is neither named
   // nor an ancestor of a named one. The forward skips what is missing.
   void retain(const std::vector<std::string>& fqns);
@@ -65,7 +83,7 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // block left one.
   at::Tensor take_aux_losses();
   // The root's forward with its hooks around it (kPreForward, kForward, kBackward of "").
-  at::Tensor hooked_forward(const at::Tensor& input, Dt dt);
+  at::Tensor hooked_forward(const at::Tensor& input, Dt dt, std::shared_ptr<const Documents> docs = nullptr);
   ModuleHooks& hooks() { return hooks_; }
   std::vector<std::string> block_keys() const;
   bool tied() const;
@@ -89,9 +107,16 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // Block `fqn` through its runner with its feed-forward's auxiliary loss handed out alongside
   // (Note [Auxiliary losses through a block runner]); the loss goes to runner_aux_.
   at::Tensor run_block_with_aux_loss(const std::string& fqn, GPT2BlockImpl& block, const at::Tensor& h, std::int64_t B,
-                                     std::int64_t T, Dt dt);
+                                     std::int64_t T, Dt dt, const std::shared_ptr<const Documents>& docs);
+  // The position table rows of ABSOLUTE positions, [1, count, d] (rows [first, first + count)) or,
+  // with restarting document positions, [B, count, d] (each token's position in its document);
+  // `chunk`: this rank's sequence-parallel chunk (the table shared over the tp ranks).
+  at::Tensor position_rows(std::int64_t B, std::int64_t first, std::int64_t count, Dt dt, const Documents* docs,
+                           bool chunk) const;
 
   bool absolute_;
+  std::optional<std::int64_t> window_;  // attention_config.sliding_window
+  bool manual_attention_;               // attention_implementation = manual
   std::int64_t sequence_length_;
   double dropout_;
   std::shared_ptr<EmbeddingImpl> wte_, wpe_;

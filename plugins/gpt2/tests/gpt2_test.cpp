@@ -678,6 +678,169 @@ TEST(Gpt2AttentionTest, IsCausal) {
   EXPECT_GT(max_abs_diff(a.narrow(1, 10, 6), b.narrow(1, 10, 6)), 0.0);
 }
 
+// ---- document masking (modules.cpp, Note [Document masking]) ------------------------------------
+
+// Two packed samples of 16 tokens: documents of 5, 7 and 4 tokens, and of 10 and 6.
+const std::vector<std::vector<std::int64_t>> kDocuments = {{5, 7, 4}, {10, 6}};
+
+at::Tensor document_ids() {
+  std::vector<std::int64_t> ids;
+  for (const auto& lengths : kDocuments)
+    for (std::size_t d = 0; d < lengths.size(); ++d) ids.insert(ids.end(), lengths[d], static_cast<std::int64_t>(d));
+  return at::tensor(ids, at::kLong).view({2, 16});
+}
+
+// Logits and every parameter's gradient of (logits * weights).sum() for the packed samples.
+struct Pass {
+  at::Tensor logits;
+  std::map<std::string, at::Tensor> grads;
+};
+
+Pass packed_pass(Module& m, const TensorMap& in, const at::Tensor& weights) {
+  m.module().zero_grad();
+  const at::Tensor logits = m.forward(in).at("logits");
+  (logits * weights).sum().backward();
+  Pass p{logits.detach(), {}};
+  for (const auto& [name, t] : m.named_parameters()) p.grads[name] = t.grad().clone();
+  return p;
+}
+
+// The same, each document run alone (from position 0) and its loss terms summed.
+Pass one_by_one_pass(Module& m, const at::Tensor& ids, const at::Tensor& weights) {
+  m.module().zero_grad();
+  Pass p{at::zeros_like(weights), {}};
+  for (std::int64_t b = 0; b < 2; ++b) {
+    std::int64_t start = 0;
+    for (const std::int64_t n : kDocuments[static_cast<std::size_t>(b)]) {
+      const at::Tensor doc = ids.narrow(0, b, 1).narrow(1, start, n);
+      const at::Tensor logits = m.forward({{"input_ids", doc}}).at("logits");
+      (logits * weights.narrow(0, b, 1).narrow(1, start, n)).sum().backward();
+      p.logits.narrow(0, b, 1).narrow(1, start, n).copy_(logits.detach());
+      start += n;
+    }
+  }
+  for (const auto& [name, t] : m.named_parameters()) p.grads[name] = t.grad().clone();
+  return p;
+}
+
+// Largest difference over the largest value, of the logits and of the worst parameter gradient
+// (each against its own largest entry). Without RoPE (`rope` false) k_attn's bias has a zero
+// gradient in exact arithmetic (the softmax is shift invariant): what it gets is rounding noise,
+// held to 1e-6 of the largest gradient entry of all instead.
+std::pair<double, double> relative_differences(const Pass& a, const Pass& b, bool rope = true) {
+  double largest = 0, grads = 0;
+  for (const auto& [name, g] : a.grads) largest = std::max(largest, g.abs().max().item<double>());
+  for (const auto& [name, g] : a.grads) {
+    const bool zero_in_exact_arithmetic = !rope && name.ends_with("attn.k_attn.bias");
+    grads = std::max(
+        grads, max_abs_diff(g, b.grads.at(name)) / (zero_in_exact_arithmetic ? largest : g.abs().max().item<double>()));
+  }
+  return {max_abs_diff(a.logits, b.logits) / a.logits.abs().max().item<double>(), grads};
+}
+
+// A packed sample's logits and gradients equal those of its documents run one by one, for both
+// attention implementations (pytorch_flash: document by document; with a sliding window, and
+// manual: the masked T x T), RoPE (positions restarting at each document or continuing: RoPE
+// depends on relative positions only, so both give the documents' own attention) and ABSOLUTE
+// positions (restarting).
+TEST(Gpt2DocumentMaskingTest, APackedSampleEqualsItsDocumentsRunOneByOne) {
+  struct Case {
+    const char* impl;
+    const char* poe;
+    const char* positions;
+    std::int64_t window = 0;
+  };
+  for (const Case& c : {Case{"manual", "NOPE", "restart"}, Case{"pytorch_flash", "NOPE", "restart"},
+                        Case{"manual", "NOPE", "continue"}, Case{"pytorch_flash", "NOPE", "continue"},
+                        Case{"pytorch_flash", "ABSOLUTE", "restart"}, Case{"manual", "ABSOLUTE", "restart"},
+                        Case{"pytorch_flash", "NOPE", "restart", 4}, Case{"manual", "NOPE", "continue", 4}}) {
+    SCOPED_TRACE(fmt::format("{} {} {} window {}", c.impl, c.poe, c.positions, c.window));
+    testing::Harness h{MODALITIES_TEST_PLUGIN};
+    h.set_config_text(
+        tiny_toml(fmt::format("document_ids_key = \"document_ids\"\ndocument_positions = \"{}\"", c.positions)));
+    h.set("m.config.attention_implementation", Value(c.impl));
+    h.set("m.config.poe_type", Value(c.poe));
+    if (std::string(c.poe) == "ABSOLUTE") h.set("m.config.attention_config.qkv_transforms", Value(Value::List{}));
+    if (c.window > 0) h.set("m.config.attention_config.sliding_window", Value(c.window));
+    auto m = h.get<Module>("m");
+    at::manual_seed(3);
+    const at::Tensor ids = at::randint(1, 256, {2, 16}, at::kLong);
+    const at::Tensor weights = at::randn({2, 16, 256});
+    // In float32 (what training runs) the sums round differently; in float64 the acceptance's
+    // bound (1e-6) holds with a wide margin on any CPU.
+    for (const c10::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      m->to(c10::Device(c10::kCPU), dtype);
+      const at::Tensor w = weights.to(dtype);
+      const Pass packed = packed_pass(*m, {{"input_ids", ids}, {"document_ids", document_ids()}}, w);
+      const Pass alone = one_by_one_pass(*m, ids, w);
+      const auto [logits, grads] = relative_differences(alone, packed, std::string(c.poe) == "NOPE");
+      std::printf("%s %s %s window %lld %s: logits %.2e, gradients %.2e of the largest value\n", c.impl, c.poe,
+                  c.positions, static_cast<long long>(c.window), c10::toString(dtype), logits, grads);
+      EXPECT_LE(logits, dtype == at::kDouble ? 1e-6 : 1e-5);
+      EXPECT_LE(grads, dtype == at::kDouble ? 1e-6 : 1e-5);
+    }
+    // Without document ids the documents see each other: the test can fail.
+    const Pass mixed = packed_pass(*m, {{"input_ids", ids}}, weights.to(at::kDouble));
+    EXPECT_GT(relative_differences(one_by_one_pass(*m, ids, weights.to(at::kDouble)), mixed).first, 1e-3);
+  }
+}
+
+// A sample of one document gives exactly what the model gives without document ids, and so does
+// an input without the key (generation, evaluation without the collator).
+TEST(Gpt2DocumentMaskingTest, OneDocumentPerSampleIsTheUnmaskedModelBitForBit) {
+  for (const char* impl : {"manual", "pytorch_flash"}) {
+    SCOPED_TRACE(impl);
+    testing::Harness h{MODALITIES_TEST_PLUGIN};
+    h.set_config_text(tiny_toml("document_ids_key = \"document_ids\"\ndocument_positions = \"restart\""));
+    h.set("m.config.attention_implementation", Value(impl));
+    auto masked = h.get<Module>("m");
+    h.set_config_text(tiny_toml(""));
+    h.set("m.config.attention_implementation", Value(impl));
+    auto plain = h.get<Module>("m");
+    const at::Tensor ids = tiny_ids(), weights = at::randn({ids.size(0), ids.size(1), 256});
+    const Pass a = packed_pass(*plain, {{"input_ids", ids}}, weights);
+    for (const TensorMap& in :
+         {TensorMap{{"input_ids", ids}, {"document_ids", at::zeros_like(ids)}},
+          TensorMap{{"input_ids", ids}, {"document_ids", at::full_like(ids, 7)}}, TensorMap{{"input_ids", ids}}}) {
+      const Pass b = packed_pass(*masked, in, weights);
+      EXPECT_TRUE(at::equal(a.logits, b.logits));
+      for (const auto& [name, g] : a.grads) EXPECT_TRUE(at::equal(g, b.grads.at(name))) << name;
+    }
+  }
+}
+
+TEST(Gpt2DocumentMaskingTest, BadDocumentIdsAndConfigsAreRefused) {
+  testing::Harness h{MODALITIES_TEST_PLUGIN};
+  h.set_config_text(tiny_toml("document_ids_key = \"document_ids\""));
+  auto m = h.get<Module>("m");
+  const at::Tensor ids = tiny_ids();
+  const auto error = [&](const TensorMap& in) {
+    try {
+      m->forward(in);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_THAT(error({{"input_ids", ids}, {"document_ids", at::zeros({ids.size(0), 3}, at::kLong)}}),
+              HasSubstr("the input 'document_ids' (document_ids_key) has shape"));
+  EXPECT_THAT(error({{"input_ids", ids}, {"document_ids", at::zeros(ids.sizes(), at::kFloat)}}),
+              HasSubstr("must hold integer document ids"));
+  try {
+    m->retain_modules({"transformer.wte", "transformer.h.0"});
+    FAIL() << "a pipeline stage with document masking was made";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("does not reach pipeline stages yet"));
+  }
+  h.set("m.config.document_ids_key", Value("input_ids"));
+  EXPECT_THAT(h.build_error(), HasSubstr("m.config.document_ids_key: is 'input_ids'"));
+  h.erase("m.config.document_ids_key");
+  h.set("m.config.document_positions", Value("restart"));
+  EXPECT_THAT(h.build_error(), HasSubstr("m.config.document_positions: is restart, but there is no document_ids_key"));
+  h.set("m.config.document_positions", Value("sometimes"));
+  EXPECT_THAT(h.build_error(), HasSubstr("m.config.document_positions: must be one of"));
+}
+
 // ---- tying, meta device, clone, seed, mixed precision -----------------------------------------
 
 TEST(Gpt2TyingTest, SharedMatrixListedOnceStoredTwiceLoadedFromEitherKey) {
@@ -907,6 +1070,68 @@ TEST(Gpt2ConfigTest, EveryValidatorNamesTheField) {
 TEST(Gpt2ConfigTest, ExampleConfigValidates) {
   testing::Harness h{MODALITIES_TEST_PLUGIN, kExample};
   EXPECT_EQ(h.build_error(), "");
+}
+
+// --- document-masking step time (scripts/bench_document_masking.sh; opt-in) -----------------------
+// Forward + backward of a small decoder (d 256, 4 blocks of 8 heads, RoPE, pytorch_flash, fp32) on
+// 4 samples of T tokens cut from data/sample/train.pbin: plain causal attention next to
+// document-masked attention on the bundled data's own document boundaries (its EOD tokens, id 0).
+
+// The first b * (T + 1) tokens of the bundled packed file as b samples of T + 1.
+at::Tensor bundled_samples(std::int64_t b, std::int64_t T) {
+  std::ifstream in(std::string(MODALITIES_TEST_SOURCE_ROOT) + "/data/sample/train.pbin", std::ios::binary);
+  std::uint64_t data_bytes = 0;
+  std::uint32_t token_bytes = 0;
+  in.read(reinterpret_cast<char*>(&data_bytes), 8);
+  in.read(reinterpret_cast<char*>(&token_bytes), 4);
+  if (!in || token_bytes != 2) throw Error("bench: data/sample/train.pbin is not the bundled 2-byte token file");
+  std::vector<std::uint16_t> tokens(static_cast<std::size_t>(b * (T + 1)));
+  in.read(reinterpret_cast<char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 2));
+  if (!in) throw Error("bench: data/sample/train.pbin is too short");
+  return at::tensor(std::vector<std::int64_t>(tokens.begin(), tokens.end()), at::kLong).view({b, T + 1});
+}
+
+TEST(Gpt2DocumentMaskingBench, StepTimeNextToCausalAttention) {
+  if (std::getenv("MODALITIES_DOCUMENT_MASKING_BENCH") == nullptr)
+    GTEST_SKIP() << "set MODALITIES_DOCUMENT_MASKING_BENCH=1 (scripts/bench_document_masking.sh)";
+  for (const std::int64_t T : {1024, 2048, 4096}) {
+    testing::Harness h{MODALITIES_TEST_PLUGIN};
+    h.set_config_text(tiny_toml("document_ids_key = \"document_ids\"\ndocument_positions = \"restart\""));
+    h.set("m.config.attention_implementation", Value("pytorch_flash"));
+    h.set("m.config.sequence_length", Value(T));
+    h.set("m.config.n_layer", Value(4));
+    h.set("m.config.n_embd", Value(256));
+    h.set("m.config.ffn_hidden", Value(1024));
+    h.set("m.config.vocab_size", Value(8192));
+    h.set("m.config.attention_config.qkv_transforms",
+          Value(Value::List{Value(Value::Table{{"type_hint", Value("RotaryTransform")},
+                                               {"config", Value(Value::Table{{"n_embd", Value(256)},
+                                                                             {"n_head", Value(8)},
+                                                                             {"seq_length_dim", Value(-2)},
+                                                                             {"base_freq", Value(10000)}})}})}));
+    for (const char* norm : {"attention_norm_config", "ffn_norm_config"})
+      h.set(fmt::format("m.config.{}.config.normalized_shape", norm), Value(256));
+    h.set("m.config.lm_head_norm_config.config.ndim", Value(256));
+    auto m = h.get<Module>("m");
+    const at::Tensor rows = bundled_samples(4, T);
+    const at::Tensor ids = rows.narrow(1, 0, T).contiguous();
+    const at::Tensor eod = ids.eq(0).to(at::kLong);
+    const at::Tensor docs = eod.cumsum(1) - eod;  // the collator's ids (collators.cpp, Note [Document ids])
+    const double mean_length = static_cast<double>(4 * T) / (docs.select(1, T - 1) + 1).sum().item<double>();
+    const auto step_ms = [&](const TensorMap& in) {
+      const auto pass = [&] { m->forward(in).at("logits").logsumexp(-1).mean().backward(); };
+      pass();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 3; ++i) pass();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 3;
+    };
+    const double causal = step_ms({{"input_ids", ids}});
+    const double masked = step_ms({{"input_ids", ids}, {"document_ids", docs}});
+    std::printf(
+        "bench_document_masking: T %lld, 4 samples, %.0f tokens per document on average, %d threads: causal "
+        "%.1f ms, document-masked %.1f ms (%.2fx causal)\n",
+        static_cast<long long>(T), mean_length, at::get_num_threads(), causal, masked, masked / causal);
+  }
 }
 
 // Rough CPU timing of the tutorial config (run with --gtest_also_run_disabled_tests).
