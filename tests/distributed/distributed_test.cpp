@@ -828,31 +828,29 @@ TEST(DistributedMoeTest, ExpertParallelOnTwoRanksTrainsLikeOneProcess) {
       [](const std::filesystem::path& root) { expect_same_tokens_per_expert(root, {"ep2"}, kSteps, false); });
 }
 
-// The acceptance (label `full`): EP2 on 2 ranks and EP2 x FSDP2 on 4 (dp_shard 4 with ep 2:
-// each expert pair sharded over 2 ranks) against one process, 20 steps: the losses and grad norms,
-// and the tokens per expert at step 1 (how many differ later is printed).
-TEST(DistributedMoeFullTest, ExpertParallelAndItsFsdp2TrainLikeOneProcess) {
+// EP2 on 2 ranks and EP2 x FSDP2 on 4 (dp_shard 4 with ep 2: each expert pair sharded over 2 ranks)
+// against one process, 20 steps, in float32 or float64 compute: the losses and grad norms, and the
+// tokens per expert at step 1 or, with `every_step`, at every step (how many differ is printed).
+void expect_ep2_and_its_fsdp2_route_like_one_process(bool fp64, bool every_step) {
   constexpr int kSteps = 20;
   expect_layouts_train_like_a_reference(
       kSteps,
-      {{"ep2", 2, moe_counted_config(kSteps, 2, 1, false)}, {"ep2_fsdp2", 4, moe_counted_config(kSteps, 2, 1, false)}},
-      [](int accumulation) { return moe_counted_config(kSteps, 1, accumulation, false); },
-      [](const std::filesystem::path& root) {
-        expect_same_tokens_per_expert(root, {"ep2", "ep2_fsdp2"}, kSteps, false);
+      {{"ep2", 2, moe_counted_config(kSteps, 2, 1, fp64)}, {"ep2_fsdp2", 4, moe_counted_config(kSteps, 2, 1, fp64)}},
+      [fp64](int accumulation) { return moe_counted_config(kSteps, 1, accumulation, fp64); },
+      [every_step](const std::filesystem::path& root) {
+        expect_same_tokens_per_expert(root, {"ep2", "ep2_fsdp2"}, kSteps, every_step);
       });
+}
+
+// The acceptance (label `full`), in float32.
+TEST(DistributedMoeFullTest, ExpertParallelAndItsFsdp2TrainLikeOneProcess) {
+  expect_ep2_and_its_fsdp2_route_like_one_process(/*fp64=*/false, /*every_step=*/false);
 }
 
 // The same in float64 compute (label `full`): no near tie is close enough for the layouts'
 // reordering to flip it, so every step's tokens per expert equal one process's.
 TEST(DistributedMoeFullTest, InFloat64ExpertParallelRoutesLikeOneProcessAtEveryStep) {
-  constexpr int kSteps = 20;
-  expect_layouts_train_like_a_reference(
-      kSteps,
-      {{"ep2", 2, moe_counted_config(kSteps, 2, 1, true)}, {"ep2_fsdp2", 4, moe_counted_config(kSteps, 2, 1, true)}},
-      [](int accumulation) { return moe_counted_config(kSteps, 1, accumulation, true); },
-      [](const std::filesystem::path& root) {
-        expect_same_tokens_per_expert(root, {"ep2", "ep2_fsdp2"}, kSteps, true);
-      });
+  expect_ep2_and_its_fsdp2_route_like_one_process(/*fp64=*/true, /*every_step=*/true);
 }
 
 // A model/parallelized config with every block activation-checkpointed.

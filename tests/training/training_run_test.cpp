@@ -165,6 +165,18 @@ fs::path checkpoint_folder(const fs::path& checkpoints, int step) {
 
 class TrainingRunTest : public ::testing::Test {
  protected:
+  // Trains tiny_config(name, extra, folder) as experiment `id` under dir_/experiments (the run must
+  // succeed) and returns its training results.
+  std::vector<std::map<std::string, std::string>> train(const std::string& id, const std::string& name,
+                                                        const std::map<std::string, std::string>& extra,
+                                                        const std::string& folder = "quickstart") {
+    const fs::path experiments = dir_.path() / "experiments";
+    const fs::path cfg = dir_.write(id + ".toml", tiny_config(name, extra, folder));
+    const CommandResult r = modalities({"run", "--config_file_path", cfg.string(), "--experiments_root_path",
+                                        experiments.string(), "--experiment_id", id});
+    EXPECT_EQ(r.exit_code, 0) << r;
+    return train_results(experiments / id / "evaluation_results.jsonl");
+  }
   ScratchDir dir_;
 };
 
@@ -227,13 +239,8 @@ TEST_F(TrainingRunTest, WarmStartFromStepFourReproducesStepsFiveToEightBitForBit
 // same run with the auxiliary term weighted 0 by the block's load-balancing and z-loss terms:
 // about 0.01 (perfect balance) plus 0.001 * logsumexp^2 (about 2 for 4 experts near uniform).
 TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias) {
-  const fs::path experiments = dir_.path() / "experiments";
   const auto run = [&](const std::string& id, const std::map<std::string, std::string>& extra) {
-    const fs::path cfg = dir_.write(id + ".toml", tiny_config("train_cpu.toml", extra, "moe"));
-    const CommandResult r = modalities({"run", "--config_file_path", cfg.string(), "--experiments_root_path",
-                                        experiments.string(), "--experiment_id", id});
-    EXPECT_EQ(r.exit_code, 0) << r;
-    return train_results(experiments / id / "evaluation_results.jsonl");
+    return train(id, "train_cpu.toml", extra, "moe");
   };
   const auto with = run("moe", {{"use_expert_bias = true", "use_expert_bias = true\nlog_tokens_per_expert = true"}});
   const auto without = run("moe_plain", {{"weights = [1.0, 1.0]", "weights = [1.0, 0.0]"}});
@@ -299,13 +306,8 @@ TEST_F(TrainingRunTest, MoeConfigTrainsOnTheAuxiliaryLossesAndMovesTheExpertBias
 // collator hands model/gpt2 the document ids of the packed samples (EOD id 0 in the bundled
 // tokenizer). The run trains, and differs from the unmasked one on the same weights and batches.
 TEST_F(TrainingRunTest, DocumentMaskedTrainingRunsThroughTheCollatorIntoTheModel) {
-  const fs::path experiments = dir_.path() / "experiments";
   const auto run = [&](const std::string& id, const std::map<std::string, std::string>& extra) {
-    const fs::path cfg = dir_.write(id + ".toml", tiny_config("train.toml", extra));
-    const CommandResult r = modalities({"run", "--config_file_path", cfg.string(), "--experiments_root_path",
-                                        experiments.string(), "--experiment_id", id});
-    EXPECT_EQ(r.exit_code, 0) << r;
-    return train_results(experiments / id / "evaluation_results.jsonl");
+    return train(id, "train.toml", extra);
   };
   // Samples of 128 tokens (the bundled documents average ~470): most steps cross a boundary.
   const auto plain = run("plain", {{"sequence_length = 32", "sequence_length = 128"}});

@@ -337,7 +337,8 @@ class DocumentMaskingCollator final : public CollateFn {
                      c_.sample_key, c10::toString(x.scalar_type()), c10::str(x.sizes()));
     const at::Tensor eod = x.eq(c_.eod_token_id);
     // Ids count the EODs strictly before each position (Note [Document ids]).
-    const at::Tensor ids = eod.to(at::kLong).cumsum(1) - eod.to(at::kLong);
+    const at::Tensor counted = eod.to(at::kLong);
+    const at::Tensor ids = counted.cumsum(1) - counted;
     if (c_.mask_boundary_targets) {
       const auto t = batch.targets.find(*c_.target_key);
       if (t == batch.targets.end())
