@@ -335,14 +335,18 @@ class Gym {
       // Several data-parallel ranks train one model only if every part synchronises its gradients
       // across them, which the sharding wrappers do (their parameters are shards). Ranks that only
       // split the model (tensor parallel with dp 1) need no such wrapper.
-      if (dp_ranks > 1)
+      // Context-parallel ranks compute gradients of different tokens of the same parameters:
+      // they need the same synchronisation (FSDP2 shards over dp_shard x cp).
+      if (dp_ranks > 1 || dims.enabled(MeshDim::cp))
         for (const auto& part : parts_)
           if (!part->synchronizes_gradients())
             throw Error(fmt::format(
                 "settings.cuda_env.world_size = {}: the model is not wrapped for data parallelism ({} data-parallel "
-                "ranks), so each rank would train its own copy; wrap it in model/fsdp2_wrapped or "
+                "ranks{}), so each rank would train its own copy; wrap it in model/fsdp2_wrapped or "
                 "model/fsdp1_wrapped (configs/distributed/fsdp2_cpu.toml)",
-                s.cuda_env.world_size, dp_ranks));
+                s.cuda_env.world_size, dp_ranks,
+                dims.enabled(MeshDim::cp) ? fmt::format(" x {} context-parallel ranks", dims.degree(MeshDim::cp))
+                                          : ""));
       if (!dist::initialized())
         throw Error(
             fmt::format("settings.cuda_env.world_size = {}, but no process group was created (launch with "
@@ -358,6 +362,15 @@ class Gym {
                       "ranks (device_mesh.config.enable_loss_parallel = true), and loss '{}' cannot reduce "
                       "them; use loss/clm_cross_entropy_loss or set enable_loss_parallel = false",
                       c_.loss_fn->tag()));
+    // Context parallel: predictions for this rank's tokens reach only a loss that picks the same
+    // tokens of the whole targets.
+    if (parts_.size() == 1) sequence_shard_ = parts_.front()->sequence_shard();
+    if (sequence_shard_ && !c_.loss_fn->accepts_sequence_shards())
+      throw Error(
+          fmt::format("loss_fn: the model computes this rank's tokens of every sequence (context parallelism over "
+                      "{} ranks, device_mesh.config.context_parallel_degree), and loss '{}' cannot take them; use "
+                      "loss/clm_cross_entropy_loss or set context_parallel_degree = 1",
+                      sequence_shard_->size, c_.loss_fn->tag()));
     optimizer_ = c_.app_state->optimizer();
     scheduler_ = c_.app_state->lr_scheduler();
     check_resumed_state();
@@ -445,6 +458,7 @@ class Gym {
           result.targets = std::move(batch->targets);
           result.predictions = forward(batch->samples);
           result.vocab_shard = vocab_shard_;
+          result.sequence_shard = sequence_shard_;
           loss = c_.loss_fn->compute(result);
           // Dividing by 1 changes no bit: without accumulation the division (an op and an autograd
           // node per step) is skipped.
@@ -699,6 +713,7 @@ class Gym {
             result.targets = std::move(batch->targets);
             result.predictions = forward(batch->samples);
             result.vocab_shard = vocab_shard_;
+            result.sequence_shard = sequence_shard_;
             sum.add_(c_.loss_fn->compute(result).to(at::kFloat));
           }
           ++count;
@@ -740,8 +755,9 @@ class Gym {
   i64 tokens_seen_before_ = 0;  // tokens of the earlier runs
   i64 dp_ = 1;                  // data-parallel degree
   i64 tokens_per_step_ = 0;
-  std::shared_ptr<Pipeline> pipeline_;         // pipeline parallelism: the scheduled pipeline, else null
-  std::optional<tp::VocabShard> vocab_shard_;  // loss parallel: the model's logits are split on the vocabulary
+  std::shared_ptr<Pipeline> pipeline_;               // pipeline parallelism: the scheduled pipeline, else null
+  std::optional<tp::VocabShard> vocab_shard_;        // loss parallel: the model's logits are split on the vocabulary
+  std::optional<cp::SequenceShard> sequence_shard_;  // context parallel: the model's predictions cover its tokens
   std::vector<std::shared_ptr<Module>> parts_;
   std::shared_ptr<Optimizer> optimizer_;
   std::shared_ptr<LRScheduler> scheduler_;

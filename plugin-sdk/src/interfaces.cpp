@@ -72,6 +72,7 @@ DistributedCheckpointLoading::~DistributedCheckpointLoading() = default;
 GradientClipper::~GradientClipper() = default;
 Loss::~Loss() = default;
 bool Loss::accepts_vocab_shards() const { return false; }
+bool Loss::accepts_sequence_shards() const { return false; }
 LRScheduler::~LRScheduler() = default;
 MessageSubscriber::~MessageSubscriber() = default;
 MFUCalculator::~MFUCalculator() = default;
@@ -386,6 +387,16 @@ void Module::apply_expert_parallel(const ParallelDims& dims) {
 }
 
 std::vector<std::string> Module::expert_parallel_parameters() const { return {}; }
+
+void Module::apply_context_parallel(const ParallelDims& dims) {
+  throw Error(
+      fmt::format("this model ({}) does not support context parallelism (the mesh's cp dim of {} ranks): its class "
+                  "does not implement Module::apply_context_parallel (model/gpt2 and model/gpt2_moe do); set "
+                  "device_mesh.config.context_parallel_degree = 1",
+                  module().name(), dims.degree(MeshDim::cp)));
+}
+
+std::optional<cp::SequenceShard> Module::sequence_shard() const { return std::nullopt; }
 
 std::vector<ModelMetric> Module::take_metrics() { return {}; }
 

@@ -106,12 +106,19 @@ ParallelDims::Group ParallelDims::group(MeshDim dim) const {
   return mesh_ ? mesh_->process_group(dim) : dist::world();
 }
 
+std::int64_t ParallelDims::shard_degree() const { return degree(MeshDim::dp_shard) * degree(MeshDim::cp); }
+
+ParallelDims::Group ParallelDims::shard_group() const {
+  if (!enabled(MeshDim::cp)) return group(MeshDim::dp_shard);
+  return mesh_->sub_mesh({MeshDim::dp_shard, MeshDim::cp})->flattened_process_group();
+}
+
 std::int64_t ParallelDims::expert_shard_degree() const {
   return degree(MeshDim::dp_shard) * degree(MeshDim::cp) / degree(MeshDim::ep);
 }
 
 ParallelDims::Group ParallelDims::expert_shard_group() const {
-  if (!enabled(MeshDim::ep)) return group(MeshDim::dp_shard);
+  if (!enabled(MeshDim::ep)) return shard_group();
   return mesh_->expert_shard_process_group();  // null for one rank
 }
 

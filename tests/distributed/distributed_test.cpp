@@ -749,6 +749,81 @@ std::string untied(std::string config) {
   return edited(std::move(config), "use_weight_tying = true", "use_weight_tying = false");
 }
 
+// ep_cpu.toml's sampler over the mesh's dp_shard ranks: under tp or pp several ranks read the same
+// samples.
+std::string sampled_over_dp_shard(std::string text) {
+  text = edited(std::move(text), "variant_key = \"resumable_distributed_sampler\"",
+                "variant_key = \"resumable_distributed_multi_dim_sampler\"");
+  return edited(std::move(text),
+                "rank = \"${settings.cuda_env.global_rank}\"\nnum_replicas = \"${settings.cuda_env.world_size}\"",
+                "device_mesh = { instance_key = \"device_mesh\", pass_type = \"BY_REFERENCE\" }\n"
+                "data_parallel_key = \"dp_shard\"");
+}
+
+// --- context parallel ---------------------------------------------------------------------
+
+// configs/distributed/cp_cpu.toml for a short run (see distributed_config).
+std::string cp_config(int steps, int checkpoint_every = 0) {
+  return distributed_config("cp_cpu.toml", steps, 1, checkpoint_every);
+}
+
+// configs/distributed/tp_cpu.toml with a cp dim of 2 as well: model/gpt2_tp applies context
+// parallelism after splitting the model (Modalities' gpt2_tp with context_parallel_load_balancer).
+std::string cp_tp_config(int steps) {
+  return edited(edited(tp_config(steps), "tensor_parallel_degree = 2,",
+                       "tensor_parallel_degree = 2, context_parallel_degree = 2,"),
+                "sequence_parallel = true\n",
+                "sequence_parallel = true\ncontext_parallel_load_balancer = \"headtail\"\n");
+}
+
+// Context parallelism on 2 ranks trains like one process on the same global batch, with and
+// without document masking (the bundled documents cross the 128-token samples); 5 steps. Under
+// `full`: 20 steps, also CP2 x FSDP2 on 4 ranks (parameters sharded over dp_shard x cp) with and
+// without masking, CP2 x TP2 with sequence parallelism, CP2 with activation checkpointing and
+// CP2 x PP2.
+TEST(DistributedContextParallelTest, TwoRanksTrainLikeOneProcessWithAndWithoutDocumentMasking) {
+  constexpr int kSteps = 5;
+  expect_layouts_train_like_one_process(kSteps, {{"cp2", 2, cp_config(kSteps)}});
+  expect_layouts_train_like_one_process(kSteps, {{"cp2_documents", 2, document_masked(cp_config(kSteps))}},
+                                        document_masked);
+}
+
+// configs/distributed/pp_fsdp2_parallelized_cpu.toml (PP2, gpipe, FSDP2 per stage) with a cp dim of
+// 2: model/parallelized applies context parallelism before staging the model.
+std::string cp_pp_config(int steps) {
+  return edited(distributed_config("pp_fsdp2_parallelized_cpu.toml", steps), "pipeline_parallel_degree = 2,",
+                "pipeline_parallel_degree = 2, context_parallel_degree = 2,");
+}
+
+// configs/distributed/ac_parallelized_cpu.toml (every block activation-checkpointed, FSDP2) with a
+// cp dim of 2, the data split over dp_shard.
+std::string cp_ac_config(int steps) {
+  return sampled_over_dp_shard(edited(distributed_config("ac_parallelized_cpu.toml", steps),
+                                      "data_parallel_shard_degree = -1,",
+                                      "data_parallel_shard_degree = -1, context_parallel_degree = 2,"));
+}
+
+TEST(DistributedContextParallelFullTest, EveryLayoutTrainsLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_one_process(
+      kSteps,
+      {{"cp2", 2, cp_config(kSteps)}, {"fsdp2x2_cp2", 4, cp_config(kSteps)}, {"cp2_tp2_sp", 4, cp_tp_config(kSteps)}});
+  expect_layouts_train_like_one_process(kSteps, {{"cp2_ac", 2, cp_ac_config(kSteps)}});
+  expect_layouts_train_like_one_process(kSteps, {{"cp2_pp2", 4, cp_pp_config(kSteps)}}, untied);
+  expect_layouts_train_like_one_process(kSteps,
+                                        {{"cp2_documents", 2, document_masked(cp_config(kSteps))},
+                                         {"fsdp2x2_cp2_documents", 4, document_masked(cp_config(kSteps))}},
+                                        document_masked);
+}
+
+// A sequence length that 2 x cp does not divide is refused on every rank before training.
+TEST(DistributedContextParallelTest, WhatContextParallelismCannotSplitIsAConfigError) {
+  const modalities::testing::ScratchDir dir;
+  expect_refused_on_two_ranks(
+      dir, "length", edited(cp_config(4), "sequence_length = 128", "sequence_length = 126"),
+      "model/gpt2's sequence_length = 126 is not divisible by 2 x the context-parallel degree 2 = 4");
+}
+
 // --- expert parallel (plugins/moe) ------------------------------------------------------------
 
 // configs/moe/ep_cpu.toml (40 steps) for a short run (short_run_config) at the expert-parallel
@@ -882,17 +957,6 @@ TEST(DistributedMoeFullTest, ActivationCheckpointedMoeBlocksUnderExpertParalleli
       [](int accumulation) { return moe_ep_config_without_aux(kSteps, 1, accumulation, false); });
   expect_layouts_train_like_a_reference(kSteps, {{"ep2_ac_aux", 2, activation_checkpointed(moe_ep_config(kSteps))}},
                                         [](int accumulation) { return moe_ep_config(kSteps, 1, accumulation); });
-}
-
-// ep_cpu.toml's sampler over the mesh's dp_shard ranks: under tp or pp several ranks read the same
-// samples.
-std::string sampled_over_dp_shard(std::string text) {
-  text = edited(std::move(text), "variant_key = \"resumable_distributed_sampler\"",
-                "variant_key = \"resumable_distributed_multi_dim_sampler\"");
-  return edited(std::move(text),
-                "rank = \"${settings.cuda_env.global_rank}\"\nnum_replicas = \"${settings.cuda_env.world_size}\"",
-                "device_mesh = { instance_key = \"device_mesh\", pass_type = \"BY_REFERENCE\" }\n"
-                "data_parallel_key = \"dp_shard\"");
 }
 
 // EP2 x TP2 on 4 ranks (dp_shard 2 x tp 2, ep over dp_shard): tensor parallelism of the attention
@@ -1547,10 +1611,11 @@ std::filesystem::path checkpoint_of(const std::filesystem::path& root, const std
 // their continuations (warmstart) from a checkpoint on any number of ranks. Every run has the
 // global batch 8 (the config derives the micro-batch size from the world size).
 // Which configs a run uses: fsdp2_cpu.toml (any world size), tp_cpu.toml (TP2), pp_cpu.toml (PP2),
+// cp_cpu.toml (CP2),
 // and their _warmstart.toml to continue.
 // kPpInterleaved: PP2 with two stages per rank (Interleaved1F1B) sharded with FSDP2 over dp_shard 2
 // (pp_fsdp2_cpu.toml, 4 ranks).
-enum class Parallelism { kFsdp2, kTp, kPp, kPpInterleaved };
+enum class Parallelism { kFsdp2, kTp, kPp, kPpInterleaved, kCp };
 
 // step -> sample_ids_hash of data_ledger.jsonl (a later line for the same step wins: the attempt
 // that counted), and every step in the order of appearance.
@@ -1582,6 +1647,9 @@ class CheckpointRuns {
     configs_[Parallelism::kTp] = {
         dir_.write("train_tp.toml", distributed_config("tp_cpu.toml", steps, 1, every)),
         dir_.write("resume_tp.toml", distributed_config("tp_cpu_warmstart.toml", steps, 1, every))};
+    configs_[Parallelism::kCp] = {
+        dir_.write("train_cp.toml", distributed_config("cp_cpu.toml", steps, 1, every)),
+        dir_.write("resume_cp.toml", distributed_config("cp_cpu_warmstart.toml", steps, 1, every))};
     configs_[Parallelism::kPp] = {
         dir_.write("train_pp.toml", distributed_config("pp_cpu.toml", steps, 1, every)),
         dir_.write("resume_pp.toml", distributed_config("pp_cpu_warmstart.toml", steps, 1, every))};
@@ -1703,6 +1771,26 @@ TEST(DistributedCheckpointTest, TensorParallelCheckpointsContinueAtAnotherDegree
   runs.compare("tp2", "tp2_on_tp2", 4, 0.0);  // bit for bit
   runs.compare("tp2", "tp2_on_tp1", 4, 1e-5);
   runs.compare("tp2", "tp1_on_tp2", 7, 1e-5);
+}
+
+// Across context-parallel degrees (label full): CP2 trains 9 steps with a checkpoint every 3, on
+// the same samples at every step as one process (the data ledger counts each sample once, by the
+// cp rank 0 of each dp rank). Its step-3 checkpoint continues on CP2 bit for bit and on one
+// process within 1e-5; that process's step-6 checkpoint continues on CP2 within 1e-5 of the
+// uninterrupted run.
+TEST(DistributedCheckpointFullTest, ContextParallelCheckpointsContinueAtAnotherDegreeAndBack) {
+  CheckpointRuns runs(9, 3);
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(2, "cp2", Parallelism::kCp));
+  ASSERT_NO_FATAL_FAILURE(runs.train_on(1, "one"));
+  const auto cp_ledger = ledger_of(runs.root() / "cp2" / "data_ledger.jsonl");
+  EXPECT_EQ(cp_ledger.first, ledger_of(runs.root() / "one" / "data_ledger.jsonl").first);
+  EXPECT_EQ(cp_ledger.second.size(), 9u);  // one line per step: only one rank of the cp group counts
+  runs.continue_on(2, "cp2", 3, "cp2_on_cp2", Parallelism::kCp);
+  runs.continue_on(1, "cp2", 3, "cp2_on_cp1");
+  runs.continue_on(2, "cp2_on_cp1", 6, "cp1_on_cp2", Parallelism::kCp);
+  runs.compare("cp2", "cp2_on_cp2", 4, 0.0);  // bit for bit
+  runs.compare("cp2", "cp2_on_cp1", 4, 1e-5);
+  runs.compare("cp2", "cp1_on_cp2", 7, 1e-5);
 }
 
 // Across pipeline degrees (default suite): a checkpoint of step 3 (of 9) written by PP2 (each rank

@@ -510,7 +510,10 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
       {"configs/distributed/pp_parallelized_gpu_8.toml", "8"},
       // expert parallelism (plugins/moe)
       {"configs/moe/ep_cpu.toml", "4"},
-      {"configs/moe/ep_gpu_8.toml", "8"}};
+      {"configs/moe/ep_gpu_8.toml", "8"},
+      // context parallelism
+      {"configs/distributed/cp_cpu.toml", "4"},
+      {"configs/distributed/cp_long_context_gpu_8.toml", "8"}};
   for (const auto& [name, world] : configs) {
     const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline", "training",
                                          "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},

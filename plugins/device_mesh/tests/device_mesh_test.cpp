@@ -410,6 +410,36 @@ TEST(DeviceMeshTest, TwoGlooRanksSplitAnotherArchitectureThroughItsCapability) {
   launch_workers(2, "AModelThatImplementsTheCapabilityIsSplitByGpt2Tp");
 }
 
+// model/gpt2_cp (context parallelism) over [raw].
+std::string cp_config(const std::string& variant) {
+  return "[raw]\ncomponent_key = \"model\"\nvariant_key = \"" + variant +
+         "\"\nconfig = {}\n[split]\ncomponent_key = \"model\"\nvariant_key = \"gpt2_cp\"\n[split.config]\n"
+         "model = { instance_key = \"raw\", pass_type = \"BY_REFERENCE\" }\n"
+         "device_mesh = { instance_key = \"device_mesh\", pass_type = \"BY_REFERENCE\" }\n";
+}
+
+// A model without context-parallel support is refused by name, on the config path of its reference.
+MODALITIES_WORKER_CASE(MeshWorker, Gpt2CpRefusesAModelWithoutTheCapability) {
+  const WorkerRuntime runtime;
+  Harness h(MODALITIES_TEST_PLUGIN);
+  add_test_models(h);
+  h.set_config_text(mesh_config("context_parallel_degree = 2, data_parallel_shard_degree = 1, world_size = 2") +
+                    cp_config("plain_mlp_test"));
+  EXPECT_THAT(h.build_error(), AllOf(HasSubstr("split.config.model"), HasSubstr("PlainMlp"),
+                                     HasSubstr("does not support context parallelism")));
+}
+
+TEST(DeviceMeshTest, Gpt2CpRefusesAModelWithoutContextParallelSupport) {
+  launch_workers(2, "Gpt2CpRefusesAModelWithoutTheCapability");
+}
+
+TEST(DeviceMeshTest, Gpt2CpRefusesAMeshWithoutACpDim) {
+  Harness h(MODALITIES_TEST_PLUGIN);
+  add_test_models(h);
+  h.set_config_text(mesh_config("data_parallel_shard_degree = -1, world_size = 1") + cp_config("plain_mlp_test"));
+  EXPECT_THAT(h.build_error(), HasSubstr("split.config.device_mesh: has no cp dim (dims: dp_shard)"));
+}
+
 // gpt2_tp on a mesh without a tp dim says so, naming the config path.
 TEST(DeviceMeshTest, Gpt2TpRefusesAMeshWithoutATpDim) {
   Harness h(MODALITIES_TEST_PLUGIN);

@@ -751,6 +751,7 @@ class FullyShardedModule final : public Module {
   bool synchronizes_gradients() const override { return true; }
   void set_requires_gradient_sync(bool sync) override { engine_->set_requires_gradient_sync(sync); }
   std::optional<tp::VocabShard> vocab_shard() const override { return engine_->inner().vocab_shard(); }
+  std::optional<cp::SequenceShard> sequence_shard() const override { return engine_->inner().sequence_shard(); }
   std::vector<std::string> expert_parallel_parameters() const override {
     return engine_->inner().expert_parallel_parameters();
   }
@@ -773,12 +774,14 @@ std::shared_ptr<Module> shard_over_mesh(std::shared_ptr<Module> inner, const Dev
   if (!mesh.has_dim(MeshDim::dp_shard))
     throw ConfigError("device_mesh", fmt::format("needs a dp_shard dim; the mesh has {}", join_mesh_dims(mesh.dims())));
   // tp and pp dims are fine: the model was split for tensor parallelism, or is this rank's
-  // pipeline stage, and each rank shards its own part over dp_shard.
-  if (mesh.has_dim(MeshDim::cp))
-    throw ConfigError("device_mesh", "has a 'cp' dim; context parallelism is not implemented");
+  // pipeline stage, and each rank shards its own part over dp_shard. Context-parallel ranks hold
+  // the same parameters and compute gradients of different tokens: the shards span dp_shard x cp
+  // (ParallelDims::shard_group), whose reduce-scatter averages the gradients over both.
   ShardingOptions o;
   if (mesh.size() > 1) {
-    o.shard_group = mesh.process_group(MeshDim::dp_shard);
+    o.shard_group = mesh.has_dim(MeshDim::cp)
+                        ? mesh.sub_mesh({MeshDim::dp_shard, MeshDim::cp})->flattened_process_group()
+                        : mesh.process_group(MeshDim::dp_shard);
     if (mesh.has_dim(MeshDim::dp_replicate)) o.replicate_group = mesh.process_group(MeshDim::dp_replicate);
   }
   // Expert parallelism (Note [Expert parallelism]): the experts this rank holds are sharded over the

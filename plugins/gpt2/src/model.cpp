@@ -85,16 +85,26 @@ class GPT2 final : public Module, public HuggingFaceExportable {
           fmt::format("gpt2: the input has no '{}' (sample_key); it has {}", config_.sample_key, quoted_list(keys)));
     }
     std::shared_ptr<const Documents> docs;
+    at::Tensor doc_ids;
     if (config_.document_ids_key)
-      if (auto d = inputs.find(*config_.document_ids_key); d != inputs.end()) docs = documents(it->second, d->second);
+      if (auto d = inputs.find(*config_.document_ids_key); d != inputs.end())
+        doc_ids = checked_document_ids(it->second, d->second);
+    if (cp_) {
+      // The whole sequence's length: ids [B, T], or a later pipeline stage's hidden states of this rank's tokens.
+      const at::Tensor& x = it->second;
+      const std::int64_t length = x.dim() == 2 ? x.size(1) : x.size(1) * cp_->size;
+      docs = impl_->context_parallel_documents(doc_ids, length, config_.document_positions == "restart", x.device());
+    } else if (doc_ids.defined()) {
+      docs = impl_->documents(doc_ids, config_.document_positions == "restart");
+    }
     TensorMap out{{config_.prediction_key, impl_->hooked_forward(it->second, param_dtype_, std::move(docs))}};
     // The feed-forwards' auxiliary losses (MoE load balancing), summed over the blocks.
     if (!aux_loss_key_.empty())
       if (at::Tensor aux = impl_->take_aux_losses(); aux.defined()) out.emplace(aux_loss_key_, std::move(aux));
     return out;
   }
-  // The documents of `ids` [B, T] from the input `document_ids_key` (Note [Document masking]).
-  std::shared_ptr<const Documents> documents(const at::Tensor& ids, const at::Tensor& doc_ids) const {
+  // The input `document_ids_key` for `ids` [B, T] (Note [Document masking]), checked, on ids' device.
+  at::Tensor checked_document_ids(const at::Tensor& ids, const at::Tensor& doc_ids) const {
     const std::string& key = *config_.document_ids_key;
     if (doc_ids.dim() != 2 || doc_ids.size(0) != ids.size(0) || doc_ids.size(1) != ids.size(1))
       throw Error(fmt::format("gpt2: the input '{}' (document_ids_key) has shape {}, but '{}' has {}; expected [B, T]",
@@ -102,7 +112,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     if (at::isFloatingType(doc_ids.scalar_type()) || doc_ids.scalar_type() == at::kBool)
       throw Error(fmt::format("gpt2: the input '{}' (document_ids_key) must hold integer document ids, got {}", key,
                               c10::toString(doc_ids.scalar_type())));
-    return impl_->documents(doc_ids.to(ids.device()), config_.document_positions == "restart");
+    return doc_ids.to(ids.device());
   }
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
@@ -299,6 +309,36 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     return ep_ ? ep_->fqns : std::vector<std::string>{};
   }
 
+  // --- context parallel (model/parallelized over a mesh with a cp dim, model/gpt2_cp) ----------
+
+  void apply_context_parallel(const ParallelDims& dims) override {
+    if (!dims.enabled(MeshDim::cp)) throw Error("gpt2: apply_context_parallel needs a mesh with a cp dim of > 1 ranks");
+    parallelize_context(
+        cp::SequenceShard(dims.group(MeshDim::cp), dims.coordinate(MeshDim::cp), dims.degree(MeshDim::cp)));
+  }
+
+  void parallelize_context(const cp::SequenceShard& shard) {
+    if (cp_) throw Error("gpt2: context parallelism applied twice");
+    // Each rank's 2 chunks, and under sequence parallelism each tp rank's part of them.
+    const std::int64_t sp = tp_ && tp_->sequence_parallel ? tp_->size : 1;
+    if (config_.sequence_length % (2 * shard.size * sp) != 0)
+      throw ConfigError(
+          "model",
+          fmt::format("model/gpt2's sequence_length = {} is not divisible by 2 x the context-parallel "
+                      "degree {}{} = {}: context parallelism cuts every sequence into {} equal chunks "
+                      "(rank r holds chunks r and {} - r){}",
+                      config_.sequence_length, shard.size,
+                      sp > 1 ? fmt::format(" x the tensor-parallel degree {}", sp) : "", 2 * shard.size * sp,
+                      2 * shard.size, 2 * shard.size - 1, sp > 1 ? ", which sequence parallelism splits further" : ""));
+    cp_ = std::make_shared<const cp::SequenceShard>(shard);
+    impl_->set_context_parallel(cp_);
+  }
+
+  std::optional<cp::SequenceShard> sequence_shard() const override {
+    if (!cp_) return std::nullopt;
+    return *cp_;
+  }
+
   std::vector<ModelMetric> take_metrics() override { return impl_->take_metrics(); }
   std::map<std::string, double> parameter_activity() const override { return impl_->parameter_activity(); }
 
@@ -382,6 +422,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     auto copy = std::make_shared<GPT2>(config_without_seed(), c10::Device(c10::kMeta), ffn_, aux_loss_key_, hf_ffn_);
     if (tp_) copy->parallelize(*tp_);  // the same local shapes and plan
     if (ep_) copy->parallelize_experts(ep_->ep);
+    if (cp_) copy->parallelize_context(*cp_);
     if (retained_) copy->retain_modules(*retained_);  // the same pipeline stage
     std::unordered_map<std::string, at::Tensor> mine;
     for (const auto& item : impl_->named_parameters(true)) mine.emplace(item.key(), item.value());
@@ -433,6 +474,7 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   Dt param_dtype_;
   std::shared_ptr<const TpPlan> tp_;                               // model/gpt2_tp
   std::shared_ptr<const EpPlan> ep_;                               // expert parallelism
+  std::shared_ptr<const cp::SequenceShard> cp_;                    // context parallelism
   std::map<std::string, std::vector<std::int64_t>> local_shapes_;  // of every parameter, once split
   bool whole_ = false;                                // inside apply_to_full_parameters: the tensors are whole
   std::optional<std::vector<std::string>> retained_;  // a pipeline stage's modules

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/dropout.h>
@@ -128,22 +129,23 @@ class RotaryTransformImpl final : public Leaf {
     *inv_freq_slot_ = f(*inv_freq_slot_);
     cache_ = {};
   }
-  // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged); at `positions` [B, T]
-  // (each token's position in its document) when defined.
+  // q: [B, Hq, T, hd], k: [B, Hkv, T, hd] -> rotated q, k (v is unchanged); at `positions` [B or
+  // 1, T] when defined (each token's position in its document, or in the whole sequence under
+  // context parallelism), all below `length` (0: T).
   std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& positions = {}) {
-    const auto [cos, sin] = positions.defined() ? tables_at(positions, k.device(), k.scalar_type())
+                                               const at::Tensor& positions = {}, std::int64_t length = 0) {
+    const auto [cos, sin] = positions.defined() ? tables_at(positions, k.device(), k.scalar_type(), length)
                                                 : tables(k.size(-2), k.device(), k.scalar_type());
     return {apply(q, cos, sin), apply(k, cos, sin)};
   }
-  // The rows of tables() at `positions` [B, T]: cos/sin [B, 1, T, hd].
+  // The rows of tables() at `positions` [P, T] (each below `length`; 0: T): cos/sin [P, 1, T, hd].
   std::pair<at::Tensor, at::Tensor> tables_at(const at::Tensor& positions, const c10::Device& device,
-                                              c10::ScalarType dtype) {
-    const std::int64_t B = positions.size(0), T = positions.size(1);
-    const auto& [cos, sin] = tables(T, device, dtype);  // positions < T
+                                              c10::ScalarType dtype, std::int64_t length = 0) {
+    const std::int64_t P = positions.size(0), T = positions.size(1), n = length > 0 ? length : T;
+    const auto& [cos, sin] = tables(n, device, dtype);
     const at::Tensor rows = positions.reshape({-1});
-    return {cos.view({T, hd_}).index_select(0, rows).view({B, 1, T, hd_}),
-            sin.view({T, hd_}).index_select(0, rows).view({B, 1, T, hd_})};
+    return {cos.view({n, hd_}).index_select(0, rows).view({P, 1, T, hd_}),
+            sin.view({n, hd_}).index_select(0, rows).view({P, 1, T, hd_})};
   }
   const at::Tensor& inv_freq() const { return *inv_freq_slot_; }
   std::int64_t head_dim() const { return hd_; }
@@ -228,6 +230,70 @@ class CausalMaskCache {
 
 enum class AttentionImpl { kManual, kPytorchFlash };
 
+// [B, Hkv, S, hd] -> [B, Hkv * r, S, hd]: kv head j serves query heads j r .. j r + r - 1.
+at::Tensor repeat_kv_heads(const at::Tensor& t, std::int64_t r) {
+  if (r == 1) return t;
+  const std::int64_t B = t.size(0), H = t.size(1), S = t.size(2), hd = t.size(3);
+  return t.unsqueeze(2).expand({B, H, r, S, hd}).reshape({B, H * r, S, hd});
+}
+
+// Causal attention of the last L of S tokens on the CPU (Note [Context-parallel attention]): q
+// [B, Hq, L, hd] are tokens S - L .. S - 1, k, v [B, Hkv, S, hd] every token up to them. Two
+// flash-attention calls, the L x L diagonal block causally and the S - L earlier keys whole,
+// merged by their log-sum-exps; backward runs each block's flash backward with the merged output
+// and log-sum-exp, which gives each block's exact share of the gradient (ring attention's
+// identity: P = exp(s - lse) and D = rowsum(dO * O) are those of the whole row). Saves q, the
+// un-expanded k and v, the output and the log-sum-exp: no mask, no scores.
+class PrefixCausalFlash final : public torch::autograd::Function<PrefixCausalFlash> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v) {
+    const std::int64_t L = q.size(2), S = k.size(2), P = S - L, r = q.size(1) / k.size(1);
+    const at::Tensor K = repeat_kv_heads(k, r), V = repeat_kv_heads(v, r);
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, K.narrow(2, P, L), V.narrow(2, P, L), 0.0,
+                                                                      /*is_causal=*/true);
+    if (P > 0) {
+      const auto [o_prefix, l_prefix] =
+          at::_scaled_dot_product_flash_attention_for_cpu(q, K.narrow(2, 0, P), V.narrow(2, 0, P), 0.0, false);
+      const at::Tensor merged = at::logaddexp(lse, l_prefix);  // [B, Hq, L]
+      const c10::ScalarType acc = lse.scalar_type();
+      out = (out.to(acc) * (lse - merged).exp().unsqueeze(-1) +
+             o_prefix.to(acc) * (l_prefix - merged).exp().unsqueeze(-1))
+                .to(q.scalar_type());
+      lse = merged;
+    }
+    ctx->save_for_backward({q, k, v, out, lse});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::autograd::variable_list s = ctx->get_saved_variables();
+    const at::Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
+    const std::int64_t L = q.size(2), S = k.size(2), P = S - L, r = q.size(1) / k.size(1);
+    const at::Tensor K = repeat_kv_heads(k, r), V = repeat_kv_heads(v, r);
+    const at::Tensor g = grads[0].contiguous();
+    auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, K.narrow(2, P, L), V.narrow(2, P, L), out, lse, 0.0, /*is_causal=*/true);
+    if (P > 0) {
+      const auto [dq_prefix, dk_prefix, dv_prefix] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          g, q, K.narrow(2, 0, P), V.narrow(2, 0, P), out, lse, 0.0, false);
+      dq = dq + dq_prefix;
+      dk = at::cat({dk_prefix, dk}, 2);
+      dv = at::cat({dv_prefix, dv}, 2);
+    }
+    if (r > 1) {  // each kv head's gradient: the sum over the query heads it served
+      dk = dk.view({k.size(0), k.size(1), r, S, k.size(3)}).sum(2);
+      dv = dv.view({v.size(0), v.size(1), r, S, v.size(3)}).sum(2);
+    }
+    return {dq, dk, dv};
+  }
+};
+
+at::Tensor prefix_causal_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return PrefixCausalFlash::apply(q, k, v);
+}
+
 // A row-parallel linear (its weight split on the input dim): the local product, summed over the
 // ranks by TpPlan::leave, then the bias, once (a replicated parameter: under sequence parallelism
 // each rank adds it to its chunk, so its gradient is summed over the ranks).
@@ -275,8 +341,11 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
   }
 
   // x: [B*T, d] (rows = tokens, see GPT2LLMImpl::forward) -> [B*T, d]; inside documents with `docs`.
+  // Under context parallelism T is this rank's tokens and `docs` says where they are.
   at::Tensor operator()(const at::Tensor& x, std::int64_t B, std::int64_t T, Dt dt, const Documents* docs) {
     const at::Tensor positions = docs != nullptr ? docs->positions : at::Tensor();
+    const bool cp = docs != nullptr && docs->cp != nullptr;
+    const std::int64_t table_length = cp ? docs->cp_length : 0;
     at::Tensor q, k, v;  // [B, Hq, T, hd] each once expanded
     const std::int64_t r = hq_ / hkv_;
     if (!norm_before_ && rope_.size() <= 1 && (rope_.empty() || rope_.front()->head_dim() == hd_)) {
@@ -288,12 +357,12 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       sk.heads = sv.heads = hkv_;
       if (!rope_.empty()) {
         std::tie(sq.cos, sq.sin) = positions.defined()
-                                       ? rope_.front()->tables_at(positions, x.device(), x.scalar_type())
+                                       ? rope_.front()->tables_at(positions, x.device(), x.scalar_type(), table_length)
                                        : rope_.front()->tables(T, x.device(), x.scalar_type());
         sk.cos = sq.cos;
         sk.sin = sq.sin;
       }
-      sk.repeat = sv.repeat = q_norm ? 1 : r;
+      sk.repeat = sv.repeat = q_norm || cp ? 1 : r;  // context parallel: gathered before the expansion
       Qkv h =
           fused_qkv(x, cast(q_attn->weight, dt), cast(q_attn->bias, dt), cast(k_attn->weight, dt),
                     cast(k_attn->bias, dt), cast(v_attn->weight, dt), cast(v_attn->bias, dt), B, T, hd_, sq, sk, sv);
@@ -308,18 +377,22 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
         q = (*q_norm)(q, dt);
         k = (*k_norm)(k, dt);
       }
-      for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k, positions);
+      for (const auto& rope : rope_) std::tie(q, k) = (*rope)(q, k, positions, table_length);
     }
     if (q_norm && !norm_before_) {
       q = (*q_norm)(q, dt);
       k = (*k_norm)(k, dt);
+    }
+    at::Tensor y;  // [B, Hq, T, hd]
+    if (cp) {
+      y = context_parallel_attention(q, k, v, *docs);
+      return finish(y, B, T, dt);
     }
     // GQA: kv head j serves query heads j*r .. j*r+r-1 (repeat_interleave over dim 1).
     if (hq_ != hkv_ && k.size(1) != hq_) {
       k = k.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
       v = v.unsqueeze(2).expand({B, hkv_, r, T, hd_}).reshape({B, hq_, T, hd_});
     }
-    at::Tensor y;  // [B, Hq, T, hd]
     // [B, 1, T, T], or undefined when pytorch_flash goes document by document.
     const at::Tensor documents = docs != nullptr ? docs->mask : at::Tensor();
     if (impl_ == AttentionImpl::kManual) {
@@ -339,11 +412,66 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       // Dropout in every mode too: Modalities passes dropout_p without consulting the mode.
       y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_, /*is_causal=*/true);
     }
-    y = fused_merge_heads(y);  // [B*T, d], heads side by side (this rank's heads under TP)
+    return finish(y, B, T, dt);
+  }
+
+  // The heads merged, the output projection and dropout: [B, Hq, T, hd] -> [B*T, d].
+  at::Tensor finish(const at::Tensor& attended, std::int64_t B, std::int64_t T, Dt dt) {
+    at::Tensor y = fused_merge_heads(attended);  // [B*T, d], heads side by side (this rank's heads under TP)
     y = tp_ ? row_parallel(*c_proj, y, B, T, dt, *tp_) : (*c_proj)(y, dt);
     if (is_training() && dropout_ > 0) y = at::dropout(y, dropout_, /*train=*/true);
     return y;
   }
+
+  // Note [Context-parallel attention]
+  // This rank's queries are its two chunks of L tokens, chunks c = rank and 2 cp - 1 - rank; the
+  // keys and values of every rank are all-gathered (cp::SequenceShard::gather, whose backward
+  // reduce-scatters their gradients back to their owners) before the GQA expansion, so with
+  // grouped-query attention only Hkv / Hq of the query's bytes travel: Llama 3's all-gather
+  // design, simpler than a ring and as fast where the K/V are small. Chunk c's queries attend to
+  // the prefix [0, (c + 1) L) of the keys:
+  //   - masks (several documents, a sliding window, manual attention): SDPA (or the manual
+  //     softmax) over the prefix with the chunk's mask, built once per forward;
+  //   - pytorch_flash on the CPU: the prefix before the chunk is seen whole and the chunk itself
+  //     causally, two flash-attention calls merged by their log-sum-exps (PrefixCausalFlash,
+  //     backward with the merged output and log-sum-exp, as ring attention does): no mask, no
+  //     score matrix, no expanded K/V kept for backward;
+  //   - elsewhere (CUDA): SDPA with the bottom-right causal mask of the chunk.
+  at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const Documents& docs) {
+    const cp::SequenceShard& shard = *docs.cp;
+    const std::int64_t L = q.size(2) / 2;
+    const at::Tensor keys = shard.gather(k, 2), values = shard.gather(v, 2);  // [B, Hkv, T_whole, hd]
+    const std::vector<at::Tensor> queries = q.split(L, 2);
+    std::vector<at::Tensor> out;
+    for (std::size_t part = 0; part < 2; ++part) {
+      const std::int64_t c = part == 0 ? shard.first_chunk() : shard.second_chunk(), S = (c + 1) * L;
+      const at::Tensor& qc = queries[part];
+      const at::Tensor& mask = docs.cp_masks[part];
+      const bool flash = impl_ == AttentionImpl::kPytorchFlash && !mask.defined() && dropout_ == 0 && qc.is_cpu();
+      if (flash) {
+        out.push_back(prefix_causal_flash(qc, keys.narrow(2, 0, S), values.narrow(2, 0, S)));
+        continue;
+      }
+      at::Tensor kc = expand_heads(keys.narrow(2, 0, S)), vc = expand_heads(values.narrow(2, 0, S));
+      at::Tensor allowed = mask;
+      if (!allowed.defined()) {  // bottom-right causal: row i is token (c L + i)
+        const at::TensorOptions o = q.options().dtype(at::kLong);
+        allowed = at::arange(S, o).unsqueeze(0).le(at::arange(c * L, S, o).unsqueeze(1)).view({1, 1, L, S});
+      }
+      if (impl_ == AttentionImpl::kManual) {
+        at::Tensor s = at::matmul(qc, kc.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd_)));
+        at::Tensor p = at::softmax(s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);
+        if (dropout_ > 0) p = at::dropout(p, dropout_, /*train=*/true);
+        out.push_back(at::matmul(p, vc));
+      } else {
+        out.push_back(at::scaled_dot_product_attention(qc, kc, vc, allowed, dropout_, /*is_causal=*/false));
+      }
+    }
+    return at::cat(out, 2);
+  }
+
+  at::Tensor expand_heads(const at::Tensor& t) const { return repeat_kv_heads(t, hq_ / t.size(1)); }
 
   // Causal SDPA on each document of each sample (Note [Document masking]): q, k, v [B, H, T, hd]
   // cut by unbind and split, whose backwards stack and concatenate the gradients once (a narrow
@@ -538,27 +666,32 @@ GPT2LLMImpl::GPT2LLMImpl(const GPT2Config& c, const at::TensorOptions& o, const 
 
 at::Tensor GPT2LLMImpl::forward(const at::Tensor& input, Dt dt, std::shared_ptr<const Documents> docs) {
   TORCH_CHECK(input.dim() >= 2, "gpt2: expected input of shape [B, T], got ", input.sizes());
-  const std::int64_t B = input.size(0), T = input.size(1);
-  TORCH_CHECK(T <= sequence_length_, "gpt2: cannot forward a sequence of length ", T,
+  // Context parallelism: a part with wte keeps this rank's tokens of the whole ids [B, T]; later
+  // pipeline stages get the hidden states of its tokens. From here on T counts this rank's tokens.
+  const at::Tensor tokens = cp_ && transformer_->contains("wte") ? cp_->shard(input, 1) : input;
+  const std::int64_t B = tokens.size(0), T = tokens.size(1), whole = cp_ ? T * cp_->size : T;
+  TORCH_CHECK(whole <= sequence_length_, "gpt2: cannot forward a sequence of length ", whole,
               ", the model's maximum input sequence length (sequence_length) is ", sequence_length_);
+  TORCH_CHECK(!cp_ || (docs != nullptr && docs->cp == cp_.get()),
+              "gpt2: a context-parallel forward needs the documents of context_parallel_documents");
   const TpPlan* tp = tp_.get();
   const bool sp = tp && tp->sequence_parallel;
   TORCH_CHECK(!sp || T % tp->size == 0, "gpt2_tp: sequence parallelism splits the sequence over the ", tp->size,
               " tensor-parallel ranks; an input of length ", T, " does not split evenly");
   at::Tensor h;
   if (transformer_->contains("wte") && tp) {
-    h = vocab_parallel_embedding(input, B, T, dt);  // [B*T, d], or [B*(T/tp), d] with SP
+    h = vocab_parallel_embedding(tokens, B, T, dt);  // [B*T, d], or [B*(T/tp), d] with SP
     if (absolute_ && transformer_->contains("wpe")) {
       const std::int64_t Tl = sp ? T / tp->size : T;
       h = (h.view({B, Tl, -1}) + position_rows(B, sp ? tp->rank * Tl : 0, Tl, dt, docs.get(), sp)).view({B * Tl, -1});
     }
   } else if (transformer_->contains("wte")) {
     if (absolute_ && transformer_->contains("wpe"))
-      h = ((*wte_)(input, dt) + position_rows(B, 0, T, dt, docs.get(), false)).view({B * T, -1});
-    else h = (*wte_)(input.reshape({B * T}), dt);  // [B*T, d]
+      h = ((*wte_)(tokens, dt) + position_rows(B, 0, T, dt, docs.get(), false)).view({B * T, -1});
+    else h = (*wte_)(tokens.reshape({B * T}), dt);  // [B*T, d]
   } else {
-    TORCH_CHECK(input.dim() == 3, "gpt2: a part without wte expects hidden states [B, T, d], got ", input.sizes());
-    h = (input.is_floating_point() ? cast(input, dt) : input).reshape({B * T, input.size(2)});
+    TORCH_CHECK(tokens.dim() == 3, "gpt2: a part without wte expects hidden states [B, T, d], got ", tokens.sizes());
+    h = (tokens.is_floating_point() ? cast(tokens, dt) : tokens).reshape({B * T, tokens.size(2)});
     if (absolute_ && transformer_->contains("wpe"))
       h = (h.view({B, T, -1}) + position_rows(B, 0, T, dt, docs.get(), false)).view({B * T, -1});
     if (sp)  // replicated hidden states -> this rank's sequence chunk
@@ -761,13 +894,62 @@ std::shared_ptr<const Documents> GPT2LLMImpl::documents(const at::Tensor& ids, b
   return docs;
 }
 
+void GPT2LLMImpl::set_context_parallel(std::shared_ptr<const cp::SequenceShard> shard) { cp_ = std::move(shard); }
+
+// Note [Context-parallel documents]
+// Under context parallelism every block's attention needs the positions of this rank's tokens (in
+// the whole sequence, or in their documents with document_positions = restart) and, when not
+// every key before a query may be seen (several documents, a sliding window) or the attention is
+// manual, which keys each of its two chunks' rows may see: token t of the chunk at c L sees key j
+// when j <= c L + t, j is in its document and within the window. Built once per forward from the
+// whole sequence's document ids, which every cp rank has.
+std::shared_ptr<const Documents> GPT2LLMImpl::context_parallel_documents(const at::Tensor& ids, std::int64_t length,
+                                                                         bool restart_positions,
+                                                                         const c10::Device& device) const {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(cp_ != nullptr, "gpt2: context_parallel_documents needs context parallelism");
+  cp_->check_length(length, "the sequence length");
+  auto docs = std::make_shared<Documents>();
+  docs->cp = cp_.get();
+  docs->cp_length = length;
+  const at::TensorOptions o = at::TensorOptions().dtype(at::kLong).device(device);
+  const bool several =
+      ids.defined() && length > 1 && (ids.narrow(1, 1, length - 1) != ids.narrow(1, 0, length - 1)).any().item<bool>();
+  if (several && restart_positions) {
+    const at::Tensor starts = ids.narrow(1, 1, length - 1) != ids.narrow(1, 0, length - 1);
+    const at::Tensor t = at::arange(length, o).expand({ids.size(0), length});
+    const at::Tensor first_flag = at::cat({at::ones({ids.size(0), 1}, starts.options()), starts}, 1);
+    const at::Tensor first = std::get<0>(at::where(first_flag, t, at::zeros_like(t)).cummax(1));
+    docs->positions = cp_->shard(t - first, 1).contiguous();  // [B, T / cp]
+  } else {
+    docs->positions = cp_->positions(length, o).unsqueeze(0);  // [1, T / cp]
+  }
+  const bool window = window_ && *window_ < length;
+  if (several || window || manual_attention_) {
+    const std::int64_t L = cp_->chunk_length(length);
+    for (std::size_t part = 0; part < 2; ++part) {
+      const std::int64_t c = part == 0 ? cp_->first_chunk() : cp_->second_chunk(), S = (c + 1) * L;
+      const at::Tensor rows = at::arange(c * L, S, o).unsqueeze(1), keys = at::arange(S, o).unsqueeze(0);
+      at::Tensor allowed = keys.le(rows);  // [L, S]
+      if (window) allowed = allowed.logical_and(keys.gt(rows - *window_));
+      allowed = allowed.unsqueeze(0);  // [1, L, S]
+      if (several) {
+        const at::Tensor doc = ids.to(device);
+        allowed = allowed.logical_and(doc.narrow(1, c * L, L).unsqueeze(2) == doc.narrow(1, 0, S).unsqueeze(1));
+      }
+      docs->cp_masks[part] = allowed.unsqueeze(1);  // [B or 1, 1, L, S]
+    }
+  }
+  return docs;
+}
+
 at::Tensor GPT2LLMImpl::position_rows(std::int64_t B, std::int64_t first, std::int64_t count, Dt dt,
                                       const Documents* docs, bool chunk) const {
   // A sequence-parallel chunk: each tp rank adds its rows, so the table's gradient is summed.
   const at::Tensor w = cast(chunk ? tp_->shared(wpe_->weight) : wpe_->weight, dt);
   if (docs == nullptr || !docs->positions.defined()) return w.narrow(0, first, count).unsqueeze(0);
   const at::Tensor rows = docs->positions.narrow(1, first, count).reshape({-1});
-  return w.index_select(0, rows).view({B, count, -1});
+  return w.index_select(0, rows).view({docs->positions.size(0), count, -1});  // [B or 1, count, d]
 }
 
 at::Tensor GPT2LLMImpl::hooked_forward(const at::Tensor& input, Dt dt, std::shared_ptr<const Documents> docs) {

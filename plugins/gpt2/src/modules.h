@@ -10,6 +10,7 @@
 #include "config.h"
 #include "layers.h"
 
+#include <modalities/sdk/context_parallel.h>
 #include <modalities/sdk/module_hooks.h>
 #include <modalities/sdk/tensor_parallel.h>
 
@@ -17,6 +18,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/moduledict.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -37,11 +39,21 @@ struct Documents {
   // [B, 1, T, T] bool: token i may attend to j (same document, causal, window); undefined when
   // `lengths` serve instead.
   at::Tensor mask;
-  at::Tensor positions;  // [B, T] int64: each token's position in its document (restart); else undefined
+  // [B, T] int64: each token's position in its document (restart); else undefined. Under context
+  // parallelism [B or 1, T / cp]: the positions of this rank's tokens (in the whole sequence, or
+  // in their documents with restart).
+  at::Tensor positions;
   // Per sample, the lengths of its documents in order (they tile T) when the documents are
   // contiguous runs of ids and there is no sliding window: then pytorch_flash attends document by
   // document (causal SDPA on each) instead of over the masked T x T. Empty otherwise.
   std::vector<std::vector<std::int64_t>> lengths;
+
+  // Context parallelism (Note [Context-parallel attention]): the split of the sequence, its whole
+  // length, and per local chunk (this rank's two) the keys each query row may see, bool [B or 1, 1,
+  // L, (c + 1) L] for chunk c of length L; undefined masks: plain causal attention over the prefix.
+  const cp::SequenceShard* cp = nullptr;
+  std::int64_t cp_length = 0;
+  std::array<at::Tensor, 2> cp_masks;
 };
 
 class GPT2LLMImpl final : public torch::nn::Module {
@@ -60,6 +72,16 @@ class GPT2LLMImpl final : public torch::nn::Module {
   // The Documents of document ids [B, T] (equal ids: one document); null when every sample is one
   // document (plain causal attention, bit for bit). One host sync.
   std::shared_ptr<const Documents> documents(const at::Tensor& ids, bool restart_positions) const;
+  // Context parallelism (Module::apply_context_parallel): this rank computes its tokens of every
+  // sequence (a part with wte takes whole ids and keeps its tokens); `docs` must then come from
+  // context_parallel_documents.
+  void set_context_parallel(std::shared_ptr<const cp::SequenceShard> shard);
+  const cp::SequenceShard* context_parallel() const { return cp_.get(); }
+  // The Documents of a context-parallel forward over sequences of `length` tokens on `device`:
+  // this rank's positions and, with several documents (ids [B, length], may be undefined), a
+  // sliding window or manual attention, the masks of its two chunks. One host sync with ids.
+  std::shared_ptr<const Documents> context_parallel_documents(const at::Tensor& ids, std::int64_t length,
+                                                              bool restart_positions, const c10::Device& device) const;
   // Pipeline stage: drops every module of `transformer` (and every block) that is neither named
   // nor an ancestor of a named one. The forward skips what is missing.
   void retain(const std::vector<std::string>& fqns);
@@ -125,8 +147,9 @@ class GPT2LLMImpl final : public torch::nn::Module {
   torch::nn::ModuleDict h_{nullptr};
   torch::nn::ModuleDict transformer_{nullptr};
   ModuleHooks hooks_;
-  std::vector<at::Tensor> runner_aux_;  // auxiliary losses of blocks run by a runner, last forward
-  std::shared_ptr<const TpPlan> tp_;    // model/gpt2_tp
+  std::vector<at::Tensor> runner_aux_;           // auxiliary losses of blocks run by a runner, last forward
+  std::shared_ptr<const TpPlan> tp_;             // model/gpt2_tp
+  std::shared_ptr<const cp::SequenceShard> cp_;  // context parallelism
 };
 
 }  // namespace modalities::plugins::gpt2

@@ -24,6 +24,8 @@
 #include <fmt/format.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 
 namespace modalities::plugins::gpt2 {
 namespace {
@@ -43,6 +45,7 @@ struct Gpt2TpConfig {
   Ref<Module> model;
   Ref<DeviceMesh> device_mesh;
   bool sequence_parallel = true;
+  std::optional<std::string> context_parallel_load_balancer;
   static void describe(Schema<Gpt2TpConfig>& s) {
     s.field("model", &Gpt2TpConfig::model,
             "The model to split (returned, modified): model/gpt2 or any model implementing "
@@ -56,8 +59,55 @@ struct Gpt2TpConfig {
             "Ours (Modalities always does it): norms, dropout and residuals on each rank's chunk of the sequence "
             "between the parallel regions (all-gather / reduce-scatter at their edges); false: replicated "
             "activations (all-reduce after each row-parallel layer).");
+    s.field("context_parallel_load_balancer", &Gpt2TpConfig::context_parallel_load_balancer,
+            "Modalities' key: with a cp dim in the mesh, gpt2_tp also applies context parallelism (as model/gpt2_cp) "
+            "with this chunking; \"headtail\" (rank r holds chunks r and 2 cp - 1 - r), the default. Only with a cp "
+            "dim.")
+        .one_of({"headtail"});
   }
 };
+
+// model/gpt2_cp (Modalities' key): context parallelism over the mesh's cp dim.
+struct Gpt2CpConfig {
+  Ref<Module> model;
+  Ref<DeviceMesh> device_mesh;
+  std::string context_parallel_load_balancer = "headtail";
+  static void describe(Schema<Gpt2CpConfig>& s) {
+    s.field("model", &Gpt2CpConfig::model,
+            "The model (returned, modified): model/gpt2, model/gpt2_moe or any model implementing "
+            "Module::apply_context_parallel; apply gpt2_cp to model_raw (after gpt2_tp), before fsdp2_wrapped and "
+            "model_initialized.")
+        .required();
+    s.field("device_mesh", &Gpt2CpConfig::device_mesh,
+            "Mesh with a cp dim (context_parallel_degree > 1); fsdp2_wrapped then shards over dp_shard x cp.")
+        .required();
+    s.field("context_parallel_load_balancer", &Gpt2CpConfig::context_parallel_load_balancer,
+            "How each sequence is cut: \"headtail\", 2 cp equal chunks, rank r holding chunks r and 2 cp - 1 - r "
+            "(equal causal attention work per rank). Modalities' \"ptrr\" and null are not offered (Modalities "
+            "refuses ptrr for plain tensor inputs too).")
+        .one_of({"headtail"});
+  }
+};
+
+// Module::apply_context_parallel over the mesh's cp dim; config errors under `model`.
+void apply_context(Module& model, const ParallelDims& dims) {
+  try {
+    model.apply_context_parallel(dims);
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const Error& e) {
+    throw ConfigError("model", e.what());
+  }
+}
+
+std::shared_ptr<Module> context_parallel_model(const Gpt2CpConfig& c) {
+  const ParallelDims dims(c.device_mesh.shared());
+  if (!dims.enabled(MeshDim::cp))
+    throw ConfigError("device_mesh", fmt::format("has no cp dim (dims: {}); set context_parallel_degree > 1",
+                                                 join_mesh_dims(dims.dims())));
+  apply_context(*c.model, dims);
+  return c.model.shared();
+}
 
 // Any model that implements Module::apply_tensor_parallel; the name is Modalities'.
 std::shared_ptr<Module> split_model(const Gpt2TpConfig& c) {
@@ -72,6 +122,12 @@ std::shared_ptr<Module> split_model(const Gpt2TpConfig& c) {
   } catch (const Error& e) {
     throw ConfigError("model", e.what());
   }
+  // Modalities' gpt2_tp applies context parallelism too when the mesh has a cp dim.
+  if (dims.enabled(MeshDim::cp)) apply_context(*c.model, dims);
+  else if (c.context_parallel_load_balancer)
+    throw ConfigError(
+        "context_parallel_load_balancer",
+        fmt::format("is given, but the device mesh ({}) has no cp dim of more than one rank", dims.describe()));
   return c.model.shared();
 }
 
@@ -118,6 +174,12 @@ void register_components(Registrar& r) {
       "included), vocabulary-parallel embedding and head, sequence parallel norms; loss parallel with "
       "enable_loss_parallel. Returns the same model, split.",
       split_model);
+  r.add<Module, Gpt2CpConfig>(
+      "gpt2_cp",
+      "Context parallelism over the mesh's cp dim for any model that implements Module::apply_context_parallel: "
+      "each sequence cut into 2 cp chunks (headtail), every rank computing its two, attention over the whole "
+      "sequence with the keys and values all-gathered; the loss on the true positions. Returns the same model.",
+      context_parallel_model);
   r.add<Module, MixedPrecisionConfig>(
       "mixed_precision",
       "FSDP2-style mixed precision on one process: fp32 master parameters, each use cast to param_dtype. "

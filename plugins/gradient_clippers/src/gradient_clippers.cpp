@@ -415,8 +415,8 @@ struct Fsdp2LoggingConfig {
   }
 };
 
-// gradient_clipper/fsdp2 and fsdp2_logging_only (`clip` false): the norm combined over dp_shard,
-// the group whose ranks hold different shards (replicas along dp_replicate hold the same), or over
+// gradient_clipper/fsdp2 and fsdp2_logging_only (`clip` false): the norm combined over dp_shard
+// (x cp: ParallelDims::shard_group), the group whose ranks hold different shards (replicas along dp_replicate hold the same), or over
 // the world (world_total_norm) when tensor or pipeline parallelism puts blocks on other ranks (a
 // parameter without a placement is then held by the world / pp ranks of its stage).
 std::shared_ptr<Clipper> mesh_clipper(bool clip, const ModelParts& parts, const std::string& norm_type, double limit,
@@ -430,7 +430,7 @@ std::shared_ptr<Clipper> mesh_clipper(bool clip, const ModelParts& parts, const 
                                      norm_order(norm_type), limit, nullptr, unplaced);
   }
   return std::make_shared<Clipper>(clip ? Mode::kSharded : Mode::kShardedLoggingOnly, parts.shared(),
-                                   norm_order(norm_type), limit, dims.group(MeshDim::dp_shard));
+                                   norm_order(norm_type), limit, dims.shard_group());
 }
 
 }  // namespace

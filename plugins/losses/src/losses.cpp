@@ -2,6 +2,7 @@
 // LM's logits [B, T, V] against the collator's already-shifted targets [B, T], ignore index -100,
 // computed in the logits' dtype (so a bf16 forward gives a bf16 loss, exactly as Modalities logs
 // it); loss/moe_aux_loss, a model's auxiliary-loss output as a loss; loss/weighted_sum of losses.
+#include <modalities/sdk/context_parallel.h>
 #include <modalities/sdk/interfaces/batch.h>
 #include <modalities/sdk/interfaces/loss.h>
 #include <modalities/sdk/plugin.h>
@@ -11,6 +12,7 @@
 #include <ATen/core/Reduction.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -52,10 +54,12 @@ class ClmCrossEntropyLoss final : public Loss {
   explicit ClmCrossEntropyLoss(ClmCrossEntropyLossConfig c) : c_(std::move(c)) {}
 
   at::Tensor compute(const InferenceResultBatch& batch) const override {
+    if (batch.sequence_shard) return compute_context_parallel(batch);
     if (batch.vocab_shard) return compute_vocab_parallel(batch);
     return compute(batch.get_predictions(c_.prediction_key), batch.get_targets(c_.target_key));
   }
   bool accepts_vocab_shards() const override { return true; }
+  bool accepts_sequence_shards() const override { return true; }
 
   // logits: [..., V], labels: [...] with the same leading shape -> 0-dim loss in
   // the logits' dtype. All labels ignored -> NaN (0/0), as in PyTorch.
@@ -94,6 +98,42 @@ class ClmCrossEntropyLoss final : public Loss {
                                                                   shard.start, shard.group, kIgnoreIndex);
     const at::Tensor counted = labels.ne(kIgnoreIndex).sum().to(per_token.scalar_type());
     return per_token.sum() / counted;
+  }
+
+  // Context parallel: the logits [B, T / cp, V] (or [..., V / tp] under loss parallelism) are this
+  // rank's tokens of whole targets [B, T]. This rank's share of the mean over the whole sequences:
+  // the sum of its tokens' losses over the number of counted targets of all cp ranks (one
+  // all-reduce of an integer), times cp, so that the mean over the cp ranks, which the gym logs and
+  // FSDP's gradient average takes, is the mean loss of the whole sequences as one process computes
+  // it, also when the ranks hold different numbers of ignored targets. (Modalities averages the
+  // ranks' local means, which differs when they do.)
+  at::Tensor compute_context_parallel(const InferenceResultBatch& batch) const {
+    const cp::SequenceShard& shard = *batch.sequence_shard;
+    const at::Tensor& logits = batch.get_predictions(c_.prediction_key);
+    const at::Tensor& targets = batch.get_targets(c_.target_key);
+    MODALITIES_CHECK(logits.dim() >= 3 && c10::isFloatingType(logits.scalar_type()),
+                     "{}: predictions '{}' must be floating-point logits [B, T / cp, V] under context parallelism, "
+                     "got {} {}",
+                     c_.tag, c_.prediction_key, c10::toString(logits.scalar_type()), shape_of(logits));
+    MODALITIES_CHECK(
+        targets.dim() >= 2 && targets.size(0) == logits.size(0) && targets.size(1) == logits.size(1) * shard.size,
+        "{}: targets '{}' {} do not fit the logits '{}' {} of this rank's tokens of {} context-parallel "
+        "ranks (expected [B, T] with T = {} x the logits' second dimension)",
+        c_.tag, c_.target_key, shape_of(targets), c_.prediction_key, shape_of(logits), shard.size, shard.size);
+    const at::Tensor labels = shard.shard(targets.to(logits.device(), at::kLong), 1).reshape({-1});
+    const std::int64_t vocab = logits.size(-1);
+    at::Tensor sum;
+    if (batch.vocab_shard)
+      sum = tp::vocab_parallel_cross_entropy(logits.reshape({-1, vocab}), labels, batch.vocab_shard->start,
+                                             batch.vocab_shard->group, kIgnoreIndex)
+                .sum();
+    else
+      sum = at::cross_entropy_loss(logits.reshape({-1, vocab}), labels, /*weight=*/{}, at::Reduction::Sum, kIgnoreIndex,
+                                   /*label_smoothing=*/0.0);
+    std::vector<at::Tensor> counted = {labels.ne(kIgnoreIndex).sum().to(at::kCPU, at::kLong).reshape({1})};
+    if (shard.group && shard.size > 1) shard.group->allreduce(counted)->wait();
+    const double scale = static_cast<double>(shard.size) / static_cast<double>(counted.front().item<std::int64_t>());
+    return sum * scale;
   }
 
   std::string tag() const override { return c_.tag; }
@@ -148,6 +188,9 @@ class MoeAuxLoss final : public Loss {
                     c_.tag));
   }
   bool accepts_vocab_shards() const override { return true; }  // reads no logits
+  // Under context parallelism each rank's blocks route its own tokens, and their loss is this
+  // rank's, averaged over the cp ranks as over data-parallel ranks (whose losses are per batch).
+  bool accepts_sequence_shards() const override { return true; }
   std::string tag() const override { return c_.tag; }
   std::string target_key() const override { return {}; }
   std::string prediction_key() const override { return c_.prediction_key; }
@@ -200,6 +243,9 @@ class WeightedSumLoss final : public Loss {
   }
   bool accepts_vocab_shards() const override {
     return std::all_of(losses_.begin(), losses_.end(), [](const auto& l) { return l->accepts_vocab_shards(); });
+  }
+  bool accepts_sequence_shards() const override {
+    return std::all_of(losses_.begin(), losses_.end(), [](const auto& l) { return l->accepts_sequence_shards(); });
   }
   std::string tag() const override { return tag_; }
   std::string target_key() const override { return losses_.front()->target_key(); }

@@ -5,12 +5,14 @@
 //                                own capability; model/gpt2_tp calls the same method)
 //   1b. expert parallelism       Module::apply_expert_parallel over the mesh's ep dim, whenever
 //                                the mesh has one (expert_parallel_degree > 1; no table)
+//   1c. context parallelism      Module::apply_context_parallel over the mesh's cp dim, whenever
+//                                the mesh has one (context_parallel_degree > 1; no table)
 //   2. activation_checkpointing  the blocks model/activation_checkpointed chooses
 //                                (model_wrappers' engine)
 //   3. initialization            materialize a meta model, reset, initialize on whole tensors
 //                                (model/model_initialized's engine)
 //   4. pipeline                  this rank's stages over the pp dim (pipeline/staged's engine)
-//   5. fully_shard               FSDP2 over dp_shard (HSDP with dp_replicate) of every stage
+//   5. fully_shard               FSDP2 over dp_shard x cp (HSDP with dp_replicate) of every stage
 //                                module (model/fsdp2_wrapped's engine); expert weights over the
 //                                ranks holding the same experts
 //   6. the pipeline's schedule   over the sharded stage modules (pipeline/builder and
@@ -161,6 +163,7 @@ class PipelinePart final : public Module {
     inner_->apply_to_full_parameters(fn);
   }
   std::optional<tp::VocabShard> vocab_shard() const override { return inner_->vocab_shard(); }
+  std::optional<cp::SequenceShard> sequence_shard() const override { return inner_->sequence_shard(); }
   void retain_modules(const std::vector<std::string>& module_fqns) override { inner_->retain_modules(module_fqns); }
   void apply_tensor_parallel(const ParallelDims& dims, const tp::Options& options) override {
     inner_->apply_tensor_parallel(dims, options);
@@ -212,8 +215,10 @@ Value parallelize(const ParallelizedConfig& c, BuildContext& ctx) {
   if (c.tensor_parallel)
     in_table("tensor_parallel",
              [&] { model->apply_tensor_parallel(dims, tp::Options{c.tensor_parallel->sequence_parallel}); });
-  // Expert parallelism needs no table: the mesh's ep dim says everything (the model splits its experts).
+  // Expert and context parallelism need no table: the mesh's ep and cp dims say everything (the
+  // model splits its experts; it computes its tokens of every sequence).
   if (dims.enabled(MeshDim::ep)) in_table("model", [&] { model->apply_expert_parallel(dims); });
+  if (dims.enabled(MeshDim::cp)) in_table("model", [&] { model->apply_context_parallel(dims); });
   if (c.activation_checkpointing)
     in_table("activation_checkpointing",
              [&] { model_wrappers::apply_activation_checkpointing(*model, *c.activation_checkpointing, ctx); });

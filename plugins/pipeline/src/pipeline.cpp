@@ -177,13 +177,21 @@ class Executor {
         if (st.is_last()) {
           const at::Tensor& target = targets[static_cast<std::size_t>(a.micro_batch)];
           at::Tensor l;
-          if (side.empty()) {
+          // Context parallelism: the stage's predictions cover this rank's tokens of the whole targets.
+          std::optional<cp::SequenceShard> tokens = part.sequence_shard();
+          if (tokens && !loss_->accepts_sequence_shards())
+            throw Error(
+                fmt::format("pipeline: the last stage computes this rank's tokens of every sequence "
+                            "(context parallelism over {} ranks), and loss '{}' cannot take them",
+                            tokens->size, loss_->tag()));
+          if (side.empty() && !tokens) {
             l = loss_->compute(y, target);
           } else {
             InferenceResultBatch batch;
             batch.targets.emplace(loss_->target_key(), target);
             batch.predictions = std::move(side);
             batch.predictions.insert_or_assign(part.prediction_key(), y);
+            batch.sequence_shard = std::move(tokens);
             l = loss_->compute(batch);
           }
           losses[static_cast<std::size_t>(a.micro_batch)] = l.detach();

@@ -104,9 +104,15 @@ class MODALITIES_SDK_API ParallelDims {
   /// degree(dim) is 1 (nothing to talk to).
   Group group(MeshDim dim) const;
 
+  /// The ranks FSDP shards the (dense) parameters over: dp_shard x cp (context-parallel ranks
+  /// hold the same parameters and their gradients are averaged over them, as torchtitan's
+  /// dp_shard_cp), and their communicator (null for one rank). Since: SDK 0.1 (ABI 9).
+  std::int64_t shard_degree() const;
+  Group shard_group() const;
+
   /// Expert parallelism: the ranks holding the same experts as this one (degree(dp_shard) x
   /// degree(cp) / degree(ep) of them; all data parallel), over which FSDP shards the expert
-  /// weights, and their communicator (null for one rank). Without an ep dim: the dp_shard dim's.
+  /// weights, and their communicator (null for one rank). Without an ep dim: shard_group().
   std::int64_t expert_shard_degree() const;
   Group expert_shard_group() const;
 

@@ -6,6 +6,7 @@
 // (src/interfaces.cpp), so the structs that have them are exported.
 #pragma once
 
+#include <modalities/sdk/context_parallel.h>
 #include <modalities/sdk/export.h>
 #include <modalities/sdk/tensor_parallel.h>
 
@@ -78,6 +79,10 @@ struct MODALITIES_SDK_API InferenceResultBatch {
   /// Set when the predictions are logits split on the vocabulary over a tensor-parallel group
   /// (the model's Module::vocab_shard); only a loss that accepts_vocab_shards() may take them.
   std::optional<tp::VocabShard> vocab_shard;
+  /// Set when the predictions cover this rank's tokens of a sequence split over context-parallel
+  /// ranks (the model's Module::sequence_shard); only a loss that accepts_sequence_shards() may
+  /// take them. The targets are whole. Since: SDK 0.1 (ABI 9).
+  std::optional<cp::SequenceShard> sequence_shard;
 
   /// The target / prediction under `key`. Throws modalities::Error naming the
   /// keys that exist when `key` is missing.

@@ -61,6 +61,14 @@ class MODALITIES_SDK_API Loss {
   /// tensor-parallel group, reduced across it without gathering them. The gym refuses a model
   /// with a vocab shard and a loss without. Default: false.
   virtual bool accepts_vocab_shards() const;
+
+  /// Whether compute(batch) handles batch.sequence_shard: predictions for this rank's tokens of
+  /// sequences split over context-parallel ranks, against whole targets. Such a loss picks the
+  /// same tokens of the targets and returns this rank's share of the loss of the whole sequences,
+  /// scaled so that the mean over the cp ranks is that loss (the gym and FSDP average over them).
+  /// The gym refuses a model with a sequence shard and a loss without. Default: false. Since: SDK
+  /// 0.1 (ABI 9).
+  virtual bool accepts_sequence_shards() const;
 };
 
 }  // namespace modalities

@@ -312,6 +312,23 @@ class MODALITIES_SDK_API Module {
   /// ranks. Wrappers forward it. Default: none. Since: SDK 0.1 (ABI 7).
   virtual std::vector<std::string> expert_parallel_parameters() const;
 
+  /// Context parallelism: this model takes part in splitting every sequence over the cp dim of
+  /// `dims` (cp::SequenceShard's head-tail chunks), in place, before any other wrapper
+  /// (model/parallelized applies it when the mesh has a cp dim). Afterwards forward() takes the
+  /// whole sample on every cp rank (they all read the same one), computes on this rank's tokens
+  /// only (attention over the whole sequence's keys and values, gathered from the cp ranks) and
+  /// returns predictions for them; sequence_shard() says which. Parameters stay whole: FSDP shards
+  /// them over dp_shard x cp (ParallelDims::shard_group), which also averages their gradients
+  /// over the cp ranks. Default: throws modalities::Error (no context-parallel support). Since:
+  /// SDK 0.1 (ABI 9).
+  virtual void apply_context_parallel(const ParallelDims& dims);
+
+  /// Context parallelism: the split of the sequence whose tokens forward()'s predictions cover,
+  /// after apply_context_parallel; the loss takes the same tokens of the targets
+  /// (InferenceResultBatch::sequence_shard). Wrappers forward it. Default: none (every token).
+  /// Since: SDK 0.1 (ABI 9).
+  virtual std::optional<cp::SequenceShard> sequence_shard() const;
+
   /// Pipeline parallelism: the scheduled pipeline whose stage this module is, when the variant
   /// that built it also scheduled the pipeline (`model/parallelized` with a `pipeline` table);
   /// the gym runs it when the config has no `scheduled_pipeline`. Default: null (a wrapper around
