@@ -104,10 +104,11 @@ T add_round(T a, T b) {
   return static_cast<T>(static_cast<OpMath<T>>(a) + static_cast<OpMath<T>>(b));
 }
 
-// x [B*T, H*hd] -> out [B, H*repeat, T, hd]; cos/sin [T, hd] or null.
+// x [B*T, H*hd] -> out [B, H*repeat, T, hd]; cos/sin [T, hd], per sample [B, T, hd]
+// (`per_sample`: RoPE positions restarting at each document), or null.
 template <class T>
 void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_, std::int64_t H,
-                        std::int64_t hd, std::int64_t repeat) {
+                        std::int64_t hd, std::int64_t repeat, bool per_sample) {
   const std::int64_t half = hd / 2;
   at::parallel_for(0, B * H, row_grain(T_ * hd * repeat), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bh = begin; bh < end; ++bh)
@@ -115,8 +116,9 @@ void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int
         const T* src = x + ((b * T_ + t) * H + h) * hd;
         T* dst = out + ((b * H * repeat + h * repeat) * T_ + t) * hd;
         if (cos != nullptr) {
-          const T* c = cos + t * hd;
-          const T* s = sin + t * hd;
+          const std::int64_t row = (per_sample ? b * T_ : 0) + t;
+          const T* c = cos + row * hd;
+          const T* s = sin + row * hd;
           for (std::int64_t j = 0; j < hd; ++j) {
             const T rh = j < half ? static_cast<T>(-src[j + half]) : src[j - half];
             dst[j] = add_round(mul_round(src[j], c[j]), mul_round(rh, s[j]));
@@ -133,7 +135,7 @@ void heads_forward_rows(const T* x, const T* cos, const T* sin, T* out, std::int
 // g [B, H, T, hd] (after the GQA sum) -> out [B*T, H*hd]: RoPE's backward and the transpose.
 template <class T>
 void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::int64_t B, std::int64_t T_,
-                         std::int64_t H, std::int64_t hd) {
+                         std::int64_t H, std::int64_t hd, bool per_sample) {
   const std::int64_t half = hd / 2;
   at::parallel_for(0, B * H, row_grain(T_ * hd), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bh = begin; bh < end; ++bh)
@@ -141,8 +143,9 @@ void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::in
         const T* src = g + ((b * H + h) * T_ + t) * hd;
         T* dst = out + ((b * T_ + t) * H + h) * hd;
         if (cos != nullptr) {
-          const T* c = cos + t * hd;
-          const T* s = sin + t * hd;
+          const std::int64_t row = (per_sample ? b * T_ : 0) + t;
+          const T* c = cos + row * hd;
+          const T* s = sin + row * hd;
           for (std::int64_t j = 0; j < hd; ++j) {
             // cat(gr[..., h:], -gr[..., :h]) with gr = g * sin, added to g * cos.
             const T rot = j < hd - half ? mul_round(src[j + half], s[j + half])
@@ -156,15 +159,21 @@ void heads_backward_rows(const T* g, const T* cos, const T* sin, T* out, std::in
   });
 }
 
-bool heads_cpu_eligible(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::int64_t T,
-                        std::int64_t hd) {
+// Whether the tables hold a row per sample and token ([B, 1, T, hd]) rather than per token.
+bool per_sample_tables(const at::Tensor& cos, std::int64_t B, std::int64_t T, std::int64_t hd) {
+  return cos.defined() && B > 1 && cos.numel() == B * T * hd;
+}
+
+bool heads_cpu_eligible(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::int64_t B,
+                        std::int64_t T, std::int64_t hd) {
   const at::ScalarType st = x.scalar_type();
   if (!x.is_cpu() || !x.is_contiguous() ||
       !(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf))
     return false;
   if (!cos.defined()) return true;
+  const std::int64_t n = per_sample_tables(cos, B, T, hd) ? B * T * hd : T * hd;
   return hd % 2 == 0 && cos.is_cpu() && sin.is_cpu() && cos.scalar_type() == st && sin.scalar_type() == st &&
-         cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * hd && sin.numel() == T * hd;
+         cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n && sin.numel() == n;
 }
 
 template <class F>
@@ -194,13 +203,13 @@ at::Tensor heads_composite(const at::Tensor& x, std::int64_t B, std::int64_t T, 
 // Heads forward below autograd: the CPU loops where eligible, else the ATen ops.
 at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
                          const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
-  if (heads_cpu_eligible(x, cos, sin, T, hd)) {
+  if (heads_cpu_eligible(x, cos, sin, B, T, hd)) {
     at::Tensor out = at::empty({B, H * repeat, T, hd}, x.options());
     dispatch_float_types(x.scalar_type(), [&](auto tag) {
       using S = decltype(tag);
       heads_forward_rows<S>(x.const_data_ptr<S>(), cos.defined() ? cos.const_data_ptr<S>() : nullptr,
                             cos.defined() ? sin.const_data_ptr<S>() : nullptr, out.mutable_data_ptr<S>(), B, T, H, hd,
-                            repeat);
+                            repeat, per_sample_tables(cos, B, T, hd));
     });
     return out;
   }
@@ -218,12 +227,13 @@ at::Tensor heads_forward(const at::Tensor& x, std::int64_t B, std::int64_t T, st
 at::Tensor heads_backward(at::Tensor g, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t hd,
                           const at::Tensor& cos, const at::Tensor& sin, std::int64_t repeat) {
   if (repeat > 1) g = at::sum_to(g.reshape({B, H, repeat, T, hd}), at::IntArrayRef{B, H, 1, T, hd}).squeeze(2);
-  if (g.is_contiguous() && heads_cpu_eligible(g, cos, sin, T, hd)) {
+  if (g.is_contiguous() && heads_cpu_eligible(g, cos, sin, B, T, hd)) {
     at::Tensor out = at::empty({B * T, H * hd}, g.options());
     dispatch_float_types(g.scalar_type(), [&](auto tag) {
       using S = decltype(tag);
       heads_backward_rows<S>(g.const_data_ptr<S>(), cos.defined() ? cos.const_data_ptr<S>() : nullptr,
-                             cos.defined() ? sin.const_data_ptr<S>() : nullptr, out.mutable_data_ptr<S>(), B, T, H, hd);
+                             cos.defined() ? sin.const_data_ptr<S>() : nullptr, out.mutable_data_ptr<S>(), B, T, H, hd,
+                             per_sample_tables(cos, B, T, hd));
     });
     return out;
   }

@@ -120,12 +120,18 @@ TEST_P(FusedOpsTest, RmsNormEqualsAtRmsNormWithResidualFanOut) {
 TEST_P(FusedOpsTest, AttentionHeadsEqualTheCompositeChain) {
   const std::int64_t B = 2, T = 6, hq = 4, hkv = 2, hd = 8, d = hq * hd, r = hq / hkv;
   const auto [cos, sin] = rope_tables(T, hd, GetParam());
-  for (const bool rotary : {true, false}) {
+  // Per-sample tables [B, 1, T, hd] (positions restarting at each document): sample 1 restarts at 3.
+  const at::Tensor positions = at::tensor({0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2}, at::kLong);
+  const at::Tensor cos_per_sample = cos.view({T, hd}).index_select(0, positions).view({B, 1, T, hd});
+  const at::Tensor sin_per_sample = sin.view({T, hd}).index_select(0, positions).view({B, 1, T, hd});
+  for (const int tables : {1, 0, 2}) {  // shared, none, per sample
+    const bool rotary = tables > 0;
     for (const std::int64_t kv_heads : {hkv, hq}) {
       const std::int64_t rep = hq / kv_heads;
       const at::Tensor x = randn({B * T, d}), wq = randn({d, d}), wk = randn({kv_heads * hd, d}),
                        wv = randn({kv_heads * hd, d}), wo = randn({d, d}), seed = randn({B * T, d});
-      const at::Tensor c = rotary ? cos : at::Tensor(), s = rotary ? sin : at::Tensor();
+      const at::Tensor c = tables == 1 ? cos : tables == 2 ? cos_per_sample : at::Tensor();
+      const at::Tensor s = tables == 1 ? sin : tables == 2 ? sin_per_sample : at::Tensor();
       auto fused_f = [&](const std::vector<at::Tensor>& in) {
         const g::HeadsSpec sq{hq, c, s, 1}, sk{kv_heads, c, s, rep}, sv{kv_heads, {}, {}, rep};
         const g::Qkv h = g::fused_qkv(in[0], in[1], {}, in[2], {}, in[3], {}, B, T, hd, sq, sk, sv);
@@ -148,9 +154,12 @@ TEST_P(FusedOpsTest, AttentionHeadsEqualTheCompositeChain) {
         return in[0] + at::linear(y.transpose(1, 2).contiguous().view({B * T, -1}), in[4]);
       };
       const std::vector<at::Tensor> inputs{x, wq, wk, wv, wo};
-      expect_bit_identical(
-          run(fused_f, inputs, seed), run(composite_f, inputs, seed),
-          std::string("attention, rotary ") + (rotary ? "on" : "off") + ", repeat " + std::to_string(rep));
+      expect_bit_identical(run(fused_f, inputs, seed), run(composite_f, inputs, seed),
+                           std::string("attention, rotary tables ") +
+                               (tables == 2 ? "per sample"
+                                : rotary    ? "shared"
+                                            : "off") +
+                               ", repeat " + std::to_string(rep));
     }
   }
   (void)r;
