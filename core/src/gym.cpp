@@ -544,6 +544,11 @@ class Gym {
     std::optional<at::Tensor> input, target;
     if (pipeline_->has_first_stage()) input = batch.samples.at(parts_.front()->sample_key()).contiguous();
     if (pipeline_->has_last_stage()) target = batch.targets.at(c_.loss_fn->target_key());
+    // What the stages need of the sample besides the first stage's input (document ids).
+    TensorMap stage_inputs;
+    for (const auto& [key, t] : batch.samples)
+      if (key != parts_.front()->sample_key()) stage_inputs.emplace(key, t);
+    schedule.set_stage_inputs(std::move(stage_inputs));
     if (train) schedule.set_loss_scale(1.0 / static_cast<double>(accumulation_steps_));
     const std::vector<at::Tensor> losses = train ? schedule.step(input, target) : schedule.eval(input, target);
     if (losses.empty()) return std::nullopt;

@@ -25,9 +25,10 @@ SequenceShard::~SequenceShard() = default;
 
 void SequenceShard::check_length(std::int64_t length, std::string_view what) const {
   if (length % (2 * size) != 0)
-    throw Error(fmt::format("{} = {} is not divisible by 2 x the context-parallel degree {} = {}: context "
-                            "parallelism cuts every sequence into {} equal chunks (rank r holds chunks r and {} - r)",
-                            what, length, size, 2 * size, 2 * size, 2 * size - 1));
+    throw Error(
+        fmt::format("{} = {} is not divisible by 2 x the context-parallel degree {} = {}: context "
+                    "parallelism cuts every sequence into {} equal chunks (rank r holds chunks r and {} - r)",
+                    what, length, size, 2 * size, 2 * size, 2 * size - 1));
 }
 
 std::int64_t SequenceShard::chunk_length(std::int64_t length) const { return length / (2 * size); }

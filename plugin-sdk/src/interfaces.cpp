@@ -44,6 +44,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <cstddef>
 #include <string>
@@ -81,6 +82,12 @@ Module::~Module() = default;
 Optimizer::~Optimizer() = default;
 Pipeline::~Pipeline() = default;
 PipelineSchedule::~PipelineSchedule() = default;
+void PipelineSchedule::set_stage_inputs(TensorMap inputs) {
+  if (inputs.empty()) return;
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : inputs) keys.push_back(k);
+  throw Error(fmt::format("this pipeline schedule cannot pass the samples' {} to its stages", fmt::join(keys, ", ")));
+}
 PipelineStage::~PipelineStage() = default;
 RemovableHandle::~RemovableHandle() = default;
 Sampler::~Sampler() = default;

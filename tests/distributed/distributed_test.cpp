@@ -1041,6 +1041,17 @@ std::string pp_config(int steps, const std::string& schedule = "gpipe", int laye
   return edited(text, "num_layers_per_stage = 2", fmt::format("num_layers_per_stage = {}", layers_per_stage));
 }
 
+// Document masking under pipeline parallelism (label full): every stage gets the document ids
+// with its input (PipelineSchedule::set_stage_inputs), so PP2 with 1F1B and CP2 x PP2 train like
+// one process with the same masking (without weight tying), 20 steps.
+TEST(DistributedDocumentMaskingFullTest, PipelineStagesTrainLikeOneProcess) {
+  constexpr int kSteps = 20;
+  expect_layouts_train_like_one_process(kSteps,
+                                        {{"pp2_1f1b_documents", 2, document_masked(pp_config(kSteps, "1F1B"))},
+                                         {"cp2_pp2_documents", 4, document_masked(cp_pp_config(kSteps))}},
+                                        [](std::string config) { return document_masked(untied(std::move(config))); });
+}
+
 // PP4 with 1F1B: one layer-equivalent per stage, so rank 0 holds the embedding alone (no parameter
 // with weight decay on that rank: its optimizer group is empty there, not on every rank).
 std::string pp4_config(int steps) {

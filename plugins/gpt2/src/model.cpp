@@ -86,13 +86,14 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     }
     std::shared_ptr<const Documents> docs;
     at::Tensor doc_ids;
+    // The whole sequence's length: ids [B, T], or a later pipeline stage's hidden states [B, T, d]
+    // (of this rank's tokens under context parallelism).
+    const at::Tensor& x = it->second;
+    const std::int64_t length = x.dim() == 2 || !cp_ ? x.size(1) : x.size(1) * cp_->size;
     if (config_.document_ids_key)
       if (auto d = inputs.find(*config_.document_ids_key); d != inputs.end())
-        doc_ids = checked_document_ids(it->second, d->second);
+        doc_ids = checked_document_ids(x, length, d->second);
     if (cp_) {
-      // The whole sequence's length: ids [B, T], or a later pipeline stage's hidden states of this rank's tokens.
-      const at::Tensor& x = it->second;
-      const std::int64_t length = x.dim() == 2 ? x.size(1) : x.size(1) * cp_->size;
       docs = impl_->context_parallel_documents(doc_ids, length, config_.document_positions == "restart", x.device());
     } else if (doc_ids.defined()) {
       docs = impl_->documents(doc_ids, config_.document_positions == "restart");
@@ -103,16 +104,18 @@ class GPT2 final : public Module, public HuggingFaceExportable {
       if (at::Tensor aux = impl_->take_aux_losses(); aux.defined()) out.emplace(aux_loss_key_, std::move(aux));
     return out;
   }
-  // The input `document_ids_key` for `ids` [B, T] (Note [Document masking]), checked, on ids' device.
-  at::Tensor checked_document_ids(const at::Tensor& ids, const at::Tensor& doc_ids) const {
+  // The input `document_ids_key` for the input `x` of sequences of `length` tokens (Note [Document
+  // masking]), checked, on x's device.
+  at::Tensor checked_document_ids(const at::Tensor& x, std::int64_t length, const at::Tensor& doc_ids) const {
     const std::string& key = *config_.document_ids_key;
-    if (doc_ids.dim() != 2 || doc_ids.size(0) != ids.size(0) || doc_ids.size(1) != ids.size(1))
-      throw Error(fmt::format("gpt2: the input '{}' (document_ids_key) has shape {}, but '{}' has {}; expected [B, T]",
-                              key, c10::str(doc_ids.sizes()), config_.sample_key, c10::str(ids.sizes())));
+    if (doc_ids.dim() != 2 || doc_ids.size(0) != x.size(0) || doc_ids.size(1) != length)
+      throw Error(
+          fmt::format("gpt2: the input '{}' (document_ids_key) has shape {}, but '{}' has {}; expected [{}, {}]", key,
+                      c10::str(doc_ids.sizes()), config_.sample_key, c10::str(x.sizes()), x.size(0), length));
     if (at::isFloatingType(doc_ids.scalar_type()) || doc_ids.scalar_type() == at::kBool)
       throw Error(fmt::format("gpt2: the input '{}' (document_ids_key) must hold integer document ids, got {}", key,
                               c10::toString(doc_ids.scalar_type())));
-    return doc_ids.to(ids.device());
+    return doc_ids.to(x.device());
   }
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
@@ -211,12 +214,9 @@ class GPT2 final : public Module, public HuggingFaceExportable {
     GPT2LLMImpl::reset_leaves(*impl_);
   }
 
+  // Document masking reaches every stage: the schedule passes the document ids to each stage's
+  // forward (PipelineSchedule::set_stage_inputs).
   void retain_modules(const std::vector<std::string>& module_fqns) override {
-    if (config_.document_ids_key)
-      throw Error(fmt::format(
-          "model/gpt2: document masking (document_ids_key = '{}') does not reach pipeline stages yet (a stage gets "
-          "the hidden states only); remove document_ids_key or train without pipeline parallelism",
-          *config_.document_ids_key));
     impl_->retain(module_fqns);
     retained_ = module_fqns;
   }

@@ -5,6 +5,7 @@
 
 #include <modalities/sdk/error.h>
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/sdk/log.h>
 #include <modalities/sdk/norms.h>
 
 #include <ATen/ATen.h>
@@ -16,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -403,7 +405,7 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       if (dropout_ > 0) p = at::dropout(p, dropout_, /*train=*/true);  // in every mode, as in Modalities
       y = at::matmul(p, v);
     } else if (docs != nullptr && !docs->lengths.empty()) {
-      y = attend_by_document(q, k, v, docs->lengths);
+      y = docs->cu_seqlens.defined() ? attend_varlen(q, k, v, *docs) : attend_by_document(q, k, v, docs->lengths);
     } else if (documents.defined()) {
       y = at::scaled_dot_product_attention(q, k, v, documents, dropout_, /*is_causal=*/false);
     } else if (const at::Tensor window = mask_->sliding(T, q.device()); window.defined()) {
@@ -494,6 +496,32 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
       samples.push_back(out.size() == 1 ? out.front() : at::cat(out, 1));
     }
     return at::stack(samples);
+  }
+
+  // CUDA: every document of the batch in one flash-attention varlen call (the kernel LibTorch
+  // exposes as _flash_attention_forward, differentiable; cumulative lengths over the flattened
+  // batch, causal inside each). Where it cannot run (a build or GPU without flash attention,
+  // float32), document by document instead, said once. Built; not run on a GPU yet.
+  at::Tensor attend_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Documents& docs) const {
+    static std::atomic<bool> unavailable{false};
+    const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+    if (half && !unavailable.load()) {
+      const std::int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
+      const auto packed = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * T, t.size(1), hd}); };
+      try {
+        const auto out = at::_flash_attention_forward(packed(q), packed(k), packed(v), docs.cu_seqlens, docs.cu_seqlens,
+                                                      docs.max_length, docs.max_length, dropout_, /*is_causal=*/true,
+                                                      /*return_debug_mask=*/false);
+        return std::get<0>(out).view({B, T, H, hd}).transpose(1, 2);
+      } catch (const std::exception& e) {
+        if (!unavailable.exchange(true))
+          log::warning(
+              fmt::format("document masking: the flash-attention varlen kernel cannot run here ({}); "
+                          "attending document by document",
+                          std::string(e.what()).substr(0, 200)));
+      }
+    }
+    return attend_by_document(q, k, v, docs.lengths);
   }
 
   // Tensor parallel: this rank computes heads [rank * Hq / size, ...) (and the matching kv heads);
@@ -850,7 +878,7 @@ at::Tensor GPT2LLMImpl::run_block_with_aux_loss(const std::string& fqn, GPT2Bloc
 // forward and shared by every block, handed to SDPA as a boolean mask (the manual path fills
 // -inf outside it); pytorch_flash without a sliding window attends document by document instead
 // (causal SDPA on each: sum of the documents' squared lengths, not T^2, of work; every document a
-// run of equal ids). With document_positions = restart, each token's position is its index in
+// run of equal ids), on CUDA in bf16/fp16 all documents in one flash-attention varlen call. With document_positions = restart, each token's position is its index in
 // its document (its index minus that of its document's first token): RoPE rotates by it and
 // ABSOLUTE positions look it up. A batch whose every sample is one document takes the plain
 // causal path, bit for bit as without document ids (one host sync per forward to find out).
@@ -879,6 +907,15 @@ std::shared_ptr<const Documents> GPT2LLMImpl::documents(const at::Tensor& ids, b
       }
     }
     if (!runs) docs->lengths.clear();
+    if (runs && ids.is_cuda()) {
+      std::vector<std::int32_t> cumulative = {0};
+      for (const std::vector<std::int64_t>& n : docs->lengths)
+        for (const std::int64_t len : n) {
+          cumulative.push_back(cumulative.back() + static_cast<std::int32_t>(len));
+          docs->max_length = std::max(docs->max_length, len);
+        }
+      docs->cu_seqlens = at::tensor(cumulative, at::TensorOptions().dtype(at::kInt)).to(ids.device());
+    }
   }
   if (docs->lengths.empty()) {  // the mask: manual attention, a sliding window, documents not in runs
     at::Tensor allowed = at::ones({T, T}, ids.options().dtype(at::kBool)).tril();

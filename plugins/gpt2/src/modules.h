@@ -47,6 +47,11 @@ struct Documents {
   // contiguous runs of ids and there is no sliding window: then pytorch_flash attends document by
   // document (causal SDPA on each) instead of over the masked T x T. Empty otherwise.
   std::vector<std::vector<std::int64_t>> lengths;
+  // The same documents as cumulative lengths over the flattened batch (int32 [documents + 1], on
+  // the ids' device) and the longest: the flash-attention varlen kernel's input on CUDA. Set with
+  // `lengths` when the ids are on a CUDA device.
+  at::Tensor cu_seqlens;
+  std::int64_t max_length = 0;
 
   // Context parallelism (Note [Context-parallel attention]): the split of the sequence, its whole
   // length, and per local chunk (this rank's two) the keys each query row may see, bool [B or 1, 1,

@@ -28,9 +28,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -74,9 +74,10 @@ struct Sizes {
 
 std::string tiny_toml(const std::string& impl, const std::string& poe, const std::string& extra, const Sizes& z = {}) {
   const std::string rope =
-      poe == "NOPE" ? fmt::format("attention_config = {{ qkv_transforms = [{{ type_hint = \"RotaryTransform\", config = "
-                                  "{{ n_embd = {}, n_head = {}, seq_length_dim = -2, base_freq = 10000 }} }}] }}",
-                                  z.width, z.heads)
+      poe == "NOPE" ? fmt::format(
+                          "attention_config = {{ qkv_transforms = [{{ type_hint = \"RotaryTransform\", config = "
+                          "{{ n_embd = {}, n_head = {}, seq_length_dim = -2, base_freq = 10000 }} }}] }}",
+                          z.width, z.heads)
                     : "attention_config = { qkv_transforms = [] }";
   return fmt::format(R"(
 [m]
@@ -105,8 +106,8 @@ ffn_norm_config = {{ norm_type = "layer_norm", config = {{ normalized_shape = {}
 lm_head_norm_config = {{ norm_type = "rms_norm", config = {{ ndim = {} }} }}
 {}
 )",
-                     poe, z.sequence_length, z.vocab, z.layers, z.heads, z.kv_heads, z.width, z.ffn, impl, rope, z.width,
-                     z.width, z.width, extra);
+                     poe, z.sequence_length, z.vocab, z.layers, z.heads, z.kv_heads, z.width, z.ffn, impl, rope,
+                     z.width, z.width, z.width, extra);
 }
 
 double relative(const at::Tensor& got, const at::Tensor& want) {
@@ -131,17 +132,18 @@ MODALITIES_WORKER_CASE(Gpt2CpWorker, EqualsTheWholeSequenceOnOneRank) {
   at::manual_seed(3);
   const at::Tensor ids = at::randint(1, 128, {2, 16}, at::kLong);
   std::vector<std::int64_t> doc;
-  for (const std::vector<std::int64_t>& lengths : {std::vector<std::int64_t>{5, 7, 4}, std::vector<std::int64_t>{10, 6}})
+  for (const std::vector<std::int64_t>& lengths :
+       {std::vector<std::int64_t>{5, 7, 4}, std::vector<std::int64_t>{10, 6}})
     for (std::size_t d = 0; d < lengths.size(); ++d) doc.insert(doc.end(), lengths[d], static_cast<std::int64_t>(d));
   const at::Tensor document_ids = at::tensor(doc, at::kLong).view({2, 16});
   const at::Tensor weights = at::randn({2, 16, 128});
-  for (const Case& c : {Case{"pytorch_flash", "NOPE", ""}, Case{"manual", "NOPE", ""}, Case{"pytorch_flash", "ABSOLUTE", ""},
-                        Case{"pytorch_flash", "NOPE", "", 5}, Case{"pytorch_flash", "NOPE", "restart"},
-                        Case{"manual", "ABSOLUTE", "restart"}, Case{"pytorch_flash", "NOPE", "continue"},
-                        Case{"pytorch_flash", "NOPE", "restart", 6}}) {
+  for (const Case& c : {Case{"pytorch_flash", "NOPE", ""}, Case{"manual", "NOPE", ""},
+                        Case{"pytorch_flash", "ABSOLUTE", ""}, Case{"pytorch_flash", "NOPE", "", 5},
+                        Case{"pytorch_flash", "NOPE", "restart"}, Case{"manual", "ABSOLUTE", "restart"},
+                        Case{"pytorch_flash", "NOPE", "continue"}, Case{"pytorch_flash", "NOPE", "restart", 6}}) {
     const bool documents = std::string(c.positions) != "";
-    const std::string what = fmt::format("{} {} window {}{}{}", c.impl, c.poe, c.window, documents ? " documents " : "",
-                                         c.positions);
+    const std::string what =
+        fmt::format("{} {} window {}{}{}", c.impl, c.poe, c.window, documents ? " documents " : "", c.positions);
     SCOPED_TRACE(what);
     const std::string toml = tiny_toml(
         c.impl, c.poe,
@@ -182,9 +184,8 @@ MODALITIES_WORKER_CASE(Gpt2CpWorker, EqualsTheWholeSequenceOnOneRank) {
         std::vector<at::Tensor> g = {got.at(name)};
         dist::world()->allreduce(g)->wait();  // each rank's share: the gradient of its tokens
         const bool zero_in_exact_arithmetic = std::string(c.poe) != "NOPE" && name.ends_with("attn.k_attn.bias");
-        grads = std::max(grads, zero_in_exact_arithmetic
-                                    ? (g.front() - t.grad()).abs().max().item<double>() / largest
-                                    : relative(g.front(), t.grad()));
+        grads = std::max(grads, zero_in_exact_arithmetic ? (g.front() - t.grad()).abs().max().item<double>() / largest
+                                                         : relative(g.front(), t.grad()));
       }
       if (r == 0)
         std::printf("cp %lld %s %s: logits %.2e, gradients %.2e of the largest value\n", static_cast<long long>(n),
@@ -339,7 +340,8 @@ TEST(Gpt2ContextParallelTest, LengthsThatDoNotSplitAreRefused) { run(2, "Lengths
 // Opt-in (scripts/bench_context_parallel.sh sets MODALITIES_CP_BENCH=1): the long-context
 // benchmark at cp 1 and 2, printed; the suite skips it.
 TEST(Gpt2ContextParallelBench, LongContextStepTimeAndActivationMemory) {
-  if (std::getenv("MODALITIES_CP_BENCH") == nullptr) GTEST_SKIP() << "set MODALITIES_CP_BENCH=1 (scripts/bench_context_parallel.sh)";
+  if (std::getenv("MODALITIES_CP_BENCH") == nullptr)
+    GTEST_SKIP() << "set MODALITIES_CP_BENCH=1 (scripts/bench_context_parallel.sh)";
   for (const int ranks : {1, 2}) {
     const testing::CommandResult r =
         testing::run_workers(MODALITIES_TEST_HOST_BINARY, ranks, "Gpt2CpWorker.LongContextBench", {}, 3000);

@@ -133,6 +133,9 @@ class Executor {
            i64 micro_batches)
       : stages_(stages), loss_(std::move(loss)), kind_(kind), m_(micro_batches) {}
 
+  // PipelineSchedule::set_stage_inputs: given to every stage's forward, per micro-batch.
+  void set_stage_inputs(TensorMap inputs) { stage_inputs_ = std::move(inputs); }
+
   std::vector<at::Tensor> run(const std::optional<at::Tensor>& input, const std::optional<at::Tensor>& target,
                               bool backward, double loss_scale) {
     const Stage& any = *stages_.front();
@@ -146,6 +149,8 @@ class Executor {
       if (!target) throw Error("pipeline: the rank holding the last stage needs the target");
       targets = split(*target, "target");
     }
+    std::map<std::string, std::vector<at::Tensor>> extras;  // the stage inputs, per micro-batch
+    for (const auto& [key, t] : stage_inputs_) extras.emplace(key, split(t, key.c_str()));
     std::vector<Action> actions = schedule_actions(kind_, any.pp_rank(), any.pp_size(), v, m_);
     if (!backward) {  // evaluation: the forwards, in schedule order
       std::erase_if(actions, [](const Action& a) { return !a.forward; });
@@ -171,7 +176,9 @@ class Executor {
         }
         Module& part = *st.submodule();
         const auto t0 = Clock::now();
-        TensorMap out = part.forward({{part.sample_key(), in.tensor}});
+        TensorMap stage_in{{part.sample_key(), in.tensor}};
+        for (const auto& [key, chunks] : extras) stage_in.emplace(key, chunks[static_cast<std::size_t>(a.micro_batch)]);
+        TensorMap out = part.forward(stage_in);
         at::Tensor y = out.at(part.prediction_key());
         TensorMap side = side_losses(in, out, part.prediction_key(), st);
         if (st.is_last()) {
@@ -397,6 +404,7 @@ class Executor {
   ScheduleKind kind_;
   i64 m_;
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
+  TensorMap stage_inputs_;        // PipelineSchedule::set_stage_inputs
   std::vector<at::Tensor> keep_;  // payloads of pending sends
   std::map<std::tuple<i64, i64, bool>, Transfer> local_;
 };
@@ -416,6 +424,7 @@ class Schedule final : public PipelineSchedule {
     return executor_.run(input, target, /*backward=*/false, 1.0);
   }
   void set_loss_scale(double scale) override { loss_scale_ = scale; }
+  void set_stage_inputs(TensorMap inputs) override { executor_.set_stage_inputs(std::move(inputs)); }
 
  private:
   Executor executor_;

@@ -63,6 +63,15 @@ class MODALITIES_SDK_API PipelineSchedule {
   /// Scales the gradients of following step()s (the gym's 1 / gradient accumulation steps, so a
   /// step's gradient is that of the mean loss over all its micro-batches). Default 1.
   virtual void set_loss_scale(double scale) = 0;
+
+  /// Tensors every stage's forward receives next to its input in the following step()s and
+  /// eval()s, under their keys, each split into the pipeline micro-batches along dim 0 like the
+  /// input: what the model's every part needs of the sample besides the first stage's input (the
+  /// collator's document ids, for attention inside documents). The gym passes the batch's
+  /// samples other than the model's sample_key on every pipeline rank. Default: throws
+  /// modalities::Error for a non-empty map (the schedule cannot pass them on). Since: SDK 0.1
+  /// (ABI 9).
+  virtual void set_stage_inputs(TensorMap inputs);
 };
 
 /// A pipeline-parallel model: this rank's stages and parts, and its schedule.
