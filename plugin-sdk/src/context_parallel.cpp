@@ -56,15 +56,13 @@ at::Tensor SequenceShard::gather(const at::Tensor& x, std::int64_t dim) const {
     throw Error(fmt::format("context parallelism: a rank's tokens ({}) are two chunks of equal length", x.size(dim)));
   // Rank q's block of the all-gather holds chunks q and 2 size - 1 - q: chunk c sits at block
   // slot 2c (c < size) or 2 (2 size - 1 - c) + 1.
+  // The index is made on x's device (no host copy); index_select's backward adds into one buffer.
   const at::Tensor all = tp::gather_sequence(x.contiguous(), dim, group);
   const std::int64_t L = x.size(dim) / 2;
-  std::vector<std::int64_t> order;
-  order.reserve(static_cast<std::size_t>(2 * size * L));
-  for (std::int64_t c = 0; c < 2 * size; ++c) {
-    const std::int64_t slot = c < size ? 2 * c : 2 * (2 * size - 1 - c) + 1;
-    for (std::int64_t t = 0; t < L; ++t) order.push_back(slot * L + t);
-  }
-  const at::Tensor index = at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(x.device());
+  const at::TensorOptions o = at::TensorOptions().dtype(at::kLong).device(x.device());
+  const at::Tensor c = at::arange(2 * size, o);
+  const at::Tensor slot = at::where(c < size, 2 * c, 4 * size - 1 - 2 * c);
+  const at::Tensor index = (slot.unsqueeze(1) * L + at::arange(L, o).unsqueeze(0)).reshape({-1});
   return all.index_select(dim, index);
 }
 

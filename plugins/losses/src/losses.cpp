@@ -130,10 +130,12 @@ class ClmCrossEntropyLoss final : public Loss {
     else
       sum = at::cross_entropy_loss(logits.reshape({-1, vocab}), labels, /*weight=*/{}, at::Reduction::Sum, kIgnoreIndex,
                                    /*label_smoothing=*/0.0);
-    std::vector<at::Tensor> counted = {labels.ne(kIgnoreIndex).sum().to(at::kCPU, at::kLong).reshape({1})};
+    // The count stays on the labels' device (no host sync; NCCL reduces device tensors), and the
+    // scale is formed in float32 (a bf16 count would round).
+    std::vector<at::Tensor> counted = {labels.ne(kIgnoreIndex).sum().reshape({1})};
     if (shard.group && shard.size > 1) shard.group->allreduce(counted)->wait();
-    const double scale = static_cast<double>(shard.size) / static_cast<double>(counted.front().item<std::int64_t>());
-    return sum * scale;
+    const at::Tensor count = counted.front().reshape({}).to(at::kFloat);
+    return (sum.to(at::kFloat) * static_cast<double>(shard.size) / count).to(sum.scalar_type());
   }
 
   std::string tag() const override { return c_.tag; }
