@@ -814,6 +814,15 @@ TEST(DistributedContextParallelFullTest, EveryLayoutTrainsLikeOneProcess) {
                                         {{"cp2_documents", 2, document_masked(cp_config(kSteps))},
                                          {"fsdp2x2_cp2_documents", 4, document_masked(cp_config(kSteps))}},
                                         document_masked);
+  // No loss on the first token of each next document: the cp ranks hold different numbers of
+  // ignored targets, and the loss still is the whole sequences' mean (each rank's sum over the
+  // count of all ranks; an average of the ranks' local means would differ).
+  const auto boundary = [](std::string config) {
+    return edited(
+        document_masked(std::move(config)), "eod_token_id = 0\n",
+        "eod_token_id = 0\nmask_boundary_targets = true\ntarget_key = \"${settings.referencing_keys.target_key}\"\n");
+  };
+  expect_layouts_train_like_one_process(kSteps, {{"cp2_documents_boundary", 2, boundary(cp_config(kSteps))}}, boundary);
 }
 
 // A sequence length that 2 x cp does not divide is refused on every rank before training.
