@@ -10,9 +10,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -734,7 +736,6 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
       {"tutorials/einsum_transformer/einsum_transformer_config.yaml", "unknown variant 'einsum_transformer'"},
       {"tutorials/library_usage/config_lorem_ipsum.yaml", "unknown variant 'custom_gpt_2_llm_collator'"},
       {"tutorials/profiling/configs/single_process_rms_norm_profiling.yaml", "unknown variant 'steppable_norm'"},
-      {"config_files/training/config_example_coca.yaml", "unknown variant 'coca'"},
   };
   const std::set<std::string> warmstart = {"config_files/training/config_lorem_ipsum_long_fsdp1_warmstart.yaml",
                                            "config_files/training/config_lorem_ipsum_long_fsdp2_warmstart.yaml",
@@ -780,7 +781,63 @@ TEST(CliImportTest, ModalitiesOwnConfigsImportAndValidate) {
       }
     }
   }
-  EXPECT_EQ(valid, 21 - 2 + 2 + 8);  // 21 configs, of which two sweep files give 2 and 8 configs
+  EXPECT_EQ(valid, 22 - 2 + 2 + 8);  // 22 configs, of which two sweep files give 2 and 8 configs
+}
+
+// Modalities' CoCa example (config_example_coca.yaml: model/coca, model_initialized of type coca,
+// fsdp1_wrapped in FP_16, dummy image and text samples, fsdp1 checkpoints), imported, with tiny
+// sizes overridden (and the experiments root its settings.paths lacks), trains 2 steps on one
+// process and writes its checkpoint. The loss starts near ln 512 (the dummy ids are below 512).
+TEST(CliImportTest, ModalitiesCocaExampleTrainsTwoStepsAtTinySizes) {
+  namespace fs = std::filesystem;
+  const fs::path yaml = fs::path(MODALITIES_TEST_SHARED_DIR) / "fixtures" / "modalities-configs" / "config_files" /
+                        "training" / "config_example_coca.yaml";
+  if (!fs::exists(yaml))
+    GTEST_SKIP() << "skipped: needs " << yaml.string() << " (Modalities' file from ../shared/fixtures)";
+  ScratchDir dir;
+  const fs::path imported = dir.path() / "coca.toml";
+  const CommandResult imp = modalities({"config", "import", yaml.string(), "-o", imported.string()});
+  ASSERT_EQ(imp.exit_code, 0) << imp;
+  std::string text = read_text(imported);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"sample_shape = [3, 224, 224]", "sample_shape = [3, 32, 32]"},
+           {"sample_shape = [1024]", "sample_shape = [17]"},
+           {"img_size = 224", "img_size = 32"},
+           {"n_layer = 12", "n_layer = 1"},
+           {"n_head = 12", "n_head = 2"},
+           {"n_embd = 768", "n_embd = 64"},
+           {"block_size = 1024", "block_size = 16"},
+           {"vocab_size = 50304", "vocab_size = 512"},
+           {"n_layer_text = 12", "n_layer_text = 1"},
+           {"n_layer_multimodal_text = 12", "n_layer_multimodal_text = 1"},
+           {"ffn_hidden = 2048", "ffn_hidden = 128"},
+           {"n_vision_queries = 256", "n_vision_queries = 4"},
+           {"train_num_samples = 64", "train_num_samples = 2"},
+           {"val_num_samples = 32", "val_num_samples = 2"},
+           {"[settings.paths]\ncheckpoint_saving_path = \"data/checkpoints\"",
+            "[settings.paths]\nexperiments_root_path = \"${modalities_env:experiments_root_path}\"\n"
+            "checkpoint_saving_path = \"${modalities_env:experiments_root_path}/checkpoints\""}}) {
+    for (std::size_t at = 0; (at = text.find(from, at)) != std::string::npos; at += to.size())
+      text.replace(at, from.size(), to);
+  }
+  const fs::path tiny = dir.write("coca_tiny.toml", text);
+  const fs::path experiments = dir.path() / "experiments";
+  // From the scratch folder: the config's offline W&B subscriber writes wandb_storage/ where it runs.
+  const CommandResult r =
+      run_command({"sh", "-c",
+                   "cd " + modalities::testing::shell_quote(dir.path().string()) + " && exec " +
+                       modalities::testing::shell_quote(kHost) + " run --config_file_path " +
+                       modalities::testing::shell_quote(tiny.string()) + " --experiments_root_path " +
+                       modalities::testing::shell_quote(experiments.string()) + " --experiment_id coca"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  EXPECT_THAT(r.out, HasSubstr("Training finished after 2 steps")) << r;
+  EXPECT_TRUE(fs::exists(dir.path() / "wandb_storage")) << r;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("train loss avg: ([0-9.]+)"))) << r;
+  EXPECT_NEAR(std::stod(m[1]), std::log(512.0), 0.5) << r;
+  EXPECT_TRUE(fs::exists(experiments / "checkpoints" /
+                         "eid_coca-seen_steps_2-seen_tokens_512-target_steps_2-target_tokens_512"))
+      << r;
 }
 
 // --- data prepare_instruction_tuning_data ---------------------------------------------------------
