@@ -513,7 +513,9 @@ TEST(ShippedConfigsTest, GpuConfigsValidateForTheTrainingPipeline) {
       {"configs/moe/ep_gpu_8.toml", "8"},
       // context parallelism
       {"configs/distributed/cp_cpu.toml", "4"},
-      {"configs/distributed/cp_long_context_gpu_8.toml", "8"}};
+      {"configs/distributed/cp_long_context_gpu_8.toml", "8"},
+      // model/coca (plugins/coca)
+      {"configs/coca/train_cpu.toml", "2"}};
   for (const auto& [name, world] : configs) {
     const CommandResult r = run_command({kHost, "config", "validate", (kRoot / name).string(), "--pipeline", "training",
                                          "--experiments_root_path", "/tmp/unused", "--experiment_id", "x"},

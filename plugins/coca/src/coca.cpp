@@ -210,6 +210,7 @@ struct CoCaConfig {
   i64 n_vision_queries = 0;
   bool bias_attn_pool = false;
   double epsilon_attn_pool = 1e-5;
+  std::optional<i64> seed;
 
   static void describe(Schema<CoCaConfig>& s) {
     using C = CoCaConfig;
@@ -237,6 +238,10 @@ struct CoCaConfig {
     s.field("bias_attn_pool", &C::bias_attn_pool, "Biases of the pooling's norms (its attention always has them).")
         .required();
     s.field("epsilon_attn_pool", &C::epsilon_attn_pool, "Epsilon of the pooling's norms.").required().at_least(0.0);
+    s.field("seed", &C::seed,
+            "Ours, as model/gpt2's: seeds the random draws of the construction, so every rank and every run builds "
+            "the same weights. Modalities' CoCa has none (its fsdp1_wrapped's sync_module_states gives every rank "
+            "rank 0's weights, as ours does); FSDP2 shards what each rank built, so give a seed there.");
     s.rule([](const C& c, ParseContext& ctx) {
       const VisionTransformerConfig& v = c.vision_encoder_config;
       if (v.n_embd % c.n_pool_head != 0)
@@ -803,7 +808,11 @@ void register_components(Registrar& r) {
       "Modalities' CoCa: a vision transformer, attention pooling by learned queries, a text decoder with an "
       "appended CLS token and a multimodal decoder cross-attending to the pooled image tokens; captioning logits "
       "and the pooled image / text embeddings, state dict and numerics as in Modalities.",
-      [](const CoCaConfig& c) { return std::make_shared<CoCa>(c, run_device()); });
+      [](const CoCaConfig& c) {
+        // torch.manual_seed reinterprets a negative seed as its two's complement uint64.
+        if (c.seed) at::manual_seed(static_cast<std::uint64_t>(*c.seed));
+        return std::make_shared<CoCa>(c, run_device());
+      });
 }
 
 }  // namespace modalities::plugins::coca

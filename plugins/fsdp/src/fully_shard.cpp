@@ -229,6 +229,22 @@ class Engine {
         if (sync_) reduce_scatter(k);
         release(k);
       }
+    discard_prefetches();
+  }
+
+  // Prefetches the ended backward started and did not consume (Note [Prefetching]): waited for and
+  // dropped, so the next forward gathers the shards the optimizer will have updated.
+  void discard_prefetches() {
+    for (Unit& unit : units_) {
+      if (!unit.in_flight) continue;
+      for (Bucket& b : unit.buckets) {
+        if (b.pending) b.pending->wait();
+        b.pending.reset();
+        b.pending_buffer = at::Tensor();
+        b.pending_send = at::Tensor();
+      }
+      unit.in_flight = false;
+    }
   }
 
  private:
@@ -446,8 +462,11 @@ class Engine {
   // (u + 1 in forward, u - 1 in backward; the root first prefetches unit 0) as an asynchronous
   // collective, so its communication overlaps u's compute; the next gather then only waits for it
   // and copies out. Every rank starts the same collectives in the same order. A prefetch is only
-  // ever consumed within the same forward or backward pass that started it (after the optimizer
-  // step nothing is in flight), so it never carries stale shards.
+  // ever consumed within the same forward or backward pass that started it, so it never carries
+  // stale shards: a backward prefetch that its pass does not consume (a model whose graph branches,
+  // like CoCa's image and text towers, runs the blocks' backwards in an order other than the
+  // reverse unit order) is dropped when the backward ends (discard_prefetches), before the
+  // optimizer step.
   void start_gather(std::size_t u) {
     Unit& unit = units_[u];
     if (unit.gathered || unit.in_flight || unit.params.empty()) return;
