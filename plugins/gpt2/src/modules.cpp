@@ -500,8 +500,9 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
 
   // CUDA: every document of the batch in one flash-attention varlen call (the kernel LibTorch
   // exposes as _flash_attention_forward, differentiable; cumulative lengths over the flattened
-  // batch, causal inside each). Where it cannot run (a build or GPU without flash attention,
-  // float32), document by document instead, said once. Built; not run on a GPU yet.
+  // batch, causal inside each). float32 goes document by document; where the kernel cannot run (a
+  // build or GPU without flash attention) too, said once. Out of memory is not that: it is
+  // rethrown. Built; not run on a GPU yet.
   at::Tensor attend_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Documents& docs) const {
     static std::atomic<bool> unavailable{false};
     const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
@@ -513,6 +514,8 @@ class CausalSelfAttentionImpl final : public torch::nn::Module {
                                                       docs.max_length, docs.max_length, dropout_, /*is_causal=*/true,
                                                       /*return_debug_mask=*/false);
         return std::get<0>(out).view({B, T, H, hd}).transpose(1, 2);
+      } catch (const c10::OutOfMemoryError&) {
+        throw;
       } catch (const std::exception& e) {
         if (!unavailable.exchange(true))
           log::warning(

@@ -199,6 +199,7 @@ class Executor {
             batch.predictions = std::move(side);
             batch.predictions.insert_or_assign(part.prediction_key(), y);
             batch.sequence_shard = std::move(tokens);
+            batch.vocab_shard = part.vocab_shard();  // loss parallel as well (CP x TP with PP)
             l = loss_->compute(batch);
           }
           losses[static_cast<std::size_t>(a.micro_batch)] = l.detach();
