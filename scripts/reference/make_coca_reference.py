@@ -35,7 +35,7 @@ from modalities.models.coca.coca_model import CoCa, CoCaConfig
 
 CASES = {
     "swiglu_default": dict(engine="default_attention", activation="swiglu", add_cls_token=False, text_bias=True,
-                           bias_attn_pool=False, vision_layers=2),
+                           bias_attn_pool=False, vision_layers=1),
     "gelu_flash": dict(engine="pytorch_flash_attention", activation="gelu", add_cls_token=True, text_bias=False,
                        bias_attn_pool=True, vision_layers=1),
 }
@@ -51,14 +51,14 @@ def config(c):
         "text_cls_prediction_key": "text_cls",
         "vision_encoder_config": {
             "sample_key": "images", "prediction_key": "vision_embeddings", "img_size": 8, "n_classes": None,
-            "n_layer": c["vision_layers"], "attention_config": attention, "n_head": 2, "n_embd": 16, "dropout": 0.0,
+            "n_layer": c["vision_layers"], "attention_config": attention, "n_head": 2, "n_embd": 8, "dropout": 0.0,
             "patch_size": 4, "patch_stride": 4, "n_img_channels": 3, "add_cls_token": c["add_cls_token"],
             "bias": True,
         },
         "text_decoder_config": {
             "sample_key": "input_ids", "prediction_key": "logits", "block_size": 8, "vocab_size": 64,
             "n_layer_text": 2, "n_layer_multimodal_text": 2, "attention_config": attention, "n_head": 2,
-            "ffn_hidden": 48, "n_embd": 16, "dropout": 0.0, "bias": c["text_bias"], "activation": c["activation"],
+            "ffn_hidden": 48, "n_embd": 8, "dropout": 0.0, "bias": c["text_bias"], "activation": c["activation"],
             "epsilon": 1e-5,
         },
         "n_pool_head": 4,

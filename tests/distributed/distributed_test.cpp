@@ -508,11 +508,13 @@ double number_after(const std::string& line, const std::string& key) {
 // `run` of `config_file` as experiment `id` under `root`: one process, or `ranks` ranks under the
 // launcher; no progress bar, one thread per rank, under coreutils timeout.
 CommandResult train(int ranks, const std::filesystem::path& config_file, const std::filesystem::path& root,
-                    const std::string& id, int limit_s = 300, const std::string& backend = "") {
+                    const std::string& id, int limit_s = 300, const std::string& backend = "",
+                    const std::vector<std::string>& extra_args = {}) {
   std::vector<std::string> argv = {"timeout", "-k", "5", std::to_string(limit_s), kHost};
   if (ranks > 1) argv.insert(argv.end(), {"launch", "--nproc-per-node", std::to_string(ranks), "--grace-s", "5", "--"});
   argv.insert(argv.end(), {"run", "--config_file_path", config_file.string(), "--experiments_root_path", root.string(),
                            "--experiment_id", id});
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   std::vector<std::pair<std::string, std::string>> env = {{"MODALITIES_PROGRESS", "0"}, {"OMP_NUM_THREADS", "1"}};
   if (!backend.empty()) env.emplace_back("MODALITIES_BACKEND", backend);
   return run_command(argv, env);
@@ -2280,27 +2282,7 @@ TEST(DistributedCocaFullTest, Fsdp2OnTwoRanksTrainsLikeOneProcessAndResumesBitFo
   ASSERT_EQ(train(2, config, root, "base").exit_code, 0);
   const auto info = dir.write(
       "info.json", fmt::format("{{\"checkpoint_folder_path\": \"{}\"}}\n", checkpoint_of(root, "base", 3).string()));
-  const CommandResult r = run_command({"timeout",
-                                       "-k",
-                                       "5",
-                                       "300",
-                                       kHost,
-                                       "launch",
-                                       "--nproc-per-node",
-                                       "2",
-                                       "--grace-s",
-                                       "5",
-                                       "--",
-                                       "run",
-                                       "--config_file_path",
-                                       config.string(),
-                                       "--experiments_root_path",
-                                       root.string(),
-                                       "--experiment_id",
-                                       "resumed",
-                                       "--resume_from_checkpoint_info",
-                                       info.string()},
-                                      {{"OMP_NUM_THREADS", "1"}, {"MODALITIES_PROGRESS", "0"}});
+  const CommandResult r = train(2, config, root, "resumed", 300, "", {"--resume_from_checkpoint_info", info.string()});
   ASSERT_EQ(r.exit_code, 0) << r;
   const auto base = logged_steps(root / "base" / "evaluation_results.jsonl");
   const auto resumed = logged_steps(root / "resumed" / "evaluation_results.jsonl");

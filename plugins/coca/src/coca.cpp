@@ -29,7 +29,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -718,14 +717,7 @@ class CoCa final : public Module {
   std::string sample_key() const override { return c_.text_decoder_config.sample_key; }
   std::string prediction_key() const override { return c_.prediction_key; }
 
-  // The tied weight once, as text_decoder.transformer.wte.weight (PyTorch's named_parameters).
-  NamedTensors named_parameters() const override {
-    NamedTensors out;
-    std::unordered_set<const void*> seen;
-    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
-      if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
-    return out;
-  }
+  // named_parameters: the SDK default lists the tied weight once, as text_decoder.transformer.wte.weight.
 
   // Mixed precision (model/mixed_precision, FSDP's param_dtype): every use casts to `dtype`.
   void set_param_dtype(std::optional<c10::ScalarType> dtype) override {

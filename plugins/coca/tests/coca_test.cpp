@@ -55,7 +55,7 @@ n_classes = "${{null:}}"
 n_layer = {5}
 attention_config = {{ attention_engine_type = "{0}" }}
 n_head = 2
-n_embd = 16
+n_embd = 8
 dropout = 0.0
 patch_size = 4
 patch_stride = 4
@@ -72,7 +72,7 @@ n_layer_multimodal_text = 2
 attention_config = {{ attention_engine_type = "{0}" }}
 n_head = 2
 ffn_hidden = 48
-n_embd = 16
+n_embd = 8
 dropout = 0.0
 bias = {3}
 activation = "{1}"
@@ -88,7 +88,7 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  return {{"swiglu_default", coca_toml("default_attention", "swiglu", false, true, false, 2)},
+  return {{"swiglu_default", coca_toml("default_attention", "swiglu", false, true, false, 1)},
           {"gelu_flash", coca_toml("pytorch_flash_attention", "gelu", true, false, true, 1)}};
 }
 
@@ -194,13 +194,13 @@ TEST(CocaTest, BadConfigsAndInputsAreRefusedByKey) {
               HasSubstr("m.config.vision_encoder_config.img_size: the patches (patch_size 4, patch_stride 4) do not "
                         "tile the image height 10: 2 pixels would be left over"));
   EXPECT_THAT(error("m.config.vision_encoder_config.n_head", Value(std::int64_t{3})),
-              HasSubstr("m.config.vision_encoder_config.n_head: must divide n_embd (16), got 3"));
+              HasSubstr("m.config.vision_encoder_config.n_head: must divide n_embd (8), got 3"));
   EXPECT_THAT(error("m.config.text_decoder_config.n_head", Value(std::int64_t{5})),
-              HasSubstr("m.config.text_decoder_config.n_head: must divide n_embd (16), got 5"));
+              HasSubstr("m.config.text_decoder_config.n_head: must divide n_embd (8), got 5"));
   EXPECT_THAT(error("m.config.n_pool_head", Value(std::int64_t{3})),
-              HasSubstr("m.config.n_pool_head: must divide vision_encoder_config.n_embd (16), got 3"));
+              HasSubstr("m.config.n_pool_head: must divide vision_encoder_config.n_embd (8), got 3"));
   EXPECT_THAT(error("m.config.vision_encoder_config.n_embd", Value(std::int64_t{32})),
-              HasSubstr("text_decoder_config.n_embd is 16"));
+              HasSubstr("text_decoder_config.n_embd is 8"));
   EXPECT_THAT(error("m.config.vision_encoder_config.n_classes", Value(std::int64_t{10})),
               HasSubstr("m.config.vision_encoder_config.n_classes: is 10; CoCa pools"));
   EXPECT_THAT(error("m.config.text_decoder_config.activation", Value("relu")),

@@ -27,7 +27,6 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -120,14 +119,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
 
-  // With weight tying the shared tensor is listed once, as transformer.wte.weight (as in Modalities).
-  NamedTensors named_parameters() const override {
-    NamedTensors out;
-    std::unordered_set<const void*> seen;
-    for (const auto& item : impl_->named_parameters(/*recurse=*/true))
-      if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
-    return out;
-  }
+  // named_parameters: the SDK default lists the tied tensor once, as transformer.wte.weight (as in
+  // Modalities).
 
   // Tied models: either key alone is enough; with both, lm_head's value wins (PyTorch
   // loads in module order, lm_head last).

@@ -12,6 +12,7 @@
 #include <modalities/sdk/interfaces/device_mesh.h>
 #include <modalities/sdk/interfaces/module.h>
 #include <modalities/sdk/parallel.h>
+#include <modalities/testing/counting_allocator.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
@@ -20,14 +21,11 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -227,50 +225,13 @@ MODALITIES_WORKER_CASE(Gpt2CpWorker, LengthsThatDoNotSplitAreRefused) {
 
 // ---- the long-context benchmark (scripts/bench_context_parallel.sh) -------------------------
 
-// Counts the bytes of live CPU tensors (every CPU allocation of ATen goes through the allocator
-// c10::GetCPUAllocator returns), so a step's activation memory is its peak minus what was live
-// before it: exact, unlike RSS, which the system allocator's free lists blur.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  c10::DataPtr allocate(std::size_t n) override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* held = new Held{std::move(inner), n, this};
-    const std::int64_t now = live_.fetch_add(static_cast<std::int64_t>(n)) + static_cast<std::int64_t>(n);
-    std::int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {data, held, &CountingAllocator::release, device};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
-  std::int64_t live() const { return live_.load(); }
-  std::int64_t peak() const { return peak_.load(); }
-  void reset_peak() { peak_.store(live_.load()); }
-
- private:
-  struct Held {
-    c10::DataPtr inner;
-    std::size_t n;
-    CountingAllocator* owner;
-  };
-  static void release(void* p) {
-    auto* held = static_cast<Held*>(p);
-    held->owner->live_.fetch_sub(static_cast<std::int64_t>(held->n));
-    delete held;
-  }
-  c10::Allocator* base_;
-  std::atomic<std::int64_t> live_{0}, peak_{0};
-};
-
 // A small decoder at each sequence length (MODALITIES_CP_BENCH_LENGTHS, default 4096 8192 16384):
 // one warm-up step, then MODALITIES_CP_BENCH_STEPS (default 2) timed forward + backward steps on
 // one sample; prints the step time, the tokens per second of the whole sequence, and the peak
 // activation memory of the worst rank (the step's peak of live CPU tensor bytes minus those live
 // before it; parameters and gradients are allocated before).
 MODALITIES_WORKER_CASE(Gpt2CpWorker, LongContextBench) {
-  static CountingAllocator counting(c10::GetCPUAllocator());
+  static testing::CountingAllocator counting(c10::GetDefaultCPUAllocator());
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   const Runtime runtime;
   const std::int64_t n = dist::world_size(), r = dist::rank();

@@ -5,6 +5,7 @@
 // under model/fsdp2_wrapped (its gathers happen around the recomputed block); config errors; and
 // the activation memory it saves, counted by a counting CPU allocator, with the time it costs.
 #include <modalities/sdk/interfaces/module.h>
+#include <modalities/testing/counting_allocator.h>
 #include <modalities/testing/harness.h>
 
 #include <ATen/ATen.h>
@@ -242,38 +243,7 @@ TEST(ActivationCheckpointingTest, BadConfigsAreRefusedWithTheirPath) {
 
 // --- activation memory --------------------------------------------------------------------------
 
-// Counts the bytes of live CPU allocations (the default CPU allocator underneath).
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  c10::DataPtr allocate(std::size_t n) override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    live_ += static_cast<std::int64_t>(n);
-    peak_ = std::max(peak_.load(), live_.load());
-    auto* ctx = new Held{std::move(inner), n, this};
-    return {data, ctx, &release, c10::Device(c10::kCPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-  std::int64_t live() const { return live_; }
-  std::int64_t peak() const { return peak_; }
-  void reset_peak() { peak_ = live_.load(); }
-
- private:
-  struct Held {
-    c10::DataPtr inner;
-    std::size_t n;
-    CountingAllocator* owner;
-  };
-  static void release(void* p) {
-    auto* h = static_cast<Held*>(p);
-    h->owner->live_ -= static_cast<std::int64_t>(h->n);
-    delete h;
-  }
-  c10::Allocator* base_;
-  std::atomic<std::int64_t> live_{0}, peak_{0};
-};
+using testing::CountingAllocator;  // modalities/testing/counting_allocator.h
 
 // A GPT-2 whose block activations dominate (128-token vocabulary, 8 blocks, 256 tokens x 8
 // samples): live bytes after forward (what backward will need) and the peak over forward +

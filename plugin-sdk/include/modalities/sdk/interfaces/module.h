@@ -141,7 +141,8 @@ class MODALITIES_SDK_API Module {
   // --- parameters, state and mode (defaults: delegate to module()) ------------
 
   /// Parameters by canonical fully qualified name (no wrapper infixes), in
-  /// registration order. Under sharding the tensors are the local shards.
+  /// registration order; a tensor registered under several names (weight tying) once, under
+  /// the first, as PyTorch's named_parameters. Under sharding the tensors are the local shards.
   /// Used for optimizer construction/grouping, gradient clipping, parameter
   /// counting and optimizer state keys.
   virtual NamedTensors named_parameters() const;
