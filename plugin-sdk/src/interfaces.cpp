@@ -260,8 +260,14 @@ std::int64_t count_active_parameters(const std::vector<const Module*>& parts, co
 
 NamedTensors Module::named_parameters() const {
   NamedTensors out;
+  for (const auto& item : module().named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+NamedTensors unique_named_parameters(const torch::nn::Module& m) {
+  NamedTensors out;
   std::unordered_set<const void*> seen;  // a tied tensor once, under its first name
-  for (const auto& item : module().named_parameters(/*recurse=*/true))
+  for (const auto& item : m.named_parameters(/*recurse=*/true))
     if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
   return out;
 }

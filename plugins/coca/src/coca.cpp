@@ -717,7 +717,8 @@ class CoCa final : public Module {
   std::string sample_key() const override { return c_.text_decoder_config.sample_key; }
   std::string prediction_key() const override { return c_.prediction_key; }
 
-  // named_parameters: the SDK default lists the tied weight once, as text_decoder.transformer.wte.weight.
+  // The tied weight once, as text_decoder.transformer.wte.weight (PyTorch's named_parameters).
+  NamedTensors named_parameters() const override { return unique_named_parameters(*impl_); }
 
   // Mixed precision (model/mixed_precision, FSDP's param_dtype): every use casts to `dtype`.
   void set_param_dtype(std::optional<c10::ScalarType> dtype) override {

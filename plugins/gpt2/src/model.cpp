@@ -119,8 +119,8 @@ class GPT2 final : public Module, public HuggingFaceExportable {
   torch::nn::Module& module() override { return *impl_; }
   const torch::nn::Module& module() const override { return *impl_; }
 
-  // named_parameters: the SDK default lists the tied tensor once, as transformer.wte.weight (as in
-  // Modalities).
+  // With weight tying the shared tensor is listed once, as transformer.wte.weight (as in Modalities).
+  NamedTensors named_parameters() const override { return unique_named_parameters(*impl_); }
 
   // Tied models: either key alone is enough; with both, lm_head's value wins (PyTorch
   // loads in module order, lm_head last).

@@ -141,8 +141,8 @@ class MODALITIES_SDK_API Module {
   // --- parameters, state and mode (defaults: delegate to module()) ------------
 
   /// Parameters by canonical fully qualified name (no wrapper infixes), in
-  /// registration order; a tensor registered under several names (weight tying) once, under
-  /// the first, as PyTorch's named_parameters. Under sharding the tensors are the local shards.
+  /// registration order. Under sharding the tensors are the local shards. A model with tied
+  /// weights lists each once with unique_named_parameters (below).
   /// Used for optimizer construction/grouping, gradient clipping, parameter
   /// counting and optimizer state keys.
   virtual NamedTensors named_parameters() const;
@@ -336,5 +336,10 @@ class MODALITIES_SDK_API Module {
   /// a stage module of pipeline/selector is not one). Since: SDK 0.1 (ABI 6).
   virtual std::shared_ptr<Pipeline> pipeline() const;
 };
+
+/// The parameters of `m` in registration order, a tensor registered under several names (weight
+/// tying) once, under the first: PyTorch's named_parameters, for Module::named_parameters of a
+/// model with tied weights. Since: SDK 0.1 (ABI 9).
+MODALITIES_SDK_API NamedTensors unique_named_parameters(const torch::nn::Module& m);
 
 }  // namespace modalities
